@@ -1,0 +1,1 @@
+"""hybridmoe_jax: hybrid KDA/MLA sparse-MoE LLMs in JAX."""
