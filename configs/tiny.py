@@ -1,0 +1,31 @@
+"""Tiny hybrid MoE for CPU: 4 layers (3 KDA + 1 MLA), 8 experts top-2 + 1 shared, bytes."""
+
+from hybridmoe_jax.train.config import default_config
+
+
+def get_config():
+  config = default_config()
+  m = config.model
+  m.vocab_size = 259              # 256 bytes + pad/bos/eos
+  m.d_model = 64
+  m.num_layers = 4                # MLA at the last layer, KDA elsewhere
+  m.kda.num_heads = 2
+  m.kda.num_v_heads = 2
+  m.kda.head_dim = 32
+  m.kda.v_head_dim = 32
+  m.kda.chunk_size = 64
+  m.mla.num_heads = 2
+  m.mla.kv_lora_rank = 32
+  m.mla.qk_nope_head_dim = 16
+  m.mla.qk_rope_head_dim = 8
+  m.mla.v_head_dim = 16
+  m.moe.num_experts = 8
+  m.moe.experts_per_token = 2
+  m.moe.expert_intermediate = 64
+  m.moe.num_shared_experts = 1
+  m.moe.shared_intermediate = 64
+  m.moe.latent_dim = 32           # routed experts run at half width
+  m.moe.first_dense_layers = 1
+  m.moe.dense_intermediate = 128
+  m.attnres.block_size = 2
+  return config

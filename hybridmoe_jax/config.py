@@ -1,0 +1,254 @@
+"""Typed, validated model configuration.
+
+Config files in `configs/` build an `ml_collections.ConfigDict` (one commented line per
+field); `model_config_from_dict(config.model)` turns its `model` part into these frozen
+dataclasses. Every check raises `ConfigError` naming the field, the value and the allowed
+range, before anything is allocated. Field names follow DESIGN.md and, where they exist,
+the upstream Hugging Face config keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+LAYER_KINDS = ("kda", "mla")
+GLU_KINDS = ("situ", "swiglu")
+GATE_KINDS = ("bounded", "unbounded")
+BALANCING = ("qb", "sign", "none")
+QB_METHODS = ("exact", "histogram")
+KDA_IMPLS = ("auto", "recurrent", "chunked", "pallas")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config field holds a value outside its allowed range."""
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+  if not ok:
+    raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
+
+
+def _positive(prefix: str, **fields: int) -> None:
+  for name, value in fields.items():
+    _require(isinstance(value, int) and value > 0, f"{prefix}.{name}", value, "an integer >= 1")
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+  """Kimi Delta Attention layer (DESIGN s1.4)."""
+
+  num_heads: int = 4            # H: q/k heads
+  num_v_heads: int = 4          # HV: value heads (grouped: a multiple of H)
+  head_dim: int = 16            # K
+  v_head_dim: int = 16          # V
+  conv_size: int = 4            # short causal depthwise conv kernel
+  gate: str = "bounded"         # "bounded": lb*sigmoid(.); "unbounded": -exp(A)*softplus(.)
+  lower_bound: float = -5.0     # lb of the bounded gate, in [-5, 0)
+  gate_rank: int = 0            # rank of the decay projection; 0 -> head_dim
+  output_gate_rank: int = -1    # -1: full-rank output gate; r > 0: low rank r; 0 -> head_dim
+  chunk_size: int = 64          # chunk of the chunked/Pallas algorithm (power of two >= 16)
+  impl: str = "auto"            # kda op implementation
+
+  def validate(self, d_model: int) -> None:
+    p = "model.kda"
+    _positive(p, num_heads=self.num_heads, num_v_heads=self.num_v_heads,
+              head_dim=self.head_dim, v_head_dim=self.v_head_dim, conv_size=self.conv_size)
+    _require(self.num_v_heads % self.num_heads == 0, f"{p}.num_v_heads", self.num_v_heads,
+             f"a multiple of num_heads={self.num_heads}")
+    _require(self.gate in GATE_KINDS, f"{p}.gate", self.gate, f"one of {GATE_KINDS}")
+    _require(-5.0 <= self.lower_bound < 0.0, f"{p}.lower_bound", self.lower_bound, "[-5, 0)")
+    _require(self.gate_rank >= 0, f"{p}.gate_rank", self.gate_rank, ">= 0 (0 -> head_dim)")
+    _require(self.output_gate_rank >= -1, f"{p}.output_gate_rank", self.output_gate_rank,
+             "-1 (full rank), 0 (head_dim) or a positive rank")
+    _require(_is_pow2(self.chunk_size) and self.chunk_size >= 16, f"{p}.chunk_size",
+             self.chunk_size, "a power of two >= 16")
+    _require(self.impl in KDA_IMPLS, f"{p}.impl", self.impl, f"one of {KDA_IMPLS}")
+
+  @property
+  def decay_rank(self) -> int:
+    return self.gate_rank or self.head_dim
+
+  @property
+  def out_gate_rank(self) -> int | None:
+    """None for a full-rank output gate, else the low rank."""
+    if self.output_gate_rank < 0:
+      return None
+    return self.output_gate_rank or self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Gated multi-head latent attention without positional encoding (DESIGN s2)."""
+
+  num_heads: int = 4
+  q_lora_rank: int = 0          # 0: direct query projection
+  kv_lora_rank: int = 32        # d_c, the cached latent
+  qk_nope_head_dim: int = 16
+  qk_rope_head_dim: int = 8     # shared key slot, never rotated (NoPE)
+  v_head_dim: int = 16
+  output_gate: bool = True      # sigmoid(W_gate x) elementwise on each head's output
+
+  def validate(self, d_model: int) -> None:
+    p = "model.mla"
+    _positive(p, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+              qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
+    _require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, ">= 0 (0: none)")
+    _require(self.qk_rope_head_dim >= 0, f"{p}.qk_rope_head_dim", self.qk_rope_head_dim, ">= 0")
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Sparse MoE feed-forward with Quantile Balancing (DESIGN s4)."""
+
+  num_experts: int = 8              # E routed experts
+  experts_per_token: int = 2        # k
+  expert_intermediate: int = 64     # routed expert FFN width
+  num_shared_experts: int = 1       # fused into one MLP of width n * shared_intermediate
+  shared_intermediate: int = 64
+  latent_dim: int = 0               # l: routed experts run at width l < d; 0 -> no latent MoE
+  glu: str = "situ"                 # "situ" (bounded GLU) or "swiglu"
+  routed_scale: float = 1.0
+  first_dense_layers: int = 1       # leading layers with a dense FFN instead of MoE
+  dense_intermediate: int = 128
+  balancing: str = "qb"             # "qb", "sign" (DeepSeek rule) or "none"
+  qb_num_bins: int = 1000           # histogram bins of the scalable QB update
+  sign_gamma: float = 1e-3          # step of the DeepSeek sign rule
+
+  def validate(self, d_model: int, num_layers: int) -> None:
+    p = "model.moe"
+    _positive(p, num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+              expert_intermediate=self.expert_intermediate,
+              dense_intermediate=self.dense_intermediate, qb_num_bins=self.qb_num_bins)
+    # top_k(k + 1) needs one expert beyond the k routed ones for the QB cutoff.
+    _require(self.experts_per_token < self.num_experts, f"{p}.experts_per_token",
+             self.experts_per_token, f"[1, num_experts={self.num_experts})")
+    _require(self.num_shared_experts >= 0, f"{p}.num_shared_experts",
+             self.num_shared_experts, ">= 0")
+    if self.num_shared_experts:
+      _positive(p, shared_intermediate=self.shared_intermediate)
+    _require(0 <= self.latent_dim < d_model or self.latent_dim == 0, f"{p}.latent_dim",
+             self.latent_dim, f"0 (off) or [1, d_model={d_model})")
+    _require(self.glu in GLU_KINDS, f"{p}.glu", self.glu, f"one of {GLU_KINDS}")
+    _require(self.routed_scale > 0, f"{p}.routed_scale", self.routed_scale, "> 0")
+    _require(0 <= self.first_dense_layers <= num_layers, f"{p}.first_dense_layers",
+             self.first_dense_layers, f"[0, num_layers={num_layers}]")
+    _require(self.balancing in BALANCING, f"{p}.balancing", self.balancing,
+             f"one of {BALANCING}")
+    _require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
+
+  @property
+  def expert_in_dim(self) -> int | None:
+    return self.latent_dim or None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+  """Block attention residuals across depth (DESIGN s3)."""
+
+  enabled: bool = True
+  block_size: int = 2           # decoder layers per block
+
+  def validate(self) -> None:
+    _positive("model.attnres", block_size=self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The whole decoder: layer pattern, widths, and one config per component."""
+
+  vocab_size: int = 259
+  d_model: int = 64
+  num_layers: int = 4
+  layer_kinds: tuple[str, ...] = ()   # per layer "kda"/"mla"; () -> every 4th and the last
+  norm_eps: float = 1e-5
+  dtype: str = "float32"              # compute dtype; parameters stay float32
+  kda: KDAConfig = KDAConfig()
+  mla: MLAConfig = MLAConfig()
+  moe: MoEConfig = MoEConfig()
+  attnres: AttnResConfig = AttnResConfig()
+
+  def __post_init__(self):
+    _positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
+              num_layers=self.num_layers)
+    if not self.layer_kinds:
+      object.__setattr__(self, "layer_kinds", default_layer_kinds(self.num_layers))
+    kinds = tuple(self.layer_kinds)
+    object.__setattr__(self, "layer_kinds", kinds)
+    _require(len(kinds) == self.num_layers, "model.layer_kinds", kinds,
+             f"a list of num_layers={self.num_layers} entries")
+    for i, kind in enumerate(kinds):
+      _require(kind in LAYER_KINDS, f"model.layer_kinds[{i}]", kind, f"one of {LAYER_KINDS}")
+    _require(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "(0, 1)")
+    _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {DTYPES}")
+    self.kda.validate(self.d_model)
+    self.mla.validate(self.d_model)
+    self.moe.validate(self.d_model, self.num_layers)
+    self.attnres.validate()
+
+  def is_moe_layer(self, i: int) -> bool:
+    return i >= self.moe.first_dense_layers
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+
+def default_layer_kinds(num_layers: int) -> tuple[str, ...]:
+  """MLA at 1-based layers 4, 8, ... and the last layer; KDA elsewhere (DESIGN s3)."""
+  return tuple("mla" if (i + 1) % 4 == 0 or i == num_layers - 1 else "kda"
+               for i in range(num_layers))
+
+
+
+
+
+def _typed_fields(cls, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+  """Check names and types of `values` against the dataclass `cls`; return coerced values."""
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - set(defaults))
+  if unknown:
+    raise ConfigError(f"unknown config field(s) {', '.join(prefix + '.' + u for u in unknown)};"
+                      f" allowed: {sorted(defaults)}")
+  out = {}
+  for name, value in values.items():
+    default = defaults[name]
+    if dataclasses.is_dataclass(default):
+      out[name] = _typed_sub(type(default), value, f"{prefix}.{name}")
+      continue
+    if isinstance(default, bool):
+      ok = isinstance(value, bool)
+    elif isinstance(default, float):
+      ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+      value = float(value) if ok else value
+    elif isinstance(default, int):
+      ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, str):
+      ok = isinstance(value, str)
+    elif isinstance(default, tuple):
+      ok = isinstance(value, (tuple, list))
+      value = tuple(value) if ok else value
+    else:
+      ok = True
+    _require(ok, f"{prefix}.{name}", value, f"a value of type {type(default).__name__}")
+    out[name] = value
+  return out
+
+
+def _typed_sub(cls, values, prefix: str):
+  values = dict(values.to_dict() if hasattr(values, "to_dict") else (values or {}))
+  return cls(**_typed_fields(cls, values, prefix))
+
+
+def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
+  """Build a validated `ModelConfig` from a (ConfigDict or dict) `config.model`."""
+  return _typed_sub(ModelConfig, d, "model")
