@@ -1,0 +1,42 @@
+"""Kimi K3 flagship (DESIGN s0): 2.78T total / 104.2B active. For --dry_run and counting."""
+
+from hybridmoe_jax.train.config import default_config
+
+
+def get_config():
+  config = default_config()
+  m = config.model
+  m.vocab_size = 163840
+  m.d_model = 7168
+  m.num_layers = 93               # MLA at 1-based 4, 8, ..., 92 and 93: 69 KDA + 24 MLA
+  m.norm_eps = 1e-5
+  m.dtype = "bfloat16"
+  m.kda.num_heads = 96
+  m.kda.num_v_heads = 96
+  m.kda.head_dim = 128
+  m.kda.v_head_dim = 128
+  m.kda.gate = "bounded"
+  m.kda.lower_bound = -5.0
+  m.kda.gate_rank = 128           # low-rank decay projection, rank = head dim
+  m.kda.output_gate_rank = -1     # full-rank output gate
+  m.mla.num_heads = 96
+  m.mla.q_lora_rank = 1536
+  m.mla.kv_lora_rank = 512
+  m.mla.qk_nope_head_dim = 128
+  m.mla.qk_rope_head_dim = 64     # shared key slot, never rotated
+  m.mla.v_head_dim = 128
+  m.mla.output_gate = True
+  m.moe.num_experts = 896
+  m.moe.experts_per_token = 16
+  m.moe.expert_intermediate = 3072
+  m.moe.num_shared_experts = 2    # fused: one MLP of width 2 * 3072 = 6144
+  m.moe.shared_intermediate = 3072
+  m.moe.latent_dim = 3584         # latent MoE width
+  m.moe.glu = "situ"
+  m.moe.routed_scale = 1.0        # not published; set when converting a checkpoint
+  m.moe.first_dense_layers = 1
+  m.moe.dense_intermediate = 33792
+  m.moe.balancing = "qb"
+  m.attnres.enabled = True
+  m.attnres.block_size = 12       # 8 blocks over 93 layers
+  return config

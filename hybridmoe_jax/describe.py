@@ -1,0 +1,47 @@
+"""Print a config's parameter breakdown per component, without allocating the model.
+
+  python -m hybridmoe_jax.describe --config=configs/kimi_k3.py
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from hybridmoe_jax.config import ModelConfig, model_config_from_dict
+from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config file.")
+
+
+def _human(n: float) -> str:
+  for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= size:
+      return f"{n / size:.2f}{unit}"
+  return str(int(n))
+
+
+def breakdown_table(cfg: ModelConfig) -> str:
+  """A fixed-width table: component, total params, active params per token, share."""
+  counts = param_breakdown(cfg)
+  total = sum(counts.values())
+  active = active_from_breakdown(cfg, counts)
+  k_over_e = cfg.moe.experts_per_token / cfg.moe.num_experts
+  rows = [f"{'component':<16}{'total':>12}{'active':>12}{'share':>8}"]
+  for name, n in counts.items():
+    act = 0 if name == "embedding" else (n * k_over_e if name == "routed_experts" else n)
+    rows.append(f"{name:<16}{_human(n):>12}{_human(act):>12}{100 * n / total:>7.1f}%")
+  rows.append(f"{'TOTAL':<16}{_human(total):>12}{_human(active):>12}{100.0:>7.1f}%")
+  rows.append(f"exact: total={total:,} active={active:,}")
+  return "\n".join(rows)
+
+
+def main(argv):
+  del argv
+  cfg = model_config_from_dict(_CONFIG.value.model)
+  kinds = "".join("K" if k == "kda" else "M" for k in cfg.layer_kinds)
+  print(f"layers ({cfg.num_layers}): {kinds}   K=KDA M=MLA")
+  print(breakdown_table(cfg))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,82 @@
+"""Parameter counting from abstract shapes (jax.eval_shape: nothing is allocated).
+
+Published convention (DESIGN s0): total = every weight; active = every weight one text token
+uses except the input embedding (the LM head counts), i.e. all dense weights plus k/E of the
+routed experts.
+"""
+
+import collections
+import dataclasses
+import math
+
+from flax import nnx
+
+from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.model.decoder import DecoderLayer, HybridLM
+
+COMPONENTS = ("kda", "mla", "routed_experts", "shared_experts", "router_latent", "dense_ffn",
+              "attnres_norms", "embedding", "lm_head")
+
+
+def _component(cfg: ModelConfig, path: tuple, shape: tuple) -> str:
+  keys = [str(p) for p in path]
+  if keys[0] == "embed":
+    return "embedding"
+  if keys[0] == "lm_head":
+    return "lm_head"
+  if keys[0] != "layers" or len(keys) < 3:
+    return "attnres_norms"
+  layer, part = int(keys[1]), keys[2]
+  if part == "mixer":
+    return cfg.layer_kinds[layer]
+  if part != "ffn":
+    return "attnres_norms"
+  if not cfg.is_moe_layer(layer):
+    return "dense_ffn"
+  if len(shape) == 3 and shape[0] == cfg.moe.num_experts:
+    return "routed_experts"
+  if "shared" in keys:
+    return "shared_experts"
+  return "router_latent"
+
+
+def _abstract_params(make) -> list[tuple[tuple, tuple[int, ...]]]:
+  state = nnx.state(nnx.eval_shape(make), nnx.Param)
+  return [(tuple(str(p) for p in path), tuple(leaf.shape))
+          for path, leaf in nnx.to_flat_state(state)]
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+  """Total parameters per component (keys: COMPONENTS), from abstract shapes only.
+
+  Layers are traced once per distinct (mixer kind, dense or MoE) variant and multiplied by
+  their frequency: tracing a 93-layer model in one eval_shape is quadratic in JAX's tracer
+  bookkeeping (minutes), one layer per variant takes a second.
+  """
+  counts = collections.Counter({c: 0 for c in COMPONENTS})
+  variants = collections.Counter((kind, cfg.is_moe_layer(i)) for i, kind in
+                                 enumerate(cfg.layer_kinds))
+  for (kind, is_moe), times in variants.items():
+    index = next(i for i, k in enumerate(cfg.layer_kinds)
+                 if k == kind and cfg.is_moe_layer(i) == is_moe)
+    layer = _abstract_params(lambda: DecoderLayer(cfg, index, rngs=nnx.Rngs(0)))
+    for path, shape in layer:
+      counts[_component(cfg, ("layers", str(index)) + path, shape)] += times * math.prod(shape)
+  # Everything outside the layer stack, from a one-layer model of the same widths.
+  one = dataclasses.replace(cfg, num_layers=1, layer_kinds=("kda",),
+                            moe=dataclasses.replace(cfg.moe, first_dense_layers=1))
+  for path, shape in _abstract_params(lambda: HybridLM(one, rngs=nnx.Rngs(0))):
+    if path[0] != "layers":
+      counts[_component(cfg, path, shape)] += math.prod(shape)
+  return dict(counts)
+
+
+def active_from_breakdown(cfg: ModelConfig, counts: dict[str, int]) -> int:
+  routed = counts["routed_experts"] * cfg.moe.experts_per_token // cfg.moe.num_experts
+  return sum(counts.values()) - counts["embedding"] - counts["routed_experts"] + routed
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+  """(total, active) parameter counts of the text model under the published convention."""
+  counts = param_breakdown(cfg)
+  return sum(counts.values()), active_from_breakdown(cfg, counts)
