@@ -1,0 +1,166 @@
+"""grain pipelines: documents -> shard -> shuffle -> repeat -> mix -> tokenize -> pack -> batch.
+
+Every random choice is a pure function of (seed, element index), so the same arguments give
+the same batches, and `it.get_state()` / `it.set_state(state)` (a small JSON-serialisable dict)
+resume a run on exactly the batches it would have seen. A curriculum stage is just another
+`make_pipeline` call with its own seq_len, batch size, sources and weights.
+
+Batches: {"tokens", "segment_ids", "positions"}, each int32 [B, T]; see packing.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+from absl import logging
+import grain
+import ml_collections
+import numpy as np
+
+from hybridmoe_jax.data import config as data_config
+from hybridmoe_jax.data import packing
+from hybridmoe_jax.data import sources as sources_lib
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
+
+Batch = dict[str, np.ndarray]
+
+
+def _tokenize(text: str, tokenizer: tokenizer_lib.Tokenizer) -> dict[str, np.ndarray]:
+  # BOS gives the first token of a document something to be predicted from; EOS teaches the
+  # model where documents end (segment ids only tell the attention masks).
+  return {"tokens": tokenizer.encode(text, bos=True, eos=True)}
+
+
+def _documents(source: Sequence[str], *, seed: int, shuffle: bool, num_epochs: int | None,
+               shard_index: int, shard_count: int) -> grain.MapDataset:
+  ds = grain.MapDataset.source(source)[shard_index::shard_count]
+  if len(ds) == 0:
+    raise ValueError(f"data shard {shard_index} of {shard_count} is empty: the source has only "
+                     f"{len(source)} documents")
+  if shuffle:
+    ds = ds.shuffle(seed)  # under repeat() each epoch gets its own permutation
+  return ds.repeat(num_epochs)
+
+
+def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
+                  batch_size: int, seed: int, weights: Sequence[float] | None = None,
+                  shuffle: bool = True, num_epochs: int | None = None, shard_index: int = 0,
+                  shard_count: int = 1, num_packing_bins: int = 16,
+                  drop_remainder: bool = True, prefetch_batches: int = 0) -> grain.DatasetIterator:
+  """Builds a checkpointable iterator of packed training batches.
+
+  Args:
+    source: a document source (len + __getitem__ -> str); with `weights`, a sequence of them.
+    tokenizer: str -> int32 ids (BOS and EOS are added per document).
+    seq_len: T, tokens per row.
+    batch_size: B, rows per batch (per shard).
+    seed: seeds the document shuffle (source k uses seed + k) and the packer's row order.
+    weights: mixing proportions, one per source; mixtures repeat forever.
+    shuffle: shuffle documents (a fresh permutation every epoch).
+    num_epochs: passes over the documents; None repeats forever.
+    shard_index, shard_count: this process reads documents shard_index::shard_count.
+    num_packing_bins: rows the first-fit packer fills at once.
+    drop_remainder: drop a last partial batch (keeps shapes static under jit).
+    prefetch_batches: batches a background thread packs ahead (0: none); the state still
+      names the next batch the caller will get.
+
+  Returns:
+    grain.DatasetIterator of {"tokens", "segment_ids", "positions"}: int32 [B, T].
+  """
+  if min(seq_len, batch_size) < 1:
+    raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"need 0 <= shard_index ({shard_index}) < shard_count ({shard_count})")
+  docs = functools.partial(_documents, shuffle=shuffle, num_epochs=num_epochs,
+                           shard_index=shard_index, shard_count=shard_count)
+  if weights is None:
+    ds = docs(source, seed=seed)
+  else:
+    source, weights = list(source), [float(w) for w in weights]
+    if len(source) != len(weights) or not source or min(weights) <= 0:
+      raise ValueError(f"need one positive weight per source: {len(source)} sources, "
+                       f"weights {weights}")
+    if num_epochs is not None:
+      raise ValueError("a weighted mixture repeats its sources forever; pass num_epochs=None")
+    ds = grain.MapDataset.mix([docs(s, seed=seed + k) for k, s in enumerate(source)], weights)
+  ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer)).to_iter_dataset()
+  ds = packing.pack_documents(ds, seq_len=seq_len, pad_id=tokenizer.pad_id, seed=seed,
+                              num_packing_bins=num_packing_bins)
+  ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+  if prefetch_batches:
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch_batches)
+  return iter(ds)
+
+
+def _pad_rows(batch: Batch, batch_size: int, pad_id: int) -> Batch:
+  """Fills a short last batch with all-padding rows (segment id 0) to a static [B, T]."""
+  missing = batch_size - len(batch["tokens"])
+  if missing == 0:
+    return batch
+  fill = {"tokens": pad_id, "segment_ids": 0, "positions": 0}
+  return {k: np.concatenate([v, np.full((missing,) + v.shape[1:], fill[k], v.dtype)])
+          for k, v in batch.items()}
+
+
+def eval_batches(source, tokenizer: tokenizer_lib.Tokenizer, seq_len: int, batch_size: int,
+                 max_batches: int) -> list[Batch]:
+  """One unshuffled pass over `source`, packed: the same list on every call.
+
+  Returns:
+    at most `max_batches` batches {"tokens", "segment_ids", "positions"}: int32 [B, T]; the
+    last one is padded with segment-id-0 rows, so every held-out token is kept and shapes
+    stay static.
+  """
+  if max_batches < 1:
+    raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+  it = make_pipeline(source, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
+                     seed=0, shuffle=False, num_epochs=1, drop_remainder=False)
+  return [_pad_rows(b, batch_size, tokenizer.pad_id) for b in itertools.islice(it, max_batches)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainEvalData:
+  """What the train loop needs; keep the sources to rebuild pipelines for later stages."""
+
+  train: grain.DatasetIterator  # batches int32 [B, T], forever
+  eval_batches: list[Batch]  # held-out batches int32 [B_eval, T]
+  tokenizer: tokenizer_lib.ByteTokenizer
+  train_source: sources_lib.SubsetSource
+  heldout_source: sources_lib.SubsetSource
+
+
+def build_train_and_eval(data_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq_len: int,
+                         batch_size: int, seed: int, eval_batch_size: int | None = None,
+                         max_eval_batches: int = 16, shard_index: int = 0,
+                         shard_count: int = 1) -> TrainEvalData:
+  """Validates everything that can fail, then builds the train iterator and eval batches.
+
+  Args:
+    data_cfg: a `config.data` section (see config.default_data_config).
+    vocab_size: the model's vocabulary; must hold every tokenizer id.
+    seq_len, batch_size, seed: as in make_pipeline (batch_size is per shard).
+    eval_batch_size: rows per eval batch (default batch_size).
+    max_eval_batches: cap on held-out batches.
+    shard_index, shard_count: the training-data shard of this process.
+
+  Raises:
+    ConfigError / ValueError / FileNotFoundError: bad config, missing path, no usable text,
+      tokenizer ids beyond `vocab_size`; each names the offending field, path or value.
+  """
+  tokenizer = tokenizer_lib.ByteTokenizer()
+  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  source = data_config.source_from_config(data_cfg)
+  train, heldout = sources_lib.split_source(source, data_cfg.heldout_fraction,
+                                            data_cfg.heldout_seed)
+  logging.info("data: %s source, %d documents: %d train, %d held out", data_cfg.source,
+               len(source), len(train), len(heldout))
+  it = make_pipeline(train, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
+                     seed=seed, shuffle=data_cfg.shuffle, shard_index=shard_index,
+                     shard_count=shard_count, num_packing_bins=data_cfg.num_packing_bins,
+                     prefetch_batches=2)
+  evals = eval_batches(heldout, tokenizer, seq_len, eval_batch_size or batch_size,
+                       max_eval_batches)
+  return TrainEvalData(it, evals, tokenizer, train, heldout)
