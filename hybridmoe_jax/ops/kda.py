@@ -1,0 +1,117 @@
+"""Kimi Delta Attention (KDA): one entry point over the recurrent, chunked and Pallas paths.
+
+Conventions (DESIGN s1): B batch, T tokens, H q/k heads, HV value heads (a multiple of H),
+K key dim, V value dim, C chunk length.
+    q, k: [B, T, H, K]   L2-normalised (the op does not normalise)
+    v:    [B, T, HV, V]  value head h reads q/k head h // (HV // H)
+    g:    [B, T, HV, K]  per-channel log decay, <= 0;   beta: [B, T, HV] in (0, 1)
+    state [B, HV, K, V] float32;  o: [B, T, HV, V] in v's dtype
+Per token: S <- diag(e^g_t) S;  S <- S + beta_t k_t (v_t - k_t^T S)^T;  o_t = scale q_t^T S.
+The contract is flash-linear-attention's naive_recurrent_kda (plus segment_ids).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from .decay import check_lower_bound
+from .kda_chunked import check_chunk_size, kda_chunked
+from .kda_recurrent import check_kda_inputs, kda_recurrent
+
+Impl = Literal["auto", "recurrent", "chunked", "pallas"]
+
+
+def _kda_pallas(*args, **kwargs):
+    """Placeholder backend: raising NotImplementedError makes "auto" fall through."""
+    raise NotImplementedError(
+        "kda impl='pallas' is not available yet: it is added by the Pallas kernel issue"
+    )
+
+
+def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
+    """With concrete gates, rejects any g outside [lower_bound, 0] (e.g. a positive g, or an
+    unbounded gate passed to the bounded path). Traced gates cannot be inspected: skipped."""
+    if isinstance(g, jax.core.Tracer):
+        return
+    g = jnp.asarray(g)
+    g_max, g_min = float(jnp.max(g)), float(jnp.min(g))
+    if g_max > 0.0:
+        raise ValueError(
+            f"g must be <= 0 (log decay), got max {g_max} in g of shape {g.shape} "
+            f"(positive g with the bounded path, lower_bound={lower_bound})"
+        )
+    if g_min < lower_bound:
+        raise ValueError(
+            f"g must be >= lower_bound={lower_bound}, got min {g_min} in g of shape {g.shape}"
+        )
+
+
+def kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    impl: Impl = "auto",
+    lower_bound: float | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gated delta rule with per-channel decay (KDA), arXiv:2510.26692.
+
+    Args:
+      q, k: [B, T, H, K] L2-normalised queries/keys (any float dtype).
+      v: [B, T, HV, V] values.
+      g: [B, T, HV, K] log decay <= 0 (float32 recommended).
+      beta: [B, T, HV] write strength.
+      scale: query scale; defaults to K ** -0.5.
+      initial_state: optional [B, HV, K, V] float32 state for the first token's segment.
+      output_final_state: also return the final state.
+      segment_ids: optional [B, T] integer ids of packed documents; state resets where the id
+        changes and documents never interact.
+      chunk_size: C for the chunked paths, a power of two >= 16.
+      impl: "recurrent" (token scan, exact reference), "chunked" (XLA), "pallas" (kernel),
+        or "auto": pallas on GPU/TPU when it accepts the input, else chunked.
+      lower_bound: the bounded gate's lb in [-5, 0); lets the chunked paths use dense
+        diagonal blocks. Concrete gates are checked against it.
+
+    Returns:
+      (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+
+    Raises:
+      ValueError: bad shapes, impl, chunk_size or lower_bound, or concrete gates outside
+        [lower_bound, 0].
+      NotImplementedError: impl="pallas" where no kernel can take the input.
+    """
+    check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
+    if impl not in get_args(Impl):
+        raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
+    check_chunk_size(chunk_size)
+    if lower_bound is not None:
+        check_lower_bound(lower_bound)
+        _check_gate_range(g, lower_bound)
+
+    common = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        segment_ids=segment_ids,
+    )
+    if impl == "recurrent":
+        return kda_recurrent(q, k, v, g, beta, **common)
+    chunked = dict(common, chunk_size=chunk_size, lower_bound=lower_bound)
+    if impl == "pallas":
+        return _kda_pallas(q, k, v, g, beta, **chunked)
+    if impl == "auto" and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"):
+        try:
+            return _kda_pallas(q, k, v, g, beta, **chunked)
+        except NotImplementedError:
+            pass  # fall back by exception to the XLA path
+    return kda_chunked(q, k, v, g, beta, **chunked)
