@@ -1,7 +1,22 @@
-"""hybridmoe_jax: hybrid KDA/MLA sparse-MoE multimodal LLMs in JAX/Flax NNX."""
+"""hybridmoe_jax: hybrid KDA/MLA sparse-MoE multimodal LLMs in JAX/Flax NNX.
 
-from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.config import ModelConfig
-from hybridmoe_jax.config import model_config_from_dict
-from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.model import count_params
+The public names below load lazily, so `hybridmoe_jax.ops` imports with jax alone (no
+flax, grain or ml_collections), as the accelerator test machines need.
+"""
+
+import importlib
+
+_PUBLIC = {
+    "ConfigError": "hybridmoe_jax.config",
+    "ModelConfig": "hybridmoe_jax.config",
+    "model_config_from_dict": "hybridmoe_jax.config",
+    "HybridLM": "hybridmoe_jax.model",
+    "count_params": "hybridmoe_jax.model",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+  if name in _PUBLIC:
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+  raise AttributeError(f"module 'hybridmoe_jax' has no attribute {name!r}")

@@ -1,7 +1,19 @@
-"""Numerical ops: references, chunked XLA forms and dispatchers."""
+"""Numerical ops: pure functions of jax arrays (references, chunked XLA forms, dispatchers).
 
+Importable with jax alone (no flax, grain or ml_collections).
+"""
+
+from .attention import causal_attention
 from .decay import bounded_log_decay
 from .decay import unbounded_log_decay
+from .glu import situ_glu
+from .glu import swiglu
 from .kda import kda
 from .kda_chunked import kda_chunked
 from .kda_recurrent import kda_recurrent
+from .quantile_balance import bias_from_histogram
+from .quantile_balance import qb_histogram
+from .quantile_balance import quantile_balance
+from .quantile_balance import sign_rule_update
+from .routing import max_violation
+from .routing import sigmoid_topk_route
