@@ -1,0 +1,78 @@
+"""What `run_eval.py` does after parsing flags: load, run, report. Bad input -> ValueError."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+import ml_collections
+
+from hybridmoe_jax.config import ModelConfig, model_config_from_dict
+from hybridmoe_jax.evals import niah
+from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.evals.runner import EvalOptions, resolve_tasks, run_evals
+
+
+def load_config_file(path: str) -> ModelConfig:
+  """The `model` section of a configs/*.py file (its get_config())."""
+  if not os.path.isfile(path):
+    raise ValueError(f"--config file {path} does not exist")
+  spec = importlib.util.spec_from_file_location("eval_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return model_config_from_dict(module.get_config().model)
+
+
+def options_from_flags(values: dict[str, Any]) -> EvalOptions:
+  """Build EvalOptions from flag values (lists -> tuples of the right type); check ranges."""
+  kw = {}
+  for f in dataclasses.fields(EvalOptions):
+    if f.name not in values or values[f.name] is None:
+      continue
+    v = values[f.name]
+    if isinstance(f.default, tuple):
+      cast = float if f.name == "niah_depths" else str if f.name == "text_files" else int
+      try:
+        v = tuple(cast(x) for x in v)
+      except ValueError as e:
+        raise ValueError(f"--{f.name}: {e}") from None
+      if not v and f.name != "text_files":
+        raise ValueError(f"--{f.name} is empty")
+    kw[f.name] = v
+  opts = EvalOptions(**kw)
+  positive = ("prefill_chunk", "kv_block", "ppl_max_len", "ppl_max_docs", "niah_samples",
+              "niah_digits", "mqar_samples", "max_new_tokens", "max_len")
+  for name in positive:
+    if getattr(opts, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(opts, name)}")
+  for name in ("niah_lengths", "mqar_lengths", "mqar_pairs"):
+    if min(getattr(opts, name)) < 1:
+      raise ValueError(f"--{name} must hold positive integers, got {getattr(opts, name)}")
+  if min(opts.niah_lengths) < niah.min_length(opts.niah_digits):
+    raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
+                     f"and question (needs >= {niah.min_length(opts.niah_digits)})")
+  if not all(0.0 <= d <= 1.0 for d in opts.niah_depths):
+    raise ValueError(f"--niah_depths must lie in [0, 1], got {opts.niah_depths}")
+  return opts
+
+
+def main(*, task: str, workdir: str | None, params: str | None, output_dir: str | None,
+         config: str | None, option_values: dict[str, Any], echo=print) -> dict[str, Any]:
+  """Load the model, run `task` ("all" for every task), write results under output_dir."""
+  tasks = resolve_tasks(task)
+  opts = options_from_flags(option_values)
+  if "generate" in tasks and not opts.prompt:
+    raise ValueError("--prompt is empty: give some text to continue")
+  expected = load_config_file(config) if config else None
+  model, info = load_model(workdir=workdir, params=params, expected=expected)
+  data = info.pop("data_config", None)
+  output_dir = output_dir or os.path.join(workdir or params, "eval")
+  where = f"step {info['step']} of {workdir}" if "step" in info else params
+  kinds = "".join(k[0] for k in model.cfg.layer_kinds)
+  echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds})")
+  results = run_evals(model, tasks, opts, output_dir, info=info,
+                      data_cfg=ml_collections.ConfigDict(data) if data else None, echo=echo)
+  echo(f"results in {output_dir}")
+  return results

@@ -1,0 +1,94 @@
+"""Perplexity and bits per byte on held-out text, per context-length bucket.
+
+Each document is tokenized as in training (BOS + UTF-8 bytes + EOS), truncated to `max_len`
+tokens and scored teacher-forced with chunked prefill (`Engine.score`), so long documents
+run in bounded memory. The NLL of the token at position t (predicted from t tokens of
+context) is charged to the bucket holding t: buckets [0, e_1), [e_1, e_2), ... from `edges`.
+bits/byte = sum NLL / ln 2 / byte targets (EOS NLL is charged to the bytes, as in training).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.infer import Engine
+
+_BYTES = 256
+
+
+def heldout_documents(data_cfg=None, text_files: Sequence[str] = ()) -> list[str]:
+  """Documents from `text_files`, else the held-out split of a data config (default: bundled)."""
+  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.data import default_data_config, source_from_config, split_source
+  from hybridmoe_jax.data.sources import TextFileSource
+  if text_files:
+    source = TextFileSource(list(text_files))
+    return [source[i] for i in range(len(source))]
+  data_cfg = data_cfg or default_data_config()
+  _, heldout = split_source(source_from_config(data_cfg), data_cfg.heldout_fraction,
+                            data_cfg.heldout_seed)
+  return [heldout[i] for i in range(len(heldout))]
+
+
+def bucket_edges(max_len: int, edges: Sequence[int] = (64, 256, 1024, 4096, 16384, 65536)
+                 ) -> list[int]:
+  """Sorted bucket starts below max_len, beginning with 0."""
+  return [0] + sorted(e for e in set(edges) if 0 < e < max_len)
+
+
+def bucket_stats(nll: np.ndarray, targets: np.ndarray, edges: Sequence[int]
+                 ) -> list[dict[str, float]]:
+  """Per bucket: tokens, mean nll, ppl, bits/byte. nll/targets [n] for context 1..n."""
+  ctx = np.arange(1, len(nll) + 1)
+  out = []
+  bounds = list(edges) + [np.inf]
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    sel = (ctx >= lo) & (ctx < hi)
+    n, nbytes = int(sel.sum()), int((targets[sel] < _BYTES).sum())
+    total = float(nll[sel].sum())
+    out.append({"context_from": int(lo), "context_to": None if hi == np.inf else int(hi),
+                "tokens": n, "nll_sum": total, "bytes": nbytes})
+  return out
+
+
+def _finish(row: dict) -> dict:
+  n, b = row["tokens"], row["bytes"]
+  row["nll"] = row["nll_sum"] / n if n else float("nan")
+  row["ppl"] = math.exp(row["nll"]) if n else float("nan")
+  row["bits_per_byte"] = row["nll_sum"] / max(b, 1) / math.log(2) if n else float("nan")
+  return row
+
+
+def evaluate_ppl(engine: Engine, documents: Sequence[str], *, max_docs: int = 16,
+                 max_tokens: int | None = None,
+                 edges: Sequence[int] = (64, 256, 1024, 4096, 16384, 65536)) -> dict:
+  """-> {"buckets": [...], "overall": {...}, "documents": n} (see module docstring).
+
+  Each document is truncated to max_tokens (<= engine.max_len; default engine.max_len).
+  """
+  if not documents:
+    raise ValueError("ppl: no held-out documents to evaluate")
+  max_tokens = min(max_tokens or engine.max_len, engine.max_len)
+  tok = ByteTokenizer()
+  edges = bucket_edges(max_tokens, edges)
+  rows = None
+  used = 0
+  for doc in documents[:max_docs]:
+    ids = tok.encode(doc, bos=True, eos=True)[:max_tokens]
+    if len(ids) < 2:
+      continue
+    nll, _ = engine.score(ids[None])
+    stats = bucket_stats(nll[0], ids[1:], edges)
+    rows = stats if rows is None else [
+        {**a, **{k: a[k] + b[k] for k in ("tokens", "nll_sum", "bytes")}}
+        for a, b in zip(rows, stats)]
+    used += 1
+  if rows is None:
+    raise ValueError("ppl: every held-out document is empty")
+  overall = {k: sum(r[k] for r in rows) for k in ("tokens", "nll_sum", "bytes")}
+  return {"documents": used, "max_tokens": max_tokens,
+          "buckets": [_finish(r) for r in rows if r["tokens"]], "overall": _finish(overall)}

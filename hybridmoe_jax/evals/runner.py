@@ -1,0 +1,142 @@
+"""Run evaluation tasks on a model, write `<output_dir>/<task>.json`, print short tables.
+
+Tasks: ppl (perplexity / bits per byte by context bucket), niah (passkey grid + PNG
+heatmap), mqar (associative recall grid), generate (prompt -> text), all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+from hybridmoe_jax.data.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+from hybridmoe_jax.evals import mqar, niah, ppl
+from hybridmoe_jax.infer import Engine, SamplingConfig
+from hybridmoe_jax.model import HybridLM
+
+TASKS = ("ppl", "niah", "mqar", "generate")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+  """Sizes of every task (defaults: minutes on a CPU for the tiny model)."""
+
+  prefill_chunk: int = 256
+  kv_block: int = 512
+  seed: int = 0
+  ppl_max_len: int = 2048
+  ppl_max_docs: int = 8
+  text_files: tuple[str, ...] = ()
+  niah_lengths: tuple[int, ...] = (256, 512, 1024)
+  niah_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+  niah_samples: int = 4
+  niah_digits: int = 5
+  mqar_lengths: tuple[int, ...] = (64, 128, 256)
+  mqar_pairs: tuple[int, ...] = (4, 8, 16)
+  mqar_samples: int = 16
+  prompt: str = "The sky is"
+  max_new_tokens: int = 64
+  max_len: int = 4096
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+
+def resolve_tasks(task: str) -> list[str]:
+  if task == "all":
+    return list(TASKS)
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}: allowed one of {TASKS + ('all',)}")
+  return [task]
+
+
+def check_model_for_bytes(model: HybridLM) -> None:
+  if model.cfg.vocab_size < ByteTokenizer().vocab_size:
+    raise ValueError(f"the evals use the byte tokenizer ({ByteTokenizer().vocab_size} ids); "
+                     f"this model's vocab_size is {model.cfg.vocab_size}")
+
+
+def _engine(model, opts: EvalOptions, max_len: int) -> Engine:
+  # Capacities rounded up to a power of two let tasks share compilations; the attention
+  # reads only filled blocks, so the extra room costs memory, not time.
+  cap = 1 << max(int(max_len) - 1, 1).bit_length()
+  return Engine(model, max_len=cap, prefill_chunk=opts.prefill_chunk, kv_block=opts.kv_block)
+
+
+def run_generate(model: HybridLM, opts: EvalOptions) -> dict[str, Any]:
+  if not opts.prompt:
+    raise ValueError("--prompt is empty: give some text to continue")
+  tok = ByteTokenizer()
+  ids = tok.encode(opts.prompt, bos=True)
+  # The exact --max_len (not rounded): a too-long prompt is reported against what was asked.
+  engine = Engine(model, max_len=opts.max_len, prefill_chunk=opts.prefill_chunk,
+                  kv_block=opts.kv_block)
+  t0 = time.perf_counter()
+  out = engine.generate(ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                        sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p),
+                        stop_tokens=[EOS_ID], pad_id=PAD_ID)
+  n = int(out.lengths[0])
+  return {"prompt": opts.prompt, "text": tok.decode(out.tokens[0, :n]), "new_tokens": n,
+          "seconds": time.perf_counter() - t0, "temperature": opts.temperature,
+          "top_k": opts.top_k, "top_p": opts.top_p}
+
+
+def run_task(task: str, model: HybridLM, opts: EvalOptions, output_dir: str,
+             data_cfg=None) -> dict[str, Any]:
+  if task == "ppl":
+    docs = ppl.heldout_documents(data_cfg, opts.text_files)
+    return ppl.evaluate_ppl(_engine(model, opts, opts.ppl_max_len), docs,
+                            max_docs=opts.ppl_max_docs, max_tokens=opts.ppl_max_len)
+  if task == "niah":
+    engine = _engine(model, opts, max(opts.niah_lengths) + opts.niah_digits)
+    return niah.evaluate_niah(engine, opts.niah_lengths, opts.niah_depths,
+                              samples=opts.niah_samples, num_digits=opts.niah_digits,
+                              seed=opts.seed, output_dir=output_dir)
+  if task == "mqar":
+    return mqar.evaluate_mqar(_engine(model, opts, max(opts.mqar_lengths)), opts.mqar_lengths,
+                              opts.mqar_pairs, samples=opts.mqar_samples, seed=opts.seed)
+  return run_generate(model, opts)
+
+
+def format_table(task: str, r: dict[str, Any]) -> str:
+  """A few human-readable lines per task."""
+  if task == "ppl":
+    lines = [f"{'context':>15} {'tokens':>8} {'ppl':>9} {'bits/byte':>9}"]
+    for b in r["buckets"] + [dict(r["overall"], context_from="all")]:
+      span = b["context_from"] if b["context_from"] == "all" else (
+          f"{b['context_from']}-{b['context_to'] or ''}")
+      lines.append(f"{span:>15} {b['tokens']:>8} {b['ppl']:>9.3f} {b['bits_per_byte']:>9.3f}")
+    return "\n".join(lines)
+  if task == "niah":
+    lines = [f"{'depth':>7} " + " ".join(f"{n:>7}" for n in r["lengths"])]
+    for d, row in zip(r["depths"], r["accuracy"]):
+      lines.append(f"{d:>7.2f} " + " ".join(f"{a:>7.2f}" for a in row))
+    return "\n".join(lines + [f"mean accuracy {r['mean_accuracy']:.3f} (chance {r['chance']:.0e})"])
+  if task == "mqar":
+    lines = [f"{'length':>7} {'pairs':>6} {'accuracy':>9}"]
+    lines += [f"{c['length']:>7} {c['pairs']:>6} {c['accuracy']:>9.3f}" for c in r["cells"]]
+    return "\n".join(lines + [f"chance {r['chance']:.3f}"])
+  return f"{r['prompt']!r} -> {r['text']!r} ({r['new_tokens']} tokens, {r['seconds']:.2f}s)"
+
+
+def run_evals(model: HybridLM, tasks: Sequence[str], opts: EvalOptions, output_dir: str, *,
+              info: dict[str, Any] | None = None, data_cfg=None, echo=print) -> dict[str, Any]:
+  """Run `tasks`, write <output_dir>/<task>.json (and results.json), echo a table each."""
+  check_model_for_bytes(model)
+  os.makedirs(output_dir, exist_ok=True)
+  results = {}
+  for task in tasks:
+    t0 = time.perf_counter()
+    r = run_task(task, model, opts, output_dir, data_cfg)
+    r["wall_s"] = time.perf_counter() - t0
+    results[task] = r
+    with open(os.path.join(output_dir, f"{task}.json"), "w", encoding="utf-8") as f:
+      json.dump({"task": task, "model": info or {}, "result": r}, f, indent=1)
+    echo(f"== {task} ({r['wall_s']:.1f}s)\n{format_table(task, r)}")
+  with open(os.path.join(output_dir, "results.json"), "w", encoding="utf-8") as f:
+    json.dump({"model": info or {}, "options": dataclasses.asdict(opts), "results": results},
+              f, indent=1)
+  return results

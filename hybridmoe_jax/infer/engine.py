@@ -1,0 +1,272 @@
+"""Prefill, decode and generate for `HybridLM` over a fixed-size cache (no per-token compiles).
+
+Conventions: B batch, T prompt tokens, P prefill chunk, V vocab, N = max_len (cache
+capacity). Every jitted function takes the model as (graphdef, state): graphdef is static,
+so one compilation serves every call with the same shapes. A prompt is fed in chunks of P
+tokens (the last one padded), so its length never changes a shape and a prompt of any
+length up to N runs in memory bounded by P, the cache and one attention block.
+All rows of a batch share one length (prompts are not ragged).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hybridmoe_jax.infer.cache import DecodeCache, MLACache, init_cache
+from hybridmoe_jax.infer.mixers import kda_chunk, mla_chunk
+from hybridmoe_jax.infer.sampling import SamplingConfig, sample
+from hybridmoe_jax.layers.attnres import BlockStream, num_blocks
+from hybridmoe_jax.model.decoder import HybridLM
+
+# Traces (= compilations) of each jitted entry point, for tests and benchmarks.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+_F32 = jnp.float32
+
+
+def forward_chunk(model: HybridLM, tokens: jax.Array, cache: DecodeCache, n_valid: jax.Array,
+                  kv_block: int = 512) -> tuple[jax.Array, DecodeCache]:
+  """The decoder over P new tokens at positions cache.length.. (the first n_valid real).
+
+  Mirrors `HybridLM.__call__` + `DecoderLayer.__call__` with cached mixers; the MoE runs
+  with its frozen routing bias and its statistics are dropped.
+  Returns (final normed hidden [B, P, d] float32, updated cache).
+  """
+  cfg = model.cfg
+  start = cache.length
+  x = model.embed(tokens)
+  attnres = cfg.attnres.enabled
+  stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
+            if attnres else x)
+  add = lambda s, layer, out: s.add(layer.block, out) if attnres else s + out
+  new_layers = []
+  for layer, lc in zip(model.layers, cache.layers):
+    h = layer.mixer_norm(layer.mixer_mix(stream) if attnres else stream)
+    if isinstance(lc, MLACache):
+      out, lc = mla_chunk(layer.mixer, h, lc, start, n_valid, kv_block=kv_block)
+    else:
+      out, lc = kda_chunk(layer.mixer, h, lc, n_valid)
+    new_layers.append(lc)
+    stream = add(stream, layer, out)
+    h = layer.ffn_norm(layer.ffn_mix(stream) if attnres else stream)
+    out = layer.ffn(h)[0] if layer.is_moe else layer.ffn(h)
+    stream = add(stream, layer, out)
+  h = model.final_mix(stream) if attnres else stream
+  return model.final_norm(h).astype(_F32), DecodeCache(tuple(new_layers), start + n_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
+def _prefill_chunk(graphdef, state, tokens, cache, n_valid, kv_block):
+  """-> (logits [B, V] at the chunk's last real token, cache)."""
+  TRACE_COUNTS["prefill_chunk"] += 1
+  model = nnx.merge(graphdef, state)
+  h, cache = forward_chunk(model, tokens, cache, n_valid, kv_block)
+  last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
+  return model.lm_head(last), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
+def _score_chunk(graphdef, state, tokens, targets, cache, n_valid, kv_block):
+  """-> (nll [B, P] float32 of `targets`, argmax prediction [B, P] int32, cache)."""
+  TRACE_COUNTS["score_chunk"] += 1
+  model = nnx.merge(graphdef, state)
+  h, cache = forward_chunk(model, tokens, cache, n_valid, kv_block)
+  logits = model.lm_head(h)
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = jax.nn.logsumexp(logits, axis=-1) - picked
+  return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
+def _decode_step(graphdef, state, token, cache, kv_block):
+  """token [B] int32 -> (logits [B, V] float32, cache)."""
+  TRACE_COUNTS["decode_step"] += 1
+  model = nnx.merge(graphdef, state)
+  h, cache = forward_chunk(model, token[:, None], cache, jnp.int32(1), kv_block)
+  return model.lm_head(h[:, 0]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block", "max_new"),
+                   donate_argnames=("cache",))
+def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, pad_id,
+                   kv_block, max_new):
+  """Sample up to n_new (<= max_new) tokens in one while_loop; rows stop at a stop token."""
+  TRACE_COUNTS["generate"] += 1
+  model = nnx.merge(graphdef, state)
+  temperature, top_k, top_p = sampling
+  key, sub = jax.random.split(key)
+  tok = sample(logits, sub, temperature, top_k, top_p)
+  b = tok.shape[0]
+  out = jnp.full((b, max_new), pad_id, jnp.int32).at[:, 0].set(tok)
+  lengths = jnp.ones((b,), jnp.int32)
+  done = jnp.isin(tok, stop)
+
+  def cond(carry):
+    i, _, _, _, done, _, _ = carry
+    return (i < n_new) & ~jnp.all(done)
+
+  def body(carry):
+    i, tok, out, lengths, done, cache, key = carry
+    h, cache = forward_chunk(model, tok[:, None], cache, jnp.int32(1), kv_block)
+    key, sub = jax.random.split(key)
+    nxt = sample(model.lm_head(h[:, 0]), sub, temperature, top_k, top_p)
+    nxt = jnp.where(done, pad_id, nxt)
+    out = jax.lax.dynamic_update_index_in_dim(out, nxt, i, axis=1)
+    lengths = lengths + (~done).astype(jnp.int32)
+    return i + 1, nxt, out, lengths, done | jnp.isin(nxt, stop), cache, key
+
+  carry = (jnp.int32(1), tok, out, lengths, done, cache, key)
+  _, _, out, lengths, _, cache, _ = jax.lax.while_loop(cond, body, carry)
+  return out, lengths, cache
+
+
+class GenerateOutput(NamedTuple):
+  tokens: np.ndarray    # [B, max_new_tokens] int32, pad_id after a row's end
+  lengths: np.ndarray   # [B] int32 generated tokens per row (a stop token included)
+  cache: DecodeCache    # cache after the prompt and all but the last generated token
+
+
+class Engine:
+  """One model's jitted prefill / decode / generate / score over a fixed-size cache.
+
+  Args:
+    model: a HybridLM (its current parameters and routing biases are captured).
+    max_len: cache capacity N in tokens (prompt + generated).
+    prefill_chunk: P, tokens per prefill step (bounds prefill memory).
+    kv_block: keys per block of the MLA decode attention.
+  """
+
+  def __init__(self, model: HybridLM, *, max_len: int, prefill_chunk: int = 256,
+               kv_block: int = 512):
+    for name, v in (("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                    ("kv_block", kv_block)):
+      if not (isinstance(v, (int, np.integer)) and v >= 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    self.cfg = model.cfg
+    self.graphdef, self.state = nnx.split(model)
+    self.max_len, self.prefill_chunk, self.kv_block = int(max_len), int(prefill_chunk), int(
+        kv_block)
+
+  def init_cache(self, batch: int) -> DecodeCache:
+    return init_cache(self.cfg, batch, self.max_len)
+
+  def _check_tokens(self, tokens, cache: DecodeCache | None, what: str) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 1:
+      tokens = tokens[None]
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"{what} must be integer token ids [B, T] or [T], got shape "
+                       f"{tokens.shape} dtype {tokens.dtype}")
+    if tokens.shape[1] == 0:
+      raise ValueError(f"{what} is empty: give at least one token (e.g. BOS)")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+      raise ValueError(f"{what} holds token ids outside the vocabulary [0, "
+                       f"{self.cfg.vocab_size})")
+    used = 0 if cache is None else int(cache.length)
+    if used + tokens.shape[1] > self.max_len:
+      raise ValueError(f"{what} of {tokens.shape[1]} tokens does not fit: {used} cached + "
+                       f"{tokens.shape[1]} > max_len={self.max_len} (raise max_len)")
+    if cache is not None and cache.batch != tokens.shape[0]:
+      raise ValueError(f"{what} has batch {tokens.shape[0]} but the cache has {cache.batch}")
+    return tokens.astype(np.int32)
+
+  def _chunks(self, tokens: np.ndarray):
+    p = self.prefill_chunk
+    for s in range(0, tokens.shape[1], p):
+      part = tokens[:, s:s + p]
+      n = part.shape[1]
+      yield s, np.pad(part, ((0, 0), (0, p - n))), np.int32(n)
+
+  def prefill(self, tokens, cache: DecodeCache | None = None
+              ) -> tuple[jax.Array, DecodeCache]:
+    """Feed a prompt [B, T] after `cache` (if given) -> (last token's logits [B, V], cache).
+
+    The cache passed in is donated (its buffers are reused): use only the returned one.
+    """
+    tokens = self._check_tokens(tokens, cache, "prompt")
+    cache = self.init_cache(tokens.shape[0]) if cache is None else cache
+    for _, part, n in self._chunks(tokens):
+      logits, cache = _prefill_chunk(self.graphdef, self.state, part, cache, n,
+                                     kv_block=self.kv_block)
+    return logits, cache
+
+  def decode_step(self, token, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+    """Feed one token per row, token [B] int -> (logits [B, V] float32, cache); the cache
+    passed in is donated."""
+    if int(cache.length) >= self.max_len:
+      raise ValueError(f"the cache is full (max_len={self.max_len})")
+    return _decode_step(self.graphdef, self.state, jnp.asarray(token, jnp.int32), cache,
+                        kv_block=self.kv_block)
+
+  def score(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced scoring of [B, T] in chunks -> (nll [B, T-1] of tokens[:, 1:],
+    argmax predictions [B, T-1]); position t predicts token t + 1."""
+    tokens = self._check_tokens(tokens, None, "text")
+    targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    cache, nll, pred = self.init_cache(tokens.shape[0]), [], []
+    for s, part, n in self._chunks(tokens):
+      tgt = np.pad(targets[:, s:s + n], ((0, 0), (0, part.shape[1] - n)))
+      a, b, cache = _score_chunk(self.graphdef, self.state, part, tgt, cache, n,
+                                 kv_block=self.kv_block)
+      nll.append(np.asarray(a)[:, :n])
+      pred.append(np.asarray(b)[:, :n])
+    return np.concatenate(nll, 1)[:, :-1], np.concatenate(pred, 1)[:, :-1]
+
+  def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+               stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0
+               ) -> GenerateOutput:
+    """Prefill `prompt` [B, T], then sample up to max_new_tokens (fewer if the cache fills
+    or every row hit a stop token). One compilation per (B, max_new_tokens)."""
+    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not 0 <= pad_id < self.cfg.vocab_size:   # finished rows are fed pad_id
+      raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {self.cfg.vocab_size})")
+    tokens = self._check_tokens(prompt, None, "prompt")
+    room = self.max_len - tokens.shape[1]
+    if room < 1:
+      raise ValueError(f"prompt of {tokens.shape[1]} tokens leaves no room to generate "
+                       f"within max_len={self.max_len}")
+    logits, cache = self.prefill(tokens)
+    # A fixed-size stop list (padded with -1) keeps one compilation for any stop set.
+    stop = list(stop_tokens)
+    stop = jnp.asarray(stop + [-1] * (max(8, len(stop)) - len(stop)), jnp.int32)
+    out, lengths, cache = _generate_loop(
+        self.graphdef, self.state, logits, cache, jax.random.PRNGKey(seed), stop,
+        jnp.int32(min(max_new_tokens, room)), sampling.as_arrays(), jnp.int32(pad_id),
+        kv_block=self.kv_block, max_new=int(max_new_tokens))
+    return GenerateOutput(np.asarray(out), np.asarray(lengths), cache)
+
+
+def prefill(model: HybridLM, tokens, *, max_len: int, chunk_size: int = 256,
+            kv_block: int = 512, cache: DecodeCache | None = None
+            ) -> tuple[jax.Array, DecodeCache]:
+  """Functional `Engine.prefill`: tokens [B, T] -> (logits [B, V], cache of capacity max_len).
+
+  Compilations are shared across calls with the same shapes (the graphdef is static).
+  """
+  engine = Engine(model, max_len=max_len, prefill_chunk=chunk_size, kv_block=kv_block)
+  return engine.prefill(tokens, cache)
+
+
+def decode_step(model: HybridLM, token, cache: DecodeCache, *, kv_block: int = 512
+                ) -> tuple[jax.Array, DecodeCache]:
+  """Functional `Engine.decode_step`: token [B] -> (logits [B, V], cache); capacity = cache's."""
+  return Engine(model, max_len=cache.max_len, kv_block=kv_block).decode_step(token, cache)
+
+
+def generate(model: HybridLM, prompt, *, max_new_tokens: int, max_len: int | None = None,
+             sampling: SamplingConfig = SamplingConfig(), stop_tokens: Sequence[int] = (),
+             seed: int = 0, chunk_size: int = 256, kv_block: int = 512,
+             pad_id: int = 0) -> GenerateOutput:
+  """Functional `Engine.generate`; max_len defaults to prompt + max_new_tokens."""
+  t = np.asarray(prompt).shape[-1]
+  engine = Engine(model, max_len=max_len or t + max_new_tokens, prefill_chunk=chunk_size,
+                  kv_block=kv_block)
+  return engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                         stop_tokens=stop_tokens, seed=seed, pad_id=pad_id)

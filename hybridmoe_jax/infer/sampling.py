@@ -1,0 +1,61 @@
+"""Next-token sampling: greedy, temperature, top-k and top-p, all traced (no recompiles).
+
+logits [B, V] float32 -> tokens [B] int32. temperature <= 0 means greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """temperature 0 -> greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+  def as_arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+
+
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Set logits outside the top-k / nucleus (top-p) set to -1e30.
+
+  Ties at the cut-off value are kept (the set may exceed k by the number of ties).
+  The nucleus is the smallest prefix of the sorted distribution whose mass reaches top_p.
+  """
+  v = logits.shape[-1]
+  desc = -jnp.sort(-logits, axis=-1)                                       # [B, V]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+  kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, desc.shape[:-1])[..., None], -1)
+  desc = jnp.where(desc >= kth, desc, _NEG)
+  probs = jax.nn.softmax(desc, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs        # mass strictly above each entry
+  keep = before < top_p
+  cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where((logits >= cut) & (logits >= kth), logits, _NEG)
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+  """logits [B, V] -> [B] int32; temperature/top_k/top_p are traced scalars."""
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
+  return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)

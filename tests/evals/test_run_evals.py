@@ -1,0 +1,41 @@
+"""All tasks end to end on an in-memory tiny model (fast settings), outputs on disk."""
+
+import json
+import os
+
+import numpy as np
+
+from hybridmoe_jax.evals import EvalOptions, run_evals
+from hybridmoe_jax.train.heatmap import decode_png
+from tests.infer.helpers import tiny_model
+
+# Every engine gets capacity 128 and batch 1, so the tasks share their compilations.
+FAST = EvalOptions(prefill_chunk=32, kv_block=32, ppl_max_len=128, ppl_max_docs=2,
+                   niah_lengths=(80, 112), niah_depths=(0.0, 1.0), niah_samples=1,
+                   niah_digits=2, mqar_lengths=(64, 128), mqar_pairs=(4, 8), mqar_samples=1,
+                   prompt="The sky is", max_new_tokens=6, max_len=128)
+
+
+def test_all_tasks_in_memory(tmp_path):
+  lines = []
+  results = run_evals(tiny_model(), ["ppl", "niah", "mqar", "generate"], FAST, str(tmp_path),
+                      info={"source": "memory"}, echo=lines.append)
+  assert sorted(os.listdir(tmp_path)) == ["generate.json", "mqar.json", "niah.json",
+                                          "niah_heatmap.png", "ppl.json", "results.json"]
+  p = results["ppl"]
+  assert p["documents"] == 2 and p["overall"]["tokens"] == sum(b["tokens"] for b in p["buckets"])
+  # An untrained byte model is close to uniform over 259 ids: ~8 bits per byte.
+  assert 5 < p["overall"]["bits_per_byte"] < 12 and p["overall"]["ppl"] > 50
+  n = results["niah"]
+  assert np.array(n["accuracy"]).shape == (2, 2)
+  png = decode_png(open(tmp_path / "niah_heatmap.png", "rb").read())
+  assert png.shape == (2 * 24, 2 * 24, 3)
+  m = results["mqar"]
+  assert [(c["length"], c["pairs"]) for c in m["cells"]] == [(64, 4), (64, 8), (128, 4),
+                                                             (128, 8)]
+  assert all(0 <= c["accuracy"] <= 1 for c in m["cells"])
+  g = results["generate"]
+  assert 1 <= g["new_tokens"] <= 6 and isinstance(g["text"], str)
+  saved = json.load(open(tmp_path / "results.json"))
+  assert saved["model"] == {"source": "memory"} and set(saved["results"]) == set(results)
+  assert any(line.startswith("== niah") for line in lines)

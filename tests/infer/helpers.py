@@ -1,0 +1,31 @@
+"""Shared tiny models for the inference tests."""
+
+import functools
+
+import jax
+from flax import nnx
+
+from hybridmoe_jax.config import model_config_from_dict
+from hybridmoe_jax.model import HybridLM
+from tests.conftest import load_config
+
+
+def tiny_cfg(**overrides):
+  model = load_config("tiny").model
+  model.update(overrides)
+  return model_config_from_dict(model)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int = 0) -> HybridLM:
+  """The tiny hybrid (3 KDA + 1 MLA, AttnRes, MoE), fp32."""
+  return HybridLM(tiny_cfg(), rngs=nnx.Rngs(seed))
+
+
+def full_logits(model, tokens):
+  """Reference: the training forward over the whole sequence, jitted."""
+  return nnx.jit(lambda m, t: m(t)[0])(model, tokens)
+
+
+def random_tokens(seed, b, t, vocab=256):
+  return jax.random.randint(jax.random.PRNGKey(seed), (b, t), 0, vocab)

@@ -1,0 +1,109 @@
+"""Cached decode == the training forward (tiny hybrid: AttnRes, MoE, KDA + MLA), fp32.
+
+One engine shape is shared by every test so the file compiles each entry point once.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybridmoe_jax.infer import Engine, TRACE_COUNTS, decode_step, prefill
+from hybridmoe_jax.infer.cache import KDACache, MLACache
+from tests.conftest import rel_rms
+from tests.infer.helpers import full_logits, random_tokens, tiny_cfg, tiny_model
+
+T = 48          # sequence length of every test
+PROMPT = 37     # = 2 * 16 + 5: the prefill chunks do not divide the prompt
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model = tiny_model()
+  engine = Engine(model, max_len=T + 4, prefill_chunk=16, kv_block=8)
+  tokens = random_tokens(1, 2, T)
+  return model, engine, tokens, np.asarray(full_logits(model, tokens))
+
+
+def _rel_max(ref, x):
+  ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
+  return float(np.max(np.abs(ref - x)) / np.max(np.abs(ref)))
+
+
+def test_teacher_forced_decode_matches_forward(setup):
+  _, engine, tokens, ref = setup
+  last, cache = engine.prefill(tokens[:, :PROMPT])
+  steps = [last]
+  for t in range(PROMPT, T - 1):
+    logits, cache = engine.decode_step(tokens[:, t], cache)
+    steps.append(logits)
+  got = jnp.stack(steps, axis=1)              # predictions at positions PROMPT-1 .. T-2
+  assert int(cache.length) == T - 1
+  assert _rel_max(ref[:, PROMPT - 1:T - 1], got) < 1e-4
+  assert rel_rms(ref[:, PROMPT - 1:T - 1], got) < 1e-4
+
+
+def test_prefill_in_pieces_equals_one_prefill(setup):
+  """A prompt fed as 9 + 28 tokens (cache continued) == fed at once."""
+  _, engine, tokens, ref = setup
+  _, cache = engine.prefill(tokens[:, :9])
+  last, cache = engine.prefill(tokens[:, 9:PROMPT], cache)
+  assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and int(cache.length) == PROMPT
+
+
+def test_score_matches_forward(setup):
+  _, engine, tokens, ref = setup
+  logp = jax.nn.log_softmax(ref[:, :-1], -1)
+  want = -np.take_along_axis(np.asarray(logp), np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+  nll, pred = engine.score(tokens)            # 48 = 3 chunks of 16
+  assert nll.shape == (2, T - 1) and rel_rms(want, nll) < 1e-5
+  np.testing.assert_array_equal(pred, np.argmax(ref[:, :-1], -1))
+
+
+def test_no_recompilation_across_steps_and_prompt_lengths(setup):
+  _, engine, _, _ = setup
+  engine.decode_step(jnp.zeros((2,), jnp.int32), engine.prefill(random_tokens(0, 2, 5))[1])
+  before = dict(TRACE_COUNTS)
+  for t in (3, 13, 20):                       # different prompt lengths, one chunk shape
+    _, cache = engine.prefill(random_tokens(t, 2, t))
+  for i in range(6):
+    _, cache = engine.decode_step(jnp.array([i, i + 1]), cache)
+  assert {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill_chunk", "decode_step")} \
+      == {"prefill_chunk": 0, "decode_step": 0}
+  assert int(cache.length) == 26
+
+
+def test_cache_contents(setup):
+  _, engine, tokens, _ = setup
+  cfg = tiny_cfg()
+  _, cache = engine.prefill(tokens[:, :19])
+  kda = [c for c in cache.layers if isinstance(c, KDACache)]
+  (mla,) = [c for c in cache.layers if isinstance(c, MLACache)]
+  assert len(kda) == 3 and all(c.state.shape == (2, 2, 32, 32) for c in kda)
+  assert all(c.state.dtype == jnp.float32 and np.any(np.asarray(c.state)) for c in kda)
+  assert kda[0].q_tail.shape == (2, cfg.kda.conv_size - 1, 64)
+  assert mla.c.shape == (2, T + 4, 32) and mla.k_r.shape == (2, T + 4, 8)
+  filled = np.any(np.asarray(mla.c) != 0, axis=-1)
+  assert filled[:, :19].all() and not filled[:, 19:].any()
+
+
+def test_bad_inputs(setup):
+  _, engine, tokens, _ = setup
+  with pytest.raises(ValueError, match="empty"):
+    engine.prefill(np.zeros((1, 0), np.int32))
+  with pytest.raises(ValueError, match="max_len"):
+    engine.prefill(np.zeros((1, T + 5), np.int32))
+  with pytest.raises(ValueError, match="vocabulary"):
+    engine.prefill(np.full((1, 3), 10_000))
+  _, cache = engine.prefill(tokens[:, :40])
+  with pytest.raises(ValueError, match="max_len"):
+    engine.prefill(tokens[:, :20], cache)
+  with pytest.raises(ValueError, match="batch"):
+    engine.prefill(tokens[:1, :2], cache)
+
+
+def test_functional_api(setup):
+  model, engine, tokens, ref = setup
+  last, cache = prefill(model, tokens[:, :PROMPT], max_len=T + 4, chunk_size=16, kv_block=8)
+  logits, cache = decode_step(model, tokens[:, PROMPT], cache, kv_block=8)
+  assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and _rel_max(ref[:, PROMPT], logits) < 1e-4
