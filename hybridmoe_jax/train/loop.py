@@ -1,0 +1,256 @@
+"""`train_and_evaluate(config, workdir)`: the whole run, resumable at any step.
+
+Order: validate config -> check the workdir's stored model config -> build data (every bad
+input stops here, before any allocation) -> restore the newest good checkpoint or initialise
+-> steps, with periodic eval / checkpoint / heatmap and always a checkpoint at the end or on
+SIGINT/SIGTERM -> optional params-only export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import math
+import os
+import signal
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
+from hybridmoe_jax.data import build_train_and_eval
+from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import step as step_lib
+from hybridmoe_jax.train.config import validate_train_config
+from hybridmoe_jax.train.monitor import Monitor
+from hybridmoe_jax.train.state import (ModelFns, abstract_train_state, create_train_state,
+                                       hybrid_lm_fns)
+
+_BYTE_IDS = 256  # ByteTokenizer: ids below this are UTF-8 bytes
+
+
+class InputError(ValueError):
+  """Bad training input (data path, dataset, token ids, batch shapes): stops the run."""
+
+
+def build_data(config: ml_collections.ConfigDict, cfg: ModelConfig):
+  """Train iterator + held-out batches (`hybridmoe_jax.data.build_train_and_eval`)."""
+  t = config.train
+  try:
+    return build_train_and_eval(config.data, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
+                                batch_size=t.batch_size, seed=t.seed,
+                                max_eval_batches=t.eval_batches)
+  except ConfigError:
+    raise
+  except (ValueError, OSError) as e:  # missing path, empty dataset, ids beyond the vocab
+    raise InputError(f"data: {e}") from e
+
+
+def check_batch(batch: dict[str, np.ndarray], t, vocab_size: int, step: int) -> None:
+  """Shape, dtype and token-range checks on a host batch (cheap, every step)."""
+  want = (t.batch_size, t.seq_len)
+  for key in ("tokens", "segment_ids"):
+    if key not in batch:
+      raise InputError(f"data batch at step {step} has no {key!r} field (got {sorted(batch)})")
+    arr = np.asarray(batch[key])
+    if arr.shape != want or not np.issubdtype(arr.dtype, np.integer):
+      raise InputError(f"data batch at step {step}: {key} has shape {arr.shape} dtype "
+                       f"{arr.dtype}; expected integer [batch_size, seq_len] = {list(want)}")
+  tokens = np.asarray(batch["tokens"])
+  lo, hi = int(tokens.min()), int(tokens.max())
+  if lo < 0 or hi >= vocab_size:
+    bad = hi if hi >= vocab_size else lo
+    raise InputError(f"data batch at step {step} holds token id {bad}, outside the model "
+                     f"vocabulary [0, {vocab_size}) (model.vocab_size = {vocab_size})")
+
+
+def _next_batch(it, t, vocab_size: int, step: int) -> dict[str, np.ndarray]:
+  try:
+    batch = next(it)
+  except StopIteration:
+    raise InputError(f"the training data ran out at step {step}: the dataset is empty or "
+                     "too small for one batch of "
+                     f"{t.batch_size} x {t.seq_len} tokens") from None
+  check_batch(batch, t, vocab_size, step)
+  return batch
+
+
+def evaluate(eval_step, state, batches) -> dict[str, float]:
+  """Mean held-out NLL per target token and bits per byte (byte targets only)."""
+  nll = count = nbytes = 0.0
+  for b in batches:
+    n, c = eval_step(state.params, state.biases, {"tokens": b["tokens"],
+                                                  "segment_ids": b["segment_ids"]}, state.rest)
+    targets, weights = step_lib.next_token_targets(np.asarray(b["tokens"]),
+                                                   np.asarray(b["segment_ids"]))
+    nll += float(n)
+    count += float(c)
+    nbytes += float(np.sum(np.asarray(weights) * (np.asarray(targets) < _BYTE_IDS)))
+  if not count:
+    return {}
+  # Non-byte targets (EOS) are few; their NLL is charged to the bytes, as usual for bpb.
+  return {"loss": nll / count, "bits_per_byte": nll / max(nbytes, 1.0) / math.log(2),
+          "tokens": count}
+
+
+class _StopFlag:
+  """SIGINT/SIGTERM -> finish the current step, checkpoint, exit cleanly (2nd signal: hard)."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+    logging.warning("received %s: saving a checkpoint after this step, then exiting "
+                    "(send it again to abort at once)", signal.Signals(signum).name)
+    signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def _dump_stacks_on_sigusr1() -> None:
+  """`kill -USR1 <pid>` prints every thread's Python stack (to inspect a stuck run)."""
+  try:
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+  except (AttributeError, ValueError, RuntimeError):  # no SIGUSR1 (Windows) / not main thread
+    pass
+
+
+def _log_sizes(state) -> None:
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  n_bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.biases))
+  logging.info("model: %s parameters, %s routing-bias entries", f"{n_params:,}", f"{n_bias:,}")
+
+
+def _restore_or_init(ckpt, fns: ModelFns, cfg: ModelConfig, t, tx, data, model_dict):
+  """-> graphdef, state, state-layout signature, whether a checkpoint was restored."""
+  graphdef, abstract = abstract_train_state(fns, cfg, tx, t.seed, t.remat)
+  signature = ckpt_lib.structure_signature(abstract)
+  restored = ckpt.restore_latest(abstract, model_dict, signature)
+  if restored is None:
+    _, state = create_train_state(fns, cfg, tx, t.seed, t.remat)
+    return graphdef, state, signature, False
+  state, data_state, _ = restored
+  data.train.set_state(data_state)
+  return graphdef, state, signature, True
+
+
+def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_step,
+               monitor: Monitor, ckpt, meta: dict, saved_at: int):
+  """Steps until `t.steps` or a signal; periodic eval and checkpoints.
+
+  Returns:
+    (state, step, saved_at: the last checkpointed step, stopped_by: signal name or None).
+  """
+  with _StopFlag() as stop:
+    while step < t.steps:
+      batch = _next_batch(data.train, t, cfg.vocab_size, step)
+      state, metrics = train_step(state, {"tokens": batch["tokens"],
+                                          "segment_ids": batch["segment_ids"]})
+      step += 1
+      monitor.step(step, jax.device_get(metrics))
+      if t.eval_every and step % t.eval_every == 0 and step < t.steps:
+        monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches))
+      if (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.signum:
+        ckpt.save(step, state, data.train.get_state(), meta)
+        saved_at = step
+      if stop.signum:
+        return state, step, saved_at, signal.Signals(stop.signum).name
+  return state, step, saved_at, None
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       export_params_to: str | None = None, fns: ModelFns | None = None,
+                       data=None) -> dict[str, Any]:
+  """Train `config` in `workdir` (resuming from its newest good checkpoint).
+
+  Args:
+    config: root config (model, train, data, mesh sections).
+    workdir: checkpoints, TensorBoard events, metrics.jsonl and heatmaps go here.
+    export_params_to: if set, write a params-only checkpoint there at the end.
+    fns: model factory and bias update (default: HybridLM + update_routing_biases).
+    data: object with `.train` (checkpointable iterator) and `.eval_batches` (default:
+      `build_data(config, ...)`).
+
+  Returns:
+    A summary: steps, first/last loss, final eval, tokens/s, wall time, alerts, final state.
+
+  Raises:
+    ConfigError / InputError: bad config or input, before training starts (token ids are
+      also checked on every later batch).
+  """
+  wall0 = time.time()
+  _dump_stacks_on_sigusr1()
+  workdir = os.path.abspath(workdir)  # orbax wants absolute paths
+  validate_train_config(config)
+  cfg = model_config_from_dict(config.model)
+  model_dict = dataclasses.asdict(cfg)
+  t = config.train
+  if export_params_to and os.path.exists(export_params_to):
+    raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
+  os.makedirs(workdir, exist_ok=True)
+  ckpt_lib.check_workdir_config(workdir, model_dict)
+  data = data if data is not None else build_data(config, cfg)
+  fns = fns or hybrid_lm_fns()
+  tx = optim.make_optimizer(t)
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
+  graphdef, state, signature, restored = _restore_or_init(ckpt, fns, cfg, t, tx, data,
+                                                          model_dict)
+  ckpt_lib.write_workdir_config(workdir, model_dict)
+  start = int(state.step)
+  _log_sizes(state)
+  meta = {"model_config": model_dict, "signature": signature, "config": config.to_json()}
+  eval_step = step_lib.make_eval_step(graphdef)
+  monitor = Monitor(workdir, t, start_step=start, total_steps=t.steps,
+                    tokens_per_step=t.batch_size * t.seq_len)
+  monitor.write_jsonl({"event": "resume" if restored else "start", "step": start})
+  logging.info("training steps %d..%d in %s", start, t.steps, workdir)
+  eval_metrics = {}
+  try:
+    state, step, saved_at, stopped = _run_steps(
+        state, start, t=t, cfg=cfg, data=data, eval_step=eval_step, monitor=monitor,
+        train_step=step_lib.make_train_step(graphdef, fns, cfg, t, tx), ckpt=ckpt, meta=meta,
+        saved_at=start if restored else -1)
+    if stopped is None:
+      eval_metrics = evaluate(eval_step, state, data.eval_batches)
+      monitor.log_eval(step, eval_metrics)
+      if saved_at != step:
+        ckpt.save(step, state, data.train.get_state(), meta)
+    ckpt.wait()
+    if export_params_to and stopped is None:
+      path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict)
+      logging.info("exported parameters and routing biases to %s", path)
+  finally:
+    ckpt.close()
+    monitor.close()
+  summary = {
+      "start_step": start, "end_step": step, "first_loss": monitor.first_loss,
+      "last_loss": monitor.last_loss, "eval": eval_metrics,
+      "tokens_per_sec": monitor.tokens_per_sec, "wall_s": time.time() - wall0,
+      "skipped_steps": int(state.skipped), "alerts": dict(monitor.alerts),
+      "stopped_by": stopped, "state": state,
+  }
+  if stopped:
+    logging.warning("stopped by %s at step %d; checkpoint saved, rerun to resume", stopped, step)
+  else:
+    logging.info("done: step %d, loss %s -> %s, eval %s, %.0f tok/s, %.1fs", step,
+                 monitor.first_loss, monitor.last_loss, eval_metrics, monitor.tokens_per_sec,
+                 summary["wall_s"])
+  return summary

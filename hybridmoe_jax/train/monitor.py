@@ -1,0 +1,191 @@
+"""Run monitoring: progress line, TensorBoard, JSONL, alerts and the expert-load heatmap.
+
+Every step's (host) metrics go through `Monitor.step`, which keeps the alert state (MaxVio
+streaks per MoE layer, loss spikes against a running mean); every `log_every` steps it prints
+one progress line and writes TensorBoard scalars / histograms (`train/`, `moe/<layer>/`) and
+one JSON line to `workdir/metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import time
+from typing import Any
+
+from absl import logging
+import numpy as np
+import tensorboardX
+
+from hybridmoe_jax.train import heatmap
+
+
+def _fmt_duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(round(seconds))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _fmt_rate(x: float) -> str:
+  return f"{x / 1e6:.2f}M" if x >= 1e6 else (f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}")
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  a = np.asarray(x)
+  if a.ndim:
+    return a.tolist()
+  v = a.item()
+  return v if not isinstance(v, float) or math.isfinite(v) else str(v)
+
+
+class Monitor:
+  """Progress line, TensorBoard events, JSONL metrics, alerts and expert-load heatmaps."""
+
+  def __init__(self, workdir: str, t, *, start_step: int, total_steps: int,
+               tokens_per_step: int):
+    self.workdir, self.t = workdir, t
+    self.start_step, self.total_steps = start_step, total_steps
+    self.tokens_per_step = tokens_per_step
+    self.writer = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self.alerts: collections.Counter[str] = collections.Counter()
+    self._streak: dict[str, int] = collections.defaultdict(int)
+    self._loss_mean: float | None = None
+    self._loss_seen = 0
+    self._heat_load: dict[str, np.ndarray] = {}
+    self._t0: float | None = None        # timer start: after the first (compiling) step
+    self._t0_step = start_step
+    self._last_log_time: float | None = None
+    self._last_log_step = start_step
+    self.first_loss: float | None = None
+    self.last_loss: float | None = None
+    self.tokens_per_sec = float("nan")
+
+  # ----------------------------------------------------------------------------- per step
+  def step(self, step: int, m: dict[str, Any]) -> None:
+    """Record the host metrics of the step that brought the state to `step`."""
+    now = time.perf_counter()
+    if self._t0 is None:
+      self._t0, self._t0_step = now, step
+      self._last_log_time, self._last_log_step = now, step
+    loss = float(m["loss"])
+    if self.first_loss is None:
+      self.first_loss = loss
+    self.last_loss = loss
+    if not bool(m["finite"]):
+      self.alerts["nonfinite"] += 1
+      logging.warning("step %d: non-finite loss (%s) or grad norm (%s): update skipped "
+                      "(%d skipped so far)", step, loss, float(m["grad_norm"]),
+                      int(m["skipped"]))
+    else:
+      self._check_loss_spike(step, loss)
+    self._check_maxvio(step, m["moe"])
+    for name, layer in m["moe"].items():
+      load = np.asarray(layer["load"], np.float64)
+      self._heat_load[name] = self._heat_load.get(name, 0.0) + load
+    if step % self.t.log_every == 0 or step == self.total_steps:
+      self._log(step, m, now)
+    if self.t.heatmap_every and (step % self.t.heatmap_every == 0 or step == self.total_steps):
+      self.write_heatmap(step)
+
+  def _check_loss_spike(self, step: int, loss: float) -> None:
+    warm = self._loss_seen >= 10
+    if warm and loss > self.t.loss_spike_factor * self._loss_mean:
+      self.alerts["loss_spike"] += 1
+      logging.warning("ALERT step %d: loss spike %.4f > %.2f x running mean %.4f (%d spikes)",
+                      step, loss, self.t.loss_spike_factor, self._loss_mean,
+                      self.alerts["loss_spike"])
+    self._loss_mean = loss if self._loss_mean is None else 0.9 * self._loss_mean + 0.1 * loss
+    self._loss_seen += 1
+
+  def _check_maxvio(self, step: int, moe: dict[str, Any]) -> None:
+    for name, layer in moe.items():
+      vio = float(layer["max_vio"])
+      self._streak[name] = self._streak[name] + 1 if vio > self.t.maxvio_alert_threshold else 0
+      if self._streak[name] >= self.t.maxvio_alert_steps:
+        self._streak[name] = 0
+        self.alerts["maxvio"] += 1
+        self.alerts[f"maxvio/{name}"] += 1
+        logging.warning("ALERT step %d: %s MaxVio %.3f above %.3f for %d steps (%d alerts)",
+                        step, name, vio, self.t.maxvio_alert_threshold,
+                        self.t.maxvio_alert_steps, self.alerts["maxvio"])
+
+  # ----------------------------------------------------------------------------- logging
+  def _log(self, step: int, m: dict[str, Any], now: float) -> None:
+    dt = now - self._last_log_time
+    steps = step - self._last_log_step
+    if steps > 0 and dt > 0:
+      self.tokens_per_sec = steps * self.tokens_per_step / dt
+    self._last_log_time, self._last_log_step = now, step
+    elapsed, done = now - self._t0, step - self._t0_step
+    eta = (self.total_steps - step) * elapsed / done if done > 0 else float("nan")
+    moe = m["moe"]
+    worst = max(moe, key=lambda k: float(moe[k]["max_vio"])) if moe else None
+    vio = f" | maxvio {float(moe[worst]['max_vio']):.3f} ({worst})" if worst else ""
+    logging.info("step %*d/%d | loss %.4f | %s tok/s | ETA %s | gnorm %.3f%s | lr %.2e",
+                 len(str(self.total_steps)), step, self.total_steps, float(m["loss"]),
+                 _fmt_rate(self.tokens_per_sec), _fmt_duration(eta), float(m["grad_norm"]),
+                 vio, float(m["lr"]))
+    w = self.writer
+    scalars = {"train/loss": m["loss"], "train/learning_rate": m["lr"],
+               "train/grad_norm": m["grad_norm"], "train/tokens_per_sec": self.tokens_per_sec,
+               "train/skipped_steps": m["skipped"], "alerts/maxvio": self.alerts["maxvio"],
+               "alerts/loss_spike": self.alerts["loss_spike"]}
+    for tag, v in scalars.items():
+      w.add_scalar(tag, float(v), step)
+    for name, layer in moe.items():
+      for key in ("max_vio", "bias_min", "bias_max", "drop_frac"):
+        if key in layer:
+          w.add_scalar(f"moe/{name}/{key}", float(layer[key]), step)
+      self._load_histogram(f"moe/{name}/load", np.asarray(layer["load"], np.float64), step)
+    record = {"step": step, "split": "train", "tokens_per_sec": self.tokens_per_sec,
+              "alerts": dict(self.alerts), **{k: v for k, v in m.items() if k != "moe"},
+              "moe": {n: {k: v for k, v in layer.items()} for n, layer in moe.items()}}
+    self.write_jsonl(record)
+
+  def _load_histogram(self, tag: str, load: np.ndarray, step: int) -> None:
+    """Assignments per expert as a histogram over the expert index."""
+    idx = np.arange(len(load), dtype=np.float64)
+    self.writer.add_histogram_raw(
+        tag, min=0.0, max=float(len(load) - 1), num=float(load.sum()),
+        sum=float((idx * load).sum()), sum_squares=float((idx * idx * load).sum()),
+        bucket_limits=(idx + 0.5).tolist(), bucket_counts=load.tolist(), global_step=step)
+
+  def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+    logging.info("eval step %d | %s", step,
+                 " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    for k, v in metrics.items():
+      self.writer.add_scalar(f"eval/{k}", float(v), step)
+    self.write_jsonl({"step": step, "split": "eval", **metrics})
+
+  def write_jsonl(self, record: dict[str, Any]) -> None:
+    self.jsonl.write(json.dumps(_jsonable(record)) + "\n")
+    self.jsonl.flush()
+
+  def write_heatmap(self, step: int) -> str | None:
+    """Expert load (layers x experts, load / mean load since the last heatmap) as a PNG."""
+    if not self._heat_load:
+      return None
+    rows = []
+    for name in sorted(self._heat_load, key=lambda s: (len(s), s)):
+      load = self._heat_load[name]
+      rows.append(load / max(load.mean(), 1e-9))
+    self._heat_load = {}
+    path = os.path.join(self.workdir, "expert_load.png")
+    heatmap.write_heatmap(path, np.stack(rows), vmin=0.0, vmax=2.0)
+    hist_dir = os.path.join(self.workdir, "heatmaps")
+    os.makedirs(hist_dir, exist_ok=True)
+    heatmap.write_heatmap(os.path.join(hist_dir, f"expert_load_{step:07d}.png"),
+                          np.stack(rows), vmin=0.0, vmax=2.0)
+    return path
+
+  def close(self) -> None:
+    self.writer.close()
+    self.jsonl.close()

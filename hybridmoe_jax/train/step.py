@@ -1,0 +1,142 @@
+"""The jitted train and eval steps (pure functions of the state pytree and a batch).
+
+Batch: tokens, segment_ids int32 [B, T] (segment id 0 = padding). The loss is next-token
+cross-entropy in fp32 over targets inside the same segment; gradients flow to `params` only.
+After the optimizer update, every MoE layer's routing bias is recomputed from this step's
+routing statistics (summed over microbatches) and used from the next step on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.train import optim
+from hybridmoe_jax.train.state import ModelFns, TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
+  """-> targets [B, T] (tokens shifted left by one), weights [B, T] fp32.
+
+  Position t predicts token t + 1 only if both are real tokens of the same segment.
+  """
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  nxt = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
+  weights = (segment_ids > 0) & (nxt == segment_ids)
+  return targets, weights.astype(jnp.float32)
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Per-token negative log-likelihood [B, T] in fp32."""
+  logits = logits.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return logz - picked
+
+
+def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids):
+  model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
+  logits, aux = model(tokens, segment_ids=segment_ids)
+  targets, weights = next_token_targets(tokens, segment_ids)
+  nll_sum = jnp.sum(token_nll(logits, targets) * weights)
+  return nll_sum, (jnp.sum(weights), aux.get("moe", {}))
+
+
+def _microbatches(x: jax.Array, n: int) -> jax.Array:
+  return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+
+def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accum: int):
+  """Sum of NLL, gradient of that sum, token count and routing stats over microbatches."""
+  grad_fn = jax.value_and_grad(_forward_nll, argnums=1, has_aux=True)
+
+  def one(toks, segs):
+    (nll, (count, stats)), grads = grad_fn(graphdef, state.params, state.biases, state.rest,
+                                           toks, segs)
+    return nll, count, stats, grads
+
+  if grad_accum == 1:
+    return one(tokens, segment_ids)
+  toks, segs = _microbatches(tokens, grad_accum), _microbatches(segment_ids, grad_accum)
+  shapes = jax.eval_shape(one, toks[0], segs[0])
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+  def body(carry, xs):
+    return jax.tree.map(jnp.add, carry, one(*xs)), None
+
+  total, _ = jax.lax.scan(body, zeros, (toks, segs))
+  return total
+
+
+def _where(ok, new, old):
+  return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def _moe_metrics(stats: dict[str, Any], bias_metrics: dict[str, Any]) -> dict[str, Any]:
+  out = {}
+  for name, s in stats.items():
+    load = s["load"]
+    m = dict(bias_metrics.get(name, {}))
+    if "max_vio" not in m:
+      mean = jnp.maximum(jnp.mean(load.astype(jnp.float32)), 1e-9)
+      m["max_vio"] = jnp.max(load) / mean - 1.0
+    m["load"] = load
+    m["drop_frac"] = s.get("drop_frac", jnp.zeros((), jnp.float32))  # dropless: always 0
+    out[name] = m
+  return out
+
+
+def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
+                    t: ml_collections.ConfigDict, tx: optax.GradientTransformation
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
+  """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated."""
+  grad_accum = t.grad_accum
+
+  def train_step(state: TrainState, batch: Batch):
+    tokens, segment_ids = batch["tokens"], batch["segment_ids"]
+    nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
+                                                grad_accum)
+    denom = jnp.maximum(count, 1.0)
+    loss = nll / denom
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    biases, bias_metrics = fns.update_biases(state.biases, stats, cfg)
+    applied = state.step - state.skipped
+    new_rng, _ = jax.random.split(state.rng)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=_where(ok, params, state.params),
+        opt_state=_where(ok, opt_state, state.opt_state),
+        biases=_where(ok, biases, state.biases),
+        rng=new_rng,
+        skipped=state.skipped + (~ok).astype(jnp.int32))
+    metrics = {
+        "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(t, applied),
+        "tokens": count, "finite": ok, "skipped": new_state.skipped,
+        "moe": _moe_metrics(stats, bias_metrics),
+    }
+    return new_state, metrics
+
+  return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  """The jitted `eval_step(params, biases, batch, rest) -> (sum_nll, num_tokens)`."""
+
+  def eval_step(params, biases, batch: Batch, rest):
+    nll, (count, _) = _forward_nll(graphdef, params, biases, rest, batch["tokens"],
+                                   batch["segment_ids"])
+    return nll, count
+
+  return jax.jit(eval_step)

@@ -1,0 +1,67 @@
+"""Train a hybrid KDA/MLA MoE language model.
+
+  python run_train.py                                   # tiny config, bundled text, ~minutes
+  python run_train.py --config=configs/tiny.py --config.train.steps=300 --workdir=runs/x
+  python run_train.py --config=configs/kimi_k3.py --dry_run   # counts + memory, no allocation
+
+The run resumes from the newest good checkpoint in --workdir. All logic lives in
+`hybridmoe_jax.train`; this file only parses flags.
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
+
+
+def _define_config_flag():
+  """--config plus --config.<field> overrides; a bad file or field name exits with one line."""
+  try:
+    return config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file.")
+  except Exception as e:  # pylint: disable=broad-except  (raised while reading sys.argv)
+    msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ")
+    msg = msg.replace("\\'", "'")
+    key = msg.split("'")[1] if msg.count("'") >= 2 else msg.split()[0] if msg else ""
+    bad = [a for a in sys.argv[1:] if a.startswith("--config") and f".{key}" in a]
+    where = f" in {bad[0]}" if bad else ""
+    sys.exit(f"error: bad --config flag{where}: {type(e).__name__}: {msg}")
+
+
+_CONFIG = _define_config_flag()
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default",
+                               "Checkpoints, TensorBoard events, metrics and heatmaps.")
+_EXPORT = flags.DEFINE_string(
+    "export_params_to", None, "Write a params-only checkpoint (with routing biases) at the end.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False,
+                             "Print parameter counts and per-device memory, then exit.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.config import ConfigError
+  from hybridmoe_jax.train import dry_run, loop
+  try:
+    config = _CONFIG.value
+    config.keys()  # a lazy proxy: raises here if the file failed to load
+  except OSError as e:  # the --config file could not be loaded
+    sys.exit(f"error: {' '.join(str(e).split())}")
+  try:
+    if _DRY_RUN.value:
+      dry_run.dry_run(config)
+      return
+    logging.info("config %s, workdir %s",
+                 config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)
+    loop.train_and_evaluate(config, _WORKDIR.value, export_params_to=_EXPORT.value)
+  except (ConfigError, loop.InputError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)

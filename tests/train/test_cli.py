@@ -1,0 +1,152 @@
+"""run_train.py as a user runs it: bad input stops with one message; dry run; resume; signals.
+
+The fast tests stop before training (each is one interpreter start). The slow ones train the
+tiny model: the embedded default run, SIGKILL-and-resume exactness, SIGINT, QB vs none.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from hybridmoe_jax.train.checkpoint import load_exported_params
+from tests.conftest import ROOT
+
+RUN = [sys.executable, str(ROOT / "run_train.py")]
+
+
+def _run(*args, timeout=120, **kw):
+  return subprocess.run(RUN + list(args), capture_output=True, text=True, timeout=timeout,
+                        cwd=ROOT, **kw)
+
+
+def _one_error(p, *needles):
+  assert p.returncode != 0, p.stdout + p.stderr
+  assert "Traceback" not in p.stderr, p.stderr
+  err = [l for l in p.stderr.splitlines() if l.startswith(("error:", "FATAL"))]
+  assert len(err) == 1, p.stderr
+  for n in needles:
+    assert n in err[0], err[0]
+  return err[0]
+
+
+@pytest.mark.parametrize("flag,needles", [
+    ("--config.train.stepz=3", ["--config.train.stepz", "steps"]),
+    ("--config.train.steps=abc", ["--config.train.steps=abc"]),
+    ("--config.train.schedule=linear", ["train.schedule", "cosine"]),
+    ("--config.train.grad_accum=3", ["train.grad_accum", "divisor"]),
+    ("--config.model.moe.balancing=off", ["model.moe.balancing", "qb"]),
+    ("--config.model.vocab_size=100", ["vocab"]),
+    ("--config=configs/nonexistent.py", ["nonexistent.py"]),
+])
+def test_bad_flags_stop_with_one_message(tmp_path, flag, needles):
+  _one_error(_run(flag, f"--workdir={tmp_path}"), *needles)
+  assert not (tmp_path / "checkpoints").exists()
+
+
+def test_missing_and_empty_data(tmp_path):
+  _one_error(_run("--config.data.source=text", f"--config.data.paths={tmp_path}/nope.txt",
+                  f"--workdir={tmp_path}/w1"), "nope.txt")
+  (tmp_path / "empty.txt").write_text("")
+  _one_error(_run("--config.data.source=text", f"--config.data.paths={tmp_path}/empty.txt",
+                  f"--workdir={tmp_path}/w2"), "empty")
+
+
+def test_incompatible_workdir(tmp_path):
+  (tmp_path / "model_config.json").write_text(json.dumps({"d_model": 32}))
+  _one_error(_run(f"--workdir={tmp_path}"), "incompatible", "d_model")
+
+
+def test_dry_run_tiny_and_k3():
+  p = _run("--dry_run")
+  assert p.returncode == 0, p.stderr
+  assert "parameters: total" in p.stdout and "per device" in p.stdout
+  p = _run("--config=configs/kimi_k3.py", "--dry_run", "--config.mesh.fsdp=64",
+           "--config.mesh.expert=16")
+  assert p.returncode == 0, p.stderr
+  assert "1024 device(s)" in p.stdout and "B)" in p.stdout, p.stdout
+
+
+# ------------------------------------------------------------------------------------ slow
+_SMALL = ["--config.train.steps=24", "--config.train.seq_len=64", "--config.train.batch_size=4",
+          "--config.train.log_every=1", "--config.train.eval_every=0",
+          "--config.train.checkpoint_every=4", "--config.train.heatmap_every=0",
+          "--config.train.eval_batches=1"]
+
+
+def _losses(workdir):
+  out = {}
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    r = json.loads(line)
+    if r.get("split") == "train":
+      out[r["step"]] = r["loss"]
+  return out
+
+
+def _wait_for_step(workdir, step, proc, timeout=300):
+  t0 = time.time()
+  while time.time() - t0 < timeout:
+    if proc.poll() is not None:
+      raise AssertionError(f"run ended early: {proc.stderr.read()[-2000:]}")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(path) and max(_losses(workdir), default=0) >= step:
+      return
+    time.sleep(0.05)
+  raise AssertionError("timed out waiting for training progress")
+
+
+@pytest.mark.slow
+def test_sigkill_resume_is_exact(tmp_path):
+  ref, run = tmp_path / "ref", tmp_path / "run"
+  p = _run(*_SMALL, f"--workdir={ref}", f"--export_params_to={tmp_path}/ref_params",
+           timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  kill_at = random.Random().randint(5, 20)
+  proc = subprocess.Popen(RUN + _SMALL + [f"--workdir={run}"], cwd=ROOT, text=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  _wait_for_step(run, kill_at, proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  p = _run(*_SMALL, f"--workdir={run}", f"--export_params_to={tmp_path}/run_params",
+           timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "restored checkpoint" in p.stderr
+  assert _losses(run) == _losses(ref), f"killed at step >= {kill_at}"
+  a = load_exported_params(tmp_path / "ref_params")
+  b = load_exported_params(tmp_path / "run_params")
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_sigint_checkpoints_and_exits(tmp_path):
+  proc = subprocess.Popen(RUN + _SMALL + ["--config.train.checkpoint_every=1000",
+                                          f"--workdir={tmp_path}"],
+                          cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  _wait_for_step(str(tmp_path), 3, proc)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-3000:]
+  assert "received SIGINT" in err
+  steps = [int(s) for s in os.listdir(tmp_path / "checkpoints")]
+  assert len(steps) == 1 and 3 <= steps[0] < 24
+
+
+@pytest.mark.slow
+def test_default_run_learns(tmp_path):
+  """The embedded default: `python run_train.py` (here with a fresh workdir)."""
+  p = _run(f"--workdir={tmp_path}", timeout=1200)
+  assert p.returncode == 0, p.stderr[-3000:]
+  losses = _losses(tmp_path)
+  first, last = losses[min(losses)], losses[max(losses)]
+  assert last < 0.5 * first, (first, last)
+  evals = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if '"eval"' in l]
+  assert evals[-1]["bits_per_byte"] < 3.5
+  assert (tmp_path / "expert_load.png").exists()

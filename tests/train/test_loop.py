@@ -1,0 +1,172 @@
+"""train_and_evaluate on a stand-in model: outputs, resume exactness, corruption, bad input."""
+
+import glob
+import json
+import os
+import signal
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import heatmap
+from hybridmoe_jax.train.config import default_config
+from hybridmoe_jax.train.loop import InputError, train_and_evaluate
+from tests.train.train_fakes import FakeIterator, fake_fns
+
+
+class Crash(Exception):
+  pass
+
+
+class _Iter(FakeIterator):
+  """FakeIterator with a hook called before batch `at` (to crash or signal mid-run)."""
+
+  def __init__(self, *a, at=None, hook=None, **kw):
+    super().__init__(*a, **kw)
+    self.at, self.hook = at, hook
+
+  def __next__(self):
+    if self.at is not None and self.index == self.at:
+      self.at = None
+      self.hook()
+    return super().__next__()
+
+
+def _config(**train):
+  config = default_config()
+  m = config.model
+  m.vocab_size, m.d_model, m.num_layers = 64, 16, 2
+  m.moe.num_experts, m.moe.experts_per_token = 4, 1
+  config.train.update({**dict(steps=8, batch_size=4, seq_len=16, lr=3e-2, warmup=2,
+                              log_every=1, eval_every=4, eval_batches=2, checkpoint_every=3,
+                              keep_checkpoints=5, heatmap_every=4, maxvio_alert_steps=3,
+                              maxvio_alert_threshold=0.0, async_checkpoints=True), **train})
+  return config
+
+
+def _data(config, **kw):
+  t = config.train
+  evals = list(FakeIterator(t.batch_size, t.seq_len, seed=99, length=2))
+  return types.SimpleNamespace(train=_Iter(t.batch_size, t.seq_len, **kw), eval_batches=evals)
+
+
+def _run(config, workdir, **kw):
+  data_kw = {k: kw.pop(k) for k in ("at", "hook") if k in kw}
+  return train_and_evaluate(config, str(workdir), fns=fake_fns(), data=_data(config, **data_kw),
+                            **kw)
+
+
+def _train_losses(workdir):
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("split") == "train":
+        out[r["step"]] = r["loss"]          # a re-done step overwrites: last record wins
+  return out
+
+
+def test_end_to_end_outputs(tmp_path):
+  config = _config()
+  s = _run(config, tmp_path, export_params_to=str(tmp_path / "export"))
+  assert s["end_step"] == 8 and s["stopped_by"] is None
+  assert s["last_loss"] < s["first_loss"]
+  assert s["eval"]["bits_per_byte"] > 0 and s["eval"]["tokens"] > 0
+  assert s["alerts"]["maxvio"] >= 1          # threshold 0 -> the alert fires
+  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [3, 6, 8]
+  assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+  png = heatmap.decode_png(open(tmp_path / "expert_load.png", "rb").read())
+  assert png.shape == (16, 4 * 16, 3)        # 1 MoE layer x 4 experts, 16 px cells
+  assert len(_train_losses(tmp_path)) == 8
+  assert json.load(open(tmp_path / "model_config.json"))["d_model"] == 16
+  exported = ckpt_lib.load_exported_params(tmp_path / "export")
+  emb = exported["params"]["embed"]["embedding"]
+  np.testing.assert_array_equal(emb, s["state"].params["embed"]["embedding"][...])
+  assert "routing_biases" in exported
+  # Rerunning a finished run restores and does nothing more.
+  s2 = _run(config, tmp_path)
+  assert s2["start_step"] == 8 and s2["end_step"] == 8
+
+
+def test_resume_after_crash_is_exact(tmp_path):
+  config = _config()
+  ref = _run(config, tmp_path / "ref")
+
+  def crash():
+    raise Crash()
+
+  with pytest.raises(Crash):
+    _run(config, tmp_path / "run", at=5, hook=crash)       # dies during step 6
+  assert sorted(int(d) for d in os.listdir(tmp_path / "run" / "checkpoints")) == [3]
+  res = _run(config, tmp_path / "run")
+  assert res["start_step"] == 3 and res["end_step"] == 8
+  assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "ref")
+  for a, b in zip(jax.tree.leaves(ref["state"]), jax.tree.leaves(res["state"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path):
+  config = _config()
+  ref = _run(config, tmp_path / "ref")
+
+  def crash():
+    raise Crash()
+
+  with pytest.raises(Crash):
+    _run(config, tmp_path / "run", at=7, hook=crash)      # checkpoints 3 and 6 written
+  # Corrupt step 6's arrays; leave a partial (temporary) step 7 behind.
+  for f in glob.glob(str(tmp_path / "run" / "checkpoints" / "6" / "state" / "**" / "d" / "*"),
+                     recursive=True):
+    os.remove(f)
+  os.makedirs(tmp_path / "run" / "checkpoints" / "7.orbax-checkpoint-tmp-1")
+  res = _run(config, tmp_path / "run")
+  assert res["start_step"] == 3 and res["end_step"] == 8
+  corrupt = os.listdir(tmp_path / "run" / "checkpoints_corrupt")
+  assert any(c.startswith("6-") for c in corrupt) and any(c.startswith("7.") for c in corrupt)
+  for a, b in zip(jax.tree.leaves(ref["state"].params), jax.tree.leaves(res["state"].params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_sigint_saves_and_exits(tmp_path):
+  config = _config(checkpoint_every=100)
+  s = _run(config, tmp_path, at=4, hook=lambda: os.kill(os.getpid(), signal.SIGINT))
+  assert s["stopped_by"] == "SIGINT" and s["end_step"] == 5
+  assert os.listdir(tmp_path / "checkpoints") == ["5"]
+  assert signal.getsignal(signal.SIGINT) is not None
+  s2 = _run(config, tmp_path)
+  assert s2["start_step"] == 5 and s2["end_step"] == 8
+
+
+def test_incompatible_workdir_is_refused(tmp_path):
+  _run(_config(steps=3), tmp_path)
+  config = _config(steps=6)
+  config.model.d_model = 32
+  with pytest.raises(ConfigError, match="d_model"):
+    _run(config, tmp_path)
+  os.remove(tmp_path / "model_config.json")       # the checkpoint's own copy still catches it
+  with pytest.raises(ConfigError, match="d_model"):
+    _run(config, tmp_path)
+  config = _config(steps=6, optimizer="muon")
+  with pytest.raises(ConfigError, match="layout"):
+    _run(config, tmp_path)
+
+
+def test_bad_tokens_stop_before_training(tmp_path):
+  config = _config()
+  data = _data(config)
+  data.train.vocab = 100                             # ids up to 99 > vocab_size 64
+  with pytest.raises(InputError, match="outside the model vocabulary"):
+    train_and_evaluate(config, str(tmp_path), fns=fake_fns(), data=data)
+  assert not os.listdir(tmp_path / "checkpoints")
+
+
+def test_empty_dataset_stops(tmp_path):
+  config = _config()
+  data = _data(config)
+  data.train.length = 0
+  with pytest.raises(InputError, match="empty"):
+    train_and_evaluate(config, str(tmp_path), fns=fake_fns(), data=data)
