@@ -11,8 +11,12 @@ from hybridmoe_jax.model import HybridLM
 from tests.conftest import load_config, rel_rms
 
 
-def tiny_cfg(**overrides):
+def tiny_cfg(kda_impl="recurrent", **overrides):
+  """The tiny preset. Model-level tests default to the token-scan KDA: it runs eagerly in a
+  fraction of the chunked path's dispatch time, and chunked == recurrent is tested in
+  tests/ops/test_kda.py (test_shapes_and_stats keeps the chunked path in the model)."""
   model = load_config("tiny").model
+  model.kda.impl = kda_impl
   model.update(overrides)
   return model_config_from_dict(model)
 
@@ -21,6 +25,14 @@ def tiny_cfg(**overrides):
 def tiny():
   cfg = tiny_cfg()
   return cfg, HybridLM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_chunked_kda_in_model_matches_recurrent(tiny):
+  _, model = tiny
+  chunked = HybridLM(tiny_cfg(kda_impl="chunked"), rngs=nnx.Rngs(0))
+  tokens = _tokens(7, 1, 70)
+  seg = jnp.concatenate([jnp.ones((1, 30), jnp.int32), jnp.full((1, 40), 2, jnp.int32)], 1)
+  assert rel_rms(model(tokens, segment_ids=seg)[0], chunked(tokens, segment_ids=seg)[0]) < 1e-5
 
 
 def _tokens(key, b, t, vocab=256):
@@ -91,6 +103,6 @@ def test_remat_matches_plain_gradients():
   for remat in ("none", "full"):
     model = HybridLM(cfg, rngs=nnx.Rngs(2), remat=remat)
     loss = lambda m: m(_tokens(5, 1, 16))[0].mean()
-    grads.append(jax.tree.leaves(nnx.grad(loss)(model)))
+    grads.append(jax.tree.leaves(nnx.jit(nnx.grad(loss))(model)))
   for a, b in zip(*grads):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
