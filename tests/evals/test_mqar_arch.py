@@ -1,0 +1,42 @@
+"""Smoke test of benchmarks/mqar_arch.py: a few steps, one tiny cell, rows and JSONL out."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load():
+  spec = importlib.util.spec_from_file_location("mqar_arch", _ROOT / "benchmarks" / "mqar_arch.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_arch_configs():
+  mod = _load()
+  hybrid = mod.arch_config("hybrid", vocab=48, kda_impl="chunked")
+  assert hybrid.layer_kinds == ("kda", "kda", "kda", "mla")
+  assert not any(hybrid.is_moe_layer(i) for i in range(hybrid.num_layers))
+  unb = mod.arch_config("kda_unbounded", vocab=48, kda_impl="recurrent")
+  assert unb.layer_kinds == ("kda",) * 4 and unb.kda.gate == "unbounded"
+  assert mod.arch_config("kda", vocab=48, kda_impl="chunked").kda.gate == "bounded"
+
+
+def test_smoke_run(tmp_path):
+  mod = _load()
+  out = tmp_path / "m.jsonl"
+  rows = mod.main(["--steps=2", "--batch=2", "--lengths=16", "--pairs=2", "--archs=mla",
+                   "--vocab=48", "--eval_samples=2", "--log_every=0", f"--out={out}"])
+  assert [(r["arch"], r["length"], r["pairs"]) for r in rows] == [("mla", 16, 2)]
+  assert 0.0 <= rows[0]["accuracy"] <= 1.0
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert lines == rows
+
+
+def test_rejects_unknown_arch():
+  with pytest.raises(SystemExit):
+    _load().main(["--archs=rwkv"])
