@@ -16,7 +16,6 @@ LAYER_KINDS = ("kda", "mla")
 GLU_KINDS = ("situ", "swiglu")
 GATE_KINDS = ("bounded", "unbounded")
 BALANCING = ("qb", "sign", "none")
-QB_METHODS = ("exact", "histogram")
 KDA_IMPLS = ("auto", "recurrent", "chunked", "pallas")
 DTYPES = ("float32", "bfloat16")
 
@@ -146,10 +145,6 @@ class MoEConfig:
              f"one of {BALANCING}")
     _require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
 
-  @property
-  def expert_in_dim(self) -> int | None:
-    return self.latent_dim or None
-
 
 @dataclasses.dataclass(frozen=True)
 class AttnResConfig:
@@ -207,9 +202,6 @@ def default_layer_kinds(num_layers: int) -> tuple[str, ...]:
   """MLA at 1-based layers 4, 8, ... and the last layer; KDA elsewhere (DESIGN s3)."""
   return tuple("mla" if (i + 1) % 4 == 0 or i == num_layers - 1 else "kda"
                for i in range(num_layers))
-
-
-
 
 
 def _typed_fields(cls, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:

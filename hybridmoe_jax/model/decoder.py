@@ -95,10 +95,10 @@ class HybridLM(nnx.Module):
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
     moe_stats = {}
+    call = DecoderLayer.__call__
+    if self.remat != "none":
+      call = nnx.remat(call, policy=REMAT_POLICIES[self.remat])
     for layer in self.layers:
-      call = type(layer).__call__
-      if self.remat != "none":
-        call = nnx.remat(call, policy=REMAT_POLICIES[self.remat])
       stream, stats = call(layer, stream, segment_ids, valid)
       if stats is not None:
         moe_stats[f"layer_{layer.index}"] = stats
