@@ -3,6 +3,9 @@
   python run_eval.py --workdir=runs/x --task=all                 # newest checkpoint of a run
   python run_eval.py --params=runs/x/export --task=generate --prompt="The sky is"
   python run_eval.py --workdir=runs/x --task=niah --niah_lengths=512,2048 --niah_samples=8
+  python run_eval.py --workdir=runs/vlm --task=vqa                # vision models
+  python run_eval.py --workdir=runs/vlm --task=generate --image=scene.ppm \
+      --prompt=$'Q: colour at top left?\n<image>\nA:'   # image at <image>, else before
 
 Results go to --output_dir (default <workdir or params>/eval) as <task>.json, results.json
 and niah_heatmap.png, with a short table on stdout. The logic lives in `hybridmoe_jax.evals`.
@@ -42,6 +45,12 @@ flags.DEFINE_integer("niah_digits", _D.niah_digits, "niah: passkey digits.")
 flags.DEFINE_list("mqar_lengths", [str(x) for x in _D.mqar_lengths], "mqar: sequence lengths.")
 flags.DEFINE_list("mqar_pairs", [str(x) for x in _D.mqar_pairs], "mqar: key-value pairs.")
 flags.DEFINE_integer("mqar_samples", _D.mqar_samples, "mqar: sequences per cell.")
+flags.DEFINE_string("image", _D.image, "generate: image file (.npy, .ppm, .pgm) before the prompt.")
+flags.DEFINE_bool("pad_image", _D.pad_image,
+                  "Pad an image whose sides are not multiples of 2 * patch_size (else reject).")
+flags.DEFINE_integer("vqa_images", _D.vqa_images, "vqa: held-out generated images.")
+flags.DEFINE_integer("vqa_seed", _D.vqa_seed,
+                     "vqa: scene seed (-1: the run's data.vision.heldout_seed).")
 
 
 def main(argv):

@@ -3,6 +3,8 @@
   python run_train.py                                   # tiny config, bundled text, ~minutes
   python run_train.py --config=configs/tiny.py --config.train.steps=300 --workdir=runs/x
   python run_train.py --config=configs/kimi_k3.py --dry_run   # counts + memory, no allocation
+  python run_train.py --config.mesh.data=2 --config.mesh.fsdp=1 --config.mesh.expert=4  # 8 devices
+  python run_train.py --coordinator_address=host0:1234 --num_processes=2 --process_id=0 ...
 
 The run resumes from the newest good checkpoint in --workdir. All logic lives in
 `hybridmoe_jax.train`; this file only parses flags.
@@ -39,6 +41,14 @@ _EXPORT = flags.DEFINE_string(
     "export_params_to", None, "Write a params-only checkpoint (with routing biases) at the end.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "Print parameter counts and per-device memory, then exit.")
+# Multi-process (multi-host) runs: see hybridmoe_jax/parallel/distributed.py.
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Start jax.distributed; without --coordinator_address the cluster "
+    "(TPU pod, SLURM, Open MPI, Kubernetes) is auto-detected.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (explicit multi-process start).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
 
 
 def main(argv):
@@ -46,6 +56,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.config import ConfigError
+  from hybridmoe_jax.parallel import distributed
+  try:  # before anything touches a jax backend
+    distributed.initialize(enable=_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
+                           num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
   from hybridmoe_jax.train import dry_run, loop
   try:
     config = _CONFIG.value

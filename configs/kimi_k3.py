@@ -39,4 +39,18 @@ def get_config():
   m.moe.balancing = "qb"
   m.attnres.enabled = True
   m.attnres.block_size = 12       # 8 blocks over 93 layers
+  # Native vision tower (DESIGN s5), trained from scratch jointly with text; counted apart
+  # from the 2.78T text model (python -m hybridmoe_jax.describe --config=configs/kimi_k3.py).
+  v = m.vision
+  v.enabled = True
+  v.patch_size = 14
+  v.num_channels = 3
+  v.width = 1024
+  v.num_layers = 27
+  v.num_heads = 16                # head dim 64
+  v.mlp_dim = 4096                # 4 x width (not published)
+  v.native_grid = 64              # 896-pixel native side; other sizes interpolate
+  v.projector_dim = 0             # projector 4 * 1024 -> 7168 -> 7168, then RMSNorm
+  v.image_buckets = (224, 448, 896)
+  v.max_images_per_row = 8
   return config

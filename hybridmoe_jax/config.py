@@ -122,6 +122,9 @@ class MoEConfig:
   balancing: str = "qb"             # "qb", "sign" (DeepSeek rule) or "none"
   qb_num_bins: int = 1000           # histogram bins of the scalable QB update
   sign_gamma: float = 1e-3          # step of the DeepSeek sign rule
+  # Expert-parallel buffer: 0 -> dropless (worst-case buffers); c > 0 -> each expert shard
+  # receives at most ceil(c * m k) rows per step, the excess is dropped and counted.
+  capacity_factor: float = 0.0
 
   def validate(self, d_model: int, num_layers: int) -> None:
     p = "model.moe"
@@ -144,6 +147,9 @@ class MoEConfig:
     _require(self.balancing in BALANCING, f"{p}.balancing", self.balancing,
              f"one of {BALANCING}")
     _require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
+    _require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 0,
+             f"{p}.capacity_factor", self.capacity_factor,
+             "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +161,45 @@ class AttnResConfig:
 
   def validate(self) -> None:
     _positive("model.attnres", block_size=self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Native vision tower (DESIGN s5): patchify -> embed + 2-D positions -> bidirectional
+  encoder -> 2x2 merge -> MLP projector to d_model. Off (enabled=False) for text models."""
+
+  enabled: bool = False
+  patch_size: int = 14          # p: square patches of p x p pixels
+  num_channels: int = 3         # C: 3 (RGB) or 1 (grey)
+  width: int = 1024             # D: encoder width
+  num_layers: int = 27          # bidirectional encoder blocks inside each image (0 allowed)
+  num_heads: int = 16           # encoder attention heads (divides width)
+  mlp_dim: int = 4096           # encoder MLP hidden width
+  native_grid: int = 64         # learned position table: native_grid x native_grid patches
+  projector_dim: int = 0        # projector hidden width; 0 -> d_model
+  image_buckets: tuple[int, ...] = (224, 448, 896)  # padded square sides (pixels, ascending)
+  max_images_per_row: int = 4   # image slots per packed sequence
+
+  def validate(self, d_model: int) -> None:
+    if not self.enabled:
+      return
+    p = "model.vision"
+    _positive(p, patch_size=self.patch_size, width=self.width, num_heads=self.num_heads,
+              mlp_dim=self.mlp_dim, native_grid=self.native_grid,
+              max_images_per_row=self.max_images_per_row)
+    _require(self.num_channels in (1, 3), f"{p}.num_channels", self.num_channels, "1 or 3")
+    _require(isinstance(self.num_layers, int) and self.num_layers >= 0, f"{p}.num_layers",
+             self.num_layers, "an integer >= 0")
+    _require(self.width % self.num_heads == 0, f"{p}.num_heads", self.num_heads,
+             f"a divisor of width={self.width}")
+    _require(self.projector_dim >= 0, f"{p}.projector_dim", self.projector_dim,
+             ">= 0 (0 -> d_model)")
+    b = tuple(self.image_buckets)
+    _require(len(b) > 0 and all(isinstance(x, int) and x > 0 and x % (2 * self.patch_size) == 0
+                                for x in b) and list(b) == sorted(set(b)),
+             f"{p}.image_buckets", b,
+             f"a non-empty ascending tuple of sides that are multiples of 2 * patch_size = "
+             f"{2 * self.patch_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +216,7 @@ class ModelConfig:
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
   attnres: AttnResConfig = AttnResConfig()
+  vision: VisionConfig = VisionConfig()
 
   def __post_init__(self):
     _positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
@@ -189,6 +235,7 @@ class ModelConfig:
     self.mla.validate(self.d_model)
     self.moe.validate(self.d_model, self.num_layers)
     self.attnres.validate()
+    self.vision.validate(self.d_model)
 
   def is_moe_layer(self, i: int) -> bool:
     return i >= self.moe.first_dense_layers

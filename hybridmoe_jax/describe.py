@@ -8,7 +8,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
-from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
+from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, vision_breakdown
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config file.")
 
@@ -35,12 +35,30 @@ def breakdown_table(cfg: ModelConfig) -> str:
   return "\n".join(rows)
 
 
+def vision_table(cfg: ModelConfig) -> str:
+  """The vision tower's parameters per part (separate from the text model's table)."""
+  counts = vision_breakdown(cfg)
+  total = sum(counts.values())
+  v = cfg.vision
+  rows = [f"vision tower: {v.num_layers} blocks, width {v.width}, patch {v.patch_size}, "
+          f"2x2 merge, position table {v.native_grid}x{v.native_grid}",
+          f"{'component':<16}{'params':>12}{'share':>8}"]
+  for name, n in counts.items():
+    rows.append(f"{name:<16}{_human(n):>12}{100 * n / max(total, 1):>7.1f}%")
+  rows.append(f"{'VISION TOTAL':<16}{_human(total):>12}{100.0:>7.1f}%")
+  rows.append(f"exact: vision={total:,}")
+  return "\n".join(rows)
+
+
 def main(argv):
   del argv
   cfg = model_config_from_dict(_CONFIG.value.model)
   kinds = "".join("K" if k == "kda" else "M" for k in cfg.layer_kinds)
   print(f"layers ({cfg.num_layers}): {kinds}   K=KDA M=MLA")
+  print("text model:")
   print(breakdown_table(cfg))
+  if cfg.vision.enabled:
+    print(vision_table(cfg))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,22 @@
-"""Shared test helpers."""
+"""Shared test helpers.
 
-import importlib.util
-import pathlib
+The suite runs with 8 simulated CPU devices (set below, before anything imports jax) so that
+tests/parallel can build real meshes. Every other test sees a one-device world for meshes:
+the train loop's mesh uses only the first device and CLI subprocesses get one device.
+"""
 
-import numpy as np
+import os
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
+  os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_DEVICE_FLAG}=8".strip()
+
+import importlib.util  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pathlib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,3 +34,17 @@ def rel_rms(ref, x) -> float:
   ref = np.asarray(ref, np.float64)
   x = np.asarray(x, np.float64)
   return float(np.sqrt(np.mean((ref - x) ** 2)) / (np.sqrt(np.mean(ref ** 2)) + 1e-30))
+
+
+@pytest.fixture(autouse=True)
+def _single_device_outside_parallel(request, monkeypatch):
+  """Outside tests/parallel, runs see one device, as on a single-device machine."""
+  if "parallel" in pathlib.Path(str(request.node.fspath)).parts:
+    return
+  if _USER_XLA_FLAGS is None:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)   # subprocesses: one CPU device
+  else:
+    monkeypatch.setenv("XLA_FLAGS", _USER_XLA_FLAGS)
+  import jax  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
+                      lambda: list(jax.devices())[:1])

@@ -2,8 +2,8 @@
 
 Every random choice is a pure function of (seed, element index), so the same arguments give
 the same batches, and `it.get_state()` / `it.set_state(state)` (a small JSON-serialisable dict)
-resume a run on exactly the batches it would have seen. A curriculum stage is just another
-`make_pipeline` call with its own seq_len, batch size, sources and weights.
+resume a run on exactly the batches it would have seen. Context-curriculum stages have their
+own pipelines (stages.py: per-component mixing state, upsampling, retrieval documents).
 
 Batches: {"tokens", "segment_ids", "positions"}, each int32 [B, T]; see packing.py.
 """

@@ -4,6 +4,10 @@ Every string is representable, nothing has to be trained or downloaded, and the
 vocabulary (259) is tiny, which suits the small offline configs. The special ids
 sit after the bytes because byte 0 is a legal byte: a pad id of 0 would make a
 NUL character indistinguishable from padding.
+
+Vision models (`ByteTokenizer(vision=True)`) add three more ids after EOS: IMAGE_START,
+IMAGE_END and IMAGE_PAD (the placeholder the model replaces with projected image tokens),
+for a vocabulary of 262; text-only models keep exactly 259.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import numpy as np
 PAD_ID = 256
 BOS_ID = 257
 EOS_ID = 258
+IMAGE_START_ID = 259
+IMAGE_END_ID = 260
+IMAGE_PAD_ID = 261
+IMAGE_IDS = (IMAGE_START_ID, IMAGE_END_ID, IMAGE_PAD_ID)
 _NUM_BYTES = 256
 
 
@@ -30,15 +38,22 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-  """UTF-8 bytes as token ids; vocab = 256 bytes + pad (256) + bos (257) + eos (258)."""
+  """UTF-8 bytes as token ids; vocab = 256 bytes + pad (256) + bos (257) + eos (258), and
+  with vision=True also image_start (259), image_end (260), image_pad (261)."""
 
   pad_id = PAD_ID
   bos_id = BOS_ID
   eos_id = EOS_ID
+  image_start_id = IMAGE_START_ID
+  image_end_id = IMAGE_END_ID
+  image_pad_id = IMAGE_PAD_ID
+
+  def __init__(self, vision: bool = False):
+    self.vision = bool(vision)
 
   @property
   def vocab_size(self) -> int:
-    return _NUM_BYTES + 3
+    return _NUM_BYTES + (6 if self.vision else 3)
 
   def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
     """Encodes `text` as its UTF-8 bytes.

@@ -43,7 +43,7 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
     kw[f.name] = v
   opts = EvalOptions(**kw)
   positive = ("prefill_chunk", "kv_block", "ppl_max_len", "ppl_max_docs", "niah_samples",
-              "niah_digits", "mqar_samples", "max_new_tokens", "max_len")
+              "niah_digits", "mqar_samples", "max_new_tokens", "max_len", "vqa_images")
   for name in positive:
     if getattr(opts, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(opts, name)}")
@@ -67,6 +67,8 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
     raise ValueError("--prompt is empty: give some text to continue")
   expected = load_config_file(config) if config else None
   model, info = load_model(workdir=workdir, params=params, expected=expected)
+  if task == "all" and model.cfg.vision.enabled:
+    tasks.append("vqa")
   data = info.pop("data_config", None)
   output_dir = output_dir or os.path.join(workdir or params, "eval")
   where = f"step {info['step']} of {workdir}" if "step" in info else params

@@ -1,7 +1,9 @@
 """Run evaluation tasks on a model, write `<output_dir>/<task>.json`, print short tables.
 
 Tasks: ppl (perplexity / bits per byte by context bucket), niah (passkey grid + PNG
-heatmap), mqar (associative recall grid), generate (prompt -> text), all.
+heatmap), mqar (associative recall grid), generate (prompt [+ --image] -> text), vqa
+(vision models: question answering on held-out generated images), all (the text tasks, and
+vqa for a vision model).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import time
 from typing import Any, Sequence
 
 from hybridmoe_jax.data.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
-from hybridmoe_jax.evals import mqar, niah, ppl
+from hybridmoe_jax.data import images as images_lib
+from hybridmoe_jax.data import multimodal
+from hybridmoe_jax.evals import mqar, niah, ppl, vqa
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 
-TASKS = ("ppl", "niah", "mqar", "generate")
+TEXT_TASKS = ("ppl", "niah", "mqar", "generate")
+TASKS = TEXT_TASKS + ("vqa",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +48,15 @@ class EvalOptions:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  image: str = ""               # generate: image file (.npy/.ppm/.pgm) placed before the prompt
+  pad_image: bool = False       # pad an image whose sides are not multiples of 2p
+  vqa_images: int = 48          # vqa: held-out generated scenes
+  vqa_seed: int = -1            # vqa: scene seed; -1: the run's data.vision.heldout_seed
 
 
 def resolve_tasks(task: str) -> list[str]:
   if task == "all":
-    return list(TASKS)
+    return list(TEXT_TASKS)
   if task not in TASKS:
     raise ValueError(f"unknown task {task!r}: allowed one of {TASKS + ('all',)}")
   return [task]
@@ -69,19 +78,47 @@ def _engine(model, opts: EvalOptions, max_len: int) -> Engine:
 def run_generate(model: HybridLM, opts: EvalOptions) -> dict[str, Any]:
   if not opts.prompt:
     raise ValueError("--prompt is empty: give some text to continue")
-  tok = ByteTokenizer()
-  ids = tok.encode(opts.prompt, bos=True)
+  tok = ByteTokenizer(vision=model.cfg.vision.enabled)
+  images = None
+  if opts.image:
+    if not model.cfg.vision.enabled:
+      raise ValueError("--image needs a vision model (model.vision.enabled = True)")
+    if not os.path.isfile(opts.image):
+      raise ValueError(f"--image file {opts.image} does not exist")
+    proc = multimodal.Processor(model.cfg.vision, pad_images=opts.pad_image)
+    # The image goes where the prompt has "<image>", else before the prompt.
+    text = (opts.prompt if multimodal.IMAGE_MARKER in opts.prompt
+            else multimodal.IMAGE_MARKER + "\n" + opts.prompt)
+    doc = proc(text, [images_lib.read_image(opts.image)], eos=False)
+    ids, images = doc.tokens, multimodal.inference_batch(doc, model.cfg.vision)
+  else:
+    ids = tok.encode(opts.prompt, bos=True)
   # The exact --max_len (not rounded): a too-long prompt is reported against what was asked.
   engine = Engine(model, max_len=opts.max_len, prefill_chunk=opts.prefill_chunk,
                   kv_block=opts.kv_block)
   t0 = time.perf_counter()
   out = engine.generate(ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
                         sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p),
-                        stop_tokens=[EOS_ID], pad_id=PAD_ID)
+                        stop_tokens=[EOS_ID], pad_id=PAD_ID, images=images)
   n = int(out.lengths[0])
-  return {"prompt": opts.prompt, "text": tok.decode(out.tokens[0, :n]), "new_tokens": n,
+  return {"prompt": opts.prompt, "image": opts.image or None,
+          "text": tok.decode(out.tokens[0, :n]), "new_tokens": n,
           "seconds": time.perf_counter() - t0, "temperature": opts.temperature,
           "top_k": opts.top_k, "top_p": opts.top_p}
+
+
+def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None) -> dict[str, Any]:
+  """VQA on held-out generated scenes; sides and seed from the run's data.vision section."""
+  vis = data_cfg.get("vision") if data_cfg is not None else None
+  sides = tuple(vis.sides) if vis is not None else tuple(model.cfg.vision.image_buckets)
+  seed = opts.vqa_seed if opts.vqa_seed >= 0 else (int(vis.heldout_seed) if vis is not None
+                                                   else 2)
+  if vis is not None and seed == int(vis.train_seed):
+    raise ValueError(f"--vqa_seed={seed} is the training seed of the run's scenes: choose "
+                     "another so the images are held out")
+  engine = _engine(model, opts, 512)
+  return vqa.evaluate_vqa(engine, num_images=opts.vqa_images, seed=seed, sides=sides,
+                          channels=model.cfg.vision.num_channels)
 
 
 def run_task(task: str, model: HybridLM, opts: EvalOptions, output_dir: str,
@@ -98,6 +135,8 @@ def run_task(task: str, model: HybridLM, opts: EvalOptions, output_dir: str,
   if task == "mqar":
     return mqar.evaluate_mqar(_engine(model, opts, max(opts.mqar_lengths)), opts.mqar_lengths,
                               opts.mqar_pairs, samples=opts.mqar_samples, seed=opts.seed)
+  if task == "vqa":
+    return run_vqa(model, opts, data_cfg)
   return run_generate(model, opts)
 
 
@@ -119,6 +158,8 @@ def format_table(task: str, r: dict[str, Any]) -> str:
     lines = [f"{'length':>7} {'pairs':>6} {'accuracy':>9}"]
     lines += [f"{c['length']:>7} {c['pairs']:>6} {c['accuracy']:>9.3f}" for c in r["cells"]]
     return "\n".join(lines + [f"chance {r['chance']:.3f}"])
+  if task == "vqa":
+    return vqa.format_vqa(r)
   return f"{r['prompt']!r} -> {r['text']!r} ({r['new_tokens']} tokens, {r['seconds']:.2f}s)"
 
 

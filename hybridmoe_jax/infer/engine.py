@@ -6,6 +6,12 @@ so one compilation serves every call with the same shapes. A prompt is fed in ch
 tokens (the last one padded), so its length never changes a shape and a prompt of any
 length up to N runs in memory bounded by P, the cache and one attention block.
 All rows of a batch share one length (prompts are not ragged).
+
+Images (vision models): `prefill(tokens, images=...)` takes the image keys of a processed
+batch (images, image_grid, image_index; see hybridmoe_jax.data.multimodal). The input
+embeddings of the whole prompt are computed once (`_embed_inputs`: the vision tower runs
+once per image) and then fed chunk by chunk like text: the caches hold image positions
+exactly as they hold text positions, so decoding after an image needs nothing special.
 """
 
 from __future__ import annotations
@@ -31,16 +37,18 @@ _F32 = jnp.float32
 
 
 def forward_chunk(model: HybridLM, tokens: jax.Array, cache: DecodeCache, n_valid: jax.Array,
-                  kv_block: int = 512) -> tuple[jax.Array, DecodeCache]:
+                  kv_block: int = 512, x: jax.Array | None = None
+                  ) -> tuple[jax.Array, DecodeCache]:
   """The decoder over P new tokens at positions cache.length.. (the first n_valid real).
 
   Mirrors `HybridLM.__call__` + `DecoderLayer.__call__` with cached mixers; the MoE runs
-  with its frozen routing bias and its statistics are dropped.
+  with its frozen routing bias and its statistics are dropped. `x` [B, P, d], if given,
+  replaces the token embeddings (precomputed inputs with image tokens; tokens unused).
   Returns (final normed hidden [B, P, d] float32, updated cache).
   """
   cfg = model.cfg
   start = cache.length
-  x = model.embed(tokens)
+  x = model.embed(tokens) if x is None else x
   attnres = cfg.attnres.enabled
   stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
             if attnres else x)
@@ -67,6 +75,24 @@ def _prefill_chunk(graphdef, state, tokens, cache, n_valid, kv_block):
   TRACE_COUNTS["prefill_chunk"] += 1
   model = nnx.merge(graphdef, state)
   h, cache = forward_chunk(model, tokens, cache, n_valid, kv_block)
+  last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
+  return model.lm_head(last), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _embed_inputs(graphdef, state, tokens, images, image_grid, image_index):
+  """tokens [B, T] + image keys -> input embeddings [B, T, d] (the tower runs once)."""
+  TRACE_COUNTS["embed_inputs"] += 1
+  model = nnx.merge(graphdef, state)
+  return model.embed_inputs(tokens, images, image_grid, image_index)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
+def _prefill_embeds_chunk(graphdef, state, x, cache, n_valid, kv_block):
+  """Like _prefill_chunk over precomputed inputs x [B, P, d]."""
+  TRACE_COUNTS["prefill_chunk"] += 1
+  model = nnx.merge(graphdef, state)
+  h, cache = forward_chunk(model, None, cache, n_valid, kv_block, x=x)
   last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
   return model.lm_head(last), cache
 
@@ -183,14 +209,48 @@ class Engine:
       n = part.shape[1]
       yield s, np.pad(part, ((0, 0), (0, p - n))), np.int32(n)
 
-  def prefill(self, tokens, cache: DecodeCache | None = None
+  def _image_inputs(self, tokens: np.ndarray, images: dict) -> jax.Array:
+    """Input embeddings [B, T_pad, d] of a prompt with images, T padded to a multiple of P
+    (so prompts of different lengths share compilations)."""
+    if not self.cfg.vision.enabled:
+      raise ValueError("images were given to a model without a vision tower "
+                       "(model.vision.enabled = False)")
+    missing = [k for k in ("images", "image_grid", "image_index") if k not in images]
+    if missing:
+      raise ValueError(f"images must hold images, image_grid and image_index; missing "
+                       f"{missing} (build them with hybridmoe_jax.data.multimodal)")
+    index = np.asarray(images["image_index"], np.int32)
+    if index.shape != tokens.shape:
+      raise ValueError(f"image_index has shape {index.shape}, the prompt {tokens.shape}")
+    grid = np.asarray(images["image_grid"])
+    pix = np.asarray(images["images"], np.float32)
+    slots = grid.shape[1]
+    k = (pix.shape[2] // (2 * self.cfg.vision.patch_size)) ** 2
+    if index.max(initial=-1) >= slots * k:
+      raise ValueError(f"image_index refers to image token {int(index.max())} but the "
+                       f"images provide {slots * k}")
+    pad = -tokens.shape[1] % self.prefill_chunk
+    tokens = np.pad(tokens, ((0, 0), (0, pad)))
+    index = np.pad(index, ((0, 0), (0, pad)), constant_values=-1)
+    return _embed_inputs(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(pix),
+                         jnp.asarray(grid, jnp.int32), jnp.asarray(index))
+
+  def prefill(self, tokens, cache: DecodeCache | None = None, images: dict | None = None
               ) -> tuple[jax.Array, DecodeCache]:
     """Feed a prompt [B, T] after `cache` (if given) -> (last token's logits [B, V], cache).
 
+    images: optional image keys of the prompt (see the module docstring).
     The cache passed in is donated (its buffers are reused): use only the returned one.
     """
     tokens = self._check_tokens(tokens, cache, "prompt")
     cache = self.init_cache(tokens.shape[0]) if cache is None else cache
+    if images is not None:
+      x = self._image_inputs(tokens, images)
+      p = self.prefill_chunk
+      for s, _, n in self._chunks(tokens):
+        logits, cache = _prefill_embeds_chunk(self.graphdef, self.state, x[:, s:s + p], cache,
+                                              n, kv_block=self.kv_block)
+      return logits, cache
     for _, part, n in self._chunks(tokens):
       logits, cache = _prefill_chunk(self.graphdef, self.state, part, cache, n,
                                      kv_block=self.kv_block)
@@ -219,10 +279,11 @@ class Engine:
     return np.concatenate(nll, 1)[:, :-1], np.concatenate(pred, 1)[:, :-1]
 
   def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-               stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0
-               ) -> GenerateOutput:
-    """Prefill `prompt` [B, T], then sample up to max_new_tokens (fewer if the cache fills
-    or every row hit a stop token). One compilation per (B, max_new_tokens)."""
+               stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
+               images: dict | None = None) -> GenerateOutput:
+    """Prefill `prompt` [B, T] (with `images`, if given: see prefill), then sample up to
+    max_new_tokens (fewer if the cache fills or every row hit a stop token). One
+    compilation per (B, max_new_tokens)."""
     if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not 0 <= pad_id < self.cfg.vocab_size:   # finished rows are fed pad_id
@@ -232,7 +293,7 @@ class Engine:
     if room < 1:
       raise ValueError(f"prompt of {tokens.shape[1]} tokens leaves no room to generate "
                        f"within max_len={self.max_len}")
-    logits, cache = self.prefill(tokens)
+    logits, cache = self.prefill(tokens, images=images)
     # A fixed-size stop list (padded with -1) keeps one compilation for any stop set.
     stop = list(stop_tokens)
     stop = jnp.asarray(stop + [-1] * (max(8, len(stop)) - len(stop)), jnp.int32)

@@ -6,6 +6,9 @@ I expert width, n_in = expert input width (latent l, else d).
   w_gate, w_up [E, n_in, I]; w_down [E, I, n_in]; all parameters fp32, matmuls in `dtype`.
 The balancing bias only selects experts; the train step updates it from the additive stats
 this layer returns (`update_bias`), outside the gradient and the optimizer.
+Under a multi-device mesh context (`jax.set_mesh`), impl="ragged" runs expert-parallel
+(`parallel.ep_moe`: shard_map over "expert", ragged all-to-all, dropless unless
+`capacity_factor` > 0) and the statistics are psum-ed over every token shard.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hybridmoe_jax.ops.glu import get_glu
 from hybridmoe_jax.ops.quantile_balance import (bias_from_histogram, qb_histogram, qb_range,
                                                 sign_rule_update)
 from hybridmoe_jax.ops.routing import expert_load, max_violation, sigmoid_topk_route
+from hybridmoe_jax.parallel import ep_moe, rules
 
 ExpertImpl = Literal["ragged", "dense"]
 _F32 = jnp.float32
@@ -144,12 +148,18 @@ class MoE(nnx.Module):
     Returns:
       y: [B, T, d] in the compute dtype.
       stats: additive int32 arrays (sum them over microbatches and shards):
-        "load" [E] assignments of valid tokens; "qb_hist" [E, qb_num_bins] (balancing "qb").
+        "load" [E] assignments of valid tokens; "qb_hist" [E, qb_num_bins] (balancing "qb");
+        under a multi-device mesh also "dropped" [] valid assignments dropped by the
+        expert-parallel buffer (0 unless `capacity_factor` > 0).
     """
     cfg, dtype = self.cfg, self.dtype
     b, t, d = x.shape
+    x = rules.constrain(x, ("batch", "length", "act_embed"))
     xf = x.reshape(b * t, d)
     valid = None if mask is None else mask.reshape(b * t)
+    # Inside a multi-device mesh context (`jax.set_mesh`) the ragged path runs expert-parallel.
+    mesh = jax.sharding.get_abstract_mesh()
+    sharded = self.impl == "ragged" and ep_moe.use_expert_parallel(mesh)
     bias = self.bias[...]
     # Router in fp32 at full precision: bf16/TF32 logits would flip near-tied routes.
     logits = jnp.dot(xf.astype(_F32), self.router[...], precision=jax.lax.Precision.HIGHEST)
@@ -158,17 +168,33 @@ class MoE(nnx.Module):
     h = xf.astype(dtype)
     if cfg.latent_dim:
       h = _mm(h, self.latent_down[...], dtype).astype(dtype)
-    y = _EXPERT_IMPLS[self.impl](h, routes.experts, routes.weights, self.w_gate[...],
-                                 self.w_up[...], self.w_down[...], get_glu(cfg.glu), dtype)
+    if sharded:
+      ok = jnp.ones((b * t,), bool) if valid is None else valid
+      y, dropped = ep_moe.expert_parallel_ffn(
+          h, routes.experts, routes.weights, ok, self.w_gate[...], self.w_up[...],
+          self.w_down[...], glu=get_glu(cfg.glu), dtype=dtype,
+          capacity_factor=cfg.capacity_factor)
+    else:
+      y = _EXPERT_IMPLS[self.impl](h, routes.experts, routes.weights, self.w_gate[...],
+                                   self.w_up[...], self.w_down[...], get_glu(cfg.glu), dtype)
     if cfg.latent_dim:
       y = _mm(self.latent_norm(y), self.latent_up[...], dtype)
     if self.shared is not None:
       y = y + self.shared(xf).astype(_F32)
-    stats = {"load": expert_load(routes.experts, cfg.num_experts, valid)}
-    if cfg.balancing == "qb":
-      stats["qb_hist"] = qb_histogram(routes.scores, bias, cfg.experts_per_token,
-                                      cfg.qb_num_bins, valid, cutoff=routes.cutoff)
-    return y.astype(dtype).reshape(b, t, d), stats
+    qb_bins = cfg.qb_num_bins if cfg.balancing == "qb" else None
+    if sharded:
+      # Per-shard counts, one integer psum over all token shards: the pooled histogram.
+      stats = ep_moe.sharded_routing_stats(routes.experts, routes.scores, routes.cutoff, bias,
+                                           ok, num_experts=cfg.num_experts,
+                                           k=cfg.experts_per_token, num_bins=qb_bins)
+      stats["dropped"] = dropped
+    else:
+      stats = {"load": expert_load(routes.experts, cfg.num_experts, valid)}
+      if qb_bins:
+        stats["qb_hist"] = qb_histogram(routes.scores, bias, cfg.experts_per_token,
+                                        qb_bins, valid, cutoff=routes.cutoff)
+    y = rules.constrain(y.astype(dtype).reshape(b, t, d), ("batch", "length", "act_embed"))
+    return y, stats
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -2,7 +2,8 @@
 
 Published convention (DESIGN s0): total = every weight; active = every weight one text token
 uses except the input embedding (the LM head counts), i.e. all dense weights plus k/E of the
-routed experts.
+routed experts. The vision tower (DESIGN s5) is counted apart: `count_params` and
+`param_breakdown` describe the text model only, `vision_breakdown` the tower.
 """
 
 import collections
@@ -12,6 +13,7 @@ import math
 from flax import nnx
 
 from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.layers.vision import VisionTower
 from hybridmoe_jax.model.decoder import DecoderLayer, HybridLM
 
 COMPONENTS = ("kda", "mla", "routed_experts", "shared_experts", "router_latent", "dense_ffn",
@@ -64,11 +66,40 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
       counts[_component(cfg, ("layers", str(index)) + path, shape)] += times * math.prod(shape)
   # Everything outside the layer stack, from a one-layer model of the same widths.
   one = dataclasses.replace(cfg, num_layers=1, layer_kinds=("kda",),
-                            moe=dataclasses.replace(cfg.moe, first_dense_layers=1))
+                            moe=dataclasses.replace(cfg.moe, first_dense_layers=1),
+                            vision=dataclasses.replace(cfg.vision, enabled=False))
   for path, shape in _abstract_params(lambda: HybridLM(one, rngs=nnx.Rngs(0))):
     if path[0] != "layers":
       counts[_component(cfg, path, shape)] += math.prod(shape)
   return dict(counts)
+
+
+VISION_COMPONENTS = ("patch_embed", "position_table", "encoder_blocks", "projector")
+
+
+def vision_breakdown(cfg: ModelConfig) -> dict[str, int]:
+  """Vision-tower parameters per part (keys: VISION_COMPONENTS); all 0 without vision.
+
+  One encoder block is traced and multiplied by the depth, as for the decoder layers.
+  """
+  counts = {c: 0 for c in VISION_COMPONENTS}
+  v = cfg.vision
+  if not v.enabled:
+    return counts
+  one = dataclasses.replace(v, num_layers=min(v.num_layers, 1))
+  for path, shape in _abstract_params(
+      lambda: VisionTower(one, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
+                          rngs=nnx.Rngs(0))):
+    n = math.prod(shape)
+    if path[0] == "blocks":
+      counts["encoder_blocks"] += n * v.num_layers
+    elif path[0] == "patch_embed":
+      counts["patch_embed"] += n
+    elif path[0] == "pos_table":
+      counts["position_table"] += n
+    else:  # merge norm, projector MLP and its final norm
+      counts["projector"] += n
+  return counts
 
 
 def active_from_breakdown(cfg: ModelConfig, counts: dict[str, int]) -> int:

@@ -3,6 +3,12 @@
 Conventions: B batch, T tokens, d width, E routed experts. tokens/segment_ids [B, T] int32;
 segment id 0 marks padding (excluded from routing statistics), and tokens of different
 segments never interact (KDA state resets, attention masks, conv taps).
+
+Vision (cfg.vision.enabled): per row up to M images padded to one S x S bucket,
+images [B, M, S, S, C] float, image_grid [B, M, 2] int32 (real patch rows/cols, 0 = empty
+slot) and image_index [B, T] int32 (-1 for text; else the flat index m * K + r * S/2p + c
+of the merged image token that replaces this placeholder, K = (S/2p)^2). The tower runs on
+every image slot and its outputs replace the placeholder embeddings (`embed_inputs`).
 """
 
 from typing import Any
@@ -18,6 +24,7 @@ from hybridmoe_jax.layers.linear import linear
 from hybridmoe_jax.layers.mla import MLALayer
 from hybridmoe_jax.layers.moe import GLUMLP, MoE
 from hybridmoe_jax.layers.norms import RMSNorm
+from hybridmoe_jax.layers.vision import VisionTower
 
 REMAT_POLICIES = {
     "none": None,
@@ -74,15 +81,41 @@ class HybridLM(nnx.Module):
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    if cfg.vision.enabled:
+      self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
+                                rngs=rngs)
     if cfg.attnres.enabled:
       self.final_mix = DepthMix(cfg.d_model, eps=cfg.norm_eps)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     # The head runs in fp32 so logits (and the loss) are fp32 whatever the compute dtype.
     self.lm_head = linear(cfg.d_model, cfg.vocab_size, dtype="float32", rngs=rngs)
 
-  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None
-               ) -> tuple[jax.Array, dict[str, Any]]:
-    """tokens [B, T] int32 -> (logits [B, T, vocab] fp32, aux).
+  def image_features(self, images: jax.Array, image_grid: jax.Array) -> jax.Array:
+    """images [B, M, S, S, C], image_grid [B, M, 2] -> [B, M*K, d] projected image tokens."""
+    b, m, s, _, c = images.shape
+    feats = self.vision(images.reshape(b * m, s, s, c), image_grid.reshape(b * m, 2))
+    return feats.reshape(b, m * feats.shape[1], feats.shape[2])
+
+  def embed_inputs(self, tokens: jax.Array, images: jax.Array | None = None,
+                   image_grid: jax.Array | None = None,
+                   image_index: jax.Array | None = None) -> jax.Array:
+    """tokens [B, T] -> input embeddings [B, T, d]; placeholders (image_index >= 0) take the
+    projected image token they index (see the module docstring)."""
+    x = self.embed(tokens)
+    if images is None:
+      return x
+    if not self.cfg.vision.enabled:
+      raise ValueError("images were given to a model without a vision tower "
+                       "(model.vision.enabled = False)")
+    feats = self.image_features(images, image_grid)
+    picked = jnp.take_along_axis(feats, jnp.maximum(image_index, 0)[..., None], axis=1)
+    return jnp.where(image_index[..., None] >= 0, picked.astype(x.dtype), x)
+
+  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+               images: jax.Array | None = None, image_grid: jax.Array | None = None,
+               image_index: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+    """tokens [B, T] int32 (+ optional images, see the module docstring)
+    -> (logits [B, T, vocab] fp32, aux).
 
     aux["moe"][f"layer_{i}"] holds additive int32 routing statistics of MoE layer i:
     "load" [E] and, with Quantile Balancing, "qb_hist" [E, qb_num_bins].
@@ -91,7 +124,7 @@ class HybridLM(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.ones(tokens.shape, jnp.int32)
     valid = segment_ids > 0
-    x = self.embed(tokens)
+    x = self.embed_inputs(tokens, images, image_grid, image_index)
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
     moe_stats = {}

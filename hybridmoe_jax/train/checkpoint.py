@@ -6,10 +6,14 @@ Restore walks back from the newest step: a checkpoint that fails to load or whos
 fingerprint (per-leaf sums recorded at save time) does not match is reported, moved to
 `workdir/checkpoints_corrupt/` (never deleted or overwritten) and the previous one is tried.
 `meta` holds the model config: a workdir from an incompatible config stops the run.
+Sharded states are saved collectively (every process calls `save`; orbax writes each shard
+once) and restored onto whatever shardings the abstract target carries, so a run may resume
+on a different mesh (`parallel.runtime.Runtime.restore_target`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging as std_logging
@@ -25,13 +29,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.config import ConfigError, ModelConfig
+from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 
 CONFIG_FILE = "model_config.json"
 # Model fields that change how a step computes but not what the state holds: a workdir may be
 # resumed with new values (with a warning). Every other model field must match.
 RUNTIME_FIELDS = ("model.dtype", "model.kda.impl", "model.kda.chunk_size",
-                  "model.moe.balancing", "model.moe.qb_num_bins", "model.moe.sign_gamma")
+                  "model.moe.balancing", "model.moe.qb_num_bins", "model.moe.sign_gamma",
+                  "model.moe.capacity_factor")
 
 
 class _QuietOrbax(std_logging.Filter):
@@ -88,6 +94,17 @@ def config_diff(saved: dict, current: dict, prefix: str = "model") -> list[str]:
   return out
 
 
+def _fill_absent(saved: dict, defaults: dict) -> dict:
+  """`saved` with the fields it lacks (added to the config after it was written) defaulted."""
+  out = dict(saved)
+  for key, value in defaults.items():
+    if key not in out:
+      out[key] = value
+    elif isinstance(out[key], dict) and isinstance(value, dict):
+      out[key] = _fill_absent(out[key], value)
+  return out
+
+
 def check_workdir_config(workdir: str, model_dict: dict[str, Any], *, source: str | None = None,
                          saved: dict | None = None) -> None:
   """Raise ConfigError if the workdir's stored model config differs from `model_dict`."""
@@ -98,7 +115,9 @@ def check_workdir_config(workdir: str, model_dict: dict[str, Any], *, source: st
     with open(path, encoding="utf-8") as f:
       saved = json.load(f)
     source = path
-  diff = config_diff(_jsonify(saved), _jsonify(model_dict))
+  # A run saved before a config field existed used that field's default (e.g. no vision).
+  saved = _fill_absent(_jsonify(saved), _jsonify(dataclasses.asdict(ModelConfig())))
+  diff = config_diff(saved, _jsonify(model_dict))
   soft = [d for d in diff if d.split(":")[0] in RUNTIME_FIELDS]
   if soft:
     logging.warning("resuming with changed runtime settings: %s", "; ".join(soft))
@@ -146,7 +165,7 @@ class Checkpointer:
       state = jax.tree.map(jnp.copy, state)
     meta = {**meta, "step": step, "fingerprint": fingerprint(state), "time": time.time()}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              data=ocp.args.JsonSave(data_state or {}),
+                              data=ocp.args.JsonSave(gather_host_states(data_state or {})),
                               meta=ocp.args.JsonSave(_jsonify(meta)))
     self.manager.save(step, args=args, force=True)
     return True
@@ -194,7 +213,7 @@ class Checkpointer:
         self._quarantine(step, "restored values do not match the fingerprint saved with them")
         continue
       logging.info("restored checkpoint step %d from %s", step, self.directory)
-      return r.state, r.data, meta
+      return r.state, own_host_state(r.data), meta
     return None
 
   def _quarantine(self, step: int, why: str) -> None:

@@ -1,10 +1,10 @@
 """The root ConfigDict every `configs/*.py` preset starts from.
 
 Sections: `model` (-> `hybridmoe_jax.config.ModelConfig`), `train` (this file), `data`
-(`hybridmoe_jax.data.config.default_data_config()`), `mesh` (device mesh sizes; used only by
-the dry-run memory estimate until the sharding issue lands). Model defaults come from the typed
-dataclasses, so each default is written once; `validate_train_config` checks the rest before
-anything is allocated.
+(`hybridmoe_jax.data.config.default_data_config()`), `mesh` (device mesh sizes: the
+training mesh of `hybridmoe_jax.parallel` and the dry-run memory estimate). Model defaults
+come from the typed dataclasses, so each default is written once; `validate_train_config`
+checks the rest before anything is allocated.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ml_collections
 
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.data.config import default_data_config
+from hybridmoe_jax.train import curriculum as curriculum_lib
 
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -80,7 +81,8 @@ def _train_config() -> ml_collections.ConfigDict:
 
 def _mesh_config() -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
-  # Mesh axis sizes; -1 takes the remaining devices. Only the dry-run estimate uses them yet.
+  # Mesh axis sizes; -1 takes the remaining devices; the product must equal the number of
+  # devices of all processes. Batch over data x fsdp, experts over expert (parallel/rules.py).
   m.data = 1
   m.fsdp = -1
   m.expert = 1
@@ -97,6 +99,7 @@ def default_config() -> ml_collections.ConfigDict:
   config.train = _train_config()
   config.data = default_data_config()
   config.mesh = _mesh_config()
+  config.curriculum = curriculum_lib.default_curriculum_config()
   return config
 
 
@@ -147,6 +150,8 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
   _check(isinstance(t.async_checkpoints, bool), "train.async_checkpoints",
          t.async_checkpoints, "True or False")
   validate_mesh_config(config.mesh)
+  if "curriculum" in config:
+    curriculum_lib.validate_curriculum_config(config)
 
 
 def validate_mesh_config(mesh: ml_collections.ConfigDict) -> None:

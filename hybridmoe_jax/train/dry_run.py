@@ -1,5 +1,9 @@
 """`--dry_run`: parameter counts and per-device parameter + optimizer memory, nothing allocated.
 
+With a context curriculum (`config.curriculum.stages`) it also prints the stage plan and, per
+stage, an analytic estimate of the activation memory per device under each remat policy and
+the least remat that fits (`activation_bytes_per_token`; an estimate, good to about 2x).
+
 Everything comes from abstract shapes (`nnx.eval_shape` / `jax.eval_shape`). Per-device
 memory assumes the usual layout of the planned sharding: dense weights split over
 fsdp x tensor, routed experts over expert x fsdp x tensor, replicated over data.
@@ -19,6 +23,7 @@ from hybridmoe_jax.config import model_config_from_dict
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
+from hybridmoe_jax.train import curriculum as curriculum_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.config import MESH_AXES, mesh_shape, validate_train_config
 
@@ -104,8 +109,86 @@ def report(e: dict) -> str:
   ])
 
 
+# Memory one accelerator offers for params + optimizer + gradients + activations (H100/H200
+# class, minus headroom for XLA scratch and fragmentation).
+DEVICE_MEMORY_GIB = 64.0
+
+
+def activation_bytes_per_token(cfg, seq_len: int) -> dict[str, float]:
+  """Bytes of activations kept for the backward pass, per token of one sequence.
+
+  Counts the tensors each sublayer saves (projections, conv outputs, gates, router scores,
+  expert hidden states at k experts/token, norms and residual adds) in the compute dtype;
+  "dots" keeps about half (matmul outputs only); "full" keeps each layer's input plus the
+  AttnRes block buffer and recomputes one layer at a time. `attention_scores` is the
+  [H, T] softmax row per query token that the XLA MLA core materialises (fp32 logits +
+  probabilities): quadratic in T per sequence, it is what a flash-style kernel removes.
+  """
+  b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  d, k, m, moe = cfg.d_model, cfg.kda, cfg.mla, cfg.moe
+  kda = 6 * d + 5 * k.num_heads * k.head_dim + 4 * k.num_v_heads * k.v_head_dim + k.num_heads
+  mla = (6 * d + 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+         + 2 * m.kv_lora_rank + 3 * m.num_heads * m.v_head_dim)
+  width = moe.latent_dim or d
+  routed = (4 * moe.num_experts // b + moe.experts_per_token * (3 * moe.expert_intermediate
+                                                                + 2 * width))
+  shared = 3 * moe.num_shared_experts * moe.shared_intermediate
+  dense = 3 * moe.dense_intermediate + 4 * d
+  layers, scores = 0.0, 0.0
+  for i, kind in enumerate(cfg.layer_kinds):
+    layers += kda if kind == "kda" else mla
+    layers += (routed + shared + 4 * d) if cfg.is_moe_layer(i) else dense
+    if kind != "kda":
+      scores += 8.0 * m.num_heads * seq_len  # fp32 logits + probabilities, per query token
+  per_layer_max = max(kda, mla) + max(routed + shared + 4 * d, dense)
+  blocks = math.ceil(cfg.num_layers / cfg.attnres.block_size) if cfg.attnres.enabled else 0
+  n = max(cfg.num_layers, 1)
+  return {
+      "none": layers * b, "dots": 0.5 * layers * b,
+      "full": (n * d * (1 + blocks) + per_layer_max) * b,
+      "attention_scores": scores,
+  }
+
+
+def curriculum_report(config: ml_collections.ConfigDict, e: dict) -> str:
+  """Plan and per-stage activation memory per device, with the least remat that fits."""
+  plan = curriculum_lib.build_plan(config)
+  cfg = model_config_from_dict(config.model)
+  rows_split = e["mesh"]["data"] * e["mesh"]["fsdp"]  # batch rows are split over these axes
+  static = e["per_device_param_bytes"] * 2 + e["per_device_opt_bytes"]  # + fp32 gradients
+  budget = DEVICE_MEMORY_GIB * GiB
+  lines = [curriculum_lib.describe(plan),
+           f"activation memory per device (estimate; params + grads + optimizer "
+           f"{_fmt_bytes(static)}; budget {DEVICE_MEMORY_GIB:g} GiB per device):"]
+  for s in plan.stages:
+    per_tok = activation_bytes_per_token(cfg, s.seq_len)
+    rows = s.batch_size / rows_split
+    tokens = rows * s.seq_len
+    mb = max(1, config.train.grad_accum)
+    acts = {p: per_tok[p] * tokens / mb for p in ("none", "dots", "full")}
+    scores = per_tok["attention_scores"] * s.seq_len * max(rows, 1.0) / mb
+    fits = [p for p in ("none", "dots", "full") if static + acts[p] + scores <= budget]
+    fits_flash = [p for p in ("none", "dots", "full") if static + acts[p] <= budget]
+    if fits:
+      need = f"remat needed: train.remat='{fits[0]}'"
+    elif fits_flash:
+      need = (f"does not fit with the XLA attention core; with a flash-attention kernel: "
+              f"train.remat='{fits_flash[0]}'")
+    else:
+      need = "does not fit even with remat='full': raise train.grad_accum or add devices"
+    cp = (f"; {rows:.2f} rows per device: needs context parallelism over "
+          f"{math.ceil(1 / rows)} devices" if rows < 1 else "")
+    lines.append(
+        f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/device | activations none "
+        f"{_fmt_bytes(acts['none'])}, dots {_fmt_bytes(acts['dots'])}, full "
+        f"{_fmt_bytes(acts['full'])} + MLA score matrices {_fmt_bytes(scores)} | {need}{cp}")
+  return "\n".join(lines)
+
+
 def dry_run(config: ml_collections.ConfigDict) -> dict:
-  """Print the report; return the estimate."""
+  """Print the report (and the curriculum plan when there is one); return the estimate."""
   e = estimate(config)
   print(report(e), flush=True)
+  if curriculum_lib.enabled(config):
+    print(curriculum_report(config, e), flush=True)
   return e

@@ -22,8 +22,10 @@ import ml_collections
 import numpy as np
 
 from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
-from hybridmoe_jax.data import build_train_and_eval
+from hybridmoe_jax.data import build_train_and_eval, build_vlm_train_and_eval
+from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import curriculum as curriculum_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.config import validate_train_config
@@ -42,18 +44,31 @@ def build_data(config: ml_collections.ConfigDict, cfg: ModelConfig):
   """Train iterator + held-out batches (`hybridmoe_jax.data.build_train_and_eval`)."""
   t = config.train
   try:
+    if curriculum_lib.enabled(config):  # staged context curriculum (train/curriculum.py)
+      return curriculum_lib.build_data(config, cfg.vocab_size)
+    if cfg.vision.enabled:  # image-text mixed with text (hybridmoe_jax.data.multimodal)
+      return build_vlm_train_and_eval(config.data, cfg.vision, vocab_size=cfg.vocab_size,
+                                      seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
+                                      max_eval_batches=t.eval_batches)
+    # Multi-host: each process loads its own batch_size / process_count rows (its shard).
     return build_train_and_eval(config.data, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
-                                batch_size=t.batch_size, seed=t.seed,
-                                max_eval_batches=t.eval_batches)
+                                batch_size=t.batch_size // jax.process_count(), seed=t.seed,
+                                max_eval_batches=t.eval_batches,
+                                shard_index=jax.process_index(),
+                                shard_count=jax.process_count())
   except ConfigError:
     raise
   except (ValueError, OSError) as e:  # missing path, empty dataset, ids beyond the vocab
     raise InputError(f"data: {e}") from e
 
 
-def check_batch(batch: dict[str, np.ndarray], t, vocab_size: int, step: int) -> None:
-  """Shape, dtype and token-range checks on a host batch (cheap, every step)."""
-  want = (t.batch_size, t.seq_len)
+def check_batch(batch: dict[str, np.ndarray], t, vocab_size: int, step: int,
+                want: tuple[int, int] | None = None) -> None:
+  """Shape, dtype and token-range checks on a host batch (cheap, every step).
+
+  `want`: the expected [rows, seq_len] (a curriculum stage's); default from `t`.
+  """
+  want = want or (t.batch_size // jax.process_count(), t.seq_len)  # this process's rows
   for key in ("tokens", "segment_ids"):
     if key not in batch:
       raise InputError(f"data batch at step {step} has no {key!r} field (got {sorted(batch)})")
@@ -69,6 +84,12 @@ def check_batch(batch: dict[str, np.ndarray], t, vocab_size: int, step: int) -> 
                      f"vocabulary [0, {vocab_size}) (model.vocab_size = {vocab_size})")
 
 
+def _model_inputs(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The keys the step reads: tokens, segment_ids and, for vision models, the image keys."""
+  return {k: batch[k] for k in ("tokens", "segment_ids") + step_lib.IMAGE_BATCH_KEYS
+          if k in batch}
+
+
 def _next_batch(it, t, vocab_size: int, step: int) -> dict[str, np.ndarray]:
   try:
     batch = next(it)
@@ -76,7 +97,7 @@ def _next_batch(it, t, vocab_size: int, step: int) -> dict[str, np.ndarray]:
     raise InputError(f"the training data ran out at step {step}: the dataset is empty or "
                      "too small for one batch of "
                      f"{t.batch_size} x {t.seq_len} tokens") from None
-  check_batch(batch, t, vocab_size, step)
+  check_batch(batch, t, vocab_size, step, getattr(it, "batch_shape", None))
   return batch
 
 
@@ -84,13 +105,14 @@ def evaluate(eval_step, state, batches) -> dict[str, float]:
   """Mean held-out NLL per target token and bits per byte (byte targets only)."""
   nll = count = nbytes = 0.0
   for b in batches:
-    n, c = eval_step(state.params, state.biases, {"tokens": b["tokens"],
-                                                  "segment_ids": b["segment_ids"]}, state.rest)
+    n, c = eval_step(state.params, state.biases, _model_inputs(b), state.rest)
     targets, weights = step_lib.next_token_targets(np.asarray(b["tokens"]),
                                                    np.asarray(b["segment_ids"]))
     nll += float(n)
     count += float(c)
-    nbytes += float(np.sum(np.asarray(weights) * (np.asarray(targets) < _BYTE_IDS)))
+    # Every process holds the same held-out rows (nll and count cover all of them).
+    nbytes += float(np.sum(np.asarray(weights) * (np.asarray(targets) < _BYTE_IDS))
+                    ) * jax.process_count()
   if not count:
     return {}
   # Non-byte targets (EOS) are few; their NLL is charged to the bytes, as usual for bpb.
@@ -139,17 +161,28 @@ def _log_sizes(state) -> None:
   logging.info("model: %s parameters, %s routing-bias entries", f"{n_params:,}", f"{n_bias:,}")
 
 
-def _restore_or_init(ckpt, fns: ModelFns, cfg: ModelConfig, t, tx, data, model_dict):
+def _restore_or_init(ckpt, fns: ModelFns, cfg: ModelConfig, t, tx, data, model_dict,
+                     rt: parallel_runtime.Runtime):
   """-> graphdef, state, state-layout signature, whether a checkpoint was restored."""
   graphdef, abstract = abstract_train_state(fns, cfg, tx, t.seed, t.remat)
   signature = ckpt_lib.structure_signature(abstract)
-  restored = ckpt.restore_latest(abstract, model_dict, signature)
+  # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
+  restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict, signature)
   if restored is None:
-    _, state = create_train_state(fns, cfg, tx, t.seed, t.remat)
+    _, state = rt.init_state(fns, cfg, tx, t.seed, t.remat, create_train_state)
     return graphdef, state, signature, False
   state, data_state, _ = restored
   data.train.set_state(data_state)
   return graphdef, state, signature, True
+
+
+def _stage_info(it, step: int, t) -> dict[str, int]:
+  """Curriculum runs: stage, seq_len of the last batch and tokens seen; else {}."""
+  stage = getattr(it, "stage", None)
+  if stage is None:
+    return {}
+  return {"stage": stage, "seq_len": it.batch_shape[1],
+          "tokens_seen": step * t.batch_size * t.seq_len}
 
 
 def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_step,
@@ -162,12 +195,14 @@ def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_
   with _StopFlag() as stop:
     while step < t.steps:
       batch = _next_batch(data.train, t, cfg.vocab_size, step)
-      state, metrics = train_step(state, {"tokens": batch["tokens"],
-                                          "segment_ids": batch["segment_ids"]})
+      state, metrics = train_step(state, _model_inputs(batch))
       step += 1
-      monitor.step(step, jax.device_get(metrics))
-      if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-        monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches))
+      monitor.step(step, {**jax.device_get(metrics), **_stage_info(data.train, step, t)})
+      # A curriculum also evaluates (at the longest length) at the end of every stage.
+      if ((t.eval_every and step % t.eval_every == 0) or step in getattr(data, "eval_at", ())
+          ) and step < t.steps:
+        monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches),
+                         _stage_info(data.train, step, t))
       if (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.signum:
         ckpt.save(step, state, data.train.get_state(), meta)
         saved_at = step
@@ -202,23 +237,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   validate_train_config(config)
   cfg = model_config_from_dict(config.model)
   model_dict = dataclasses.asdict(cfg)
-  t = config.train
+  t = curriculum_lib.train_section(config)  # config.train; a curriculum adds its LR plan
   if export_params_to and os.path.exists(export_params_to):
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
   os.makedirs(workdir, exist_ok=True)
   ckpt_lib.check_workdir_config(workdir, model_dict)
+  rt = parallel_runtime.setup(config, cfg)  # mesh from config.mesh; bad sizes stop here
   data = data if data is not None else build_data(config, cfg)
   fns = fns or hybrid_lm_fns()
   tx = optim.make_optimizer(t)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
   graphdef, state, signature, restored = _restore_or_init(ckpt, fns, cfg, t, tx, data,
-                                                          model_dict)
+                                                          model_dict, rt)
   ckpt_lib.write_workdir_config(workdir, model_dict)
   start = int(state.step)
   _log_sizes(state)
   meta = {"model_config": model_dict, "signature": signature, "config": config.to_json()}
-  eval_step = step_lib.make_eval_step(graphdef)
-  monitor = Monitor(workdir, t, start_step=start, total_steps=t.steps,
+  eval_step = step_lib.make_eval_step(graphdef, **rt.step_kwargs(train=False))
+  # Multi-process: only process 0 writes the run's logs; the others log under process_<i>/.
+  logdir = workdir if jax.process_index() == 0 else os.path.join(
+      workdir, f"process_{jax.process_index()}")
+  os.makedirs(logdir, exist_ok=True)
+  monitor = Monitor(logdir, t, start_step=start, total_steps=t.steps,
                     tokens_per_step=t.batch_size * t.seq_len)
   monitor.write_jsonl({"event": "resume" if restored else "start", "step": start})
   logging.info("training steps %d..%d in %s", start, t.steps, workdir)
@@ -226,11 +266,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   try:
     state, step, saved_at, stopped = _run_steps(
         state, start, t=t, cfg=cfg, data=data, eval_step=eval_step, monitor=monitor,
-        train_step=step_lib.make_train_step(graphdef, fns, cfg, t, tx), ckpt=ckpt, meta=meta,
+        train_step=step_lib.make_train_step(graphdef, fns, cfg, t, tx, **rt.step_kwargs()),
+        ckpt=ckpt, meta=meta,
         saved_at=start if restored else -1)
     if stopped is None:
       eval_metrics = evaluate(eval_step, state, data.eval_batches)
-      monitor.log_eval(step, eval_metrics)
+      monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, t))
       if saved_at != step:
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()
@@ -240,6 +281,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   finally:
     ckpt.close()
     monitor.close()
+    if isinstance(data, curriculum_lib.CurriculumData):  # its stage's grain workers
+      data.train.close()
   summary = {
       "start_step": start, "end_step": step, "first_loss": monitor.first_loss,
       "last_loss": monitor.last_loss, "eval": eval_metrics,

@@ -129,15 +129,21 @@ class Monitor:
     moe = m["moe"]
     worst = max(moe, key=lambda k: float(moe[k]["max_vio"])) if moe else None
     vio = f" | maxvio {float(moe[worst]['max_vio']):.3f} ({worst})" if worst else ""
-    logging.info("step %*d/%d | loss %.4f | %s tok/s | ETA %s | gnorm %.3f%s | lr %.2e",
+    # Curriculum runs add the stage, its sequence length and the tokens seen so far.
+    stage = (f" | stage {int(m['stage'])} T={int(m['seq_len'])} | "
+             f"{_fmt_rate(float(m['tokens_seen']))} tok seen") if "stage" in m else ""
+    logging.info("step %*d/%d | loss %.4f | %s tok/s | ETA %s | gnorm %.3f%s | lr %.2e%s",
                  len(str(self.total_steps)), step, self.total_steps, float(m["loss"]),
                  _fmt_rate(self.tokens_per_sec), _fmt_duration(eta), float(m["grad_norm"]),
-                 vio, float(m["lr"]))
+                 vio, float(m["lr"]), stage)
     w = self.writer
     scalars = {"train/loss": m["loss"], "train/learning_rate": m["lr"],
                "train/grad_norm": m["grad_norm"], "train/tokens_per_sec": self.tokens_per_sec,
                "train/skipped_steps": m["skipped"], "alerts/maxvio": self.alerts["maxvio"],
                "alerts/loss_spike": self.alerts["loss_spike"]}
+    for key in ("stage", "seq_len", "tokens_seen"):
+      if key in m:
+        scalars[f"train/{key}"] = m[key]
     for tag, v in scalars.items():
       w.add_scalar(tag, float(v), step)
     for name, layer in moe.items():
@@ -158,12 +164,15 @@ class Monitor:
         sum=float((idx * load).sum()), sum_squares=float((idx * idx * load).sum()),
         bucket_limits=(idx + 0.5).tolist(), bucket_counts=load.tolist(), global_step=step)
 
-  def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-    logging.info("eval step %d | %s", step,
+  def log_eval(self, step: int, metrics: dict[str, float],
+               info: dict[str, int] | None = None) -> None:
+    """Held-out metrics; `info` (curriculum stage, seq_len, tokens_seen) goes to the JSONL."""
+    where = "".join(f" {k} {v}" for k, v in (info or {}).items())
+    logging.info("eval step %d%s | %s", step, where,
                  " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     for k, v in metrics.items():
       self.writer.add_scalar(f"eval/{k}", float(v), step)
-    self.write_jsonl({"step": step, "split": "eval", **metrics})
+    self.write_jsonl({"step": step, "split": "eval", **metrics, **(info or {})})
 
   def write_jsonl(self, record: dict[str, Any]) -> None:
     self.jsonl.write(json.dumps(_jsonable(record)) + "\n")

@@ -1,6 +1,12 @@
-"""Learning-rate schedules and the optimizer (global-norm clipping, then AdamW or Muon)."""
+"""Learning-rate schedules and the optimizer (global-norm clipping, then AdamW or Muon).
+
+A curriculum run's train section carries `lr_pieces` (train/curriculum.py): one piece per
+stage, and the schedule is their piecewise function of the global step.
+"""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +15,59 @@ import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
 
+def piece_value(p: dict, local_step, xp=math):
+  """Learning rate of one curriculum piece at `local_step` steps into its stage.
+
+  Linear from p["lr_from"] to p["lr"] over p["warmup"] steps, then over the remaining
+  n = steps - warmup steps (s = progress in [0, 1], clamped), with end = lr * min_lr_ratio:
+    constant  lr
+    linear    lr + (end - lr) * s
+    cosine    end + (lr - end) * (1 + cos(pi * s)) / 2
+    wsd       lr until the last decay_fraction * steps, then linear to end
+  `xp` is `math` (Python floats) or `jax.numpy` (traced steps).
+  """
+  lr, lo, w = p["lr"], p["lr"] * p["min_lr_ratio"], p["warmup"]
+  clip = (lambda v, a, b: min(max(v, a), b)) if xp is math else jnp.clip
+  where = (lambda c, a, b: a if c else b) if xp is math else jnp.where
+  if p["schedule"] == "wsd":
+    decay = min(int(round(p["steps"] * p["decay_fraction"])), p["steps"] - w)
+    s = clip((local_step - (p["steps"] - decay)) / max(decay, 1), 0.0, 1.0)
+    main = lr + (lo - lr) * s
+  else:
+    s = clip((local_step - w) / max(p["steps"] - w, 1), 0.0, 1.0)
+    if p["schedule"] == "linear":
+      main = lr + (lo - lr) * s
+    elif p["schedule"] == "cosine":
+      main = lo + (lr - lo) * (1 + xp.cos(math.pi * s)) / 2
+    else:
+      main = lr + 0.0 * s
+  warm = p["lr_from"] + (lr - p["lr_from"]) * clip(local_step / max(w, 1), 0.0, 1.0)
+  return where(local_step < w, warm, main)
+
+
+def piecewise_schedule(pieces) -> optax.Schedule:
+  """Global step -> the learning rate of the stage it falls in (the last stage holds on)."""
+  pieces = tuple(dict(p) for p in pieces)
+
+  def schedule(count):
+    count = jnp.asarray(count, jnp.float32)
+    lr = piece_value(pieces[0], count - pieces[0]["start"], jnp)
+    for p in pieces[1:]:
+      lr = jnp.where(count >= p["start"], piece_value(p, count - p["start"], jnp), lr)
+    return lr
+
+  return schedule
+
+
 def make_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
   """Linear warmup to `t.lr`, then cosine / warmup-stable-decay (WSD) / constant.
 
   cosine: lr * (min + (1 - min) * (1 + cos(pi * s)) / 2), s = progress after warmup.
   wsd:    lr held until the last `decay_fraction` of the steps, then linear to min * lr.
+  With `t.lr_pieces` (a curriculum run): `piecewise_schedule(t.lr_pieces)` instead.
   """
+  if t.get("lr_pieces"):
+    return piecewise_schedule(t.lr_pieces)
   peak, end = t.lr, t.lr * t.min_lr_ratio
   warmup_steps = min(t.warmup, t.steps)
   warmup = optax.linear_schedule(0.0, peak, warmup_steps) if warmup_steps else None

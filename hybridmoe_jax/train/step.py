@@ -17,10 +17,15 @@ import optax
 from flax import nnx
 
 from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.data.tokenizer import IMAGE_IDS
+from hybridmoe_jax.parallel import mesh as mesh_lib
+from hybridmoe_jax.parallel import rules
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import ModelFns, TrainState
 
 Batch = dict[str, jax.Array]
+# Optional vision keys of a batch, passed to the model as keyword arguments (DESIGN s5).
+IMAGE_BATCH_KEYS = ("images", "image_grid", "image_index")
 
 
 def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
@@ -42,10 +47,13 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return logz - picked
 
 
-def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids):
+def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=None):
   model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
-  logits, aux = model(tokens, segment_ids=segment_ids)
+  # extras: the image keys of a vision batch (images, image_grid, image_index), else {}.
+  logits, aux = model(tokens, segment_ids=segment_ids, **(extras or {}))
   targets, weights = next_token_targets(tokens, segment_ids)
+  if extras:  # no loss on image placeholders and delimiters (DESIGN s5)
+    weights = weights * ~jnp.isin(targets, jnp.asarray(IMAGE_IDS))
   nll_sum = jnp.sum(token_nll(logits, targets) * weights)
   return nll_sum, (jnp.sum(weights), aux.get("moe", {}))
 
@@ -54,25 +62,28 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
   return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
 
-def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accum: int):
+def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accum: int,
+                     extras=None):
   """Sum of NLL, gradient of that sum, token count and routing stats over microbatches."""
   grad_fn = jax.value_and_grad(_forward_nll, argnums=1, has_aux=True)
+  extras = extras or {}
 
-  def one(toks, segs):
+  def one(toks, segs, ext):
     (nll, (count, stats)), grads = grad_fn(graphdef, state.params, state.biases, state.rest,
-                                           toks, segs)
+                                           toks, segs, ext)
     return nll, count, stats, grads
 
   if grad_accum == 1:
-    return one(tokens, segment_ids)
+    return one(tokens, segment_ids, extras)
   toks, segs = _microbatches(tokens, grad_accum), _microbatches(segment_ids, grad_accum)
-  shapes = jax.eval_shape(one, toks[0], segs[0])
+  exts = jax.tree.map(lambda x: _microbatches(x, grad_accum), extras)
+  shapes = jax.eval_shape(one, toks[0], segs[0], jax.tree.map(lambda x: x[0], exts))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
   def body(carry, xs):
     return jax.tree.map(jnp.add, carry, one(*xs)), None
 
-  total, _ = jax.lax.scan(body, zeros, (toks, segs))
+  total, _ = jax.lax.scan(body, zeros, (toks, segs, exts))
   return total
 
 
@@ -89,21 +100,43 @@ def _moe_metrics(stats: dict[str, Any], bias_metrics: dict[str, Any]) -> dict[st
       mean = jnp.maximum(jnp.mean(load.astype(jnp.float32)), 1e-9)
       m["max_vio"] = jnp.max(load) / mean - 1.0
     m["load"] = load
-    m["drop_frac"] = s.get("drop_frac", jnp.zeros((), jnp.float32))  # dropless: always 0
+    # Valid assignments dropped by a capacity-limited expert-parallel buffer (dropless: 0).
+    dropped = s.get("dropped", jnp.zeros((), jnp.int32)).astype(jnp.float32)
+    m["drop_frac"] = dropped / jnp.maximum(jnp.sum(load).astype(jnp.float32), 1.0)
     out[name] = m
   return out
 
 
+def _on_mesh(fn, mesh, batch_arg: int):
+  """Run jitted `fn` under `jax.set_mesh(mesh)` with argument `batch_arg` (a dict of host
+  arrays: this process's rows) placed on the mesh, batch dimension over (data, fsdp)."""
+  def call(*args):
+    args = list(args)
+    args[batch_arg] = mesh_lib.host_batch_to_global(args[batch_arg], mesh)
+    with jax.set_mesh(mesh):
+      return fn(*args)
+
+  return call
+
+
 def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
-                    t: ml_collections.ConfigDict, tx: optax.GradientTransformation
+                    t: ml_collections.ConfigDict, tx: optax.GradientTransformation, *,
+                    mesh: jax.sharding.Mesh | None = None, state_shardings=None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
-  """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated."""
+  """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated.
+
+  With `mesh`, the step runs under that mesh (expert-parallel MoE, host batches placed over
+  data x fsdp) and the new state is constrained to `state_shardings` (the input layout).
+  """
   grad_accum = t.grad_accum
 
   def train_step(state: TrainState, batch: Batch):
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
+    tokens = rules.constrain(tokens, ("batch", "length"))
+    segment_ids = rules.constrain(segment_ids, ("batch", "length"))
+    extras = {k: batch[k] for k in IMAGE_BATCH_KEYS if k in batch}
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
-                                                grad_accum)
+                                                grad_accum, extras)
     denom = jnp.maximum(count, 1.0)
     loss = nll / denom
     grads = jax.tree.map(lambda g: g / denom, grads)
@@ -121,6 +154,8 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
         biases=_where(ok, biases, state.biases),
         rng=new_rng,
         skipped=state.skipped + (~ok).astype(jnp.int32))
+    if state_shardings is not None:
+      new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     metrics = {
         "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(t, applied),
         "tokens": count, "finite": ok, "skipped": new_state.skipped,
@@ -128,15 +163,19 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
     }
     return new_state, metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  step = jax.jit(train_step, donate_argnums=0)
+  return step if mesh is None else _on_mesh(step, mesh, batch_arg=1)
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[..., tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = None
+                   ) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """The jitted `eval_step(params, biases, batch, rest) -> (sum_nll, num_tokens)`."""
 
   def eval_step(params, biases, batch: Batch, rest):
     nll, (count, _) = _forward_nll(graphdef, params, biases, rest, batch["tokens"],
-                                   batch["segment_ids"])
+                                   batch["segment_ids"],
+                                   {k: batch[k] for k in IMAGE_BATCH_KEYS if k in batch})
     return nll, count
 
-  return jax.jit(eval_step)
+  step = jax.jit(eval_step)
+  return step if mesh is None else _on_mesh(step, mesh, batch_arg=2)

@@ -155,6 +155,17 @@ def test_incompatible_workdir_is_refused(tmp_path):
     _run(config, tmp_path)
 
 
+def test_run_saved_before_a_new_config_field_still_resumes(tmp_path):
+  _run(_config(steps=3), tmp_path)
+  path = tmp_path / "model_config.json"
+  saved = json.loads(path.read_text())
+  del saved["vision"]                              # written before vision existed
+  saved["moe"].pop("capacity_factor")
+  path.write_text(json.dumps(saved))
+  s = _run(_config(steps=5), tmp_path)
+  assert s["start_step"] == 3 and s["end_step"] == 5
+
+
 def test_bad_tokens_stop_before_training(tmp_path):
   config = _config()
   data = _data(config)

@@ -1,0 +1,50 @@
+"""Staged context curriculum 8K -> 64K -> 256K -> 1M on the ~100M model, for accelerators.
+
+4M tokens per step throughout (global batch 512 -> 64 -> 16 -> 4), the mix moving from short
+help texts to long standard-library packages (upsampled) with a small share of synthetic
+retrieval documents; each longer stage re-warms to a lower constant learning rate and decays.
+
+  python run_train.py --config=configs/curriculum_1m.py --dry_run   # plan + memory per stage
+"""
+
+import importlib.util
+import os
+
+
+def _small():
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small.py")
+  spec = importlib.util.spec_from_file_location("small_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def get_config():
+  config = _small()
+  config.model.dtype = "bfloat16"
+  c = config.curriculum
+  c.tokens_per_step = 1 << 22
+  c.sources = {"pydoc": {"kind": "bundled"}, "stdlib": {"kind": "stdlib_long"}}
+  c.num_workers = 8
+  c.stages = (
+      dict(name="8k", seq_len=8192, tokens=40 * 2 ** 30, weights={"pydoc": 0.6, "stdlib": 0.4},
+           lr=3e-4, warmup=2000, schedule="cosine", min_lr_ratio=0.3),
+      dict(name="64k", seq_len=65536, tokens=4 * 2 ** 30, weights={"pydoc": 0.4, "stdlib": 0.6},
+           long_upsample=2, retrieval_fraction=0.02,
+           lr=1e-4, warmup=100, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
+      dict(name="256k", seq_len=262144, tokens=2 * 2 ** 30, weights={"pydoc": 0.3, "stdlib": 0.7},
+           long_upsample=4, retrieval_fraction=0.03,
+           lr=6e-5, warmup=50, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
+      dict(name="1m", seq_len=1048576, tokens=1 * 2 ** 30, weights={"pydoc": 0.2, "stdlib": 0.8},
+           long_upsample=8, retrieval_fraction=0.05,
+           lr=3e-5, warmup=25, schedule="cosine", min_lr_ratio=0.1),
+  )
+  t = config.train
+  t.steps = sum(s["tokens"] for s in c.stages) // c.tokens_per_step
+  t.remat = "full"
+  t.eval_every = 0
+  t.eval_batches = 1
+  t.checkpoint_every = 500
+  m = config.mesh
+  m.data, m.fsdp, m.expert, m.tensor = 1, 16, 1, 1
+  return config

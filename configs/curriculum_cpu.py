@@ -1,0 +1,47 @@
+"""Staged context curriculum on the tiny model for CPU: 256 -> 1K -> 4K -> 8K tokens.
+
+8,192 tokens per step throughout (batch 32 -> 8 -> 2 -> 1), the mix shifting from pydoc help
+texts toward standard-library packages (long documents, upsampled in the later stages) plus a
+small share of synthetic passkey / key-value recall documents. Held-out loss is measured at
+8K after every stage. About 300 steps (~2.5M tokens); see BENCHMARKS.md for the measured run.
+
+  python run_train.py --config=configs/curriculum_cpu.py --workdir=runs/curriculum_cpu
+"""
+
+import importlib.util
+import os
+
+
+def _tiny():
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
+  spec = importlib.util.spec_from_file_location("tiny_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def get_config():
+  config = _tiny()
+  c = config.curriculum
+  c.tokens_per_step = 8192
+  c.sources = {"pydoc": {"kind": "bundled"}, "stdlib": {"kind": "stdlib_long"}}
+  c.num_workers = 0                 # 2 cores: the packer thread shares them with the step
+  c.stages = (
+      dict(name="short", seq_len=256, steps=150, weights={"pydoc": 0.5, "stdlib": 0.5},
+           lr=3e-3, warmup=20, schedule="cosine", min_lr_ratio=0.3),
+      dict(name="1k", seq_len=1024, steps=70, weights={"pydoc": 0.4, "stdlib": 0.6},
+           lr=1.5e-3, warmup=10, schedule="wsd", min_lr_ratio=0.5, decay_fraction=0.3),
+      dict(name="4k", seq_len=4096, steps=40, weights={"pydoc": 0.3, "stdlib": 0.7},
+           long_upsample=2, retrieval_fraction=0.05,
+           lr=1e-3, warmup=5, schedule="wsd", min_lr_ratio=0.5, decay_fraction=0.3),
+      dict(name="8k", seq_len=8192, steps=40, weights={"pydoc": 0.2, "stdlib": 0.8},
+           long_upsample=3, retrieval_fraction=0.05,
+           lr=7e-4, warmup=5, schedule="cosine", min_lr_ratio=0.1),
+  )
+  t = config.train
+  t.steps = sum(s["steps"] for s in c.stages)
+  t.eval_every = 0                  # held-out eval at every stage end (and at the end)
+  t.eval_batches = 4                # 4 x 8K held-out tokens
+  t.checkpoint_every = 50
+  t.heatmap_every = 100
+  return config

@@ -1,0 +1,508 @@
+"""Interleaved image-text data: processor, image JSONL source, packing and the VLM pipeline.
+
+A document is text with one "<image>" marker per image. The processor turns it into
+    BOS text <image_start> IMAGE_PAD x K <image_end> text ... EOS
+with K = (h / 2p) * (w / 2p) placeholders for an image of h x w pixels (one per merged 2x2
+patch block), plus the checked float32 pixels. Packing fills rows of T tokens with whole
+documents (a document longer than a row is cut only between images, never inside one) and
+up to M image slots. A batch pads every image to the smallest bucket side S in
+`model.vision.image_buckets` that holds all of its images, so the step compiles once per
+bucket, not once per image size. Batches:
+    tokens, segment_ids, positions  int32 [B, T]   (as in packing.py)
+    images       float32 [B, M, S, S, C]   (zeros in empty slots)
+    image_grid   int32 [B, M, 2]           real patch rows, cols (0 for an empty slot)
+    image_index  int32 [B, T]              -1 on text; m * K_S + r * S/2p + c on the
+                                           placeholder of merged token (r, c) of slot m,
+                                           K_S = (S/2p)^2 (see model/decoder.py)
+The iterator's state is the (document index, offset) of the next batch's first row, so a
+resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import os
+import pathlib
+from typing import Any, Sequence
+
+from absl import logging
+import grain
+import ml_collections
+import numpy as np
+
+from hybridmoe_jax.config import ConfigError, VisionConfig
+from hybridmoe_jax.data import images as images_lib
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
+
+IMAGE_MARKER = "<image>"
+VISION_SOURCES = ("synthetic", "jsonl")
+
+
+# ------------------------------------------------------------------------------- processor
+
+
+@dataclasses.dataclass
+class Document:
+  """A processed document: tokens int32 [n] and per image the pixels and patch grid."""
+
+  tokens: np.ndarray
+  images: list          # float32 [h, w, C] each
+  grids: list           # (h / p, w / p) each
+
+  def image_spans(self) -> list[tuple[int, int]]:
+    """[start, end) token spans of each image, <image_start> .. <image_end> inclusive."""
+    starts = np.flatnonzero(self.tokens == tokenizer_lib.IMAGE_START_ID)
+    ends = np.flatnonzero(self.tokens == tokenizer_lib.IMAGE_END_ID)
+    return [(int(a), int(b) + 1) for a, b in zip(starts, ends)]
+
+
+def tokens_per_image(h: int, w: int, patch_size: int) -> int:
+  """Merged image tokens (= placeholders) of an h x w image (sides multiples of 2p)."""
+  return (h // (2 * patch_size)) * (w // (2 * patch_size))
+
+
+class Processor:
+  """(text with "<image>" markers, images) -> Document; see the module docstring.
+
+  Args:
+    vision: the model's VisionConfig (patch size, channels, largest bucket).
+    pad_images: pad sides to a multiple of 2p instead of rejecting the image.
+  """
+
+  def __init__(self, vision: VisionConfig, *, pad_images: bool = False):
+    if not vision.enabled:
+      raise ConfigError("the image-text processor needs model.vision.enabled = True")
+    self.vision = vision
+    self.pad_images = pad_images
+    self.tokenizer = tokenizer_lib.ByteTokenizer(vision=True)
+
+  def image(self, image) -> np.ndarray:
+    v = self.vision
+    return images_lib.prepare_image(image, patch_size=v.patch_size,
+                                    num_channels=v.num_channels,
+                                    max_side=v.image_buckets[-1], pad=self.pad_images)
+
+  def __call__(self, text: str, images: Sequence[Any] = (), *, bos: bool = True,
+               eos: bool = True) -> Document:
+    """Raises ValueError when markers and images disagree in number, ImageError on a bad
+    image."""
+    parts = text.split(IMAGE_MARKER)
+    if len(parts) - 1 != len(images):
+      raise ValueError(f"the text has {len(parts) - 1} {IMAGE_MARKER} marker(s) but "
+                       f"{len(images)} image(s) were given: need one image per marker")
+    tok, p = self.tokenizer, self.vision.patch_size
+    ids = [np.array([tok.bos_id], np.int32)] if bos else []
+    pix, grids = [], []
+    for k, part in enumerate(parts):
+      ids.append(tok.encode(part))
+      if k < len(images):
+        a = self.image(images[k])
+        n = tokens_per_image(a.shape[0], a.shape[1], p)
+        ids.append(np.array([tok.image_start_id] + [tok.image_pad_id] * n + [tok.image_end_id],
+                            np.int32))
+        pix.append(a)
+        grids.append((a.shape[0] // p, a.shape[1] // p))
+    if eos:
+      ids.append(np.array([tok.eos_id], np.int32))
+    return Document(np.concatenate(ids).astype(np.int32), pix, grids)
+
+
+def pick_bucket(vision: VisionConfig, sides: Sequence[int]) -> int:
+  """Smallest bucket side >= every side given (the largest bucket for no images)."""
+  need = max(sides, default=0)
+  for b in vision.image_buckets:
+    if b >= need:
+      return b
+  raise images_lib.ImageError(f"image side {need} exceeds the largest bucket "
+                              f"{vision.image_buckets[-1]} (model.vision.image_buckets)")
+
+
+def collate(rows: list[dict], vision: VisionConfig, seq_len: int,
+            bucket: int | None = None) -> dict[str, np.ndarray]:
+  """Rows {"tokens", "segment_ids", "positions": [T], "images": [[h,w,C]...], "grids",
+  "image_index_local": [T] (-1 or slot * 1e6 + k)} -> one batch (see the module docstring)."""
+  p, m_slots, c = vision.patch_size, vision.max_images_per_row, vision.num_channels
+  if bucket is None:
+    bucket = pick_bucket(vision, [max(a.shape[:2]) for r in rows for a in r["images"]])
+  b = len(rows)
+  half = bucket // (2 * p)
+  out = {k: np.stack([r[k] for r in rows]).astype(np.int32)
+         for k in ("tokens", "segment_ids", "positions")}
+  imgs = np.zeros((b, m_slots, bucket, bucket, c), np.float32)
+  grid = np.zeros((b, m_slots, 2), np.int32)
+  index = np.full((b, seq_len), -1, np.int32)
+  for i, r in enumerate(rows):
+    for m, (a, g) in enumerate(zip(r["images"], r["grids"])):
+      imgs[i, m, :a.shape[0], :a.shape[1]] = a
+      grid[i, m] = g
+    local = r["image_index_local"]
+    sel = local >= 0
+    slot, k = local[sel] // _SLOT, local[sel] % _SLOT
+    w2 = grid[i, slot, 1] // 2
+    index[i, sel] = slot * half * half + (k // w2) * half + k % w2
+  out.update(images=imgs, image_grid=grid, image_index=index)
+  return out
+
+
+_SLOT = 1 << 20  # local image index = slot * _SLOT + k (k: raster index among real tokens)
+
+
+def inference_batch(doc: Document, vision: VisionConfig) -> dict[str, np.ndarray]:
+  """One processed document -> a batch of one row (T = its length, one segment)."""
+  if len(doc.images) > vision.max_images_per_row:
+    raise ValueError(f"{len(doc.images)} images > model.vision.max_images_per_row = "
+                     f"{vision.max_images_per_row}")
+  n = len(doc.tokens)
+  row = _row_from_pieces([(doc, 0, n)], n)
+  return collate([row], vision, n)
+
+
+# ------------------------------------------------------------------------------- packing
+
+
+def _row_from_pieces(pieces: list[tuple[Document, int, int]], seq_len: int) -> dict:
+  """Pieces (doc, start, end) -> one packed row with local image indices."""
+  tokens = np.full(seq_len, tokenizer_lib.PAD_ID, np.int32)
+  seg = np.zeros(seq_len, np.int32)
+  pos = np.zeros(seq_len, np.int32)
+  local = np.full(seq_len, -1, np.int32)
+  imgs, grids, at = [], [], 0
+  for s, (doc, a, b) in enumerate(pieces, start=1):
+    n = b - a
+    tokens[at:at + n] = doc.tokens[a:b]
+    seg[at:at + n] = s
+    pos[at:at + n] = np.arange(n)
+    for (sa, sb), img, g in zip(doc.image_spans(), doc.images, doc.grids):
+      if a <= sa and sb <= b:
+        slot = len(imgs)
+        imgs.append(img)
+        grids.append(g)
+        local[at + sa - a + 1:at + sb - a - 1] = slot * _SLOT + np.arange(sb - sa - 2)
+    at += n
+  return {"tokens": tokens, "segment_ids": seg, "positions": pos, "images": imgs,
+          "grids": grids, "image_index_local": local}
+
+
+def _cut(doc: Document, start: int, room: int) -> int:
+  """Largest end <= start + room that does not fall inside an image span."""
+  end = min(len(doc.tokens), start + room)
+  for a, b in doc.image_spans():
+    if a < end < b:
+      end = a
+  return end
+
+
+class VLMPackedIterator:
+  """Checkpointable iterator of packed image-text batches over a random-access doc dataset.
+
+  Greedy packing: whole documents go into the current row while they fit (and while image
+  slots remain); a document that does not fit starts a new row; one longer than a row is cut
+  into row-sized pieces between images. A document whose image span alone exceeds a row, or
+  that fails to process (bad image, unreadable file), is skipped and counted
+  (`self.skipped`).
+
+  Args:
+    docs: random-access dataset, docs[i] -> (text, [images]) or str (text only); may be
+      infinite (a repeated grain MapDataset).
+    processor: Processor of the model.
+    seq_len, batch_size: T and B.
+    num_docs: stop after this many documents (None: len(docs), which may be "infinite").
+  """
+
+  def __init__(self, docs, processor: Processor, *, seq_len: int, batch_size: int,
+               num_docs: int | None = None, drop_remainder: bool = True):
+    if min(seq_len, batch_size) < 1:
+      raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
+    self.docs, self.proc = docs, processor
+    self.seq_len, self.batch_size = seq_len, batch_size
+    self.num_docs = len(docs) if num_docs is None else num_docs
+    self.drop_remainder = drop_remainder
+    self.doc, self.offset = 0, 0
+    self.skipped = collections.Counter()
+    self._cache: tuple[int, Document | None] | None = None
+
+  def get_state(self) -> dict[str, int]:
+    return {"doc": self.doc, "offset": self.offset}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self.doc, self.offset = int(state["doc"]), int(state["offset"])
+
+  def __iter__(self):
+    return self
+
+  def _load(self, i: int) -> Document | None:
+    if self._cache is not None and self._cache[0] == i:
+      return self._cache[1]
+    item = self.docs[i]
+    text, imgs = (item, []) if isinstance(item, str) else item
+    doc = None
+    try:
+      if imgs is None:
+        raise images_lib.ImageError("image file missing or unreadable")
+      doc = self.proc(text, imgs)
+      if any(b - a > self.seq_len for a, b in doc.image_spans()):
+        raise ValueError(f"an image needs more than seq_len = {self.seq_len} tokens")
+      if len(doc.images) > self.proc.vision.max_images_per_row and len(doc.tokens) <= \
+          self.seq_len:
+        raise ValueError("more images than model.vision.max_images_per_row")
+    except (ValueError, OSError) as e:
+      reason = type(e).__name__
+      if not self.skipped[reason]:
+        logging.warning("skipping an image-text document (%s: %s); later ones are counted",
+                        reason, str(e)[:200])
+      self.skipped[reason] += 1
+      doc = None
+    self._cache = (i, doc)
+    return doc
+
+  def _next_row(self) -> dict | None:
+    pieces, used, slots = [], 0, 0
+    max_slots = self.proc.vision.max_images_per_row
+    while self.doc < self.num_docs:
+      doc = self._load(self.doc)
+      if doc is None or len(doc.tokens) == 0:
+        self.doc, self.offset = self.doc + 1, 0
+        continue
+      n = len(doc.tokens)
+      room = self.seq_len - used
+      if self.offset == 0 and n <= self.seq_len:
+        if n > room or slots + len(doc.images) > max_slots:
+          break  # a whole document that fits a fresh row never gets cut
+        pieces.append((doc, 0, n))
+        used, slots = used + n, slots + len(doc.images)
+        self.doc += 1
+        continue
+      end = _cut(doc, self.offset, room)
+      spans = [s for s in doc.image_spans() if self.offset <= s[0] and s[1] <= end]
+      while spans and slots + len(spans) > max_slots:  # too many images for this row
+        end = spans.pop()[0]
+      if end <= self.offset:
+        if not pieces:  # cannot happen: every image fits a fresh row; guard anyway
+          self.doc, self.offset = self.doc + 1, 0
+          continue
+        break
+      pieces.append((doc, self.offset, end))
+      used, slots = used + end - self.offset, slots + len(spans)
+      self.doc, self.offset = (self.doc + 1, 0) if end == n else (self.doc, end)
+      if used == self.seq_len:
+        break
+    return _row_from_pieces(pieces, self.seq_len) if pieces else None
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rows = []
+    while len(rows) < self.batch_size:
+      row = self._next_row()
+      if row is None:
+        break
+      rows.append(row)
+    if not rows or (self.drop_remainder and len(rows) < self.batch_size):
+      raise StopIteration
+    while len(rows) < self.batch_size:  # padding rows (segment id 0) for a static shape
+      rows.append(_row_from_pieces([], self.seq_len))
+    return collate(rows, self.proc.vision, self.seq_len)
+
+
+# ------------------------------------------------------------------------ image JSONL source
+
+
+class ImageJsonlSource:
+  """User image-text data: JSONL lines {"image": path | "images": [paths], "text": str}.
+
+  Relative image paths are resolved against the JSONL file's directory. Image files are
+  .npy, .ppm or .pgm. If the text has no "<image>" marker the images are put before it.
+  Lines that are not valid JSON or lack the fields, and lines whose image files do not exist,
+  are skipped with one counted warning per file; an image file that exists but cannot be
+  decoded is found when read: source[i] then returns (text, None) and the packer counts
+  and skips it. Never raises mid-run.
+  """
+
+  def __init__(self, paths: Sequence[str], *, text_field: str = "text"):
+    files = []
+    for p in paths:
+      p = pathlib.Path(p).expanduser()
+      if p.is_dir():
+        files += sorted(x for x in p.rglob("*.jsonl") if x.is_file())
+      elif p.is_file():
+        files.append(p)
+      else:
+        raise FileNotFoundError(f"image-text JSONL path {str(p)!r} does not exist")
+    self.records: list[tuple[str, tuple[str, ...]]] = []
+    self.skipped = collections.Counter()
+    for f in files:
+      skipped = collections.Counter()
+      with open(f, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+          if not line.strip():
+            continue
+          try:
+            rec = json.loads(line)
+            text = rec[text_field]
+            imgs = rec.get("images", [rec["image"]] if "image" in rec else [])
+            if not isinstance(text, str) or not isinstance(imgs, list) or not imgs:
+              raise KeyError
+          except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            skipped["malformed line"] += 1
+            continue
+          full = tuple(str(f.parent / i) if not os.path.isabs(i) else i for i in imgs)
+          if not all(os.path.isfile(i) for i in full):
+            skipped["missing image file"] += 1
+            continue
+          if IMAGE_MARKER not in text:
+            text = IMAGE_MARKER * len(full) + "\n" + text
+          self.records.append((text, full))
+      if skipped:
+        logging.warning("%s: skipped %d lines (%s)", f, sum(skipped.values()),
+                        ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())))
+      self.skipped.update(skipped)
+    if not self.records:
+      raise ValueError(f"no usable image-text records in {list(map(str, paths))} "
+                       f"(skipped: {dict(self.skipped)})")
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def __getitem__(self, i):
+    text, paths = self.records[int(i)]
+    try:
+      return text, [images_lib.read_image(p) for p in paths]
+    except (ValueError, OSError):
+      return text, None
+
+
+# ----------------------------------------------------------------------- config and builder
+
+
+def default_vision_data_config() -> ml_collections.ConfigDict:
+  """The `config.data.vision` section (used only when model.vision.enabled)."""
+  c = ml_collections.ConfigDict()
+  # Share of training tokens from image-text documents (the rest: the text source), (0, 1].
+  c.share = 0.5
+  # "synthetic" (bundled generated digit scenes with Q/A) or "jsonl" (image path + text).
+  c.source = "synthetic"
+  # JSONL files or directories for source = "jsonl".
+  c.paths = ()
+  # Generated documents per epoch (synthetic) and generated held-out documents.
+  c.num_train = 200000
+  c.num_heldout = 64
+  # Image sides of generated scenes (pixels; multiples of 2 * patch_size).
+  c.sides = (28, 56)
+  # Seeds of the generated train and held-out scenes (disjoint by seed).
+  c.train_seed = 1
+  c.heldout_seed = 2
+  # Pad images whose sides are not multiples of 2 * patch_size (else they are rejected).
+  c.pad_images = False
+  return c
+
+
+def _req(ok: bool, field: str, value, allowed: str) -> None:
+  if not ok:
+    raise ConfigError(f"config field `data.vision.{field}` = {value!r} is invalid: "
+                      f"allowed {allowed}")
+
+
+def validate_vision_data_config(c: ml_collections.ConfigDict, vision: VisionConfig) -> None:
+  """Checks `config.data.vision` against the model's vision config (ConfigError)."""
+  _req(isinstance(c.share, (int, float)) and 0.0 < c.share <= 1.0, "share", c.share,
+       "a number in (0, 1]")
+  _req(c.source in VISION_SOURCES, "source", c.source, f"one of {VISION_SOURCES}")
+  _req(isinstance(c.paths, (tuple, list)) and all(isinstance(p, str) and p for p in c.paths),
+       "paths", c.paths, "a tuple of non-empty path strings")
+  if c.source == "jsonl":
+    _req(len(c.paths) > 0, "paths", c.paths, "at least one path when source = 'jsonl'")
+  for name in ("num_train", "num_heldout"):
+    _req(isinstance(c[name], int) and c[name] >= 1, name, c[name], "an integer >= 1")
+  m, top = 2 * vision.patch_size, vision.image_buckets[-1]
+  _req(len(c.sides) > 0 and all(isinstance(s, int) and s > 0 and s % m == 0 and s <= top
+                                for s in c.sides), "sides", c.sides,
+       f"positive multiples of 2 * patch_size = {m}, at most the largest bucket {top}")
+  _req(isinstance(c.pad_images, bool), "pad_images", c.pad_images, "True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class VLMData:
+  """What the train loop needs (same fields the text TrainEvalData offers the loop)."""
+
+  train: VLMPackedIterator
+  eval_batches: list
+  tokenizer: tokenizer_lib.ByteTokenizer
+  train_source: Any
+  heldout_source: Any
+
+
+def _as_docs(ds: grain.MapDataset, kind: str) -> grain.MapDataset:
+  if kind == "text":
+    return ds.map(lambda s: (s, []))
+  return ds
+
+
+def _mean_tokens(proc: Processor, docs) -> float:
+  """Mean processed length of the documents that process (1 if none do)."""
+  lengths = []
+  for text, imgs in docs:
+    try:
+      lengths.append(len(proc(text, imgs or []).tokens))
+    except (ValueError, OSError):
+      continue
+  return float(np.mean(lengths)) if lengths else 1.0
+
+
+def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: VisionConfig, *,
+                             vocab_size: int, seq_len: int, batch_size: int, seed: int,
+                             eval_batch_size: int | None = None,
+                             max_eval_batches: int = 8) -> VLMData:
+  """Image-text documents mixed with text at `data.vision.share`, packed into VLM batches.
+
+  Raises ConfigError / ValueError / FileNotFoundError before any batch is built.
+  """
+  # pylint: disable=g-import-not-at-top  (avoid a cycle through data/__init__)
+  from hybridmoe_jax.data import config as data_config
+  from hybridmoe_jax.data import sources as sources_lib
+  vc = data_cfg.vision
+  validate_vision_data_config(vc, vision)
+  tokenizer = tokenizer_lib.ByteTokenizer(vision=True)
+  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  proc = Processor(vision, pad_images=vc.pad_images)
+  if vc.source == "synthetic":
+    sides = tuple(vc.sides)
+    train_img = images_lib.SyntheticVQASource(vc.num_train, seed=vc.train_seed, sides=sides,
+                                              channels=vision.num_channels)
+    held_img = images_lib.SyntheticVQASource(vc.num_heldout, seed=vc.heldout_seed,
+                                             sides=sides, channels=vision.num_channels)
+  else:
+    all_img = ImageJsonlSource(list(vc.paths))
+    train_img, held_img = sources_lib.split_source(all_img, data_cfg.heldout_fraction,
+                                                   data_cfg.heldout_seed)
+  share = float(vc.share)
+  img_ds = grain.MapDataset.source(train_img)
+  img_ds = (img_ds.shuffle(seed) if data_cfg.shuffle else img_ds).repeat(None)
+  held_docs = [held_img[i] for i in range(len(held_img))]
+  if share < 1.0:
+    text = data_config.source_from_config(data_cfg)
+    text_train, text_held = sources_lib.split_source(text, data_cfg.heldout_fraction,
+                                                     data_cfg.heldout_seed)
+    txt_ds = grain.MapDataset.source(text_train)
+    txt_ds = (txt_ds.shuffle(seed + 1) if data_cfg.shuffle else txt_ds).repeat(None)
+    # `share` is a share of TOKENS: documents are drawn with weights share / mean length, so
+    # a few long text documents do not crowd out many short image-text ones.
+    len_img = _mean_tokens(proc, [train_img[i] for i in range(min(64, len(train_img)))])
+    len_txt = _mean_tokens(proc, [(text_train[i], [])
+                                  for i in range(min(64, len(text_train)))])
+    w_img, w_txt = share / len_img, (1.0 - share) / len_txt
+    ds = grain.MapDataset.mix([img_ds, _as_docs(txt_ds, "text")], [w_img, w_txt])
+    n_text = max(1, round(len(held_docs) * w_txt / w_img))
+    held_docs += [(text_held[i], []) for i in range(min(len(text_held), n_text))]
+  else:
+    ds = img_ds
+  logging.info("vision data: %s image-text (%d train, %d held out) at share %.2f",
+               vc.source, len(train_img), len(held_img), share)
+  it = VLMPackedIterator(ds, proc, seq_len=seq_len, batch_size=batch_size,
+                         num_docs=1 << 62)
+  held_it = VLMPackedIterator(held_docs, proc, seq_len=seq_len,
+                              batch_size=eval_batch_size or batch_size, drop_remainder=False)
+  evals = list(itertools.islice(held_it, max_eval_batches))
+  if not evals:
+    raise ValueError("no held-out image-text batch could be built")
+  return VLMData(it, evals, tokenizer, train_img, held_img)

@@ -1,0 +1,191 @@
+"""The curriculum plan, its bad-input errors, the piecewise LR, and staged training + resume.
+
+Loop tests use the stand-in model of train_fakes.py on real curriculum data (bundled pydoc
+texts, byte tokens); the slow test runs configs/curriculum_cpu.py end to end.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.train import curriculum, dry_run, optim
+from hybridmoe_jax.train.config import default_config, validate_train_config
+from hybridmoe_jax.train.loop import InputError, train_and_evaluate
+from tests.conftest import load_config
+from tests.train.train_fakes import fake_fns
+
+
+def _config(steps=(3, 2, 2), lens=(16, 32, 64), tps=512, train_steps=None, **train):
+  """Fake-model config with a 3-stage curriculum (batches divide over 8 test devices)."""
+  config = default_config()
+  m = config.model
+  m.vocab_size, m.d_model, m.num_layers = 259, 16, 2
+  m.moe.num_experts, m.moe.experts_per_token = 4, 1
+  m.kda.chunk_size = 16
+  c = config.curriculum
+  c.tokens_per_step = tps
+  c.sources = {"pydoc": {"kind": "bundled"}}
+  c.stages = tuple(
+      dict(seq_len=T, steps=n, weights={"pydoc": 1.0}, lr=1e-2 / (k + 1), warmup=1,
+           schedule="cosine", min_lr_ratio=0.5)
+      for k, (T, n) in enumerate(zip(lens, steps)))
+  train = {"steps": train_steps or sum(steps), **train}
+  config.train.update(dict(log_every=1, eval_every=0, eval_batches=1,
+                           checkpoint_every=0, heatmap_every=0, async_checkpoints=False,
+                           **train))
+  return config
+
+
+def _records(workdir, split):
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("split") == split:
+        out[r["step"]] = r
+  return out
+
+
+def test_plan_batches_tokens_and_lengths():
+  plan = curriculum.build_plan(_config(steps=(3, 2, 2)))
+  assert [s.batch_size for s in plan.stages] == [32, 16, 8]
+  assert {s.batch_size * s.seq_len for s in plan.stages} == {512}
+  assert [(s.start_step, s.end_step) for s in plan.stages] == [(0, 3), (3, 5), (5, 7)]
+  assert plan.stage_at(2).index == 0 and plan.stage_at(3).index == 1
+  config = _config()
+  config.curriculum.stages = tuple(dict(s, steps=0, tokens=1024) for s in config.curriculum.stages)
+  config.train.steps = 6
+  assert [s.steps for s in curriculum.build_plan(config).stages] == [2, 2, 2]
+  # Without stages nothing changes: the plain run's train section is config.train itself.
+  plain = default_config()
+  validate_train_config(plain)
+  assert not curriculum.enabled(plain) and curriculum.train_section(plain) is plain.train
+
+
+def _with_stage(k, **fields):
+  config = _config()
+  stages = list(config.curriculum.stages)
+  stages[k] = dict(stages[k], **fields)
+  config.curriculum.stages = tuple(stages)
+  return config
+
+
+@pytest.mark.parametrize("config, match", [
+    (lambda: _with_stage(1, seq_len=16), r"stages\[1\].seq_len.*must increase"),
+    (lambda: _with_stage(2, seq_len=72), r"stages\[2\].seq_len.*(chunk|divisor)"),
+    (lambda: _with_stage(0, weights={"pydoc": -1.0}), r"stages\[0\].weights.pydoc"),
+    (lambda: _with_stage(0, weights={"pydoc": 0.0}), r"stages\[0\].weights.*at least one"),
+    (lambda: _with_stage(0, weights={"web": 1.0}), r"stages\[0\].weights.*source names"),
+    (lambda: _with_stage(0, steps=2, tokens=1024), r"stages\[0\].steps/tokens"),
+    (lambda: _with_stage(0, tokens=100, steps=0), r"stages\[0\].tokens"),
+    (lambda: _with_stage(0, retrieval_fraction=0.7), r"retrieval_fraction"),
+    (lambda: _with_stage(0, schedule="step"), r"stages\[0\].schedule"),
+    (lambda: _with_stage(0, colour="red"), r"stages\[0\]"),
+    (lambda: _config(tps=500), r"seq_len.*divisor of curriculum.tokens_per_step=500"),
+    (lambda: _config(train_steps=99), r"train.steps.*at most"),
+])
+def test_bad_curriculum_config_is_refused_before_training(config, match, tmp_path):
+  cfg = config()
+  with pytest.raises(ConfigError, match=match):
+    train_and_evaluate(cfg, str(tmp_path), fns=fake_fns())
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_chunk_size_rule_names_the_kda_chunk():
+  config = _config(lens=(16, 32, 40), tps=1280)
+  with pytest.raises(ConfigError, match=r"stages\[2\].seq_len.*chunk_size=16"):
+    curriculum.build_plan(config)
+
+
+def test_source_without_documents_fails_before_training(tmp_path):
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "a.txt").write_text("only one document")
+  config = _config()
+  config.curriculum.sources = {"pydoc": {"kind": "text", "paths": (str(tmp_path / "data"),)}}
+  with pytest.raises(InputError, match="pydoc.*1 documents"):
+    train_and_evaluate(config, str(tmp_path / "run"), fns=fake_fns())
+  (tmp_path / "data" / "a.txt").write_bytes(b"\xff\xfe")
+  with pytest.raises(InputError, match="no usable text"):
+    train_and_evaluate(config, str(tmp_path / "run"), fns=fake_fns())
+
+
+def _reference_lr(pieces, step):
+  """Independent float reference of the stage schedules (written out per case)."""
+  p = [q for q in pieces if q["start"] <= step][-1]
+  n = step - p["start"]
+  if n < p["warmup"]:
+    return p["lr_from"] + (p["lr"] - p["lr_from"]) * n / p["warmup"]
+  end = p["lr"] * p["min_lr_ratio"]
+  if p["schedule"] == "constant":
+    return p["lr"]
+  if p["schedule"] == "wsd":
+    d = round(p["steps"] * p["decay_fraction"])
+    return p["lr"] if n < p["steps"] - d else p["lr"] + (end - p["lr"]) * min(
+        (n - (p["steps"] - d)) / d, 1.0)
+  s = min((n - p["warmup"]) / (p["steps"] - p["warmup"]), 1.0)
+  if p["schedule"] == "linear":
+    return p["lr"] + (end - p["lr"]) * s
+  return end + (p["lr"] - end) * 0.5 * (1 + math.cos(math.pi * s))
+
+
+def test_piecewise_learning_rate_matches_reference():
+  config = _config(steps=(10, 8, 6))
+  schedules = ("cosine", "wsd", "linear")
+  config.curriculum.stages = tuple(
+      dict(s, schedule=sch, warmup=w, decay_fraction=0.5)
+      for s, sch, w in zip(config.curriculum.stages, schedules, (3, 2, 0)))
+  plan = curriculum.build_plan(config)
+  pieces = plan.lr_pieces()
+  # Re-warm starts where the previous stage ended.
+  assert pieces[1]["lr_from"] == pytest.approx(_reference_lr(pieces, 10 - 1e-9), rel=1e-6)
+  t = curriculum.train_section(config, plan)
+  got = [float(optim.learning_rate(t, np.int32(i))) for i in range(26)]
+  want = [_reference_lr(pieces, i) for i in range(26)]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path):
+  config = _config(steps=(2, 2), lens=(16, 32))
+  ref = train_and_evaluate(config, str(tmp_path / "ref"), fns=fake_fns())
+  assert ref["end_step"] == 4
+  train = _records(tmp_path / "ref", "train")
+  losses = {s: r["loss"] for s, r in train.items()}
+  assert [train[s]["stage"] for s in range(1, 5)] == [0, 0, 1, 1]
+  assert [train[s]["seq_len"] for s in range(1, 5)] == [16, 16, 32, 32]
+  assert train[4]["tokens_seen"] == 4 * 512
+  evals = _records(tmp_path / "ref", "eval")          # at the stage end and at the end
+  assert sorted(evals) == [2, 4] and [evals[s]["stage"] for s in (2, 4)] == [0, 1]
+  # Stop exactly at the stage boundary (step 2), then inside stage 1 (step 3), then finish:
+  # every resumed step must see the same batch, hence give the same loss.
+  for stop in (2, 3, 4):
+    config.train.steps = stop
+    out = train_and_evaluate(config, str(tmp_path / "run"), fns=fake_fns())
+    assert out["end_step"] == stop
+  resumed = {s: r["loss"] for s, r in _records(tmp_path / "run", "train").items()}
+  assert resumed == losses
+
+
+def test_dry_run_prints_plan_and_memory(capsys):
+  e = dry_run.dry_run(load_config("curriculum_1m"))
+  out = capsys.readouterr().out
+  assert e["total"] > 50e6
+  for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "train.remat=",
+               "context parallelism over 4 devices", "T=262,144", "MLA score matrices"):
+    assert want in out
+  assert out.count("rows/device") == 4
+
+
+@pytest.mark.slow
+def test_cpu_curriculum_preset_end_to_end(tmp_path):
+  """All four stages of configs/curriculum_cpu.py; held-out loss at 8K improves each stage."""
+  config = load_config("curriculum_cpu")
+  out = train_and_evaluate(config, str(tmp_path), export_params_to=None)
+  assert out["end_step"] == config.train.steps and out["stopped_by"] is None
+  evals = _records(tmp_path, "eval")
+  losses = [evals[s.end_step]["loss"] for s in curriculum.build_plan(config).stages]
+  print("held-out loss at 8K per stage:", losses)
+  assert all(b < a for a, b in zip(losses, losses[1:]))

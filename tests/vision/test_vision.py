@@ -1,0 +1,419 @@
+"""Vision path: tower ops vs numpy references, processor, packing, loss mask, prefill, bad input."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybridmoe_jax.config import ConfigError, VisionConfig, model_config_from_dict
+from hybridmoe_jax.data import images as images_lib
+from hybridmoe_jax.data import multimodal
+from hybridmoe_jax.data.tokenizer import (IMAGE_END_ID, IMAGE_PAD_ID, IMAGE_START_ID,
+                                          ByteTokenizer)
+from hybridmoe_jax.infer import Engine
+from hybridmoe_jax.layers import vision as V
+from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.train import step as step_lib
+from tests.conftest import load_config, rel_rms
+
+P = 4
+VIS = VisionConfig(enabled=True, patch_size=P, num_channels=3, width=16, num_layers=2,
+                   num_heads=2, mlp_dim=32, native_grid=4, projector_dim=24,
+                   image_buckets=(16, 32), max_images_per_row=3)
+
+
+def _vlm_cfg(kinds=("kda", "mla")):
+  """tiny_vlm cut to len(kinds) layers (the last one MoE) to keep compile times short."""
+  m = load_config("tiny_vlm").model
+  m.num_layers, m.layer_kinds = len(kinds), kinds
+  m.moe.first_dense_layers = len(kinds) - 1
+  return model_config_from_dict(m)
+
+
+@nnx.jit
+def _fwd(model, tokens, images, grid, index):
+  return model(tokens, images=images, image_grid=grid, image_index=index)[0]
+
+
+@nnx.jit
+def _tower_fwd(tower, images, grid):
+  return tower(images, grid)
+
+
+def _rand_img(rng, h, w, c=3):
+  return rng.integers(0, 256, (h, w, c), dtype=np.uint8)
+
+
+# ------------------------------------------------------------------------------ tower ops
+
+
+def test_patchify_matches_loops_and_inverts():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 8, 12, 3)).astype(np.float32)
+  got = np.asarray(V.patchify(jnp.asarray(x), P))
+  assert got.shape == (2, 2 * 3, P * P * 3)
+  for n in range(2):
+    for i in range(2):
+      for j in range(3):
+        ref = x[n, i * P:(i + 1) * P, j * P:(j + 1) * P].reshape(-1)
+        np.testing.assert_array_equal(got[n, i * 3 + j], ref)
+  np.testing.assert_array_equal(np.asarray(V.unpatchify(jnp.asarray(got), P, 2, 3, 3)), x)
+
+
+def test_merge_groups_2x2_blocks_and_inverts():
+  gh, gw, d = 4, 6, 5
+  x = np.random.default_rng(1).normal(size=(2, gh * gw, d)).astype(np.float32)
+  got = np.asarray(V.merge2x2(jnp.asarray(x), gh, gw))
+  assert got.shape == (2, (gh // 2) * (gw // 2), 4 * d)
+  grid = x.reshape(2, gh, gw, d)
+  for r in range(gh // 2):
+    for c in range(gw // 2):
+      ref = np.concatenate([grid[:, 2 * r + dy, 2 * c + dx] for dy in (0, 1) for dx in (0, 1)],
+                           -1)
+      np.testing.assert_array_equal(got[:, r * (gw // 2) + c], ref)
+  np.testing.assert_array_equal(np.asarray(V.unmerge2x2(jnp.asarray(got), gh, gw)), x)
+
+
+def _bilinear_ref(table, h, w):
+  """numpy half-pixel-centre bilinear resize of table [G, G, D] to [h, w, D]."""
+  g = table.shape[0]
+
+  def axis(n):
+    src = np.clip((np.arange(n) + 0.5) * g / n - 0.5, 0, g - 1)
+    lo = np.floor(src).astype(int)
+    return lo, np.minimum(lo + 1, g - 1), src - lo
+
+  y0, y1, fy = axis(h)
+  x0, x1, fx = axis(w)
+  out = np.zeros((h, w, table.shape[2]))
+  for i in range(h):
+    for j in range(w):
+      top = table[y0[i], x0[j]] * (1 - fx[j]) + table[y0[i], x1[j]] * fx[j]
+      bot = table[y1[i], x0[j]] * (1 - fx[j]) + table[y1[i], x1[j]] * fx[j]
+      out[i, j] = top * (1 - fy[i]) + bot * fy[i]
+  return out
+
+
+def test_position_interpolation_exact_at_native_and_bilinear_elsewhere():
+  table = np.random.default_rng(2).normal(size=(4, 4, 3)).astype(np.float32)
+  grid = jnp.asarray([[4, 4], [2, 6], [8, 4]], jnp.int32)
+  got = np.asarray(V.interpolate_pos_table(jnp.asarray(table), grid, 8, 8)).reshape(3, 8, 8, 3)
+  np.testing.assert_array_equal(got[0, :4, :4], table)      # native size: bit-exact
+  np.testing.assert_allclose(got[1, :2, :6], _bilinear_ref(table, 2, 6), atol=1e-6)
+  np.testing.assert_allclose(got[2, :8, :4], _bilinear_ref(table, 8, 4), atol=1e-6)
+
+
+def _tower():
+  return V.VisionTower(VIS, 8, eps=1e-5, dtype="float32", rngs=nnx.Rngs(0))
+
+
+def test_encoder_bidirectional_within_image_never_across_images():
+  tower = _tower()
+  rng = np.random.default_rng(3)
+  imgs = rng.random((2, 16, 16, 3)).astype(np.float32)
+  grid = jnp.asarray([[4, 4], [2, 4]], jnp.int32)   # image 1: real 8 x 16 pixels
+  f = lambda x: np.asarray(_tower_fwd(tower, jnp.asarray(x), grid))
+  base = f(imgs)
+  assert base.shape == (2, 4, 8)
+  # Last pixel block of image 0 changes its FIRST merged token: attention is bidirectional.
+  x = imgs.copy()
+  x[0, 12:, 12:] += 0.5
+  out = f(x)
+  assert np.abs(out[0, 0] - base[0, 0]).max() > 1e-4
+  np.testing.assert_array_equal(out[1], base[1])           # the other image is untouched
+  # Padding rows of image 1 (beyond its 2 patch rows) do not reach its real tokens.
+  x = imgs.copy()
+  x[1, 8:] = 0.9
+  out = f(x)
+  np.testing.assert_allclose(out[1, :2], base[1, :2], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(out[0], base[0])
+
+
+# ------------------------------------------------------------------------ processor, data
+
+
+@pytest.mark.parametrize("h, w", [(8, 8), (16, 24), (32, 16), (24, 32)])
+def test_placeholders_equal_tower_tokens(h, w):
+  proc = multimodal.Processor(VIS)
+  img = _rand_img(np.random.default_rng(4), h, w)
+  doc = proc("a <image> b", [img])
+  k = (h // (2 * P)) * (w // (2 * P))
+  assert int(np.sum(doc.tokens == IMAGE_PAD_ID)) == k
+  assert doc.grids == [(h // P, w // P)]
+  batch = multimodal.inference_batch(doc, VIS)
+  s = batch["images"].shape[2]
+  feats = _tower_fwd(_tower(), jnp.asarray(batch["images"][0]),
+                     jnp.asarray(batch["image_grid"][0]))
+  real = np.asarray(V.patch_mask(jnp.asarray(batch["image_grid"][0]) // 2, s // (2 * P),
+                                 s // (2 * P)))
+  assert feats.shape[1] == (s // (2 * P)) ** 2 and int(real.sum()) == k
+  # The placeholders index exactly the real merged tokens of slot 0, in raster order.
+  idx = batch["image_index"][0]
+  np.testing.assert_array_equal(idx[idx >= 0], np.flatnonzero(real[0]))
+  assert np.all(doc.tokens[idx >= 0] == IMAGE_PAD_ID)
+
+
+def test_embed_inputs_replaces_exactly_the_placeholders():
+  cfg = _vlm_cfg(("mla",))
+  model = HybridLM(cfg, rngs=nnx.Rngs(0))
+  proc = multimodal.Processor(cfg.vision)
+  rng = np.random.default_rng(5)
+  doc = proc("x<image>yz<image>", [_rand_img(rng, 16, 16), _rand_img(rng, 32, 16)])
+  b = multimodal.inference_batch(doc, cfg.vision)
+  parts = nnx.jit(lambda m, t, i, g, x: (m.embed_inputs(t, i, g, x), m.embed(t),
+                                           m.image_features(i, g)))
+  x, text, feats = map(np.asarray, parts(model, *(jnp.asarray(b[k]) for k in (
+      "tokens", "images", "image_grid", "image_index"))))
+  pl = doc.tokens == IMAGE_PAD_ID
+  np.testing.assert_array_equal(x[0, ~pl], text[0, ~pl])
+  np.testing.assert_array_equal(x[0, pl], feats[0, b["image_index"][0][pl]])
+  assert len(set(b["image_index"][0][pl].tolist())) == pl.sum() == 4 + 8
+
+
+def test_no_loss_on_image_positions_and_delimiters():
+  cfg = _vlm_cfg(("mla",))
+  model = HybridLM(cfg, rngs=nnx.Rngs(1))
+  proc = multimodal.Processor(cfg.vision)
+  doc = proc("ab<image>cd", [_rand_img(np.random.default_rng(6), 16, 16)])
+  b = {k: jnp.asarray(v) for k, v in multimodal.inference_batch(doc, cfg.vision).items()}
+  gd, params, rest = nnx.split(model, nnx.Param, ...)
+  extras = {k: b[k] for k in step_lib.IMAGE_BATCH_KEYS}
+  nll, (count, _) = jax.jit(step_lib._forward_nll, static_argnums=0)(
+      gd, params, nnx.State({}), rest, b["tokens"], b["segment_ids"], extras)
+  logits = np.asarray(_fwd(model, b["tokens"], *extras.values())[0], np.float64)
+  toks = doc.tokens
+  # Independent reference: targets are the text bytes and EOS only.
+  keep = [t for t in range(len(toks) - 1) if toks[t + 1] < 256 or toks[t + 1] == 258]
+  assert int(count) == len(keep) == 2 + 2 + 1
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  ref = sum(logz[t] - logits[t, toks[t + 1]] for t in keep)
+  assert abs(float(nll) - ref) < 1e-3 * abs(ref)
+
+
+def _docs(n, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    k = int(rng.integers(0, 3))
+    text = "".join("w" * int(rng.integers(1, 30)) + "<image>" for _ in range(k))
+    text += "t" * int(rng.integers(0, 90))
+    out.append((text, [_rand_img(rng, int(rng.choice([8, 16])), 16) for _ in range(k)]))
+  return out
+
+
+def test_packing_never_splits_an_image_and_keeps_every_token():
+  docs = _docs(40)
+  proc = multimodal.Processor(VIS)
+  it = multimodal.VLMPackedIterator(docs, proc, seq_len=48, batch_size=4,
+                                    drop_remainder=False)
+  pieces = {}
+  for batch in it:
+    for r in range(4):
+      toks, seg, idx = batch["tokens"][r], batch["segment_ids"][r], batch["image_index"][r]
+      starts, ends = np.flatnonzero(toks == IMAGE_START_ID), np.flatnonzero(toks == IMAGE_END_ID)
+      assert len(starts) == len(ends) <= VIS.max_images_per_row
+      half = batch["images"].shape[2] // (2 * P)
+      for m, (a, e) in enumerate(zip(starts, ends)):
+        assert a < e and seg[a] == seg[e]
+        h, w = batch["image_grid"][r, m]
+        assert e - a - 1 == (h // 2) * (w // 2)       # every placeholder of the image is here
+        assert np.all(idx[a + 1:e] // (half * half) == m)
+      assert np.all((toks == IMAGE_PAD_ID) == (idx >= 0))
+      for s in range(1, seg.max(initial=0) + 1):
+        pieces.setdefault(len(pieces), toks[seg == s])
+  got = np.concatenate(list(pieces.values()))
+  want = np.concatenate([proc(t, i).tokens for t, i in docs])
+  np.testing.assert_array_equal(got, want)  # nothing dropped, duplicated or reordered
+
+
+def test_packer_state_resumes_exactly():
+  docs = _docs(60, seed=1)
+  mk = lambda: multimodal.VLMPackedIterator(docs, multimodal.Processor(VIS), seq_len=40,
+                                            batch_size=2, drop_remainder=True)
+  a = mk()
+  next(a)
+  state = a.get_state()
+  want = next(a)
+  b = mk()
+  b.set_state(json.loads(json.dumps(state)))
+  got = next(b)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_batches_use_the_smallest_bucket():
+  proc = multimodal.Processor(VIS)
+  rng = np.random.default_rng(7)
+  small = [("<image>q", [_rand_img(rng, 16, 8)])] * 3
+  big = small + [("<image>q", [_rand_img(rng, 24, 16)])]
+  for docs, side in ((small, 16), (big, 32)):
+    b = next(multimodal.VLMPackedIterator(docs, proc, seq_len=64, batch_size=2,
+                                          drop_remainder=False))
+    assert b["images"].shape[2:4] == (side, side)
+
+
+def test_synthetic_scenes_render_their_truth():
+  src = images_lib.SyntheticVQASource(20, seed=3, sides=(16, 32))
+  for i in range(20):
+    truth = src.truth(i)
+    img = images_lib.render_scene(truth)
+    cell = truth.side // 2
+    for k, (d, col) in enumerate(zip(truth.digits, truth.colours)):
+      block = img[(k // 2) * cell:(k // 2 + 1) * cell, (k % 2) * cell:(k % 2 + 1) * cell]
+      ink = block.any(-1)
+      if d is None:
+        assert not ink.any()
+        continue
+      ys, xs = np.nonzero(ink)
+      crop = ink[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+      scale = max(1, cell // 8)
+      assert crop[::scale, ::scale].shape == (5, 3) or d in (1, 7)  # 1 / 7 lack a column
+      assert set(map(tuple, block[ink])) == {images_lib.COLOURS[col]}
+    text, imgs = src[i]
+    assert text.count("<image>") == len(imgs) in (1, 3)
+    assert all(np.array_equal(x, img) for x in imgs)
+    asked = [(q, a) for _, q, a in images_lib.questions(truth) if f"Q: {q}\n" in text]
+    assert len(asked) == (3 if len(imgs) == 3 else 0)
+    for q, a in asked:
+      assert images_lib.vqa_text(q, a) in text
+    if len(imgs) == 1:
+      assert images_lib.caption(truth) in text
+
+
+# ------------------------------------------------------------------------ prefill == forward
+
+
+def test_prefill_with_images_equals_full_forward():
+  cfg = _vlm_cfg()
+  model = HybridLM(cfg, rngs=nnx.Rngs(2))
+  proc = multimodal.Processor(cfg.vision)
+  rng = np.random.default_rng(8)
+  doc = proc("hi <image> and <image>: ", [_rand_img(rng, 32, 32), _rand_img(rng, 16, 32)],
+             eos=False)
+  b = multimodal.inference_batch(doc, cfg.vision)
+  keys = {k: jnp.asarray(b[k]) for k in step_lib.IMAGE_BATCH_KEYS}
+  full = np.asarray(_fwd(model, jnp.asarray(b["tokens"]), *keys.values()))
+  engine = Engine(model, max_len=64, prefill_chunk=16)   # 3 chunks; images cross chunk edges
+  n = len(doc.tokens)
+  assert n > 32
+  logits, cache = engine.prefill(b["tokens"], images=b)
+  assert rel_rms(full[0, n - 1], logits[0]) < 1e-4
+  nxt = int(np.argmax(full[0, n - 1]))
+  step, _ = engine.decode_step(jnp.asarray([nxt]), cache)
+  toks2 = np.concatenate([b["tokens"], [[nxt]]], 1)
+  idx2 = np.concatenate([b["image_index"], [[-1]]], 1)
+  full2 = np.asarray(_fwd(model, jnp.asarray(toks2), keys["images"], keys["image_grid"],
+                          jnp.asarray(idx2)))
+  assert rel_rms(full2[0, n], step[0]) < 1e-4
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_images_are_rejected_with_clear_messages():
+  proc = multimodal.Processor(VIS)
+  with pytest.raises(images_lib.ImageError, match="not a multiple of 2 \\* patch_size = 8"):
+    proc("<image>", [np.zeros((12, 16, 3), np.uint8)])
+  doc = multimodal.Processor(VIS, pad_images=True)("<image>", [np.ones((12, 16, 3), np.uint8)])
+  assert doc.images[0].shape == (16, 16, 3) and doc.images[0][12:].max() == 0
+  with pytest.raises(images_lib.ImageError, match="4 channels.*num_channels = 3"):
+    proc("<image>", [np.zeros((8, 8, 4), np.uint8)])
+  with pytest.raises(images_lib.ImageError, match="dtype int64"):
+    proc("<image>", [np.zeros((8, 8, 3), np.int64)])
+  with pytest.raises(images_lib.ImageError, match="\\[0, 1\\]"):
+    proc("<image>", [np.full((8, 8, 3), 2.0, np.float32)])
+  with pytest.raises(images_lib.ImageError, match="largest bucket"):
+    proc("<image>", [np.zeros((40, 8, 3), np.uint8)])
+  with pytest.raises(ValueError, match="2 <image> marker\\(s\\) but 1 image"):
+    proc("<image><image>", [np.zeros((8, 8, 3), np.uint8)])
+  with pytest.raises(ValueError, match="1 <image> marker\\(s\\) but 2 image"):
+    proc("<image>", [np.zeros((8, 8, 3), np.uint8)] * 2)
+
+
+def test_vision_config_errors_name_the_field():
+  with pytest.raises(ConfigError, match="model.vision.image_buckets"):
+    dataclasses.replace(VIS, image_buckets=(12,)).validate(8)
+  with pytest.raises(ConfigError, match="model.vision.num_heads"):
+    dataclasses.replace(VIS, num_heads=3).validate(8)
+  with pytest.raises(ConfigError, match="model.vision.num_layers"):
+    dataclasses.replace(VIS, num_layers=-1).validate(8)
+  dataclasses.replace(VIS, num_layers=0).validate(8)            # depth 0 is allowed
+  assert ByteTokenizer().vocab_size == 259 and ByteTokenizer(vision=True).vocab_size == 262
+
+
+def test_pnm_and_npy_roundtrip(tmp_path):
+  img = _rand_img(np.random.default_rng(9), 8, 16)
+  images_lib.write_pnm(str(tmp_path / "a.ppm"), img)
+  np.testing.assert_array_equal(images_lib.read_image(str(tmp_path / "a.ppm")), img)
+  images_lib.write_pnm(str(tmp_path / "g.pgm"), img[..., 0])
+  np.testing.assert_array_equal(images_lib.read_image(str(tmp_path / "g.pgm")), img[..., :1])
+  (tmp_path / "t.ppm").write_text("P3\n# comment\n2 1\n15\n15 0 0  0 15 0\n")
+  np.testing.assert_array_equal(images_lib.read_image(str(tmp_path / "t.ppm")),
+                                [[[255, 0, 0], [0, 255, 0]]])
+  np.save(tmp_path / "n.npy", img)
+  np.testing.assert_array_equal(images_lib.read_image(str(tmp_path / "n.npy")), img)
+  (tmp_path / "bad.ppm").write_bytes(b"P6\n4 4\n255\n\x00\x01")
+  with pytest.raises(images_lib.ImageError, match="truncated"):
+    images_lib.read_image(str(tmp_path / "bad.ppm"))
+
+
+def test_jsonl_source_counts_and_skips_missing_and_corrupt_images(tmp_path):
+  img = _rand_img(np.random.default_rng(10), 16, 16)
+  images_lib.write_pnm(str(tmp_path / "ok.ppm"), img)
+  (tmp_path / "corrupt.ppm").write_bytes(b"P6\n16 16\n255\nxx")
+  lines = [{"image": "ok.ppm", "text": "good <image> one"},
+           {"image": "missing.ppm", "text": "gone"},
+           {"image": "corrupt.ppm", "text": "broken"},
+           "not json",
+           {"images": ["ok.ppm"], "text": "no marker"}]
+  (tmp_path / "d.jsonl").write_text("\n".join(l if isinstance(l, str) else json.dumps(l)
+                                              for l in lines))
+  src = multimodal.ImageJsonlSource([str(tmp_path / "d.jsonl")])
+  assert len(src) == 3
+  assert src.skipped == {"missing image file": 1, "malformed line": 1}
+  assert src[2][0].startswith("<image>") and src[1][1] is None
+  it = multimodal.VLMPackedIterator(src, multimodal.Processor(VIS), seq_len=64,
+                                    batch_size=1, drop_remainder=False)
+  rows = list(it)                                # the corrupt image is skipped, no crash
+  assert len(rows) == 1 and sum(it.skipped.values()) == 1
+  assert int((rows[0]["image_grid"][0, :, 0] > 0).sum()) == 2
+
+
+def test_vlm_pipeline_from_jsonl_and_config_checks(tmp_path):
+  cfg = _vlm_cfg(("mla",))
+  rng = np.random.default_rng(11)
+  lines = []
+  for i in range(8):
+    images_lib.write_pnm(str(tmp_path / f"{i}.ppm"), _rand_img(rng, 16, 16))
+    lines.append({"image": f"{i}.ppm", "text": f"picture {i}"})
+  lines.append({"image": "nope.ppm", "text": "missing"})
+  (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(l) for l in lines))
+  data = load_config("tiny_vlm").data
+  data.vision.source, data.vision.paths, data.vision.share = "jsonl", (str(tmp_path),), 1.0
+  data.heldout_fraction = 0.25
+  out = multimodal.build_vlm_train_and_eval(data, cfg.vision, vocab_size=cfg.vocab_size,
+                                            seq_len=32, batch_size=2, seed=0)
+  assert len(out.train_source) == 6 and len(out.heldout_source) == 2
+  batch = next(out.train)
+  assert batch["images"].shape == (2, cfg.vision.max_images_per_row, 16, 16, 3) and (batch["image_index"] >= 0).sum() >= 2
+  data.vision.share = 0.0
+  with pytest.raises(ConfigError, match="data.vision.share"):
+    multimodal.build_vlm_train_and_eval(data, cfg.vision, vocab_size=cfg.vocab_size,
+                                        seq_len=32, batch_size=2, seed=0)
+  data.vision.share, data.vision.sides = 1.0, (12,)
+  with pytest.raises(ConfigError, match="data.vision.sides"):
+    multimodal.build_vlm_train_and_eval(data, cfg.vision, vocab_size=cfg.vocab_size,
+                                        seq_len=32, batch_size=2, seed=0)
+
+
+def test_engine_rejects_images_for_a_text_model():
+  m = load_config("tiny").model
+  m.num_layers, m.layer_kinds, m.moe.first_dense_layers = 1, ("mla",), 1
+  model = HybridLM(model_config_from_dict(m), rngs=nnx.Rngs(0))
+  engine = Engine(model, max_len=16)
+  with pytest.raises(ValueError, match="without a vision tower"):
+    engine.prefill(np.ones((1, 4), np.int32), images={"images": np.zeros((1, 1, 8, 8, 3))})
