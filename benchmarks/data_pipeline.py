@@ -12,7 +12,6 @@ after compilation). ratio = pipeline tokens/s / model tokens/s: above 1 the inpu
 keeps up.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -30,13 +29,6 @@ _BATCHES = flags.DEFINE_integer("batches", 30, "Timed batches per stage and sett
 _WORKERS = flags.DEFINE_list("workers", ["0", "2"], "Worker counts to compare.")
 _MODEL_STEPS = flags.DEFINE_integer("model_steps", 3, "Timed train steps per stage (0: skip).")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the rows as JSON here.")
-
-
-def _load(path):
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def pipeline_rate(stage, data, workers: int, batches: int) -> tuple[float, float]:
@@ -87,7 +79,8 @@ def main(argv):
   del argv
   from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.train import curriculum  # pylint: disable=g-import-not-at-top
-  config = _load(_CONFIG.value)
+  from hybridmoe_jax.train.config import load_config_file  # pylint: disable=g-import-not-at-top
+  config = load_config_file(_CONFIG.value)
   data = curriculum.build_data(config, model_config_from_dict(config.model).vocab_size)
   rows = []
   print(f"load average at start: {os.getloadavg()}", flush=True)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax.ops import kda
+from hybridmoe_jax.timing import time_fn
 
 
 def make_inputs(B, T, H, K, V, lower_bound, seed=0):
@@ -48,17 +47,6 @@ def build(impl, chunk_size, lower_bound, backward):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def time_fn(fn, args, repeats):
-    """(compile+first-run seconds, median seconds of `repeats` further runs)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
 
 
 def chunked_fwd_flops(B, T, H, K, V, C):

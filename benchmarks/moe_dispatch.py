@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 
 def _args():
@@ -48,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridmoe_jax.config import MoEConfig
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.parallel.mesh import build_mesh
+from hybridmoe_jax.timing import time_fn
 
 
 def build(num_experts: int, impl: str):
@@ -64,16 +63,6 @@ def build(num_experts: int, impl: str):
   return jax.jit(jax.grad(loss, argnums=(0, 1))), params
 
 
-def time_fn(fn, args, repeats):
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return first, statistics.median(times)
 
 
 def main():

@@ -23,7 +23,6 @@ Architectures (4 layers each):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import time
@@ -37,6 +36,7 @@ from flax import nnx
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals.mqar import accuracy, make_mqar, token_ranges
 from hybridmoe_jax.model.decoder import HybridLM
+from hybridmoe_jax.train.config import load_config_file
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,10 +49,7 @@ ARCHS = {
 
 
 def _tiny_model_dict() -> dict:
-  spec = importlib.util.spec_from_file_location("tiny", _ROOT / "configs" / "tiny.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config().model.to_dict()
+  return load_config_file(_ROOT / "configs" / "tiny.py").model.to_dict()
 
 
 def arch_config(arch: str, *, vocab: int, kda_impl: str, d_model: int = 64) -> ModelConfig:

@@ -17,6 +17,7 @@ from absl import flags
 from absl import logging
 import numpy as np
 
+from hybridmoe_jax.train.config import load_config_file
 from hybridmoe_jax.train.loop import train_and_evaluate
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,11 +30,7 @@ _JSON = flags.DEFINE_string("json_out", None, "Also write the summary as JSON he
 
 
 def _tiny_config():
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("tiny", os.path.join(_ROOT, "configs", "tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_file(os.path.join(_ROOT, "configs", "tiny.py"))
 
 
 def maxvio_curve(workdir: str) -> np.ndarray:

@@ -7,16 +7,13 @@ retrieval documents; each longer stage re-warms to a lower constant learning rat
   python run_train.py --config=configs/curriculum_1m.py --dry_run   # plan + memory per stage
 """
 
-import importlib.util
-import os
+import pathlib
+
+from hybridmoe_jax.train.config import load_config_file
 
 
 def _small():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small.py")
-  spec = importlib.util.spec_from_file_location("small_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_file(pathlib.Path(__file__).with_name("small.py"))
 
 
 def get_config():

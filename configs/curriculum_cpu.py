@@ -8,16 +8,13 @@ small share of synthetic passkey / key-value recall documents. Held-out loss is 
   python run_train.py --config=configs/curriculum_cpu.py --workdir=runs/curriculum_cpu
 """
 
-import importlib.util
-import os
+import pathlib
+
+from hybridmoe_jax.train.config import load_config_file
 
 
 def _tiny():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
-  spec = importlib.util.spec_from_file_location("tiny_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
 
 
 def get_config():

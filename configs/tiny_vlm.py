@@ -8,16 +8,13 @@ Images are 16 or 32 pixels square: 4x4 or 8x8 patches -> 4 or 16 image tokens af
 2x2 merge; batches pad to the 16- or 32-pixel bucket (two compilations of the step).
 """
 
-import importlib.util
 import pathlib
+
+from hybridmoe_jax.train.config import load_config_file
 
 
 def _tiny():
-  path = pathlib.Path(__file__).with_name("tiny.py")
-  spec = importlib.util.spec_from_file_location("tiny_base", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
 
 
 def get_config():

@@ -12,7 +12,6 @@ _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
   os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_DEVICE_FLAG}=8".strip()
 
-import importlib.util  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pathlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -23,10 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def load_config(name: str):
   """Load configs/<name>.py and return its get_config() ConfigDict."""
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  from hybridmoe_jax.train.config import load_config_file  # pylint: disable=g-import-not-at-top
+  return load_config_file(ROOT / "configs" / f"{name}.py")
 
 
 def rel_rms(ref, x) -> float:

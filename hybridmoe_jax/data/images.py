@@ -41,6 +41,11 @@ COLOURS = {"red": (255, 40, 40), "green": (40, 220, 40), "blue": (60, 90, 255),
            "yellow": (240, 230, 40)}
 CELL_NAMES = ("top left", "top right", "bottom left", "bottom right")
 QUESTION_TYPES = ("count", "where", "colour")
+# Questions per Q/A training document and their relative sampling weights by type: digit
+# identity at a position is the hardest type (10 classes read from a few pixels after a 2-D
+# lookup), so it is asked more often.
+QA_PER_DOC = 4
+QA_WEIGHTS = {"count": 1.0, "where": 2.0, "colour": 1.0}
 
 
 class ImageError(ValueError):
@@ -261,8 +266,8 @@ def vqa_text(question: str, answer: str | None = None) -> str:
 class SyntheticVQASource:
   """Random-access image-text documents: source[i] -> (text with "<image>", [uint8 image]).
 
-  Each document: with probability 0.2 the image and its caption; otherwise three of the
-  scene's questions, each as "Q: <q>\n<image>\nA: <a>\n" (see vqa_text).
+  Each document: with probability 0.2 the image and its caption; otherwise QA_PER_DOC of the
+  scene's questions (where-questions weighted up, QA_WEIGHTS), each as "Q: <q>\n<image>\nA: <a>\n" (see vqa_text).
 
   Args:
     num_docs: length (documents are generated on demand; nothing is stored).
@@ -292,6 +297,8 @@ class SyntheticVQASource:
     img = render_scene(truth, self.channels)
     if rng.random() < 0.2:  # a caption document: the image, then its description
       return f"<image>\nCaption: {caption(truth)}\n", [img]
-    # One question per image copy (see vqa_text), 3 questions per document.
-    pick = rng.permutation(len(qs))[:3]
+    # One question per image copy (see vqa_text), QA_PER_DOC questions per document drawn
+    # without replacement, a where-question QA_WEIGHTS["where"] times as likely as others.
+    w = np.array([QA_WEIGHTS[kind] for kind, _, _ in qs], np.float64)
+    pick = rng.choice(len(qs), size=min(QA_PER_DOC, len(qs)), replace=False, p=w / w.sum())
     return "".join(vqa_text(*qs[j][1:]) for j in pick), [img] * len(pick)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from typing import Any
 
@@ -13,16 +12,14 @@ from hybridmoe_jax.config import ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals import niah
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import EvalOptions, resolve_tasks, run_evals
+from hybridmoe_jax.train.config import load_config_file
 
 
-def load_config_file(path: str) -> ModelConfig:
+def load_model_config(path: str) -> ModelConfig:
   """The `model` section of a configs/*.py file (its get_config())."""
   if not os.path.isfile(path):
     raise ValueError(f"--config file {path} does not exist")
-  spec = importlib.util.spec_from_file_location("eval_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return model_config_from_dict(module.get_config().model)
+  return model_config_from_dict(load_config_file(path).model)
 
 
 def options_from_flags(values: dict[str, Any]) -> EvalOptions:
@@ -65,7 +62,7 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   opts = options_from_flags(option_values)
   if "generate" in tasks and not opts.prompt:
     raise ValueError("--prompt is empty: give some text to continue")
-  expected = load_config_file(config) if config else None
+  expected = load_model_config(config) if config else None
   model, info = load_model(workdir=workdir, params=params, expected=expected)
   if task == "all" and model.cfg.vision.enabled:
     tasks.append("vqa")

@@ -10,6 +10,8 @@ checks the rest before anything is allocated.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from typing import Any
 
 import ml_collections
@@ -88,6 +90,18 @@ def _mesh_config() -> ml_collections.ConfigDict:
   m.expert = 1
   m.tensor = 1
   return m
+
+
+def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file such as configs/tiny.py (presets build on each other)."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path} does not exist")
+  name = "_config_" + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def default_config() -> ml_collections.ConfigDict:
