@@ -200,13 +200,20 @@ class SceneTruth:
     return sum(d is not None for d in self.digits)
 
 
+def glyph_scale(cell: int) -> int:
+  """Integer scale of the 3x5 glyph in a cell of `cell` pixels: the largest that leaves the
+  glyph's 5 * scale rows inside the cell with at least one pixel to spare (1 for cells under
+  11 pixels; 3 for 16). Big strokes make digit identity a large, easily read pixel feature."""
+  return max(1, (cell - 1) // 5)
+
+
 def render_scene(truth: SceneTruth, channels: int = 3) -> np.ndarray:
   """-> uint8 [side, side, channels]: each non-empty cell holds its glyph, centred, scaled by
-  max(1, cell // 8) (grey images use the colour's mean intensity)."""
+  glyph_scale(cell) (grey images use the colour's mean intensity)."""
   s = truth.side
   cell = s // 2
   img = np.zeros((s, s, 3), np.uint8)
-  scale = max(1, cell // 8)
+  scale = glyph_scale(cell)
   gh, gw = 5 * scale, 3 * scale
   for k, (d, col) in enumerate(zip(truth.digits, truth.colours)):
     if d is None:

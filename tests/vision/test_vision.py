@@ -27,9 +27,11 @@ VIS = VisionConfig(enabled=True, patch_size=P, num_channels=3, width=16, num_lay
 
 
 def _vlm_cfg(kinds=("kda", "mla")):
-  """tiny_vlm cut to len(kinds) layers (the last one MoE) to keep compile times short."""
+  """tiny_vlm cut to len(kinds) layers (the last one MoE) to keep compile times short, with
+  patch 4 and buckets (16, 32) so the small test images below give several image tokens."""
   m = load_config("tiny_vlm").model
   m.num_layers, m.layer_kinds = len(kinds), kinds
+  m.vision.patch_size, m.vision.image_buckets = 4, (16, 32)
   m.moe.first_dense_layers = len(kinds) - 1
   return model_config_from_dict(m)
 
@@ -162,7 +164,8 @@ def test_embed_inputs_replaces_exactly_the_placeholders():
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   proc = multimodal.Processor(cfg.vision)
   rng = np.random.default_rng(5)
-  doc = proc("x<image>yz<image>", [_rand_img(rng, 16, 16), _rand_img(rng, 32, 16)])
+  sizes = ((32, 32), (32, 16))
+  doc = proc("x<image>yz<image>", [_rand_img(rng, h, w) for h, w in sizes])
   b = multimodal.inference_batch(doc, cfg.vision)
   parts = nnx.jit(lambda m, t, i, g, x: (m.embed_inputs(t, i, g, x), m.embed(t),
                                            m.image_features(i, g)))
@@ -171,7 +174,8 @@ def test_embed_inputs_replaces_exactly_the_placeholders():
   pl = doc.tokens == IMAGE_PAD_ID
   np.testing.assert_array_equal(x[0, ~pl], text[0, ~pl])
   np.testing.assert_array_equal(x[0, pl], feats[0, b["image_index"][0][pl]])
-  assert len(set(b["image_index"][0][pl].tolist())) == pl.sum() == 4 + 8
+  want = sum(multimodal.tokens_per_image(h, w, cfg.vision.patch_size) for h, w in sizes)
+  assert len(set(b["image_index"][0][pl].tolist())) == pl.sum() == want > 2
 
 
 def test_no_loss_on_image_positions_and_delimiters():
@@ -270,7 +274,7 @@ def test_synthetic_scenes_render_their_truth():
         continue
       ys, xs = np.nonzero(ink)
       crop = ink[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
-      scale = max(1, cell // 8)
+      scale = images_lib.glyph_scale(cell)
       assert crop[::scale, ::scale].shape == (5, 3) or d in (1, 7)  # 1 / 7 lack a column
       assert set(map(tuple, block[ink])) == {images_lib.COLOURS[col]}
     text, imgs = src[i]
