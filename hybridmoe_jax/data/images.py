@@ -22,6 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
+# Where an image goes in a document's text (one marker per image).
+IMAGE_MARKER = "<image>"
+
 # 3x5 digit glyphs, one string of 5 rows x 3 columns each ("#" = ink).
 _FONT = {
     0: ("###", "#.#", "#.#", "#.#", "###"),

@@ -1,4 +1,4 @@
-"""Interleaved image-text data: processor, image JSONL source, packing and the VLM pipeline.
+"""Interleaved image-text data: processor, packing and the VLM pipeline.
 
 A document is text with one "<image>" marker per image. The processor turns it into
     BOS text <image_start> IMAGE_PAD x K <image_end> text ... EOS
@@ -23,9 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
-import os
-import pathlib
 from typing import Any, Sequence
 
 from absl import logging
@@ -35,9 +32,10 @@ import numpy as np
 
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import images as images_lib
+from hybridmoe_jax.data.image_text_source import ImageJsonlSource
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 
-IMAGE_MARKER = "<image>"
+IMAGE_MARKER = images_lib.IMAGE_MARKER
 VISION_SOURCES = ("synthetic", "jsonl")
 
 
@@ -303,73 +301,6 @@ class VLMPackedIterator:
     while len(rows) < self.batch_size:  # padding rows (segment id 0) for a static shape
       rows.append(_row_from_pieces([], self.seq_len))
     return collate(rows, self.proc.vision, self.seq_len)
-
-
-# ------------------------------------------------------------------------ image JSONL source
-
-
-class ImageJsonlSource:
-  """User image-text data: JSONL lines {"image": path | "images": [paths], "text": str}.
-
-  Relative image paths are resolved against the JSONL file's directory. Image files are
-  .npy, .ppm or .pgm. If the text has no "<image>" marker the images are put before it.
-  Lines that are not valid JSON or lack the fields, and lines whose image files do not exist,
-  are skipped with one counted warning per file; an image file that exists but cannot be
-  decoded is found when read: source[i] then returns (text, None) and the packer counts
-  and skips it. Never raises mid-run.
-  """
-
-  def __init__(self, paths: Sequence[str], *, text_field: str = "text"):
-    files = []
-    for p in paths:
-      p = pathlib.Path(p).expanduser()
-      if p.is_dir():
-        files += sorted(x for x in p.rglob("*.jsonl") if x.is_file())
-      elif p.is_file():
-        files.append(p)
-      else:
-        raise FileNotFoundError(f"image-text JSONL path {str(p)!r} does not exist")
-    self.records: list[tuple[str, tuple[str, ...]]] = []
-    self.skipped = collections.Counter()
-    for f in files:
-      skipped = collections.Counter()
-      with open(f, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-          if not line.strip():
-            continue
-          try:
-            rec = json.loads(line)
-            text = rec[text_field]
-            imgs = rec.get("images", [rec["image"]] if "image" in rec else [])
-            if not isinstance(text, str) or not isinstance(imgs, list) or not imgs:
-              raise KeyError
-          except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            skipped["malformed line"] += 1
-            continue
-          full = tuple(str(f.parent / i) if not os.path.isabs(i) else i for i in imgs)
-          if not all(os.path.isfile(i) for i in full):
-            skipped["missing image file"] += 1
-            continue
-          if IMAGE_MARKER not in text:
-            text = IMAGE_MARKER * len(full) + "\n" + text
-          self.records.append((text, full))
-      if skipped:
-        logging.warning("%s: skipped %d lines (%s)", f, sum(skipped.values()),
-                        ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())))
-      self.skipped.update(skipped)
-    if not self.records:
-      raise ValueError(f"no usable image-text records in {list(map(str, paths))} "
-                       f"(skipped: {dict(self.skipped)})")
-
-  def __len__(self) -> int:
-    return len(self.records)
-
-  def __getitem__(self, i):
-    text, paths = self.records[int(i)]
-    try:
-      return text, [images_lib.read_image(p) for p in paths]
-    except (ValueError, OSError):
-      return text, None
 
 
 # ----------------------------------------------------------------------- config and builder
