@@ -84,12 +84,6 @@ def check_batch(batch: dict[str, np.ndarray], t, vocab_size: int, step: int,
                      f"vocabulary [0, {vocab_size}) (model.vocab_size = {vocab_size})")
 
 
-def _model_inputs(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """The keys the step reads: tokens, segment_ids and, for vision models, the image keys."""
-  return {k: batch[k] for k in ("tokens", "segment_ids") + step_lib.IMAGE_BATCH_KEYS
-          if k in batch}
-
-
 def _next_batch(it, t, vocab_size: int, step: int) -> dict[str, np.ndarray]:
   try:
     batch = next(it)
@@ -105,7 +99,7 @@ def evaluate(eval_step, state, batches) -> dict[str, float]:
   """Mean held-out NLL per target token and bits per byte (byte targets only)."""
   nll = count = nbytes = 0.0
   for b in batches:
-    n, c = eval_step(state.params, state.biases, _model_inputs(b), state.rest)
+    n, c = eval_step(state.params, state.biases, step_lib.model_inputs(b), state.rest)
     targets, weights = step_lib.next_token_targets(np.asarray(b["tokens"]),
                                                    np.asarray(b["segment_ids"]))
     nll += float(n)
@@ -195,7 +189,7 @@ def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_
   with _StopFlag() as stop:
     while step < t.steps:
       batch = _next_batch(data.train, t, cfg.vocab_size, step)
-      state, metrics = train_step(state, _model_inputs(batch))
+      state, metrics = train_step(state, step_lib.model_inputs(batch))
       step += 1
       monitor.step(step, {**jax.device_get(metrics), **_stage_info(data.train, step, t)})
       # A curriculum also evaluates (at the longest length) at the end of every stage.

@@ -26,6 +26,12 @@ from hybridmoe_jax.train.state import ModelFns, TrainState
 Batch = dict[str, jax.Array]
 # Optional vision keys of a batch, passed to the model as keyword arguments (DESIGN s5).
 IMAGE_BATCH_KEYS = ("images", "image_grid", "image_index")
+MODEL_INPUT_KEYS = ("tokens", "segment_ids") + IMAGE_BATCH_KEYS
+
+
+def model_inputs(batch: dict, keys: tuple[str, ...] = MODEL_INPUT_KEYS) -> dict:
+  """The entries of `batch` a step reads (others, such as positions, stay on the host)."""
+  return {k: batch[k] for k in keys if k in batch}
 
 
 def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
@@ -134,7 +140,7 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
     tokens = rules.constrain(tokens, ("batch", "length"))
     segment_ids = rules.constrain(segment_ids, ("batch", "length"))
-    extras = {k: batch[k] for k in IMAGE_BATCH_KEYS if k in batch}
+    extras = model_inputs(batch, IMAGE_BATCH_KEYS)
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
                                                 grad_accum, extras)
     denom = jnp.maximum(count, 1.0)
@@ -174,7 +180,7 @@ def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = N
   def eval_step(params, biases, batch: Batch, rest):
     nll, (count, _) = _forward_nll(graphdef, params, biases, rest, batch["tokens"],
                                    batch["segment_ids"],
-                                   {k: batch[k] for k in IMAGE_BATCH_KEYS if k in batch})
+                                   model_inputs(batch, IMAGE_BATCH_KEYS))
     return nll, count
 
   step = jax.jit(eval_step)
