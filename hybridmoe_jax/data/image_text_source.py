@@ -15,7 +15,9 @@ from hybridmoe_jax.data.images import IMAGE_MARKER
 
 
 class ImageJsonlSource:
-  """User image-text data: JSONL lines {"image": path | "images": [paths], "text": str}.
+  """User image-text data: JSONL lines {"image": path | "images": [paths], "text": str} with
+  optionally "answer_spans": [[start, end], ...], character ranges of "text" that carry the
+  full loss (the rest weighs data.vision.prompt_loss_weight; see multimodal.Processor).
 
   Relative image paths are resolved against the JSONL file's directory. Image files are
   .npy, .ppm or .pgm. If the text has no "<image>" marker the images are put before it.
@@ -35,7 +37,7 @@ class ImageJsonlSource:
         files.append(p)
       else:
         raise FileNotFoundError(f"image-text JSONL path {str(p)!r} does not exist")
-    self.records: list[tuple[str, tuple[str, ...]]] = []
+    self.records: list[tuple[str, tuple[str, ...], tuple | None]] = []
     self.skipped = collections.Counter()
     for f in files:
       skipped = collections.Counter()
@@ -49,6 +51,7 @@ class ImageJsonlSource:
             imgs = rec.get("images", [rec["image"]] if "image" in rec else [])
             if not isinstance(text, str) or not isinstance(imgs, list) or not imgs:
               raise KeyError
+            spans = _spans(rec.get("answer_spans"), len(text))
           except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             skipped["malformed line"] += 1
             continue
@@ -57,8 +60,10 @@ class ImageJsonlSource:
             skipped["missing image file"] += 1
             continue
           if IMAGE_MARKER not in text:
-            text = IMAGE_MARKER * len(full) + "\n" + text
-          self.records.append((text, full))
+            prefix = IMAGE_MARKER * len(full) + "\n"
+            text = prefix + text
+            spans = spans and tuple((a + len(prefix), b + len(prefix)) for a, b in spans)
+          self.records.append((text, full, spans))
       if skipped:
         logging.warning("%s: skipped %d lines (%s)", f, sum(skipped.values()),
                         ", ".join(f"{n} {r}" for r, n in sorted(skipped.items())))
@@ -71,8 +76,22 @@ class ImageJsonlSource:
     return len(self.records)
 
   def __getitem__(self, i):
-    text, paths = self.records[int(i)]
+    text, paths, spans = self.records[int(i)]
     try:
-      return text, [images_lib.read_image(p) for p in paths]
+      imgs = [images_lib.read_image(p) for p in paths]
     except (ValueError, OSError):
-      return text, None
+      imgs = None
+    return (text, imgs) if spans is None else (text, imgs, spans)
+
+
+def _spans(value, n: int) -> tuple[tuple[int, int], ...] | None:
+  """A record's "answer_spans" -> ((start, end), ...) inside [0, n]; KeyError if malformed."""
+  if value is None:
+    return None
+  try:
+    spans = tuple((int(a), int(b)) for a, b in value)
+  except (TypeError, ValueError):
+    raise KeyError("answer_spans") from None
+  if not all(0 <= a <= b <= n for a, b in spans):
+    raise KeyError("answer_spans")
+  return spans

@@ -274,10 +274,14 @@ def vqa_text(question: str, answer: str | None = None) -> str:
 
 
 class SyntheticVQASource:
-  """Random-access image-text documents: source[i] -> (text with "<image>", [uint8 image]).
+  """Random-access image-text documents: source[i] -> (text with "<image>", [uint8 image])
+  for a caption document, (text, [image] * n, answer_spans) for a Q/A document.
 
   Each document: with probability 0.2 the image and its caption; otherwise QA_PER_DOC of the
-  scene's questions (where-questions weighted up, QA_WEIGHTS), each as "Q: <q>\n<image>\nA: <a>\n" (see vqa_text).
+  scene's questions (where-questions weighted up, QA_WEIGHTS), each as
+  "Q: <q>\n<image>\nA: <a>\n" (see vqa_text), with the character spans of the answers
+  (" <a>\n") so that the processor can weigh the question text down
+  (data.vision.prompt_loss_weight).
 
   Args:
     num_docs: length (documents are generated on demand; nothing is stored).
@@ -311,4 +315,10 @@ class SyntheticVQASource:
     # without replacement, a where-question QA_WEIGHTS["where"] times as likely as others.
     w = np.array([QA_WEIGHTS[kind] for kind, _, _ in qs], np.float64)
     pick = rng.choice(len(qs), size=min(QA_PER_DOC, len(qs)), replace=False, p=w / w.sum())
-    return "".join(vqa_text(*qs[j][1:]) for j in pick), [img] * len(pick)
+    text, spans = "", []
+    for j in pick:
+      _, q, a = qs[j]
+      text += vqa_text(q)
+      spans.append((len(text), len(text) + len(f" {a}\n")))  # " <answer>\n" is the answer
+      text += f" {a}\n"
+    return text, [img] * len(pick), tuple(spans)

@@ -44,11 +44,17 @@ VISION_SOURCES = ("synthetic", "jsonl")
 
 @dataclasses.dataclass
 class Document:
-  """A processed document: tokens int32 [n] and per image the pixels and patch grid."""
+  """A processed document: tokens int32 [n], per-token loss weights float32 [n] (the weight
+  of each token as a next-token target) and per image the pixels and patch grid."""
 
   tokens: np.ndarray
   images: list          # float32 [h, w, C] each
   grids: list           # (h / p, w / p) each
+  weights: np.ndarray | None = None  # float32 [n]; None = 1.0 everywhere
+
+  def __post_init__(self):
+    if self.weights is None:
+      self.weights = np.ones(len(self.tokens), np.float32)
 
   def image_spans(self) -> list[tuple[int, int]]:
     """[start, end) token spans of each image, <image_start> .. <image_end> inclusive."""
@@ -65,16 +71,26 @@ def tokens_per_image(h: int, w: int, patch_size: int) -> int:
 class Processor:
   """(text with "<image>" markers, images) -> Document; see the module docstring.
 
+  Loss weights: a document given `answer_spans` (character ranges of its text) is a prompt /
+  answer document: text inside the spans weighs `answer_loss_weight` as a target, the rest
+  `prompt_loss_weight` (data.vision.*_loss_weight); without spans every token weighs 1.
+
   Args:
     vision: the model's VisionConfig (patch size, channels, largest bucket).
     pad_images: pad sides to a multiple of 2p instead of rejecting the image.
+    prompt_loss_weight: target weight of text outside the answer spans, in [0, 1].
+    answer_loss_weight: target weight of text inside the answer spans, in (0, 100].
   """
 
-  def __init__(self, vision: VisionConfig, *, pad_images: bool = False):
+  def __init__(self, vision: VisionConfig, *, pad_images: bool = False,
+               prompt_loss_weight: float = 1.0, answer_loss_weight: float = 1.0):
     if not vision.enabled:
       raise ConfigError("the image-text processor needs model.vision.enabled = True")
+    check_loss_weights(prompt_loss_weight, answer_loss_weight)
     self.vision = vision
     self.pad_images = pad_images
+    self.prompt_loss_weight = float(prompt_loss_weight)
+    self.answer_loss_weight = float(answer_loss_weight)
     self.tokenizer = tokenizer_lib.ByteTokenizer(vision=True)
 
   def image(self, image) -> np.ndarray:
@@ -84,28 +100,49 @@ class Processor:
                                     max_side=v.image_buckets[-1], pad=self.pad_images)
 
   def __call__(self, text: str, images: Sequence[Any] = (), *, bos: bool = True,
-               eos: bool = True) -> Document:
-    """Raises ValueError when markers and images disagree in number, ImageError on a bad
-    image."""
+               eos: bool = True, answer_spans: Sequence[tuple[int, int]] | None = None
+               ) -> Document:
+    """Raises ValueError when markers and images disagree in number or a span lies outside
+    the text, ImageError on a bad image."""
     parts = text.split(IMAGE_MARKER)
     if len(parts) - 1 != len(images):
       raise ValueError(f"the text has {len(parts) - 1} {IMAGE_MARKER} marker(s) but "
                        f"{len(images)} image(s) were given: need one image per marker")
+    char_w = None if answer_spans is None else self._char_weights(text, answer_spans)
     tok, p = self.tokenizer, self.vision.patch_size
     ids = [np.array([tok.bos_id], np.int32)] if bos else []
-    pix, grids = [], []
+    wts = [np.ones(1, np.float32)] if bos else []
+    pix, grids, at = [], [], 0
     for k, part in enumerate(parts):
       ids.append(tok.encode(part))
+      if char_w is None:
+        wts.append(np.ones(len(ids[-1]), np.float32))
+      else:  # each character's weight on each of its UTF-8 bytes
+        nbytes = [len(ch.encode("utf-8")) for ch in part]
+        wts.append(np.repeat(char_w[at:at + len(part)], nbytes).astype(np.float32))
+      at += len(part) + len(IMAGE_MARKER)
       if k < len(images):
         a = self.image(images[k])
         n = tokens_per_image(a.shape[0], a.shape[1], p)
         ids.append(np.array([tok.image_start_id] + [tok.image_pad_id] * n + [tok.image_end_id],
                             np.int32))
+        wts.append(np.zeros(n + 2, np.float32))  # never targets (the step masks them too)
         pix.append(a)
         grids.append((a.shape[0] // p, a.shape[1] // p))
     if eos:
       ids.append(np.array([tok.eos_id], np.int32))
-    return Document(np.concatenate(ids).astype(np.int32), pix, grids)
+      wts.append(np.full(1, 1.0 if char_w is None else self.prompt_loss_weight, np.float32))
+    return Document(np.concatenate(ids).astype(np.int32), pix, grids, np.concatenate(wts))
+
+  def _char_weights(self, text: str, spans) -> np.ndarray:
+    w = np.full(len(text), self.prompt_loss_weight, np.float32)
+    for span in spans:
+      a, b = (int(x) for x in span)
+      if not 0 <= a <= b <= len(text):
+        raise ValueError(f"answer span {tuple(span)} lies outside the document text of "
+                         f"{len(text)} characters: need 0 <= start <= end <= {len(text)}")
+      w[a:b] = self.answer_loss_weight
+    return w
 
 
 def pick_bucket(vision: VisionConfig, sides: Sequence[int]) -> int:
@@ -129,6 +166,7 @@ def collate(rows: list[dict], vision: VisionConfig, seq_len: int,
   half = bucket // (2 * p)
   out = {k: np.stack([r[k] for r in rows]).astype(np.int32)
          for k in ("tokens", "segment_ids", "positions")}
+  out["loss_weights"] = np.stack([r["loss_weights"] for r in rows]).astype(np.float32)
   imgs = np.zeros((b, m_slots, bucket, bucket, c), np.float32)
   grid = np.zeros((b, m_slots, 2), np.int32)
   index = np.full((b, seq_len), -1, np.int32)
@@ -164,6 +202,7 @@ def inference_batch(doc: Document, vision: VisionConfig) -> dict[str, np.ndarray
 def _row_from_pieces(pieces: list[tuple[Document, int, int]], seq_len: int) -> dict:
   """Pieces (doc, start, end) -> one packed row with local image indices."""
   tokens = np.full(seq_len, tokenizer_lib.PAD_ID, np.int32)
+  weights = np.zeros(seq_len, np.float32)
   seg = np.zeros(seq_len, np.int32)
   pos = np.zeros(seq_len, np.int32)
   local = np.full(seq_len, -1, np.int32)
@@ -171,6 +210,7 @@ def _row_from_pieces(pieces: list[tuple[Document, int, int]], seq_len: int) -> d
   for s, (doc, a, b) in enumerate(pieces, start=1):
     n = b - a
     tokens[at:at + n] = doc.tokens[a:b]
+    weights[at:at + n] = doc.weights[a:b]
     seg[at:at + n] = s
     pos[at:at + n] = np.arange(n)
     for (sa, sb), img, g in zip(doc.image_spans(), doc.images, doc.grids):
@@ -180,8 +220,8 @@ def _row_from_pieces(pieces: list[tuple[Document, int, int]], seq_len: int) -> d
         grids.append(g)
         local[at + sa - a + 1:at + sb - a - 1] = slot * _SLOT + np.arange(sb - sa - 2)
     at += n
-  return {"tokens": tokens, "segment_ids": seg, "positions": pos, "images": imgs,
-          "grids": grids, "image_index_local": local}
+  return {"tokens": tokens, "segment_ids": seg, "positions": pos, "loss_weights": weights,
+          "images": imgs, "grids": grids, "image_index_local": local}
 
 
 def _cut(doc: Document, start: int, room: int) -> int:
@@ -235,12 +275,15 @@ class VLMPackedIterator:
     if self._cache is not None and self._cache[0] == i:
       return self._cache[1]
     item = self.docs[i]
-    text, imgs = (item, []) if isinstance(item, str) else item
+    # str | (text, images) | (text, images, answer_spans): see Processor; None: unreadable.
+    if item is None:
+      item = ("", None)
+    text, imgs, spans = (item, [], None) if isinstance(item, str) else (*item, None)[:3]
     doc = None
     try:
       if imgs is None:
-        raise images_lib.ImageError("image file missing or unreadable")
-      doc = self.proc(text, imgs)
+        raise images_lib.ImageError("document or image file missing or unreadable")
+      doc = self.proc(text, imgs, answer_spans=spans)
       if any(b - a > self.seq_len for a, b in doc.image_spans()):
         raise ValueError(f"an image needs more than seq_len = {self.seq_len} tokens")
       if len(doc.images) > self.proc.vision.max_images_per_row and len(doc.tokens) <= \
@@ -325,6 +368,12 @@ def default_vision_data_config() -> ml_collections.ConfigDict:
   c.heldout_seed = 2
   # Pad images whose sides are not multiples of 2 * patch_size (else they are rejected).
   c.pad_images = False
+  # Target weights in documents that mark answer spans (the synthetic Q/A documents; JSONL
+  # records with "answer_spans"): prompt text in [0, 1], answers in (0, 100]; every other
+  # token (text documents, captions) weighs 1. Standard prompt masking is (0, 1); tiny_vlm
+  # also weighs answers up (see configs/tiny_vlm.py).
+  c.prompt_loss_weight = 0.0
+  c.answer_loss_weight = 1.0
   return c
 
 
@@ -332,6 +381,14 @@ def _req(ok: bool, field: str, value, allowed: str) -> None:
   if not ok:
     raise ConfigError(f"config field `data.vision.{field}` = {value!r} is invalid: "
                       f"allowed {allowed}")
+
+
+def check_loss_weights(prompt: float, answer: float) -> None:
+  """ConfigError unless prompt_loss_weight is in [0, 1] and answer_loss_weight in (0, 100]."""
+  num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  _req(num(prompt) and 0.0 <= prompt <= 1.0, "prompt_loss_weight", prompt, "a number in [0, 1]")
+  _req(num(answer) and 0.0 < answer <= 100.0, "answer_loss_weight", answer,
+       "a number in (0, 100]")
 
 
 def validate_vision_data_config(c: ml_collections.ConfigDict, vision: VisionConfig) -> None:
@@ -350,6 +407,7 @@ def validate_vision_data_config(c: ml_collections.ConfigDict, vision: VisionConf
                                 for s in c.sides), "sides", c.sides,
        f"positive multiples of 2 * patch_size = {m}, at most the largest bucket {top}")
   _req(isinstance(c.pad_images, bool), "pad_images", c.pad_images, "True or False")
+  check_loss_weights(c.prompt_loss_weight, c.answer_loss_weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,21 +421,90 @@ class VLMData:
   heldout_source: Any
 
 
-def _as_docs(ds: grain.MapDataset, kind: str) -> grain.MapDataset:
-  if kind == "text":
-    return ds.map(lambda s: (s, []))
-  return ds
+def _text_doc(text: str | None):
+  """A text document in the packer's (text, images) form; None (unreadable) stays None."""
+  return None if text is None else (text, [])
 
 
 def _mean_tokens(proc: Processor, docs) -> float:
   """Mean processed length of the documents that process (1 if none do)."""
   lengths = []
-  for text, imgs in docs:
+  for doc in docs:
+    if doc is None:
+      continue
+    text, imgs, *_ = doc
     try:
       lengths.append(len(proc(text, imgs or []).tokens))
     except (ValueError, OSError):
       continue
   return float(np.mean(lengths)) if lengths else 1.0
+
+
+def token_share_mix(proc: Processor, image_docs: grain.MapDataset,
+                    texts: Sequence[tuple[grain.MapDataset, float]], share: float,
+                    sample: int = 64) -> tuple[grain.MapDataset, list[float]]:
+  """Image-text documents mixed with text documents by TOKEN share.
+
+  Image-text documents make `share` of the tokens and text dataset k (of str) makes
+  (1 - share) * w_k / sum(w): each dataset is drawn with weight (its token share) / (its
+  mean processed length over its first `sample` documents), so a few long text documents do
+  not crowd out many short image-text ones. Datasets must be random access and infinite.
+  Returns the mixture and its per-dataset draw weights (image-text first).
+  """
+  if share >= 1.0 or not texts:
+    return image_docs, [1.0]
+  parts = [image_docs] + [ds.map(_text_doc) for ds, _ in texts]
+  shares = [share] + [(1.0 - share) * w / sum(w for _, w in texts) for _, w in texts]
+  weights = [sh / _mean_tokens(proc, [ds[i] for i in range(sample)])
+             for ds, sh in zip(parts, shares)]
+  return grain.MapDataset.mix(parts, weights), weights
+
+
+def vlm_stage_iterator(stage, *, proc: Processor, image_source, share: float
+                       ) -> VLMPackedIterator:
+  """One curriculum stage (`data.stages.StageData`) as packed image-text batches.
+
+  The stage's text components keep their weights, long-document upsampling and retrieval
+  share among the text tokens; image-text documents from `image_source` make `share` of all
+  tokens. Rows of stage.seq_len, stage.batch_size rows, resumable like any VLMPackedIterator.
+  One host only (the image-text pipeline has no host shard).
+  """
+  # pylint: disable=g-import-not-at-top  (avoid a cycle through data/__init__)
+  from hybridmoe_jax.data import stages as stages_lib
+  img = grain.MapDataset.source(image_source).shuffle(stage.seed).repeat(None)
+  texts = [(stages_lib.component_docs(c, seed=stage.seed + k + 1,
+                                      long_upsample=stage.long_upsample,
+                                      long_min_bytes=stage.long_min_bytes), c.weight)
+           for k, c in enumerate(stage.components)]
+  ds, _ = token_share_mix(proc, img, texts, share)
+  return VLMPackedIterator(ds, proc, seq_len=stage.seq_len, batch_size=stage.batch_size,
+                           num_docs=1 << 62)
+
+
+def image_text_sources(data_cfg: ml_collections.ConfigDict, vision: VisionConfig):
+  """-> (train, held-out) image-text sources of `data.vision` (generated or JSONL)."""
+  # pylint: disable=g-import-not-at-top  (avoid a cycle through data/__init__)
+  from hybridmoe_jax.data import sources as sources_lib
+  vc = data_cfg.vision
+  if vc.source == "synthetic":
+    sides = tuple(vc.sides)
+    return (images_lib.SyntheticVQASource(vc.num_train, seed=vc.train_seed, sides=sides,
+                                          channels=vision.num_channels),
+            images_lib.SyntheticVQASource(vc.num_heldout, seed=vc.heldout_seed, sides=sides,
+                                          channels=vision.num_channels))
+  return sources_lib.split_source(ImageJsonlSource(list(vc.paths)), data_cfg.heldout_fraction,
+                                  data_cfg.heldout_seed)
+
+
+def processor_from_config(data_cfg: ml_collections.ConfigDict, vision: VisionConfig,
+                          vocab_size: int) -> Processor:
+  """Checks `data.vision` and the vocabulary; the processor it configures."""
+  vc = data_cfg.vision
+  validate_vision_data_config(vc, vision)
+  tokenizer_lib.check_vocab(tokenizer_lib.ByteTokenizer(vision=True), vocab_size)
+  return Processor(vision, pad_images=vc.pad_images,
+                   prompt_loss_weight=float(vc.prompt_loss_weight),
+                   answer_loss_weight=float(vc.answer_loss_weight))
 
 
 def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: VisionConfig, *,
@@ -392,20 +519,8 @@ def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: Vision
   from hybridmoe_jax.data import config as data_config
   from hybridmoe_jax.data import sources as sources_lib
   vc = data_cfg.vision
-  validate_vision_data_config(vc, vision)
-  tokenizer = tokenizer_lib.ByteTokenizer(vision=True)
-  tokenizer_lib.check_vocab(tokenizer, vocab_size)
-  proc = Processor(vision, pad_images=vc.pad_images)
-  if vc.source == "synthetic":
-    sides = tuple(vc.sides)
-    train_img = images_lib.SyntheticVQASource(vc.num_train, seed=vc.train_seed, sides=sides,
-                                              channels=vision.num_channels)
-    held_img = images_lib.SyntheticVQASource(vc.num_heldout, seed=vc.heldout_seed,
-                                             sides=sides, channels=vision.num_channels)
-  else:
-    all_img = ImageJsonlSource(list(vc.paths))
-    train_img, held_img = sources_lib.split_source(all_img, data_cfg.heldout_fraction,
-                                                   data_cfg.heldout_seed)
+  proc = processor_from_config(data_cfg, vision, vocab_size)
+  train_img, held_img = image_text_sources(data_cfg, vision)
   share = float(vc.share)
   img_ds = grain.MapDataset.source(train_img)
   img_ds = (img_ds.shuffle(seed) if data_cfg.shuffle else img_ds).repeat(None)
@@ -416,13 +531,8 @@ def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: Vision
                                                      data_cfg.heldout_seed)
     txt_ds = grain.MapDataset.source(text_train)
     txt_ds = (txt_ds.shuffle(seed + 1) if data_cfg.shuffle else txt_ds).repeat(None)
-    # `share` is a share of TOKENS: documents are drawn with weights share / mean length, so
-    # a few long text documents do not crowd out many short image-text ones.
-    len_img = _mean_tokens(proc, [train_img[i] for i in range(min(64, len(train_img)))])
-    len_txt = _mean_tokens(proc, [(text_train[i], [])
-                                  for i in range(min(64, len(text_train)))])
-    w_img, w_txt = share / len_img, (1.0 - share) / len_txt
-    ds = grain.MapDataset.mix([img_ds, _as_docs(txt_ds, "text")], [w_img, w_txt])
+    ds, (w_img, w_txt) = token_share_mix(proc, img_ds, [(txt_ds, 1.0)], share)
+    # Held-out text in the same token proportion as training.
     n_text = max(1, round(len(held_docs) * w_txt / w_img))
     held_docs += [(text_held[i], []) for i in range(min(len(text_held), n_text))]
   else:
@@ -436,4 +546,4 @@ def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: Vision
   evals = list(itertools.islice(held_it, max_eval_batches))
   if not evals:
     raise ValueError("no held-out image-text batch could be built")
-  return VLMData(it, evals, tokenizer, train_img, held_img)
+  return VLMData(it, evals, proc.tokenizer, train_img, held_img)

@@ -135,9 +135,11 @@ def _not_none(x) -> bool:
   return x is not None
 
 
-def _component_dataset(comp: Component, *, tokenizer, seed: int, shard_index: int,
-                       shard_count: int, long_upsample: int, long_min_bytes: int,
-                       num_epochs: int | None, shuffle: bool) -> grain.IterDataset:
+def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_count: int = 1,
+                   long_upsample: int = 1, long_min_bytes: int = 0,
+                   num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
+  """This host's documents of one component: str, or None for one that failed to read
+  (SafeSource), upsampled, shuffled with `seed`, repeated `num_epochs` (None: forever)."""
   n = len(comp.source)
   # Shard whole documents first, then upsample inside the shard: a document (and its copies)
   # lives on exactly one host.
@@ -153,7 +155,11 @@ def _component_dataset(comp: Component, *, tokenizer, seed: int, shard_index: in
   ds = grain.MapDataset.source(_IndexedSource(safe, doc_ids))
   if shuffle:
     ds = ds.shuffle(seed)
-  ds = ds.repeat(num_epochs)
+  return ds.repeat(num_epochs)
+
+
+def _component_dataset(comp: Component, *, tokenizer, **kwargs) -> grain.IterDataset:
+  ds = component_docs(comp, **kwargs)
   ds = ds.map(functools.partial(_read_and_tokenize, tokenizer=tokenizer))
   return ds.to_iter_dataset().filter(_not_none)
 

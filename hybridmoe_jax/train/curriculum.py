@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -38,8 +39,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import long_docs
+from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.data import pipeline as pipeline_lib
 from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data import sources as sources_lib
@@ -347,9 +349,13 @@ def stage_data(plan: Plan, train_sources: dict[str, Any], *, seed: int,
 
 
 def build_data(config: ml_collections.ConfigDict, vocab_size: int, *,
-               shard_index: int | None = None, shard_count: int | None = None
-               ) -> CurriculumData:
+               vision: VisionConfig | None = None, shard_index: int | None = None,
+               shard_count: int | None = None) -> CurriculumData:
   """Validates, indexes every source (all bad input fails here), builds the staged iterator.
+
+  With an enabled `vision` tower every stage mixes image-text documents (`data.vision`) in
+  at the constant token share data.vision.share (`multimodal.vlm_stage_iterator`), and the
+  held-out batches add image-text rows at the evaluation length.
 
   Raises:
     ConfigError: bad curriculum / data fields. ValueError / OSError: a source with no usable
@@ -359,7 +365,12 @@ def build_data(config: ml_collections.ConfigDict, vocab_size: int, *,
   c, d, t = config.curriculum, config.data, config.train
   shard_index = jax.process_index() if shard_index is None else shard_index
   shard_count = jax.process_count() if shard_count is None else shard_count
-  tokenizer = tokenizer_lib.ByteTokenizer()
+  with_images = vision is not None and vision.enabled
+  if with_images and shard_count > 1:
+    raise NotImplementedError("a curriculum with images on several hosts: the image-text "
+                              "pipeline has no host shard")
+  proc = multimodal.processor_from_config(d, vision, vocab_size) if with_images else None
+  tokenizer = proc.tokenizer if with_images else tokenizer_lib.ByteTokenizer()
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
   used = sorted({n for s in plan.stages for n in s.weights})
   train_sources, heldout = {}, []
@@ -381,13 +392,26 @@ def build_data(config: ml_collections.ConfigDict, vocab_size: int, *,
                  spec["kind"], len(src), len(tr), len(ho))
     train_sources[name], heldout = tr, heldout + [ho]
   datas = stage_data(plan, train_sources, seed=t.seed, shard_count=shard_count)
-  build = functools.partial(
-      stages_lib.make_stage_dataset, tokenizer=tokenizer, shard_index=shard_index,
-      shard_count=shard_count, num_packing_bins=c.num_packing_bins, num_workers=c.num_workers)
-  it = stages_lib.StagedIterator(datas, build)
   eval_len = c.eval_seq_len or plan.stages[-1].seq_len
-  evals = pipeline_lib.eval_batches(_ConcatSource(heldout), tokenizer, eval_len,
-                                    max(1, plan.tokens_per_step // eval_len), t.eval_batches)
+  eval_rows = max(1, plan.tokens_per_step // eval_len)
+  evals = pipeline_lib.eval_batches(_ConcatSource(heldout), tokenizer, eval_len, eval_rows,
+                                    t.eval_batches)
+  if with_images:
+    train_img, held_img = multimodal.image_text_sources(d, vision)
+    build = functools.partial(multimodal.vlm_stage_iterator, proc=proc,
+                              image_source=train_img, share=float(d.vision.share))
+    held = multimodal.VLMPackedIterator([held_img[i] for i in range(len(held_img))], proc,
+                                        seq_len=eval_len, batch_size=eval_rows,
+                                        drop_remainder=False)
+    evals += list(itertools.islice(held, t.eval_batches))
+    logging.info("curriculum with images: %s image-text documents at token share %.2f",
+                 d.vision.source, d.vision.share)
+  else:
+    build = functools.partial(
+        stages_lib.make_stage_dataset, tokenizer=tokenizer, shard_index=shard_index,
+        shard_count=shard_count, num_packing_bins=c.num_packing_bins,
+        num_workers=c.num_workers)
+  it = stages_lib.StagedIterator(datas, build)
   return CurriculumData(it, evals, tokenizer, plan,
                         frozenset(s.end_step for s in plan.stages[:-1]))
 

@@ -45,7 +45,7 @@ def build_data(config: ml_collections.ConfigDict, cfg: ModelConfig):
   t = config.train
   try:
     if curriculum_lib.enabled(config):  # staged context curriculum (train/curriculum.py)
-      return curriculum_lib.build_data(config, cfg.vocab_size)
+      return curriculum_lib.build_data(config, cfg.vocab_size, vision=cfg.vision)
     if cfg.vision.enabled:  # image-text mixed with text (hybridmoe_jax.data.multimodal)
       return build_vlm_train_and_eval(config.data, cfg.vision, vocab_size=cfg.vocab_size,
                                       seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
@@ -189,7 +189,8 @@ def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_
   with _StopFlag() as stop:
     while step < t.steps:
       batch = _next_batch(data.train, t, cfg.vocab_size, step)
-      state, metrics = train_step(state, step_lib.model_inputs(batch))
+      state, metrics = train_step(state,
+                                  step_lib.model_inputs(batch, step_lib.TRAIN_INPUT_KEYS))
       step += 1
       monitor.step(step, {**jax.device_get(metrics), **_stage_info(data.train, step, t)})
       # A curriculum also evaluates (at the longest length) at the end of every stage.

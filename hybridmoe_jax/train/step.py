@@ -1,7 +1,10 @@
 """The jitted train and eval steps (pure functions of the state pytree and a batch).
 
-Batch: tokens, segment_ids int32 [B, T] (segment id 0 = padding). The loss is next-token
+Batch: tokens, segment_ids int32 [B, T] (segment id 0 = padding), optionally loss_weights
+float32 [B, T] (the weight of each token as a target, e.g. 0 on prompts and 1 on answers of
+Q/A documents; data/multimodal.py). The loss is the weighted mean of next-token
 cross-entropy in fp32 over targets inside the same segment; gradients flow to `params` only.
+Held-out evaluation ignores loss_weights (plain per-token NLL, comparable across runs).
 After the optimizer update, every MoE layer's routing bias is recomputed from this step's
 routing statistics (summed over microbatches) and used from the next step on.
 """
@@ -27,6 +30,9 @@ Batch = dict[str, jax.Array]
 # Optional vision keys of a batch, passed to the model as keyword arguments (DESIGN s5).
 IMAGE_BATCH_KEYS = ("images", "image_grid", "image_index")
 MODEL_INPUT_KEYS = ("tokens", "segment_ids") + IMAGE_BATCH_KEYS
+# What the train step reads: the model inputs and the optional per-token target weights.
+LOSS_WEIGHTS = "loss_weights"
+TRAIN_INPUT_KEYS = MODEL_INPUT_KEYS + (LOSS_WEIGHTS,)
 
 
 def model_inputs(batch: dict, keys: tuple[str, ...] = MODEL_INPUT_KEYS) -> dict:
@@ -54,12 +60,21 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=None):
+  """-> (weighted NLL sum, (weight sum, routing stats)).
+
+  extras: the image keys of a vision batch (images, image_grid, image_index) and/or
+  loss_weights [B, T] (per target token), else {}.
+  """
   model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
-  # extras: the image keys of a vision batch (images, image_grid, image_index), else {}.
-  logits, aux = model(tokens, segment_ids=segment_ids, **(extras or {}))
+  extras = dict(extras or {})
+  loss_weights = extras.pop(LOSS_WEIGHTS, None)
+  logits, aux = model(tokens, segment_ids=segment_ids, **extras)
   targets, weights = next_token_targets(tokens, segment_ids)
   if extras:  # no loss on image placeholders and delimiters (DESIGN s5)
     weights = weights * ~jnp.isin(targets, jnp.asarray(IMAGE_IDS))
+  if loss_weights is not None:  # position t predicts token t + 1: take that token's weight
+    weights = weights * jnp.concatenate(
+        [loss_weights[:, 1:], jnp.zeros_like(loss_weights[:, :1])], axis=1).astype(jnp.float32)
   nll_sum = jnp.sum(token_nll(logits, targets) * weights)
   return nll_sum, (jnp.sum(weights), aux.get("moe", {}))
 
@@ -140,7 +155,7 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
     tokens = rules.constrain(tokens, ("batch", "length"))
     segment_ids = rules.constrain(segment_ids, ("batch", "length"))
-    extras = model_inputs(batch, IMAGE_BATCH_KEYS)
+    extras = model_inputs(batch, IMAGE_BATCH_KEYS + (LOSS_WEIGHTS,))
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
                                                 grad_accum, extras)
     denom = jnp.maximum(count, 1.0)
@@ -164,7 +179,8 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
       new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     metrics = {
         "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(t, applied),
-        "tokens": count, "finite": ok, "skipped": new_state.skipped,
+        "tokens": count,  # summed target weights (= target tokens without loss_weights)
+        "finite": ok, "skipped": new_state.skipped,
         "moe": _moe_metrics(stats, bias_metrics),
     }
     return new_state, metrics

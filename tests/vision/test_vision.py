@@ -198,6 +198,83 @@ def test_no_loss_on_image_positions_and_delimiters():
   assert abs(float(nll) - ref) < 1e-3 * abs(ref)
 
 
+def test_answer_spans_weigh_the_prompt_down():
+  proc = multimodal.Processor(VIS, prompt_loss_weight=0.25, answer_loss_weight=2.0)
+  text = "Q: é?\n<image>\nA: 7\n"
+  span = (text.index(" 7\n"), len(text))
+  img = _rand_img(np.random.default_rng(12), 16, 8)
+  doc = proc(text, [img], answer_spans=[span])
+  plain = proc(text, [img])
+  np.testing.assert_array_equal(doc.tokens, plain.tokens)
+  w, toks = doc.weights, doc.tokens
+  assert w.shape == toks.shape and w.dtype == np.float32
+  img_pos = (toks == IMAGE_START_ID) | (toks == IMAGE_PAD_ID) | (toks == IMAGE_END_ID)
+  np.testing.assert_array_equal(plain.weights, np.where(img_pos, 0.0, 1.0))  # no spans
+  assert np.all(w[img_pos] == 0.0)
+  n_ans = len(" 7\n".encode())
+  np.testing.assert_array_equal(w[-1 - n_ans:-1], 2.0)       # the answer bytes
+  assert w[-1] == 0.25                                          # EOS belongs to the prompt
+  prompt = w[1:-1 - n_ans][~img_pos[1:-1 - n_ans]]
+  assert prompt.size == len("Q: é?\n\nA:".encode()) and np.all(prompt == 0.25)  # é: 2 bytes
+  with pytest.raises(ValueError, match="answer span"):
+    proc(text, [img], answer_spans=[(3, len(text) + 1)])
+  with pytest.raises(ConfigError, match="prompt_loss_weight"):
+    multimodal.Processor(VIS, prompt_loss_weight=1.5)
+  with pytest.raises(ConfigError, match=r"answer_loss_weight.*\(0, 100\]"):
+    multimodal.Processor(VIS, answer_loss_weight=0.0)
+
+
+def test_packed_loss_weights_follow_their_tokens():
+  rng = np.random.default_rng(13)
+  docs = []
+  for i in range(12):
+    text = "q" * int(rng.integers(1, 20)) + "<image>" + "a" * int(rng.integers(1, 9))
+    docs.append((text, [_rand_img(rng, 8, 8)], ((text.index(">") + 1, len(text)),)))
+    docs.append("plain text " * int(rng.integers(1, 4)))
+  proc = multimodal.Processor(VIS, prompt_loss_weight=0.0)
+  it = multimodal.VLMPackedIterator(docs, proc, seq_len=40, batch_size=2, drop_remainder=False)
+  toks, wts = [], []
+  for b in it:
+    assert b["loss_weights"].dtype == np.float32
+    assert np.all(b["loss_weights"][b["segment_ids"] == 0] == 0.0)   # padding
+    live = b["segment_ids"] > 0
+    toks.append(b["tokens"][live])
+    wts.append(b["loss_weights"][live])
+  ref = [proc(d) if isinstance(d, str) else proc(d[0], d[1], answer_spans=d[2]) for d in docs]
+  np.testing.assert_array_equal(np.concatenate(toks), np.concatenate([d.tokens for d in ref]))
+  np.testing.assert_array_equal(np.concatenate(wts), np.concatenate([d.weights for d in ref]))
+  # Answers ("a" bytes) weigh 1, their questions 0, plain text 1.
+  all_t, all_w = np.concatenate(toks), np.concatenate(wts)
+  assert np.all(all_w[all_t == ord("a")] == 1.0) and np.all(all_w[all_t == ord("q")] == 0.0)
+  assert np.all(all_w[all_t == ord("p")] == 1.0)
+
+
+def test_loss_weights_weigh_each_target_token():
+  cfg = _vlm_cfg(("mla",))
+  model = HybridLM(cfg, rngs=nnx.Rngs(3))
+  proc = multimodal.Processor(cfg.vision, prompt_loss_weight=0.5)
+  text = "xy<image>z 12\n"
+  doc = proc(text, [_rand_img(np.random.default_rng(14), 16, 16)],
+             answer_spans=[(text.index(" 12"), len(text))])
+  b = {k: jnp.asarray(v) for k, v in multimodal.inference_batch(doc, cfg.vision).items()}
+  gd, params, rest = nnx.split(model, nnx.Param, ...)
+  extras = {k: b[k] for k in step_lib.IMAGE_BATCH_KEYS + (step_lib.LOSS_WEIGHTS,)}
+  fwd = jax.jit(step_lib._forward_nll, static_argnums=0)
+  nll, (wsum, _) = fwd(gd, params, nnx.State({}), rest, b["tokens"], b["segment_ids"], extras)
+  logits = np.asarray(_fwd(model, b["tokens"], *[extras[k] for k in step_lib.IMAGE_BATCH_KEYS]
+                           )[0], np.float64)
+  toks = doc.tokens
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  # Independent reference: target t + 1 weighs 1 in " 12\n", 0.5 on other text and EOS,
+  # 0 on image tokens.
+  ans = len(toks) - 1 - len(" 12\n")
+  w = [0.0 if toks[t + 1] > 258 else (1.0 if ans <= t + 1 < len(toks) - 1 else 0.5)
+       for t in range(len(toks) - 1)]
+  ref = sum(wt * (logz[t] - logits[t, toks[t + 1]]) for t, wt in enumerate(w))
+  assert abs(float(wsum) - sum(w)) < 1e-6 and sum(w) == 4 * 1.0 + 4 * 0.5
+  assert abs(float(nll) - ref) < 1e-3 * abs(ref)
+
+
 def _docs(n, seed=0):
   rng = np.random.default_rng(seed)
   out = []
@@ -277,7 +354,7 @@ def test_synthetic_scenes_render_their_truth():
       scale = images_lib.glyph_scale(cell)
       assert crop[::scale, ::scale].shape == (5, 3) or d in (1, 7)  # 1 / 7 lack a column
       assert set(map(tuple, block[ink])) == {images_lib.COLOURS[col]}
-    text, imgs = src[i]
+    text, imgs, *spans = src[i]
     n_qa = min(images_lib.QA_PER_DOC, len(images_lib.questions(truth)))
     assert text.count("<image>") == len(imgs) in (1, n_qa)
     assert all(np.array_equal(x, img) for x in imgs)
@@ -285,6 +362,9 @@ def test_synthetic_scenes_render_their_truth():
     assert len(asked) == (0 if text.startswith("<image>") else n_qa)
     for q, a in asked:
       assert images_lib.vqa_text(q, a) in text
+    # Q/A documents mark exactly their answers " <a>\n", in order; captions mark nothing.
+    answers = sorted(asked, key=lambda qa: text.index(f"Q: {qa[0]}\n"))
+    assert [text[a:b] for a, b in (spans[0] if spans else ())] == [f" {a}\n" for _, a in answers]
     if len(imgs) == 1:
       assert images_lib.caption(truth) in text
 
@@ -380,12 +460,27 @@ def test_jsonl_source_counts_and_skips_missing_and_corrupt_images(tmp_path):
   src = multimodal.ImageJsonlSource([str(tmp_path / "d.jsonl")])
   assert len(src) == 3
   assert src.skipped == {"missing image file": 1, "malformed line": 1}
+  assert all(len(src[i]) == 2 for i in range(3))   # no answer_spans: full loss everywhere
   assert src[2][0].startswith("<image>") and src[1][1] is None
   it = multimodal.VLMPackedIterator(src, multimodal.Processor(VIS), seq_len=64,
                                     batch_size=1, drop_remainder=False)
   rows = list(it)                                # the corrupt image is skipped, no crash
   assert len(rows) == 1 and sum(it.skipped.values()) == 1
   assert int((rows[0]["image_grid"][0, :, 0] > 0).sum()) == 2
+
+
+def test_jsonl_answer_spans_shift_with_prepended_markers(tmp_path):
+  images_lib.write_pnm(str(tmp_path / "a.ppm"), _rand_img(np.random.default_rng(15), 16, 16))
+  lines = [{"image": "a.ppm", "text": "what? 4", "answer_spans": [[5, 7]]},
+           {"image": "a.ppm", "text": "<image> what? 4", "answer_spans": [[13, 15]]},
+           {"image": "a.ppm", "text": "bad", "answer_spans": [[2, 9]]},
+           {"image": "a.ppm", "text": "bad", "answer_spans": "x"}]
+  (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(l) for l in lines))
+  src = multimodal.ImageJsonlSource([str(tmp_path)])
+  assert len(src) == 2 and src.skipped == {"malformed line": 2}
+  for i in range(2):
+    text, _, spans = src[i]
+    assert [text[a:b] for a, b in spans] == [" 4"]
 
 
 def test_vlm_pipeline_from_jsonl_and_config_checks(tmp_path):
