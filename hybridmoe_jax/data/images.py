@@ -278,7 +278,7 @@ class SyntheticVQASource:
   for a caption document, (text, [image] * n, answer_spans) for a Q/A document.
 
   Each document: with probability 0.2 the image and its caption; otherwise QA_PER_DOC of the
-  scene's questions (where-questions weighted up, QA_WEIGHTS), each as
+  scene's questions (drawn with `question_weights` per type, default QA_WEIGHTS), each as
   "Q: <q>\n<image>\nA: <a>\n" (see vqa_text), with the character spans of the answers
   (" <a>\n") so that the processor can weigh the question text down
   (data.vision.prompt_loss_weight).
@@ -288,12 +288,19 @@ class SyntheticVQASource:
     seed: documents are pure functions of (seed, index).
     sides: image sides to draw from (pixels; multiples of 2p for the target model).
     channels: 3 (RGB) or 1 (grey).
+    question_weights: {question type: relative sampling weight > 0} (QUESTION_TYPES).
   """
 
-  def __init__(self, num_docs: int, *, seed: int, sides: Sequence[int], channels: int = 3):
+  def __init__(self, num_docs: int, *, seed: int, sides: Sequence[int], channels: int = 3,
+               question_weights: dict[str, float] | None = None):
     if num_docs < 1:
       raise ValueError(f"num_docs must be >= 1, got {num_docs}")
     self.num_docs, self.seed, self.sides, self.channels = num_docs, seed, tuple(sides), channels
+    self.question_weights = dict(QA_WEIGHTS if question_weights is None else question_weights)
+    if (sorted(self.question_weights) != sorted(QUESTION_TYPES)
+        or not all(w > 0 for w in self.question_weights.values())):
+      raise ValueError(f"question_weights must give each of {QUESTION_TYPES} a weight > 0, "
+                       f"got {self.question_weights}")
 
   def __len__(self) -> int:
     return self.num_docs
@@ -312,8 +319,8 @@ class SyntheticVQASource:
     if rng.random() < 0.2:  # a caption document: the image, then its description
       return f"<image>\nCaption: {caption(truth)}\n", [img]
     # One question per image copy (see vqa_text), QA_PER_DOC questions per document drawn
-    # without replacement, a where-question QA_WEIGHTS["where"] times as likely as others.
-    w = np.array([QA_WEIGHTS[kind] for kind, _, _ in qs], np.float64)
+    # without replacement, each with its type's weight.
+    w = np.array([self.question_weights[kind] for kind, _, _ in qs], np.float64)
     pick = rng.choice(len(qs), size=min(QA_PER_DOC, len(qs)), replace=False, p=w / w.sum())
     text, spans = "", []
     for j in pick:

@@ -9,6 +9,8 @@ up to M image slots. A batch pads every image to the smallest bucket side S in
 `model.vision.image_buckets` that holds all of its images, so the step compiles once per
 bucket, not once per image size. Batches:
     tokens, segment_ids, positions  int32 [B, T]   (as in packing.py)
+    loss_weights float32 [B, T]            each token's weight as a target (0 on padding and
+                                           image tokens; see Processor for answer spans)
     images       float32 [B, M, S, S, C]   (zeros in empty slots)
     image_grid   int32 [B, M, 2]           real patch rows, cols (0 for an empty slot)
     image_index  int32 [B, T]              -1 on text; m * K_S + r * S/2p + c on the
@@ -374,6 +376,8 @@ def default_vision_data_config() -> ml_collections.ConfigDict:
   # also weighs answers up (see configs/tiny_vlm.py).
   c.prompt_loss_weight = 0.0
   c.answer_loss_weight = 1.0
+  # Synthetic Q/A documents: relative sampling weight of each question type (> 0).
+  c.question_weights = dict(images_lib.QA_WEIGHTS)
   return c
 
 
@@ -408,6 +412,10 @@ def validate_vision_data_config(c: ml_collections.ConfigDict, vision: VisionConf
        f"positive multiples of 2 * patch_size = {m}, at most the largest bucket {top}")
   _req(isinstance(c.pad_images, bool), "pad_images", c.pad_images, "True or False")
   check_loss_weights(c.prompt_loss_weight, c.answer_loss_weight)
+  qw = dict(c.question_weights)
+  _req(sorted(qw) == sorted(images_lib.QUESTION_TYPES)
+       and all(isinstance(w, (int, float)) and w > 0 for w in qw.values()),
+       "question_weights", qw, f"a weight > 0 for each of {images_lib.QUESTION_TYPES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,11 +495,10 @@ def image_text_sources(data_cfg: ml_collections.ConfigDict, vision: VisionConfig
   from hybridmoe_jax.data import sources as sources_lib
   vc = data_cfg.vision
   if vc.source == "synthetic":
-    sides = tuple(vc.sides)
-    return (images_lib.SyntheticVQASource(vc.num_train, seed=vc.train_seed, sides=sides,
-                                          channels=vision.num_channels),
-            images_lib.SyntheticVQASource(vc.num_heldout, seed=vc.heldout_seed, sides=sides,
-                                          channels=vision.num_channels))
+    kw = dict(sides=tuple(vc.sides), channels=vision.num_channels,
+              question_weights=dict(vc.question_weights))
+    return (images_lib.SyntheticVQASource(vc.num_train, seed=vc.train_seed, **kw),
+            images_lib.SyntheticVQASource(vc.num_heldout, seed=vc.heldout_seed, **kw))
   return sources_lib.split_source(ImageJsonlSource(list(vc.paths)), data_cfg.heldout_fraction,
                                   data_cfg.heldout_seed)
 

@@ -51,33 +51,37 @@ def swap_quadrants(image: np.ndarray, a: int, b: int) -> np.ndarray:
 
 
 def quadrant_swap(engine: Engine, *, num_images: int, seed: int, sides, channels: int
-                  ) -> dict[str, Any]:
-  """Does the model read 2-D position? Scenes whose top-left and bottom-right digits differ
-  are asked "digit at top left?" before and after swapping those quadrants.
+                  ) -> dict[str, dict[str, Any]]:
+  """Does the model read 2-D position? Each position question type ("where": which digit,
+  "colour") is asked about the top-left cell of scenes whose top-left and bottom-right cells
+  hold different answers, before and after swapping those two quadrants.
 
-  Returns the fraction of answers that change, and the fraction correct before / after (the
-  correct answer after the swap is the former bottom-right digit).
+  Returns per type the scenes used, the fraction of answers that change, and the fraction
+  correct before / after (after the swap the correct answer is the former bottom-right one).
   """
   proc = multimodal.Processor(engine.cfg.vision)
   src = images_lib.SyntheticVQASource(1 << 30, seed=seed, sides=sides, channels=channels)
-  q = f"digit at {images_lib.CELL_NAMES[0]}?"
-  changed = before = after = n = 0
-  i = 0
-  while n < num_images:
-    truth = src.truth(i)
-    i += 1
-    tl, br = truth.digits[0], truth.digits[3]
-    if tl is None or br is None or tl == br:
-      continue
-    img = images_lib.render_scene(truth, channels)
-    a0 = answer(engine, proc, img, q)
-    a1 = answer(engine, proc, swap_quadrants(img, 0, 3), q)
-    changed += a0 != a1
-    before += a0 == str(tl)
-    after += a1 == str(br)
-    n += 1
-  return {"scenes": n, "answer_changed": changed / n, "correct_before": before / n,
-          "correct_after_swap": after / n}
+  out = {}
+  for kind in ("where", "colour"):
+    q = f"{'digit' if kind == 'where' else 'colour'} at {images_lib.CELL_NAMES[0]}?"
+    changed = before = after = n = i = 0
+    while n < num_images:
+      truth = src.truth(i)
+      i += 1
+      cells = truth.digits if kind == "where" else truth.colours
+      tl, br = cells[0], cells[3]
+      if tl is None or br is None or tl == br:
+        continue
+      img = images_lib.render_scene(truth, channels)
+      a0 = answer(engine, proc, img, q)
+      a1 = answer(engine, proc, swap_quadrants(img, 0, 3), q)
+      changed += a0 != a1
+      before += a0 == str(tl)
+      after += a1 == str(br)
+      n += 1
+    out[kind] = {"scenes": n, "answer_changed": changed / n, "correct_before": before / n,
+                 "correct_after_swap": after / n}
+  return out
 
 
 def evaluate_vqa(engine: Engine, *, num_images: int, seed: int, sides, channels: int,
@@ -141,9 +145,8 @@ def format_vqa(r: dict[str, Any]) -> str:
                  f"{v['blank_image_accuracy']:>7.3f} {v['chance']:>7.3f} {v['majority']:>8.3f}")
   lines.append(f"{'all':>7} {r['questions']:>5} {r['accuracy']:>7.3f} "
                f"{r['blank_image_accuracy']:>7.3f}")
-  sw = r.get("quadrant_swap")
-  if sw:
-    lines.append(f"swap top-left <-> bottom-right ({sw['scenes']} scenes): answer changed "
-                 f"{sw['answer_changed']:.3f}, correct before {sw['correct_before']:.3f}, "
-                 f"after {sw['correct_after_swap']:.3f}")
+  for kind, sw in r.get("quadrant_swap", {}).items():
+    lines.append(f"swap top-left <-> bottom-right, {kind} ({sw['scenes']} scenes): answer "
+                 f"changed {sw['answer_changed']:.3f}, correct before "
+                 f"{sw['correct_before']:.3f}, after {sw['correct_after_swap']:.3f}")
   return "\n".join(lines)

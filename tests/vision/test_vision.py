@@ -428,6 +428,14 @@ def test_vision_config_errors_name_the_field():
     dataclasses.replace(VIS, num_layers=-1).validate(8)
   dataclasses.replace(VIS, num_layers=0).validate(8)            # depth 0 is allowed
   assert ByteTokenizer().vocab_size == 259 and ByteTokenizer(vision=True).vocab_size == 262
+  cfg = _vlm_cfg(("mla",))
+  for field, value in (("prompt_loss_weight", -0.1), ("answer_loss_weight", 0.0),
+                       ("question_weights", {"count": 1.0, "where": 0.0, "colour": 1.0}),
+                       ("question_weights", {"count": 1.0, "where": 1.0})):
+    vc = load_config("tiny_vlm").data.vision
+    vc[field] = value
+    with pytest.raises(ConfigError, match=f"data.vision.{field}"):
+      multimodal.validate_vision_data_config(vc, cfg.vision)
 
 
 def test_pnm_and_npy_roundtrip(tmp_path):
@@ -517,3 +525,19 @@ def test_engine_rejects_images_for_a_text_model():
   engine = Engine(model, max_len=16)
   with pytest.raises(ValueError, match="without a vision tower"):
     engine.prefill(np.ones((1, 4), np.int32), images={"images": np.zeros((1, 1, 8, 8, 3))})
+
+
+def test_vqa_report_and_quadrant_swap_run_on_an_untrained_model():
+  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.evals import vqa
+  cfg = _vlm_cfg(("mla",))
+  engine = Engine(HybridLM(cfg, rngs=nnx.Rngs(4)), max_len=128, prefill_chunk=64)
+  r = vqa.evaluate_vqa(engine, num_images=2, seed=5, sides=(32,), channels=3,
+                       max_new_tokens=2)
+  assert set(r["per_type"]) == set(images_lib.QUESTION_TYPES)
+  assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["blank_image_accuracy"] <= 1.0
+  assert set(r["quadrant_swap"]) == {"where", "colour"}
+  for sw in r["quadrant_swap"].values():
+    assert sw["scenes"] == 2 and 0.0 <= sw["answer_changed"] <= 1.0
+  text = vqa.format_vqa(r)
+  assert "swap top-left <-> bottom-right, where" in text and "colour (2 scenes)" in text
