@@ -24,6 +24,10 @@ help texts), "stdlib_long" (standard library sources concatenated per package, l
 "text" or "jsonl" (paths). Every source is split into train / held-out documents with
 `data.heldout_fraction` / `data.heldout_seed`; held-out batches are packed at the longest
 stage length and evaluated at every stage end.
+
+A vision model (model.vision.enabled) gets image-text documents (`data.vision`) mixed into
+every stage at the token share data.vision.share, packed by the image-aware packer in-process
+(curriculum.num_workers does not apply; one host only).
 """
 
 from __future__ import annotations
