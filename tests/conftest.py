@@ -12,6 +12,7 @@ _USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
 if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
   os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_DEVICE_FLAG}=8".strip()
 
+import contextlib
 import pathlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -31,6 +32,17 @@ def rel_rms(ref, x) -> float:
   ref = np.asarray(ref, np.float64)
   x = np.asarray(x, np.float64)
   return float(np.sqrt(np.mean((ref - x) ** 2)) / (np.sqrt(np.mean(ref ** 2)) + 1e-30))
+
+
+@contextlib.contextmanager
+def one_device():
+  """One device for the meshes built inside (module-scoped fixtures run before the autouse
+  fixture below, so they see all the simulated devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr("hybridmoe_jax.parallel.mesh.available_devices",
+               lambda: list(jax.devices())[:1])
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import pytest
 from hybridmoe_jax.evals import vqa
 from hybridmoe_jax.evals.loading import load_from_workdir
 from hybridmoe_jax.infer import Engine
-from tests.conftest import load_config
+from tests.conftest import load_config, one_device
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def trained(tmp_path_factory):
     from hybridmoe_jax.train.loop import train_and_evaluate
     workdir = str(tmp_path_factory.mktemp("tiny_vlm"))
     config.train.async_checkpoints = False
-    train_and_evaluate(config, workdir)
+    with one_device():
+      train_and_evaluate(config, workdir)
   model, _ = load_from_workdir(workdir)
   return model, config
 
