@@ -4,7 +4,7 @@ from hybridmoe_jax.data.config import SOURCES
 from hybridmoe_jax.data.config import default_data_config
 from hybridmoe_jax.data.config import source_from_config
 from hybridmoe_jax.data.config import validate_data_config
-from hybridmoe_jax.data.multimodal import build_vlm_train_and_eval
+from hybridmoe_jax.data.vlm_pipeline import build_vlm_train_and_eval
 from hybridmoe_jax.data.long_docs import StdlibLongDocSource
 from hybridmoe_jax.data.packing import pack_documents
 from hybridmoe_jax.data.packing import unpack_row

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_collections
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.data import multimodal
+from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.data import sources
 
 SOURCES = ("bundled", "text", "jsonl")
@@ -34,8 +34,8 @@ def default_data_config() -> ml_collections.ConfigDict:
   # Rows filled at once by the first-fit packer (more: less padding, more mixing).
   c.num_packing_bins = 16
   # Image-text data for vision models (model.vision.enabled); checked by
-  # hybridmoe_jax.data.multimodal.validate_vision_data_config.
-  c.vision = multimodal.default_vision_data_config()
+  # hybridmoe_jax.data.vlm_pipeline.validate_vision_data_config.
+  c.vision = vlm_pipeline.default_vision_data_config()
   return c
 
 

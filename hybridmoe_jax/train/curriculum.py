@@ -46,6 +46,7 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import long_docs
 from hybridmoe_jax.data import multimodal
+from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.data import pipeline as pipeline_lib
 from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data import sources as sources_lib
@@ -358,7 +359,7 @@ def build_data(config: ml_collections.ConfigDict, vocab_size: int, *,
   """Validates, indexes every source (all bad input fails here), builds the staged iterator.
 
   With an enabled `vision` tower every stage mixes image-text documents (`data.vision`) in
-  at the constant token share data.vision.share (`multimodal.vlm_stage_iterator`), and the
+  at the constant token share data.vision.share (`vlm_pipeline.vlm_stage_iterator`), and the
   held-out batches add image-text rows at the evaluation length.
 
   Raises:
@@ -373,7 +374,7 @@ def build_data(config: ml_collections.ConfigDict, vocab_size: int, *,
   if with_images and shard_count > 1:
     raise NotImplementedError("a curriculum with images on several hosts: the image-text "
                               "pipeline has no host shard")
-  proc = multimodal.processor_from_config(d, vision, vocab_size) if with_images else None
+  proc = vlm_pipeline.processor_from_config(d, vision, vocab_size) if with_images else None
   tokenizer = proc.tokenizer if with_images else tokenizer_lib.ByteTokenizer()
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
   used = sorted({n for s in plan.stages for n in s.weights})
@@ -401,8 +402,8 @@ def build_data(config: ml_collections.ConfigDict, vocab_size: int, *,
   evals = pipeline_lib.eval_batches(_ConcatSource(heldout), tokenizer, eval_len, eval_rows,
                                     t.eval_batches)
   if with_images:
-    train_img, held_img = multimodal.image_text_sources(d, vision)
-    build = functools.partial(multimodal.vlm_stage_iterator, proc=proc,
+    train_img, held_img = vlm_pipeline.image_text_sources(d, vision)
+    build = functools.partial(vlm_pipeline.vlm_stage_iterator, proc=proc,
                               image_source=train_img, share=float(d.vision.share))
     held = multimodal.VLMPackedIterator([held_img[i] for i in range(len(held_img))], proc,
                                         seq_len=eval_len, batch_size=eval_rows,

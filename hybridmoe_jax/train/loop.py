@@ -46,7 +46,7 @@ def build_data(config: ml_collections.ConfigDict, cfg: ModelConfig):
   try:
     if curriculum_lib.enabled(config):  # staged context curriculum (train/curriculum.py)
       return curriculum_lib.build_data(config, cfg.vocab_size, vision=cfg.vision)
-    if cfg.vision.enabled:  # image-text mixed with text (hybridmoe_jax.data.multimodal)
+    if cfg.vision.enabled:  # image-text mixed with text (hybridmoe_jax.data.vlm_pipeline)
       return build_vlm_train_and_eval(config.data, cfg.vision, vocab_size=cfg.vocab_size,
                                       seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
                                       max_eval_batches=t.eval_batches)
