@@ -36,171 +36,171 @@ LB = -5.0
 
 
 def make_inputs(B, T, H, K, V, dtype, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (B, T, H, K), jnp.float32)
-    k = jax.random.normal(keys[1], (B, T, H, K), jnp.float32)
-    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
-    v = jax.random.normal(keys[2], (B, T, H, V), jnp.float32)
-    g = LB * jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H, K), jnp.float32))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32))
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype)
+  keys = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(keys[0], (B, T, H, K), jnp.float32)
+  k = jax.random.normal(keys[1], (B, T, H, K), jnp.float32)
+  q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+  v = jax.random.normal(keys[2], (B, T, H, V), jnp.float32)
+  g = LB * jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H, K), jnp.float32))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, H), jnp.float32))
+  return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype)
 
 
 def fwd_flops(B, T, H, K, V, C):
-    return B * T * H * (6 * C * K + 4 * C * V + 6 * K * V)
+  return B * T * H * (6 * C * K + 4 * C * V + 6 * K * V)
 
 
 def pallas_config(split, chunk, K, V, dtype):
-    """The default heuristic config of this platform's kernel, fused or split forward."""
-    if jax.default_backend() == "tpu":
-        cfg = default_tpu_config(chunk_size=chunk, dtype=dtype)
-    else:
-        cfg = default_gpu_config(chunk_size=chunk, k=K, v=V, dtype=dtype)
-    return dataclasses.replace(cfg, fused=not split)
+  """The default heuristic config of this platform's kernel, fused or split forward."""
+  if jax.default_backend() == "tpu":
+    cfg = default_tpu_config(chunk_size=chunk, dtype=dtype)
+  else:
+    cfg = default_gpu_config(chunk_size=chunk, k=K, v=V, dtype=dtype)
+  return dataclasses.replace(cfg, fused=not split)
 
 
 def jax_fn(impl, mode, chunk, interpret, K, V):
-    if impl.startswith("pallas"):
-        cfg = pallas_config(impl == "pallas-split", chunk, K, V, jnp.bfloat16)
-        run = functools.partial(kda_pallas, chunk_size=chunk, lower_bound=LB,
-                                interpret=interpret, config=cfg)
-    else:
-        run = functools.partial(kda, impl="chunked", chunk_size=chunk, lower_bound=LB)
+  if impl.startswith("pallas"):
+    cfg = pallas_config(impl == "pallas-split", chunk, K, V, jnp.bfloat16)
+    run = functools.partial(kda_pallas, chunk_size=chunk, lower_bound=LB,
+                            interpret=interpret, config=cfg)
+  else:
+    run = functools.partial(kda, impl="chunked", chunk_size=chunk, lower_bound=LB)
 
-    def fwd(q, k, v, g, beta):
-        return run(q, k, v, g, beta)[0]
+  def fwd(q, k, v, g, beta):
+    return run(q, k, v, g, beta)[0]
 
-    if mode == "fwd":
-        return jax.jit(fwd)
+  if mode == "fwd":
+    return jax.jit(fwd)
 
-    def loss(*args):
-        return jnp.sum(fwd(*args).astype(jnp.float32) ** 2)
+  def loss(*args):
+    return jnp.sum(fwd(*args).astype(jnp.float32) ** 2)
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
 def time_jax(fn, args, repeats):
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+  jax.block_until_ready(fn(*args))  # compile + warm-up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
 
 
 def time_fla(args_np, mode, repeats):
-    """fla's chunk_kda (safe_gate=True) on the same inputs; raises ImportError/TypeError."""
-    import torch
-    from fla.ops.kda import chunk_kda
+  """fla's chunk_kda (safe_gate=True) on the same inputs; raises ImportError/TypeError."""
+  import torch
+  from fla.ops.kda import chunk_kda
 
-    dev = "cuda"
-    q, k, v, g, beta = (torch.from_numpy(np.asarray(x, np.float32)).to(dev) for x in args_np)
-    q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
-    tensors = [q, k, v, g, beta]
+  dev = "cuda"
+  q, k, v, g, beta = (torch.from_numpy(np.asarray(x, np.float32)).to(dev) for x in args_np)
+  q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
+  tensors = [q, k, v, g, beta]
+  if mode == "fwd+bwd":
+    tensors = [x.detach().requires_grad_(True) for x in tensors]
+  variants = [dict(safe_gate=True, lower_bound=LB), dict(safe_gate=True)]
+  call, used = None, None
+  for kw in variants:
+    try:
+      chunk_kda(*tensors, **kw)
+      call, used = functools.partial(chunk_kda, **kw), kw
+      break
+    except TypeError:
+      continue
+  if call is None:
+    raise TypeError("fla chunk_kda accepts neither safe_gate/lower_bound variant")
+
+  def step():
+    o = call(*tensors)[0]
     if mode == "fwd+bwd":
-        tensors = [x.detach().requires_grad_(True) for x in tensors]
-    variants = [dict(safe_gate=True, lower_bound=LB), dict(safe_gate=True)]
-    call, used = None, None
-    for kw in variants:
-        try:
-            chunk_kda(*tensors, **kw)
-            call, used = functools.partial(chunk_kda, **kw), kw
-            break
-        except TypeError:
-            continue
-    if call is None:
-        raise TypeError("fla chunk_kda accepts neither safe_gate/lower_bound variant")
+      o.float().pow(2).sum().backward()
 
-    def step():
-        o = call(*tensors)[0]
-        if mode == "fwd+bwd":
-            o.float().pow(2).sum().backward()
-
+  step()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     step()
+    end.record()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times), used
+    times.append(start.elapsed_time(end) / 1e3)
+  return statistics.median(times), used
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768])
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=16)
-    p.add_argument("--K", type=int, default=128)
-    p.add_argument("--V", type=int, default=128)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    p.add_argument("--impls", nargs="+", default=["pallas", "pallas-split", "chunked", "fla"],
-                   choices=["pallas", "pallas-split", "chunked", "fla"],
-                   help="pallas: fused forward kernel; pallas-split: XLA chunk_prep + Pallas "
-                        "recurrence (same backward)")
-    p.add_argument("--small", action="store_true",
-                   help="CPU check: T in {64, 128}, H=2, K=V=32, kernel interpreted")
-    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    a = p.parse_args()
-    platform = jax.default_backend()
-    interpret = platform == "cpu"
-    if interpret and not a.small:
-        raise SystemExit("no accelerator: kernel timing is pending (needs a GPU/TPU); "
-                         "run with --small to check this script in interpret mode")
-    if a.small:
-        a.T, a.H, a.K, a.V, a.repeats = [64, 128], 2, 32, 32, 1
-    rows = []
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768])
+  p.add_argument("--B", type=int, default=1)
+  p.add_argument("--H", type=int, default=16)
+  p.add_argument("--K", type=int, default=128)
+  p.add_argument("--V", type=int, default=128)
+  p.add_argument("--chunk", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+  p.add_argument("--impls", nargs="+", default=["pallas", "pallas-split", "chunked", "fla"],
+                 choices=["pallas", "pallas-split", "chunked", "fla"],
+                 help="pallas: fused forward kernel; pallas-split: XLA chunk_prep + Pallas "
+                      "recurrence (same backward)")
+  p.add_argument("--small", action="store_true",
+                 help="CPU check: T in {64, 128}, H=2, K=V=32, kernel interpreted")
+  p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+  a = p.parse_args()
+  platform = jax.default_backend()
+  interpret = platform == "cpu"
+  if interpret and not a.small:
+    raise SystemExit("no accelerator: kernel timing is pending (needs a GPU/TPU); "
+                     "run with --small to check this script in interpret mode")
+  if a.small:
+    a.T, a.H, a.K, a.V, a.repeats = [64, 128], 2, 32, 32, 1
+  rows = []
 
-    def emit(row):  # stream each row, so a time limit keeps what was measured
-        rows.append(row)
-        line = json.dumps(row)
-        print("JSON " + line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+  def emit(row):  # stream each row, so a time limit keeps what was measured
+    rows.append(row)
+    line = json.dumps(row)
+    print("JSON " + line, flush=True)
+    if a.out:
+      with open(a.out, "a") as f:
+        f.write(line + "\n")
 
-    for T in a.T:
-        args = make_inputs(a.B, T, a.H, a.K, a.V, jnp.bfloat16)
-        flops = fwd_flops(a.B, T, a.H, a.K, a.V, a.chunk)
-        for mode in a.modes:
-            for impl in a.impls:
-                row = dict(impl=impl, mode=mode, B=a.B, T=T, H=a.H, K=a.K, V=a.V,
-                           chunk=a.chunk, dtype="bfloat16", platform=platform,
-                           device=str(jax.devices()[0].device_kind),
-                           interpret=interpret and impl.startswith("pallas"))
-                try:
-                    if impl == "fla":
-                        if platform not in ("gpu", "cuda"):
-                            raise RuntimeError("fla needs a CUDA GPU")
-                        sec, used = time_fla(args, mode, a.repeats)
-                        row["fla_kwargs"] = used
-                    else:
-                        sec = time_jax(jax_fn(impl, mode, a.chunk, interpret, a.K, a.V), args,
-                                       a.repeats)
-                except Exception as e:  # noqa: BLE001 - report and keep benchmarking
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    emit(row)
-                    continue
-                total = flops * (3 if mode == "fwd+bwd" else 1)
-                row.update(ms=sec * 1e3, tokens_per_s=a.B * T / sec,
-                           tflops=total / sec / 1e12, flop=total)
-                emit(row)
-    print(f"{'impl':12} {'mode':8} {'T':>6} {'ms':>10} {'Mtok/s':>9} {'TFLOP/s':>8}  note")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['impl']:12} {r['mode']:8} {r['T']:6} {'-':>10} {'-':>9} {'-':>8}  "
-                  f"{r['error'][:60]}")
-        else:
-            note = "interpret mode: not a timing" if r["interpret"] else ""
-            print(f"{r['impl']:12} {r['mode']:8} {r['T']:6} {r['ms']:10.3f} "
-                  f"{r['tokens_per_s'] / 1e6:9.3f} {r['tflops']:8.2f}  {note}")
+  for T in a.T:
+    args = make_inputs(a.B, T, a.H, a.K, a.V, jnp.bfloat16)
+    flops = fwd_flops(a.B, T, a.H, a.K, a.V, a.chunk)
+    for mode in a.modes:
+      for impl in a.impls:
+        row = dict(impl=impl, mode=mode, B=a.B, T=T, H=a.H, K=a.K, V=a.V,
+                   chunk=a.chunk, dtype="bfloat16", platform=platform,
+                   device=str(jax.devices()[0].device_kind),
+                   interpret=interpret and impl.startswith("pallas"))
+        try:
+          if impl == "fla":
+            if platform not in ("gpu", "cuda"):
+              raise RuntimeError("fla needs a CUDA GPU")
+            sec, used = time_fla(args, mode, a.repeats)
+            row["fla_kwargs"] = used
+          else:
+            sec = time_jax(jax_fn(impl, mode, a.chunk, interpret, a.K, a.V), args,
+                           a.repeats)
+        except Exception as e:  # noqa: BLE001 - report and keep benchmarking
+          row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+          emit(row)
+          continue
+        total = flops * (3 if mode == "fwd+bwd" else 1)
+        row.update(ms=sec * 1e3, tokens_per_s=a.B * T / sec,
+                   tflops=total / sec / 1e12, flop=total)
+        emit(row)
+  print(f"{'impl':12} {'mode':8} {'T':>6} {'ms':>10} {'Mtok/s':>9} {'TFLOP/s':>8}  note")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['impl']:12} {r['mode']:8} {r['T']:6} {'-':>10} {'-':>9} {'-':>8}  "
+            f"{r['error'][:60]}")
+    else:
+      note = "interpret mode: not a timing" if r["interpret"] else ""
+      print(f"{r['impl']:12} {r['mode']:8} {r['T']:6} {r['ms']:10.3f} "
+            f"{r['tokens_per_s'] / 1e6:9.3f} {r['tflops']:8.2f}  {note}")
 
 
 if __name__ == "__main__":
-    main()
+  main()

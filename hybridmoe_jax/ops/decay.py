@@ -21,33 +21,33 @@ MIN_LOWER_BOUND = -5.0
 
 
 def check_lower_bound(lower_bound: float) -> None:
-    """Raises ValueError unless lower_bound is a number in [-5, 0)."""
-    try:
-        lb = float(lower_bound)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"lower_bound must be a float in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}"
-        ) from None
-    if not MIN_LOWER_BOUND <= lb < 0.0:
-        raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}")
+  """Raises ValueError unless lower_bound is a number in [-5, 0)."""
+  try:
+    lb = float(lower_bound)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"lower_bound must be a float in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}"
+    ) from None
+  if not MIN_LOWER_BOUND <= lb < 0.0:
+    raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}")
 
 
 def _per_channel(param: jax.Array, hv: int, k: int, name: str) -> jax.Array:
-    """Reshapes a [HV*K] or [HV, K] parameter to [HV, K] float32."""
-    param = jnp.asarray(param, jnp.float32)
-    if param.size != hv * k or param.ndim not in (1, 2):
-        raise ValueError(
-            f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], got {param.shape}"
-        )
-    return param.reshape(hv, k)
+  """Reshapes a [HV*K] or [HV, K] parameter to [HV, K] float32."""
+  param = jnp.asarray(param, jnp.float32)
+  if param.size != hv * k or param.ndim not in (1, 2):
+    raise ValueError(
+        f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], got {param.shape}"
+    )
+  return param.reshape(hv, k)
 
 
 def _per_head(a_log: jax.Array, hv: int) -> jax.Array:
-    """exp(a_log) as [HV, 1] float32, broadcast over the K channels of each head."""
-    a_log = jnp.asarray(a_log, jnp.float32)
-    if a_log.shape != (hv,):
-        raise ValueError(f"a_log must have shape [HV] = [{hv}], got {a_log.shape}")
-    return jnp.exp(a_log)[:, None]
+  """exp(a_log) as [HV, 1] float32, broadcast over the K channels of each head."""
+  a_log = jnp.asarray(a_log, jnp.float32)
+  if a_log.shape != (hv,):
+    raise ValueError(f"a_log must have shape [HV] = [{hv}], got {a_log.shape}")
+  return jnp.exp(a_log)[:, None]
 
 
 def bounded_log_decay(
@@ -57,45 +57,45 @@ def bounded_log_decay(
     a_log: jax.Array | None = None,
     dt_bias: jax.Array | None = None,
 ) -> jax.Array:
-    """Bounded KDA gate g = lb * sigmoid(exp(a_log) * (x + dt_bias)), in (lb, 0).
+  """Bounded KDA gate g = lb * sigmoid(exp(a_log) * (x + dt_bias)), in (lb, 0).
 
-    Args:
-      x: [..., HV, K] gate projection, any float dtype.
-      lower_bound: lb in [-5, 0).
-      a_log: optional [HV] per-head log rate; None means rate 1 (g = lb * sigmoid(x + dt_bias)).
-      dt_bias: optional [HV*K] or [HV, K] per-channel bias.
+  Args:
+    x: [..., HV, K] gate projection, any float dtype.
+    lower_bound: lb in [-5, 0).
+    a_log: optional [HV] per-head log rate; None means rate 1 (g = lb * sigmoid(x + dt_bias)).
+    dt_bias: optional [HV*K] or [HV, K] per-channel bias.
 
-    Returns:
-      g: [..., HV, K] float32 log decay.
+  Returns:
+    g: [..., HV, K] float32 log decay.
 
-    Raises:
-      ValueError: lower_bound outside [-5, 0), or a parameter of the wrong shape.
-    """
-    check_lower_bound(lower_bound)
-    x = jnp.asarray(x, jnp.float32)
-    hv, k = x.shape[-2:]
-    if dt_bias is not None:
-        x = x + _per_channel(dt_bias, hv, k, "dt_bias")
-    if a_log is not None:
-        x = x * _per_head(a_log, hv)
-    return jnp.float32(lower_bound) * jax.nn.sigmoid(x)
+  Raises:
+    ValueError: lower_bound outside [-5, 0), or a parameter of the wrong shape.
+  """
+  check_lower_bound(lower_bound)
+  x = jnp.asarray(x, jnp.float32)
+  hv, k = x.shape[-2:]
+  if dt_bias is not None:
+    x = x + _per_channel(dt_bias, hv, k, "dt_bias")
+  if a_log is not None:
+    x = x * _per_head(a_log, hv)
+  return jnp.float32(lower_bound) * jax.nn.sigmoid(x)
 
 
 def unbounded_log_decay(
     x: jax.Array, *, a_log: jax.Array, dt_bias: jax.Array | None = None
 ) -> jax.Array:
-    """Unbounded KDA gate g = -exp(a_log) * softplus(x + dt_bias), in (-inf, 0).
+  """Unbounded KDA gate g = -exp(a_log) * softplus(x + dt_bias), in (-inf, 0).
 
-    Args:
-      x: [..., HV, K] gate projection, any float dtype.
-      a_log: [HV] per-head log rate.
-      dt_bias: optional [HV*K] or [HV, K] per-channel bias.
+  Args:
+    x: [..., HV, K] gate projection, any float dtype.
+    a_log: [HV] per-head log rate.
+    dt_bias: optional [HV*K] or [HV, K] per-channel bias.
 
-    Returns:
-      g: [..., HV, K] float32 log decay.
-    """
-    x = jnp.asarray(x, jnp.float32)
-    hv, k = x.shape[-2:]
-    if dt_bias is not None:
-        x = x + _per_channel(dt_bias, hv, k, "dt_bias")
-    return -_per_head(a_log, hv) * jax.nn.softplus(x)
+  Returns:
+    g: [..., HV, K] float32 log decay.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  hv, k = x.shape[-2:]
+  if dt_bias is not None:
+    x = x + _per_channel(dt_bias, hv, k, "dt_bias")
+  return -_per_head(a_log, hv) * jax.nn.softplus(x)

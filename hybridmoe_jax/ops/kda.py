@@ -25,31 +25,31 @@ Impl = Literal["auto", "recurrent", "chunked", "pallas"]
 
 
 def _kda_pallas(q, k, v, g, beta, *, segment_ids, chunk_size, lower_bound, **kwargs):
-    """The Pallas kernels (pallas_kernels/kda; interpreted on CPU). Inputs outside their
-    domain (unbounded gate, segment_ids, head dims, chunk size) raise NotImplementedError
-    before any work, which makes "auto" fall through to the chunked XLA path."""
-    from pallas_kernels.kda import check_domain, kda_pallas  # lazy: Pallas only when used
+  """The Pallas kernels (pallas_kernels/kda; interpreted on CPU). Inputs outside their
+  domain (unbounded gate, segment_ids, head dims, chunk size) raise NotImplementedError
+  before any work, which makes "auto" fall through to the chunked XLA path."""
+  from pallas_kernels.kda import check_domain, kda_pallas  # lazy: Pallas only when used
 
-    check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size, segment_ids=segment_ids)
-    return kda_pallas(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=lower_bound, **kwargs)
+  check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size, segment_ids=segment_ids)
+  return kda_pallas(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=lower_bound, **kwargs)
 
 
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
-    """With concrete gates, rejects any g outside [lower_bound, 0] (e.g. a positive g, or an
-    unbounded gate passed to the bounded path). Traced gates cannot be inspected: skipped."""
-    if isinstance(g, jax.core.Tracer):
-        return
-    g = jnp.asarray(g)
-    g_max, g_min = float(jnp.max(g)), float(jnp.min(g))
-    if g_max > 0.0:
-        raise ValueError(
-            f"g must be <= 0 (log decay), got max {g_max} in g of shape {g.shape} "
-            f"(positive g with the bounded path, lower_bound={lower_bound})"
-        )
-    if g_min < lower_bound:
-        raise ValueError(
-            f"g must be >= lower_bound={lower_bound}, got min {g_min} in g of shape {g.shape}"
-        )
+  """With concrete gates, rejects any g outside [lower_bound, 0] (e.g. a positive g, or an
+  unbounded gate passed to the bounded path). Traced gates cannot be inspected: skipped."""
+  if isinstance(g, jax.core.Tracer):
+    return
+  g = jnp.asarray(g)
+  g_max, g_min = float(jnp.max(g)), float(jnp.min(g))
+  if g_max > 0.0:
+    raise ValueError(
+        f"g must be <= 0 (log decay), got max {g_max} in g of shape {g.shape} "
+        f"(positive g with the bounded path, lower_bound={lower_bound})"
+    )
+  if g_min < lower_bound:
+    raise ValueError(
+        f"g must be >= lower_bound={lower_bound}, got min {g_min} in g of shape {g.shape}"
+    )
 
 
 def kda(
@@ -67,54 +67,54 @@ def kda(
     impl: Impl = "auto",
     lower_bound: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Gated delta rule with per-channel decay (KDA), arXiv:2510.26692.
+  """Gated delta rule with per-channel decay (KDA), arXiv:2510.26692.
 
-    Args:
-      q, k: [B, T, H, K] L2-normalised queries/keys (any float dtype).
-      v: [B, T, HV, V] values.
-      g: [B, T, HV, K] log decay <= 0 (float32 recommended).
-      beta: [B, T, HV] write strength.
-      scale: query scale; defaults to K ** -0.5.
-      initial_state: optional [B, HV, K, V] float32 state for the first token's segment.
-      output_final_state: also return the final state.
-      segment_ids: optional [B, T] integer ids of packed documents; state resets where the id
-        changes and documents never interact.
-      chunk_size: C for the chunked paths, a power of two >= 16.
-      impl: "recurrent" (token scan, exact reference), "chunked" (XLA), "pallas" (kernel),
-        or "auto": pallas on GPU/TPU when it accepts the input, else chunked.
-      lower_bound: the bounded gate's lb in [-5, 0); lets the chunked paths use dense
-        diagonal blocks. Concrete gates are checked against it.
+  Args:
+    q, k: [B, T, H, K] L2-normalised queries/keys (any float dtype).
+    v: [B, T, HV, V] values.
+    g: [B, T, HV, K] log decay <= 0 (float32 recommended).
+    beta: [B, T, HV] write strength.
+    scale: query scale; defaults to K ** -0.5.
+    initial_state: optional [B, HV, K, V] float32 state for the first token's segment.
+    output_final_state: also return the final state.
+    segment_ids: optional [B, T] integer ids of packed documents; state resets where the id
+      changes and documents never interact.
+    chunk_size: C for the chunked paths, a power of two >= 16.
+    impl: "recurrent" (token scan, exact reference), "chunked" (XLA), "pallas" (kernel),
+      or "auto": pallas on GPU/TPU when it accepts the input, else chunked.
+    lower_bound: the bounded gate's lb in [-5, 0); lets the chunked paths use dense
+      diagonal blocks. Concrete gates are checked against it.
 
-    Returns:
-      (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+  Returns:
+    (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
 
-    Raises:
-      ValueError: bad shapes, impl, chunk_size or lower_bound, or concrete gates outside
-        [lower_bound, 0].
-      NotImplementedError: impl="pallas" where no kernel can take the input.
-    """
-    check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
-    if impl not in get_args(Impl):
-        raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
-    check_chunk_size(chunk_size)
-    if lower_bound is not None:
-        check_lower_bound(lower_bound)
-        _check_gate_range(g, lower_bound)
+  Raises:
+    ValueError: bad shapes, impl, chunk_size or lower_bound, or concrete gates outside
+      [lower_bound, 0].
+    NotImplementedError: impl="pallas" where no kernel can take the input.
+  """
+  check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
+  if impl not in get_args(Impl):
+    raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
+  check_chunk_size(chunk_size)
+  if lower_bound is not None:
+    check_lower_bound(lower_bound)
+    _check_gate_range(g, lower_bound)
 
-    common = dict(
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        segment_ids=segment_ids,
-    )
-    if impl == "recurrent":
-        return kda_recurrent(q, k, v, g, beta, **common)
-    chunked = dict(common, chunk_size=chunk_size, lower_bound=lower_bound)
-    if impl == "pallas":
-        return _kda_pallas(q, k, v, g, beta, **chunked)
-    if impl == "auto" and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"):
-        try:
-            return _kda_pallas(q, k, v, g, beta, **chunked)
-        except NotImplementedError:
-            pass  # fall back by exception to the XLA path
-    return kda_chunked(q, k, v, g, beta, **chunked)
+  common = dict(
+      scale=scale,
+      initial_state=initial_state,
+      output_final_state=output_final_state,
+      segment_ids=segment_ids,
+  )
+  if impl == "recurrent":
+    return kda_recurrent(q, k, v, g, beta, **common)
+  chunked = dict(common, chunk_size=chunk_size, lower_bound=lower_bound)
+  if impl == "pallas":
+    return _kda_pallas(q, k, v, g, beta, **chunked)
+  if impl == "auto" and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"):
+    try:
+      return _kda_pallas(q, k, v, g, beta, **chunked)
+    except NotImplementedError:
+      pass  # fall back by exception to the XLA path
+  return kda_chunked(q, k, v, g, beta, **chunked)

@@ -31,47 +31,47 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
-    platform = jax.default_backend()
-    if backend not in ("auto", "tpu", "gpu"):
-        raise ValueError(f"backend must be 'auto', 'tpu' or 'gpu', got {backend!r}")
-    if interpret is None:
-        interpret = platform not in ("tpu", *_GPU_PLATFORMS)
-    if backend == "auto":
-        backend = "tpu" if platform == "tpu" else "gpu"
-    native = {"tpu": ("tpu",), "gpu": _GPU_PLATFORMS}[backend]
-    if not interpret and platform not in native:
-        raise NotImplementedError(
-            f"the {backend} KDA kernel cannot run natively on platform {platform!r}; "
-            "pass interpret=True to interpret it"
-        )
-    return backend, bool(interpret)
+  platform = jax.default_backend()
+  if backend not in ("auto", "tpu", "gpu"):
+    raise ValueError(f"backend must be 'auto', 'tpu' or 'gpu', got {backend!r}")
+  if interpret is None:
+    interpret = platform not in ("tpu", *_GPU_PLATFORMS)
+  if backend == "auto":
+    backend = "tpu" if platform == "tpu" else "gpu"
+  native = {"tpu": ("tpu",), "gpu": _GPU_PLATFORMS}[backend]
+  if not interpret and platform not in native:
+    raise NotImplementedError(
+        f"the {backend} KDA kernel cannot run natively on platform {platform!r}; "
+        "pass interpret=True to interpret it"
+    )
+  return backend, bool(interpret)
 
 
 def check_domain(q, v, *, lower_bound, chunk_size, segment_ids=None) -> None:
-    """Raises NotImplementedError for inputs the kernels do not cover (valid arguments
-    that another implementation handles)."""
-    if lower_bound is None:
-        raise NotImplementedError(
-            "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
-            "16-token diagonal blocks are one matmul with factors up to e^(7.5 |lb|), which "
-            "unbounded gates overflow; use impl='chunked' for unbounded gates"
-        )
-    if segment_ids is not None:
-        raise NotImplementedError(
-            "the KDA Pallas kernel does not support segment_ids (packed sequences need "
-            "in-chunk cumsum restarts, cross-segment masks and state resets, not "
-            "implemented in the kernel); use impl='chunked'"
-        )
-    K, V = q.shape[-1], v.shape[-1]
-    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        raise NotImplementedError(
-            f"the KDA Pallas kernel supports head dims K, V in {SUPPORTED_DIMS} (powers of "
-            f"two: Triton tensor shapes; >= 16: dot tiles), got K={K}, V={V}"
-        )
-    if chunk_size not in SUPPORTED_CHUNKS:
-        raise NotImplementedError(
-            f"the KDA Pallas kernel supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}"
-        )
+  """Raises NotImplementedError for inputs the kernels do not cover (valid arguments
+  that another implementation handles)."""
+  if lower_bound is None:
+    raise NotImplementedError(
+        "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
+        "16-token diagonal blocks are one matmul with factors up to e^(7.5 |lb|), which "
+        "unbounded gates overflow; use impl='chunked' for unbounded gates"
+    )
+  if segment_ids is not None:
+    raise NotImplementedError(
+        "the KDA Pallas kernel does not support segment_ids (packed sequences need "
+        "in-chunk cumsum restarts, cross-segment masks and state resets, not "
+        "implemented in the kernel); use impl='chunked'"
+    )
+  K, V = q.shape[-1], v.shape[-1]
+  if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+    raise NotImplementedError(
+        f"the KDA Pallas kernel supports head dims K, V in {SUPPORTED_DIMS} (powers of "
+        f"two: Triton tensor shapes; >= 16: dot tiles), got K={K}, V={V}"
+    )
+  if chunk_size not in SUPPORTED_CHUNKS:
+    raise NotImplementedError(
+        f"the KDA Pallas kernel supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}"
+    )
 
 
 def kda_pallas(
@@ -90,52 +90,52 @@ def kda_pallas(
     interpret: bool | None = None,
     config: TpuConfig | GpuConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Kimi Delta Attention (arXiv:2510.26692) with bounded gates, as a Pallas kernel.
+  """Kimi Delta Attention (arXiv:2510.26692) with bounded gates, as a Pallas kernel.
 
-    Per token: S <- diag(e^g) S; S <- S + beta k (v - k^T S)^T; o = scale q^T S, computed
-    chunkwise (DESIGN s1.1-1.2); differentiable (custom_vjp) in q, k, v, g, beta and the
-    initial state.
+  Per token: S <- diag(e^g) S; S <- S + beta k (v - k^T S)^T; o = scale q^T S, computed
+  chunkwise (DESIGN s1.1-1.2); differentiable (custom_vjp) in q, k, v, g, beta and the
+  initial state.
 
-    Args:
-      q, k: [B, T, H, K] L2-normalised queries/keys (float32 / bfloat16 / float16).
-      v: [B, T, HV, V] values, HV a multiple of H.
-      g: [B, T, HV, K] log decay in [lower_bound, 0] (float32 recommended).
-      beta: [B, T, HV] write strength.
-      scale: query scale; defaults to K ** -0.5.
-      initial_state: optional [B, HV, K, V] state (float32).
-      output_final_state: also return the final state.
-      chunk_size: C in (16, 32, 64).
-      lower_bound: the bounded gate's lb in [-5, 0); required.
-      backend: "tpu" (Mosaic), "gpu" (Triton) or "auto" (from jax.default_backend(); the
-        GPU kernel when interpreting on CPU).
-      interpret: run the kernels with interpret=True; default: on CPU only.
-      config: block sizes (TpuConfig / GpuConfig for the chosen backend); default heuristic.
+  Args:
+    q, k: [B, T, H, K] L2-normalised queries/keys (float32 / bfloat16 / float16).
+    v: [B, T, HV, V] values, HV a multiple of H.
+    g: [B, T, HV, K] log decay in [lower_bound, 0] (float32 recommended).
+    beta: [B, T, HV] write strength.
+    scale: query scale; defaults to K ** -0.5.
+    initial_state: optional [B, HV, K, V] state (float32).
+    output_final_state: also return the final state.
+    chunk_size: C in (16, 32, 64).
+    lower_bound: the bounded gate's lb in [-5, 0); required.
+    backend: "tpu" (Mosaic), "gpu" (Triton) or "auto" (from jax.default_backend(); the
+      GPU kernel when interpreting on CPU).
+    interpret: run the kernels with interpret=True; default: on CPU only.
+    config: block sizes (TpuConfig / GpuConfig for the chosen backend); default heuristic.
 
-    Returns:
-      (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+  Returns:
+    (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
 
-    Raises:
-      ValueError: bad shapes, lower_bound, backend or config.
-      NotImplementedError: unbounded gates (lower_bound None), unsupported head dims or
-        chunk size, or a backend that cannot run on this platform.
-    """
-    check_kda_inputs(q, k, v, g, beta, initial_state)
-    check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size)
-    check_lower_bound(lower_bound)
-    backend, interpret = _resolve_backend(backend, interpret)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if config is None:
-        config = (default_tpu_config(chunk_size=chunk_size, dtype=q.dtype) if backend == "tpu"
-                  else default_gpu_config(chunk_size=chunk_size, k=K, v=V, dtype=q.dtype))
-    expected = TpuConfig if backend == "tpu" else GpuConfig
-    if not isinstance(config, expected) or config.chunk_size != chunk_size:
-        raise ValueError(f"config must be a {expected.__name__} with chunk_size={chunk_size}, "
-                         f"got {config!r}")
-    if isinstance(config, GpuConfig) and V % config.block_v:
-        raise ValueError(f"block_v={config.block_v} must divide V={V}")
-    st = Static(backend=backend, cfg=config, scale=float(K**-0.5 if scale is None else scale),
-                lower_bound=float(lower_bound), interpret=interpret)
-    h0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
-    o, ht = kda_core(q, k, v, g, beta, h0, st)
-    return o, (ht if output_final_state else None)
+  Raises:
+    ValueError: bad shapes, lower_bound, backend or config.
+    NotImplementedError: unbounded gates (lower_bound None), unsupported head dims or
+      chunk size, or a backend that cannot run on this platform.
+  """
+  check_kda_inputs(q, k, v, g, beta, initial_state)
+  check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size)
+  check_lower_bound(lower_bound)
+  backend, interpret = _resolve_backend(backend, interpret)
+  B, T, H, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  if config is None:
+    config = (default_tpu_config(chunk_size=chunk_size, dtype=q.dtype) if backend == "tpu"
+              else default_gpu_config(chunk_size=chunk_size, k=K, v=V, dtype=q.dtype))
+  expected = TpuConfig if backend == "tpu" else GpuConfig
+  if not isinstance(config, expected) or config.chunk_size != chunk_size:
+    raise ValueError(f"config must be a {expected.__name__} with chunk_size={chunk_size}, "
+                     f"got {config!r}")
+  if isinstance(config, GpuConfig) and V % config.block_v:
+    raise ValueError(f"block_v={config.block_v} must divide V={V}")
+  st = Static(backend=backend, cfg=config, scale=float(K**-0.5 if scale is None else scale),
+              lower_bound=float(lower_bound), interpret=interpret)
+  h0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
+  o, ht = kda_core(q, k, v, g, beta, h0, st)
+  return o, (ht if output_final_state else None)

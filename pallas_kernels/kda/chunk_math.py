@@ -33,45 +33,45 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def mm(a, b, prec):
-    """a [m, k] @ b [k, n] in float32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
-                           preferred_element_type=_f32)
+  """a [m, k] @ b [k, n] in float32."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                         preferred_element_type=_f32)
 
 
 def mm_nt(a, b, prec):
-    """a [m, k] @ b[n, k]^T in float32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
-                           preferred_element_type=_f32)
+  """a [m, k] @ b[n, k]^T in float32."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec,
+                         preferred_element_type=_f32)
 
 
 def mm_tn(a, b, prec):
-    """a[k, m]^T @ b [k, n] in float32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
-                           preferred_element_type=_f32)
+  """a[k, m]^T @ b [k, n] in float32."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec,
+                         preferred_element_type=_f32)
 
 
 def _masks(k: int):
-    i = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    j = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    first = lax.broadcasted_iota(jnp.int32, (SUB, k), 0) == 0
-    return i >= j, i > j, jnp.where(i == j, 1.0, 0.0).astype(_f32), first
+  i = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+  j = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+  first = lax.broadcasted_iota(jnp.int32, (SUB, k), 0) == 0
+  return i >= j, i > j, jnp.where(i == j, 1.0, 0.0).astype(_f32), first
 
 
 def invert_unit_lower16(L, eye):
-    """(I + L)^-1 of a strictly lower 16 x 16 block, always at HIGHEST precision.
+  """(I + L)^-1 of a strictly lower 16 x 16 block, always at HIGHEST precision.
 
-    Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (exact: L^16 = 0; the formula of
-    ops/kda_blocks.invert_unit_lower), then one Newton step T <- T + T (I - (I + L) T): a
-    no-op in exact arithmetic that squares the rounding residual. It matters when keys are
-    nearly identical and decays ~1: then L ~ strict ones, L^8 has entries up to C(14, 7) =
-    3432 and the product alone loses ~4e-4 absolute (NUMERICS.md).
-    """
-    inv = eye - L
-    power = L
-    for _ in range(3):
-        power = mm(power, power, _HIGHEST)
-        inv = mm(inv, eye + power, _HIGHEST)
-    return inv + mm(inv, eye - mm(eye + L, inv, _HIGHEST), _HIGHEST)
+  Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (exact: L^16 = 0; the formula of
+  ops/kda_blocks.invert_unit_lower), then one Newton step T <- T + T (I - (I + L) T): a
+  no-op in exact arithmetic that squares the rounding residual. It matters when keys are
+  nearly identical and decays ~1: then L ~ strict ones, L^8 has entries up to C(14, 7) =
+  3432 and the product alone loses ~4e-4 absolute (NUMERICS.md).
+  """
+  inv = eye - L
+  power = L
+  for _ in range(3):
+    power = mm(power, power, _HIGHEST)
+    inv = mm(inv, eye + power, _HIGHEST)
+  return inv + mm(inv, eye - mm(eye + L, inv, _HIGHEST), _HIGHEST)
 
 
 def forward_chunk(
@@ -84,101 +84,101 @@ def forward_chunk(
     scale: float,
     prec,
 ) -> jax.Array:
-    """One chunk of the fused forward; returns the next state St [BV, K] float32.
+  """One chunk of the fused forward; returns the next state St [BV, K] float32.
 
-    Args:
-      load: load(name, r) -> sub-block r (rows 16r..16r+15) of name in {"q", "k", "g"}
-        ([16, K]), "v" ([16, BV]) or "beta" ([16, 1]), as float32.
-      store: store(r, o) writes output rows 16r..16r+15 (o: [16, BV] float32).
-      St: incoming state, transposed: [BV, K] float32.
-      nb: sub-blocks per chunk (C = 16 nb).
-      lower_bound: the bounded gate's lb (gates in [lb, 0]); sets the diagonal anchor offset.
-      scale: query scale.
-      prec: lax precision of the matmuls (the cumsum and the 16 x 16 inverses are
-        always HIGHEST).
-    """
-    K = St.shape[1]
-    causal, strict, eye, first = _masks(K)
-    tril = jnp.where(causal, 1.0, 0.0).astype(_f32)
-    offset = 0.5 * (SUB - 1) * float(lower_bound)  # diagonal anchor offset (<= 0)
+  Args:
+    load: load(name, r) -> sub-block r (rows 16r..16r+15) of name in {"q", "k", "g"}
+      ([16, K]), "v" ([16, BV]) or "beta" ([16, 1]), as float32.
+    store: store(r, o) writes output rows 16r..16r+15 (o: [16, BV] float32).
+    St: incoming state, transposed: [BV, K] float32.
+    nb: sub-blocks per chunk (C = 16 nb).
+    lower_bound: the bounded gate's lb (gates in [lb, 0]); sets the diagonal anchor offset.
+    scale: query scale.
+    prec: lax precision of the matmuls (the cumsum and the 16 x 16 inverses are
+      always HIGHEST).
+  """
+  K = St.shape[1]
+  causal, strict, eye, first = _masks(K)
+  tril = jnp.where(causal, 1.0, 0.0).astype(_f32)
+  offset = 0.5 * (SUB - 1) * float(lower_bound)  # diagonal anchor offset (<= 0)
 
-    # Pass 1: block-local cumsums (exact small sums) and the chunk cumsum G = base + Gl.
-    Gl, g0, base = [], [], []
-    carry = jnp.zeros((1, K), _f32)
-    for r in range(nb):
-        g = load("g", r)
-        Gl.append(mm(tril, g, _HIGHEST))
-        g0.append(jnp.sum(jnp.where(first, g, 0.0), axis=0, keepdims=True))  # Gl[0]
-        base.append(carry)
-        carry = carry + jnp.sum(g, axis=0, keepdims=True)
-    G_C = carry  # [1, K]: the chunk's total log decay
+  # Pass 1: block-local cumsums (exact small sums) and the chunk cumsum G = base + Gl.
+  Gl, g0, base = [], [], []
+  carry = jnp.zeros((1, K), _f32)
+  for r in range(nb):
+    g = load("g", r)
+    Gl.append(mm(tril, g, _HIGHEST))
+    g0.append(jnp.sum(jnp.where(first, g, 0.0), axis=0, keepdims=True))  # Gl[0]
+    base.append(carry)
+    carry = carry + jnp.sum(g, axis=0, keepdims=True)
+  G_C = carry  # [1, K]: the chunk's total log decay
 
-    # Pass 2, one 16-row block at a time. The fused kernel never forms W and U: with the
-    # state S entering the chunk, Vn = U - W S = (I + L)^-1 (beta v - beta k e^G S), so one
-    # blocked solve gives Vn directly and only the earlier blocks' Vn stay live.
-    v_new = []
-    St_next = St * jnp.exp(G_C)
-    for r in range(nb):
-        q = load("q", r) * scale
-        k = load("k", r)
-        b = load("beta", r)  # [16, 1]
-        G = Gl[r] + base[r]
-        decay_in = jnp.exp(G)  # <= 1
-        # Diagonal block: anchor x = Gl[0] + offset depends on row 0 only (causal); both
-        # factors' exponents lie in [-7.5|lb|, 7.5|lb|] for gates in [lb, 0].
-        up = jnp.exp(Gl[r] - g0[r] - offset)
-        down = k * jnp.exp(g0[r] + offset - Gl[r])
-        aqk = [None] * (r + 1)
-        aqk[r] = jnp.where(causal, mm_nt(q * up, down, prec), 0.0)
-        L_rr = b * jnp.where(strict, mm_nt(k * up, down, prec), 0.0)
-        rhs = b * load("v", r) - mm_nt(b * k * decay_in, St, prec)  # [16, BV]
-        # Off-diagonal blocks s < r: anchor G_{16r}; exp(Gl - Gl[0]) <= 1 and
-        # exp(G_{16r} - G_j) <= 1 for j < 16r.
-        ef = jnp.exp(Gl[r] - g0[r])
-        qo, ko = q * ef, k * ef
-        anchor = base[r] + g0[r]
-        for s in range(r):
-            cols = load("k", s) * jnp.exp(anchor - (Gl[s] + base[s]))
-            aqk[s] = mm_nt(qo, cols, prec)
-            rhs = rhs - mm(b * mm_nt(ko, cols, prec), v_new[s], prec)
-        v_new.append(mm(invert_unit_lower16(L_rr, eye), rhs, prec))
-        # Output rows of block r: O = q e^G S + sum_{s <= r} A_qk[r, s] Vn_s.
-        o = mm_nt(q * decay_in, St, prec)
-        for s in range(r + 1):
-            o = o + mm(aqk[s], v_new[s], prec)
-        store(r, o)
-        St_next = St_next + mm_tn(v_new[r], k * jnp.exp(G_C - G), prec)
-    return St_next
+  # Pass 2, one 16-row block at a time. The fused kernel never forms W and U: with the
+  # state S entering the chunk, Vn = U - W S = (I + L)^-1 (beta v - beta k e^G S), so one
+  # blocked solve gives Vn directly and only the earlier blocks' Vn stay live.
+  v_new = []
+  St_next = St * jnp.exp(G_C)
+  for r in range(nb):
+    q = load("q", r) * scale
+    k = load("k", r)
+    b = load("beta", r)  # [16, 1]
+    G = Gl[r] + base[r]
+    decay_in = jnp.exp(G)  # <= 1
+    # Diagonal block: anchor x = Gl[0] + offset depends on row 0 only (causal); both
+    # factors' exponents lie in [-7.5|lb|, 7.5|lb|] for gates in [lb, 0].
+    up = jnp.exp(Gl[r] - g0[r] - offset)
+    down = k * jnp.exp(g0[r] + offset - Gl[r])
+    aqk = [None] * (r + 1)
+    aqk[r] = jnp.where(causal, mm_nt(q * up, down, prec), 0.0)
+    L_rr = b * jnp.where(strict, mm_nt(k * up, down, prec), 0.0)
+    rhs = b * load("v", r) - mm_nt(b * k * decay_in, St, prec)  # [16, BV]
+    # Off-diagonal blocks s < r: anchor G_{16r}; exp(Gl - Gl[0]) <= 1 and
+    # exp(G_{16r} - G_j) <= 1 for j < 16r.
+    ef = jnp.exp(Gl[r] - g0[r])
+    qo, ko = q * ef, k * ef
+    anchor = base[r] + g0[r]
+    for s in range(r):
+      cols = load("k", s) * jnp.exp(anchor - (Gl[s] + base[s]))
+      aqk[s] = mm_nt(qo, cols, prec)
+      rhs = rhs - mm(b * mm_nt(ko, cols, prec), v_new[s], prec)
+    v_new.append(mm(invert_unit_lower16(L_rr, eye), rhs, prec))
+    # Output rows of block r: O = q e^G S + sum_{s <= r} A_qk[r, s] Vn_s.
+    o = mm_nt(q * decay_in, St, prec)
+    for s in range(r + 1):
+      o = o + mm(aqk[s], v_new[s], prec)
+    store(r, o)
+    St_next = St_next + mm_tn(v_new[r], k * jnp.exp(G_C - G), prec)
+  return St_next
 
 
 def states_chunk(w, u, k_out, decay, St, prec):
-    """State after one chunk from precomputed W, k_out [C, K], U [C, BV], decay [1, K]."""
-    v_new = u - mm_nt(w, St, prec)
-    return St * decay + mm_tn(v_new, k_out, prec)
+  """State after one chunk from precomputed W, k_out [C, K], U [C, BV], decay [1, K]."""
+  v_new = u - mm_nt(w, St, prec)
+  return St * decay + mm_tn(v_new, k_out, prec)
 
 
 def output_chunk(w, u, q_in, k_out, a_qk, decay, St, prec):
-    """Outputs [C, BV] and the next state of one chunk from precomputed chunk quantities
-    (the split forward: reference.chunk_prep in XLA, then this recurrence in Pallas)."""
-    v_new = u - mm_nt(w, St, prec)
-    o = mm_nt(q_in, St, prec) + mm(a_qk, v_new, prec)
-    return o, St * decay + mm_tn(v_new, k_out, prec)
+  """Outputs [C, BV] and the next state of one chunk from precomputed chunk quantities
+  (the split forward: reference.chunk_prep in XLA, then this recurrence in Pallas)."""
+  v_new = u - mm_nt(w, St, prec)
+  o = mm_nt(q_in, St, prec) + mm(a_qk, v_new, prec)
+  return o, St * decay + mm_tn(v_new, k_out, prec)
 
 
 def backward_chunk(w, q_in, k_out, a_qk, u, do, decay, St, dSt, prec):
-    """Reverse step of the chunk recurrence Vn = U - W S, O = q_in S + A Vn,
-    S' = diag(decay) S + k_out^T Vn, in the transposed layout St = S^T.
+  """Reverse step of the chunk recurrence Vn = U - W S, O = q_in S + A Vn,
+  S' = diag(decay) S + k_out^T Vn, in the transposed layout St = S^T.
 
-    Args: w, q_in, k_out [C, K]; a_qk [C, C]; u, do [C, BV]; decay [1, K]; St [BV, K] the
-      state entering the chunk; dSt [BV, K] the gradient w.r.t. the state leaving it.
-    Returns: (dw, dq_in, dk_out [C, K], da [C, C], du [C, BV], ddecay [1, K], dSt entering).
-    """
-    v_new = u - mm_nt(w, St, prec)
-    dv_new = mm_tn(a_qk, do, prec) + mm_nt(k_out, dSt, prec)
-    dq_in = mm(do, St, prec)
-    da = mm_nt(do, v_new, prec)
-    dk_out = mm(v_new, dSt, prec)
-    ddecay = jnp.sum(St * dSt, axis=0, keepdims=True)
-    dw = -mm(dv_new, St, prec)
-    dSt_in = mm_tn(do, q_in, prec) + dSt * decay - mm_tn(dv_new, w, prec)
-    return dw, dq_in, dk_out, da, dv_new, ddecay, dSt_in
+  Args: w, q_in, k_out [C, K]; a_qk [C, C]; u, do [C, BV]; decay [1, K]; St [BV, K] the
+    state entering the chunk; dSt [BV, K] the gradient w.r.t. the state leaving it.
+  Returns: (dw, dq_in, dk_out [C, K], da [C, C], du [C, BV], ddecay [1, K], dSt entering).
+  """
+  v_new = u - mm_nt(w, St, prec)
+  dv_new = mm_tn(a_qk, do, prec) + mm_nt(k_out, dSt, prec)
+  dq_in = mm(do, St, prec)
+  da = mm_nt(do, v_new, prec)
+  dk_out = mm(v_new, dSt, prec)
+  ddecay = jnp.sum(St * dSt, axis=0, keepdims=True)
+  dw = -mm(dv_new, St, prec)
+  dSt_in = mm_tn(do, q_in, prec) + dSt * decay - mm_tn(dv_new, w, prec)
+  return dw, dq_in, dk_out, da, dv_new, ddecay, dSt_in

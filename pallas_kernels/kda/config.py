@@ -19,67 +19,67 @@ SUPPORTED_DIMS = (16, 32, 64, 128, 256)
 
 
 def lax_precision(name: Precision) -> jax.lax.Precision:
-    return {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}[name]
+  return {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}[name]
 
 
 def _check(chunk_size: int, precision: str) -> None:
-    if chunk_size not in SUPPORTED_CHUNKS:
-        raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNKS}, got {chunk_size}")
-    if precision not in ("highest", "default"):
-        raise ValueError(f"precision must be 'highest' or 'default', got {precision!r}")
+  if chunk_size not in SUPPORTED_CHUNKS:
+    raise ValueError(f"chunk_size must be one of {SUPPORTED_CHUNKS}, got {chunk_size}")
+  if precision not in ("highest", "default"):
+    raise ValueError(f"precision must be 'highest' or 'default', got {precision!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
-    """Mosaic TPU: grid (B, HV, N chunks), chunk axis sequential, whole V per program.
+  """Mosaic TPU: grid (B, HV, N chunks), chunk axis sequential, whole V per program.
 
-    precision: matmul precision; "highest" = fp32 contract precision (the cumsum and the
-    16 x 16 inverses are always "highest"). Mosaic offers only DEFAULT and HIGHEST.
-    fused: forward as one kernel (True) or as XLA chunk_prep + a Pallas recurrence (False).
-    """
+  precision: matmul precision; "highest" = fp32 contract precision (the cumsum and the
+  16 x 16 inverses are always "highest"). Mosaic offers only DEFAULT and HIGHEST.
+  fused: forward as one kernel (True) or as XLA chunk_prep + a Pallas recurrence (False).
+  """
 
-    chunk_size: int = 64
-    precision: Precision = "highest"
-    fused: bool = True
+  chunk_size: int = 64
+  precision: Precision = "highest"
+  fused: bool = True
 
-    def __post_init__(self):
-        _check(self.chunk_size, self.precision)
+  def __post_init__(self):
+    _check(self.chunk_size, self.precision)
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuConfig:
-    """Pallas Triton: one program per (B, HV, V // block_v), chunks walked in a fori_loop.
+  """Pallas Triton: one program per (B, HV, V // block_v), chunks walked in a fori_loop.
 
-    precision: "highest" = IEEE fp32 dots, "default" = TF32 tensor cores (fla's choice for
-    its fp32-accumulated score and state products). The cumsum and 16 x 16 inverses are
-    always IEEE. fused: forward as one kernel (True) or as XLA chunk_prep + a Pallas
-    recurrence over chunks (False: chunk-parallel work at full occupancy, more HBM traffic).
-    """
+  precision: "highest" = IEEE fp32 dots, "default" = TF32 tensor cores (fla's choice for
+  its fp32-accumulated score and state products). The cumsum and 16 x 16 inverses are
+  always IEEE. fused: forward as one kernel (True) or as XLA chunk_prep + a Pallas
+  recurrence over chunks (False: chunk-parallel work at full occupancy, more HBM traffic).
+  """
 
-    chunk_size: int = 64
-    block_v: int = 64
-    num_warps: int = 4
-    num_stages: int = 1
-    precision: Precision = "highest"
-    fused: bool = True
+  chunk_size: int = 64
+  block_v: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+  precision: Precision = "highest"
+  fused: bool = True
 
-    def __post_init__(self):
-        _check(self.chunk_size, self.precision)
-        if self.block_v not in SUPPORTED_DIMS:
-            raise ValueError(f"block_v must be one of {SUPPORTED_DIMS}, got {self.block_v}")
+  def __post_init__(self):
+    _check(self.chunk_size, self.precision)
+    if self.block_v not in SUPPORTED_DIMS:
+      raise ValueError(f"block_v must be one of {SUPPORTED_DIMS}, got {self.block_v}")
 
 
 def default_tpu_config(*, chunk_size: int, dtype) -> TpuConfig:
-    # Mosaic's DEFAULT f32 matmul may run as one bf16 pass; the anchored score factors
-    # reach e^37.5 and need more than 8 mantissa bits, so stay at HIGHEST until measured.
-    del dtype
-    return TpuConfig(chunk_size=chunk_size, precision="highest")
+  # Mosaic's DEFAULT f32 matmul may run as one bf16 pass; the anchored score factors
+  # reach e^37.5 and need more than 8 mantissa bits, so stay at HIGHEST until measured.
+  del dtype
+  return TpuConfig(chunk_size=chunk_size, precision="highest")
 
 
 def default_gpu_config(*, chunk_size: int, k: int, v: int, dtype) -> GpuConfig:
-    block_v = min(v, 64)
-    # The per-program working set (state tile [BV, K], W and score blocks) grows with K * BV.
-    num_warps = 8 if k * block_v >= 128 * 64 else 4
-    precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
-    return GpuConfig(chunk_size=chunk_size, block_v=block_v, num_warps=num_warps,
-                     num_stages=1, precision=precision)
+  block_v = min(v, 64)
+  # The per-program working set (state tile [BV, K], W and score blocks) grows with K * BV.
+  num_warps = 8 if k * block_v >= 128 * 64 else 4
+  precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
+  return GpuConfig(chunk_size=chunk_size, block_v=block_v, num_warps=num_warps,
+                   num_stages=1, precision=precision)

@@ -32,77 +32,77 @@ _SUB = 16
 
 def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
                   output_final_state=False, chunk_size=64, lower_bound=None):
-    """KDA by the chunked XLA path; same signature and results as kda_pallas."""
-    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, chunk_size=chunk_size,
-                       lower_bound=lower_bound)
+  """KDA by the chunked XLA path; same signature and results as kda_pallas."""
+  return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, chunk_size=chunk_size,
+                     lower_bound=lower_bound)
 
 
 class ChunkPrep(NamedTuple):
-    """Per-chunk quantities, float32, layout [B*HV, N, C, F]."""
+  """Per-chunk quantities, float32, layout [B*HV, N, C, F]."""
 
-    w: jax.Array  # [.., C, K]  (I + L)^-1 beta k e^G
-    u: jax.Array  # [.., C, V]  (I + L)^-1 beta v
-    q_in: jax.Array  # [.., C, K]  scale q e^G
-    k_out: jax.Array  # [.., C, K]  k e^(G_C - G)
-    a_qk: jax.Array  # [.., C, C]  scale * lower(A_qk), zero above the diagonal
-    decay: jax.Array  # [.., 1, K]  e^G_C
+  w: jax.Array  # [.., C, K]  (I + L)^-1 beta k e^G
+  u: jax.Array  # [.., C, V]  (I + L)^-1 beta v
+  q_in: jax.Array  # [.., C, K]  scale q e^G
+  k_out: jax.Array  # [.., C, K]  k e^(G_C - G)
+  a_qk: jax.Array  # [.., C, C]  scale * lower(A_qk), zero above the diagonal
+  decay: jax.Array  # [.., 1, K]  e^G_C
 
 
 def to_chunks(x: jax.Array, chunk_size: int) -> jax.Array:
-    """[B, T, HV, ...] -> [B*HV, N, C, ...] float32, zero-padded along T."""
-    n = -(-x.shape[1] // chunk_size)
-    return _to_chunks(x, n, chunk_size)
+  """[B, T, HV, ...] -> [B*HV, N, C, ...] float32, zero-padded along T."""
+  n = -(-x.shape[1] // chunk_size)
+  return _to_chunks(x, n, chunk_size)
 
 
 def _refined_inverse(L: jax.Array) -> jax.Array:
-    """(I + L)^-1 of strictly lower [..., 16, 16] blocks: the Neumann product plus one Newton
-    step, as in the kernels (chunk_math.invert_unit_lower16; NUMERICS.md)."""
-    eye = jnp.eye(L.shape[-1], dtype=L.dtype)
-    inv = invert_unit_lower(L)
-    residual = eye - jnp.matmul(eye + L, inv, precision=_HIGHEST)
-    return inv + jnp.matmul(inv, residual, precision=_HIGHEST)
+  """(I + L)^-1 of strictly lower [..., 16, 16] blocks: the Neumann product plus one Newton
+  step, as in the kernels (chunk_math.invert_unit_lower16; NUMERICS.md)."""
+  eye = jnp.eye(L.shape[-1], dtype=L.dtype)
+  inv = invert_unit_lower(L)
+  residual = eye - jnp.matmul(eye + L, inv, precision=_HIGHEST)
+  return inv + jnp.matmul(inv, residual, precision=_HIGHEST)
 
 
 def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
-    """X = (I + L)^-1 rhs for strictly lower L [..., C, C]: 16-row block substitution
-    X_r = D_r (rhs_r - L_r,<r X_<r) with refined diagonal inverses D_r."""
-    xs = []
-    for r in range(L.shape[-1] // _SUB):
-        rows = slice(r * _SUB, (r + 1) * _SUB)
-        acc = rhs[..., rows, :]
-        if r:
-            done = jnp.concatenate(xs, axis=-2)
-            acc = acc - jnp.matmul(L[..., rows, : r * _SUB], done, precision=_HIGHEST)
-        xs.append(jnp.matmul(_refined_inverse(L[..., rows, rows]), acc, precision=_HIGHEST))
-    return jnp.concatenate(xs, axis=-2)
+  """X = (I + L)^-1 rhs for strictly lower L [..., C, C]: 16-row block substitution
+  X_r = D_r (rhs_r - L_r,<r X_<r) with refined diagonal inverses D_r."""
+  xs = []
+  for r in range(L.shape[-1] // _SUB):
+    rows = slice(r * _SUB, (r + 1) * _SUB)
+    acc = rhs[..., rows, :]
+    if r:
+      done = jnp.concatenate(xs, axis=-2)
+      acc = acc - jnp.matmul(L[..., rows, : r * _SUB], done, precision=_HIGHEST)
+    xs.append(jnp.matmul(_refined_inverse(L[..., rows, rows]), acc, precision=_HIGHEST))
+  return jnp.concatenate(xs, axis=-2)
 
 
 def chunk_prep(q, k, v, g, beta, *, scale: float, lower_bound: float,
                chunk_size: int) -> ChunkPrep:
-    """The chunk-parallel part of KDA (DESIGN s1.1) with the bounded-gate diagonal blocks.
+  """The chunk-parallel part of KDA (DESIGN s1.1) with the bounded-gate diagonal blocks.
 
-    Args: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV].
-    Returns: ChunkPrep in layout [B*HV, N, C, F]; zero padding makes extra tokens no-ops.
-    """
-    rep = v.shape[2] // q.shape[2]
-    c = chunk_size
-    qc = to_chunks(jnp.repeat(q, rep, axis=2), c)
-    kc = to_chunks(jnp.repeat(k, rep, axis=2), c)
-    vc, gc = to_chunks(v, c), to_chunks(g, c)
-    bc = to_chunks(beta, c)[..., None]
-    G = _chunk_cumsum(gc, None)
-    a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, G, None, lower_bound)
-    strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    lower = jnp.where(strict, bc * a_kk, 0.0)
-    decay_in = jnp.exp(G)
-    K = qc.shape[-1]
-    wu = _unit_lower_solve(lower, jnp.concatenate([bc * kc * decay_in, bc * vc], axis=-1))
-    return ChunkPrep(
-        w=wu[..., :K],
-        u=wu[..., K:],
-        q_in=scale * qc * decay_in,
-        k_out=kc * jnp.exp(G[..., -1:, :] - G),
-        a_qk=scale * a_qk,
-        decay=jnp.exp(G[..., -1:, :]),
-    )
+  Args: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV].
+  Returns: ChunkPrep in layout [B*HV, N, C, F]; zero padding makes extra tokens no-ops.
+  """
+  rep = v.shape[2] // q.shape[2]
+  c = chunk_size
+  qc = to_chunks(jnp.repeat(q, rep, axis=2), c)
+  kc = to_chunks(jnp.repeat(k, rep, axis=2), c)
+  vc, gc = to_chunks(v, c), to_chunks(g, c)
+  bc = to_chunks(beta, c)[..., None]
+  G = _chunk_cumsum(gc, None)
+  a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, G, None, lower_bound)
+  strict = jnp.tril(jnp.ones((c, c), bool), -1)
+  lower = jnp.where(strict, bc * a_kk, 0.0)
+  decay_in = jnp.exp(G)
+  K = qc.shape[-1]
+  wu = _unit_lower_solve(lower, jnp.concatenate([bc * kc * decay_in, bc * vc], axis=-1))
+  return ChunkPrep(
+      w=wu[..., :K],
+      u=wu[..., K:],
+      q_in=scale * qc * decay_in,
+      k_out=kc * jnp.exp(G[..., -1:, :] - G),
+      a_qk=scale * a_qk,
+      decay=jnp.exp(G[..., -1:, :]),
+  )

@@ -28,73 +28,73 @@ BF16_TOL = dict(o=0.005, ht=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=
 
 
 def rel_rms(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.sqrt(np.mean((x - ref) ** 2)) / (np.sqrt(np.mean(ref**2)) + 1e-30))
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.sqrt(np.mean((x - ref) ** 2)) / (np.sqrt(np.mean(ref**2)) + 1e-30))
 
 
 def assert_close(x, ref, rtol, name):
-    """fla's convention: max abs error <= 1e-6, or relative RMS error < rtol."""
-    assert np.isfinite(np.asarray(x, np.float32)).all(), f"{name}: not finite"
-    err = float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64))))
-    rel = rel_rms(x, ref)
-    assert err <= 1e-6 or rel < rtol, f"{name}: max abs {err}, rel rms {rel} (tol {rtol})"
+  """fla's convention: max abs error <= 1e-6, or relative RMS error < rtol."""
+  assert np.isfinite(np.asarray(x, np.float32)).all(), f"{name}: not finite"
+  err = float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64))))
+  rel = rel_rms(x, ref)
+  assert err <= 1e-6 or rel < rtol, f"{name}: max abs {err}, rel rms {rel} (tol {rtol})"
 
 
 def make_inputs(seed, B, T, H, HV, K, V, lb=-5.0, dtype=jnp.float32):
-    """Bounded-gate inputs (g in (lb, 0), fp32), q/k/v/beta in dtype; h0, do, dht fp32."""
-    rng = np.random.default_rng(seed)
+  """Bounded-gate inputs (g in (lb, 0), fp32), q/k/v/beta in dtype; h0, do, dht fp32."""
+  rng = np.random.default_rng(seed)
 
-    def l2(x):
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+  def l2(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
-    q, k = l2(rng.normal(size=(B, T, H, K))), l2(rng.normal(size=(B, T, H, K)))
-    v = rng.normal(size=(B, T, HV, V))
-    g = lb / (1.0 + np.exp(-2.0 * rng.normal(size=(B, T, HV, K))))
-    beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(B, T, HV))))
-    h0, dht = rng.normal(size=(B, HV, K, V)), rng.normal(size=(B, HV, K, V))
-    do = rng.normal(size=(B, T, HV, V))
-    cast = lambda x, dt: jnp.asarray(x, jnp.float32).astype(dt)  # noqa: E731
-    return (cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, jnp.float32),
-            cast(beta, dtype), cast(h0, jnp.float32), cast(do, dtype), cast(dht, jnp.float32))
+  q, k = l2(rng.normal(size=(B, T, H, K))), l2(rng.normal(size=(B, T, H, K)))
+  v = rng.normal(size=(B, T, HV, V))
+  g = lb / (1.0 + np.exp(-2.0 * rng.normal(size=(B, T, HV, K))))
+  beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(B, T, HV))))
+  h0, dht = rng.normal(size=(B, HV, K, V)), rng.normal(size=(B, HV, K, V))
+  do = rng.normal(size=(B, T, HV, V))
+  cast = lambda x, dt: jnp.asarray(x, jnp.float32).astype(dt)  # noqa: E731
+  return (cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, jnp.float32),
+          cast(beta, dtype), cast(h0, jnp.float32), cast(do, dtype), cast(dht, jnp.float32))
 
 
 @functools.lru_cache(maxsize=None)
 def fwd_bwd(impl, use_h0):
-    """Jitted (o, ht, grads) of L = sum(o * do) + sum(ht * dht); impl(q..beta, h0) -> (o, ht)."""
+  """Jitted (o, ht, grads) of L = sum(o * do) + sum(ht * dht); impl(q..beta, h0) -> (o, ht)."""
 
-    def loss(q, k, v, g, beta, h0, do, dht):
-        o, ht = impl(q, k, v, g, beta, h0 if use_h0 else None)
-        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * dht), (o, ht)
+  def loss(q, k, v, g, beta, h0, do, dht):
+    o, ht = impl(q, k, v, g, beta, h0 if use_h0 else None)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * dht), (o, ht)
 
-    argnums = (0, 1, 2, 3, 4, 5) if use_h0 else (0, 1, 2, 3, 4)
+  argnums = (0, 1, 2, 3, 4, 5) if use_h0 else (0, 1, 2, 3, 4)
 
-    @jax.jit
-    def run(*args):
-        (_, (o, ht)), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*args)
-        return o, ht, grads
+  @jax.jit
+  def run(*args):
+    (_, (o, ht)), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*args)
+    return o, ht, grads
 
-    return run
+  return run
 
 
 def recurrent(q, k, v, g, beta, h0):
-    return kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+  return kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
 
 @functools.lru_cache(maxsize=None)
 def pallas(backend, chunk_size=64, config=None):
-    if NATIVE and backend != ("tpu" if PLATFORM == "tpu" else "gpu"):
-        pytest.skip(f"{backend} kernel cannot run natively on {PLATFORM}")
+  if NATIVE and backend != ("tpu" if PLATFORM == "tpu" else "gpu"):
+    pytest.skip(f"{backend} kernel cannot run natively on {PLATFORM}")
 
-    def run(q, k, v, g, beta, h0):
-        return kda_pallas(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                          chunk_size=chunk_size, lower_bound=-5.0, backend=backend,
-                          interpret=not NATIVE, config=config)
+  def run(q, k, v, g, beta, h0):
+    return kda_pallas(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                      chunk_size=chunk_size, lower_bound=-5.0, backend=backend,
+                      interpret=not NATIVE, config=config)
 
-    return run
+  return run
 
 
 def _f32(x):
-    return jnp.asarray(x).astype(jnp.float32)
+  return jnp.asarray(x).astype(jnp.float32)
 
 
 # (T, K, V, H, HV, h0, dtype, backend, chunk, config): every listed T, head dim, head
@@ -119,127 +119,127 @@ CASES = [
 
 @pytest.mark.parametrize("T,K,V,H,HV,use_h0,dtype,backend,chunk,config", CASES)
 def test_kernel_matches_recurrent(T, K, V, H, HV, use_h0, dtype, backend, chunk, config):
-    q, k, v, g, beta, h0, do, dht = make_inputs(T + K + V, 2, T, H, HV, K, V, dtype=dtype)
-    out = fwd_bwd(pallas(backend, chunk, config), use_h0)(q, k, v, g, beta, h0, do, dht)
-    # The reference sees the same (dtype-rounded) inputs, in fp32.
-    ref_in = [_f32(x) for x in (q, k, v, g, beta, h0, do, dht)]
-    ref = fwd_bwd(recurrent, use_h0)(*ref_in)
-    assert out[0].dtype == dtype and out[0].shape == (2, T, HV, V)
-    assert out[1].dtype == jnp.float32 and out[1].shape == (2, HV, K, V)
-    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
-    assert_close(_f32(out[0]), ref[0], tol["o"], "o")
-    assert_close(out[1], ref[1], tol["ht"], "ht")
-    for name, d, d_ref, x in zip(GRAD_NAMES, out[2], ref[2], (q, k, v, g, beta, h0)):
-        assert d.dtype == x.dtype, name
-        assert_close(_f32(d), d_ref, tol[name], name)
+  q, k, v, g, beta, h0, do, dht = make_inputs(T + K + V, 2, T, H, HV, K, V, dtype=dtype)
+  out = fwd_bwd(pallas(backend, chunk, config), use_h0)(q, k, v, g, beta, h0, do, dht)
+  # The reference sees the same (dtype-rounded) inputs, in fp32.
+  ref_in = [_f32(x) for x in (q, k, v, g, beta, h0, do, dht)]
+  ref = fwd_bwd(recurrent, use_h0)(*ref_in)
+  assert out[0].dtype == dtype and out[0].shape == (2, T, HV, V)
+  assert out[1].dtype == jnp.float32 and out[1].shape == (2, HV, K, V)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert_close(_f32(out[0]), ref[0], tol["o"], "o")
+  assert_close(out[1], ref[1], tol["ht"], "ht")
+  for name, d, d_ref, x in zip(GRAD_NAMES, out[2], ref[2], (q, k, v, g, beta, h0)):
+    assert d.dtype == x.dtype, name
+    assert_close(_f32(d), d_ref, tol[name], name)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_anchor_is_causal(backend):
-    """Changing a future token's gate leaves every earlier output bit-identical, also inside
-    the same 16-token diagonal block (token 37: block rows 32..47 of chunk 0)."""
-    q, k, v, g, beta, h0, _, _ = make_inputs(3, 1, 100, 1, 2, 32, 32)
-    m = 37
-    g2 = g.at[:, m].set(-4.9)
-    run = jax.jit(lambda g_: pallas(backend)(q, k, v, g_, beta, h0)[0])
-    o1, o2 = np.asarray(run(g)), np.asarray(run(g2))
-    np.testing.assert_array_equal(o1[:, :m], o2[:, :m])
-    assert not np.array_equal(o1[:, m:], o2[:, m:])
+  """Changing a future token's gate leaves every earlier output bit-identical, also inside
+  the same 16-token diagonal block (token 37: block rows 32..47 of chunk 0)."""
+  q, k, v, g, beta, h0, _, _ = make_inputs(3, 1, 100, 1, 2, 32, 32)
+  m = 37
+  g2 = g.at[:, m].set(-4.9)
+  run = jax.jit(lambda g_: pallas(backend)(q, k, v, g_, beta, h0)[0])
+  o1, o2 = np.asarray(run(g)), np.asarray(run(g2))
+  np.testing.assert_array_equal(o1[:, :m], o2[:, :m])
+  assert not np.array_equal(o1[:, m:], o2[:, m:])
 
 
 def test_extreme_gates_stay_finite():
-    """Every gate at the bound (-5) or at ~0: the largest anchored factors (e^37.5) and the
-    fastest decays (e^-320 per chunk) in one run; outputs and gradients stay finite and
-    match the recurrence."""
-    q, k, v, g, beta, h0, do, dht = make_inputs(4, 1, 64, 1, 1, 32, 32)
-    rng = np.random.default_rng(0)
-    g = jnp.asarray(np.where(rng.random(g.shape) < 0.5, -5.0, -1e-6), jnp.float32)
-    out = fwd_bwd(pallas("gpu"), True)(q, k, v, g, beta, h0, do, dht)
-    ref = fwd_bwd(recurrent, True)(q, k, v, g, beta, h0, do, dht)
-    assert_close(out[0], ref[0], 2e-5, "o")
-    for name, d, d_ref in zip(GRAD_NAMES, out[2], ref[2]):
-        assert_close(d, d_ref, 2e-5, name)
+  """Every gate at the bound (-5) or at ~0: the largest anchored factors (e^37.5) and the
+  fastest decays (e^-320 per chunk) in one run; outputs and gradients stay finite and
+  match the recurrence."""
+  q, k, v, g, beta, h0, do, dht = make_inputs(4, 1, 64, 1, 1, 32, 32)
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(np.where(rng.random(g.shape) < 0.5, -5.0, -1e-6), jnp.float32)
+  out = fwd_bwd(pallas("gpu"), True)(q, k, v, g, beta, h0, do, dht)
+  ref = fwd_bwd(recurrent, True)(q, k, v, g, beta, h0, do, dht)
+  assert_close(out[0], ref[0], 2e-5, "o")
+  for name, d, d_ref in zip(GRAD_NAMES, out[2], ref[2]):
+    assert_close(d, d_ref, 2e-5, name)
 
 
 def test_identical_keys_worst_conditioned_inverse():
-    """All keys equal, gates ~0, beta ~1: L ~ strict ones, the worst case of the 16 x 16
-    Neumann product (L^8 entries up to 3432, cancelling to an inverse bounded by 1). With the
-    Newton refinement the kernel and its gradients stay at fp32 accuracy (the plain product
-    alone gives ~1e-4 on outputs and ~1e-3 on gradients here)."""
-    q, k, v, g, beta, h0, do, dht = make_inputs(9, 1, 64, 1, 1, 32, 32)
-    k = jnp.broadcast_to(k[:, :1], k.shape)
-    g = jnp.full_like(g, -1e-6)
-    beta = jnp.full_like(beta, 0.999)
-    out = fwd_bwd(pallas("gpu"), True)(q, k, v, g, beta, h0, do, dht)
-    ref = fwd_bwd(recurrent, True)(q, k, v, g, beta, h0, do, dht)
-    assert_close(out[0], ref[0], 2e-5, "o")
-    assert_close(out[1], ref[1], 2e-5, "ht")
-    for name, d, d_ref in zip(GRAD_NAMES, out[2], ref[2]):
-        assert_close(d, d_ref, 2e-5, name)
+  """All keys equal, gates ~0, beta ~1: L ~ strict ones, the worst case of the 16 x 16
+  Neumann product (L^8 entries up to 3432, cancelling to an inverse bounded by 1). With the
+  Newton refinement the kernel and its gradients stay at fp32 accuracy (the plain product
+  alone gives ~1e-4 on outputs and ~1e-3 on gradients here)."""
+  q, k, v, g, beta, h0, do, dht = make_inputs(9, 1, 64, 1, 1, 32, 32)
+  k = jnp.broadcast_to(k[:, :1], k.shape)
+  g = jnp.full_like(g, -1e-6)
+  beta = jnp.full_like(beta, 0.999)
+  out = fwd_bwd(pallas("gpu"), True)(q, k, v, g, beta, h0, do, dht)
+  ref = fwd_bwd(recurrent, True)(q, k, v, g, beta, h0, do, dht)
+  assert_close(out[0], ref[0], 2e-5, "o")
+  assert_close(out[1], ref[1], 2e-5, "ht")
+  for name, d, d_ref in zip(GRAD_NAMES, out[2], ref[2]):
+    assert_close(d, d_ref, 2e-5, name)
 
 
 @pytest.mark.parametrize("backend,fused", [("gpu", True), ("gpu", False), ("tpu", True),
                                            ("tpu", False)])
 def test_kernels_lower_natively(backend, fused, monkeypatch):
-    """The compiled (not interpreted) forward, state and backward kernels lower through
-    Pallas's Triton / Mosaic front ends at the benchmark head size (K = V = 128, bf16), with
-    no device: catches primitives a backend cannot lower. (Triton -> PTX and Mosaic's layout
-    passes still need the device.)"""
-    if backend == "tpu":
-        tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-        if not hasattr(tpu_info, "get_device_kind"):
-            pytest.skip("jax internals changed: cannot fake a TPU device kind")
-        monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v6 lite")
-        monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-    from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
-    from pallas_kernels.kda.wrapper import Static, kda_core
+  """The compiled (not interpreted) forward, state and backward kernels lower through
+  Pallas's Triton / Mosaic front ends at the benchmark head size (K = V = 128, bf16), with
+  no device: catches primitives a backend cannot lower. (Triton -> PTX and Mosaic's layout
+  passes still need the device.)"""
+  if backend == "tpu":
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not hasattr(tpu_info, "get_device_kind"):
+      pytest.skip("jax internals changed: cannot fake a TPU device kind")
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v6 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+  from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
+  from pallas_kernels.kda.wrapper import Static, kda_core
 
-    B, T, H, HV, K, V, dt = 1, 256, 2, 4, 128, 128, jnp.bfloat16
-    cfg = (default_tpu_config(chunk_size=64, dtype=dt) if backend == "tpu"
-           else default_gpu_config(chunk_size=64, k=K, v=V, dtype=dt))
-    cfg = dataclasses.replace(cfg, fused=fused)
-    st = Static(backend=backend, cfg=cfg, scale=K**-0.5, lower_bound=-5.0, interpret=False)
-    sd = jax.ShapeDtypeStruct
-    args = (sd((B, T, H, K), dt), sd((B, T, H, K), dt), sd((B, T, HV, V), dt),
-            sd((B, T, HV, K), jnp.float32), sd((B, T, HV), dt), sd((B, HV, K, V), jnp.float32))
+  B, T, H, HV, K, V, dt = 1, 256, 2, 4, 128, 128, jnp.bfloat16
+  cfg = (default_tpu_config(chunk_size=64, dtype=dt) if backend == "tpu"
+         else default_gpu_config(chunk_size=64, k=K, v=V, dtype=dt))
+  cfg = dataclasses.replace(cfg, fused=fused)
+  st = Static(backend=backend, cfg=cfg, scale=K**-0.5, lower_bound=-5.0, interpret=False)
+  sd = jax.ShapeDtypeStruct
+  args = (sd((B, T, H, K), dt), sd((B, T, H, K), dt), sd((B, T, HV, V), dt),
+          sd((B, T, HV, K), jnp.float32), sd((B, T, HV), dt), sd((B, HV, K, V), jnp.float32))
 
-    def loss(*a):
-        o, ht = kda_core(*a, st)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+  def loss(*a):
+    o, ht = kda_core(*a, st)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
-    platform = "tpu" if backend == "tpu" else "cuda"
-    text = jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
-        lowering_platforms=(platform,)).as_text()
-    target = "tpu_custom_call" if backend == "tpu" else "xla.gpu.triton"
-    assert text.count(target) == 3  # forward (fused or recurrence), states, backward
+  platform = "tpu" if backend == "tpu" else "cuda"
+  text = jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
+      lowering_platforms=(platform,)).as_text()
+  target = "tpu_custom_call" if backend == "tpu" else "xla.gpu.triton"
+  assert text.count(target) == 3  # forward (fused or recurrence), states, backward
 
 
 # --- dispatcher and domain errors ----------------------------------------------------------
 
 
 def test_dispatcher_pallas_matches_chunked():
-    """kda(impl="pallas") runs the kernel (interpreted on CPU) and equals the XLA path."""
-    q, k, v, g, beta, h0, _, _ = make_inputs(5, 1, 40, 1, 2, 16, 16)
-    kw = dict(initial_state=h0, output_final_state=True, chunk_size=16, lower_bound=-5.0)
-    o, ht = jax.jit(functools.partial(kda, impl="pallas", **kw))(q, k, v, g, beta)
-    o_ref, ht_ref = kda_chunked(q, k, v, g, beta, **kw)
-    assert_close(o, o_ref, 1e-5, "o")
-    assert_close(ht, ht_ref, 1e-5, "ht")
+  """kda(impl="pallas") runs the kernel (interpreted on CPU) and equals the XLA path."""
+  q, k, v, g, beta, h0, _, _ = make_inputs(5, 1, 40, 1, 2, 16, 16)
+  kw = dict(initial_state=h0, output_final_state=True, chunk_size=16, lower_bound=-5.0)
+  o, ht = jax.jit(functools.partial(kda, impl="pallas", **kw))(q, k, v, g, beta)
+  o_ref, ht_ref = kda_chunked(q, k, v, g, beta, **kw)
+  assert_close(o, o_ref, 1e-5, "o")
+  assert_close(ht, ht_ref, 1e-5, "ht")
 
 
 def test_auto_falls_back_for_unbounded_gate(monkeypatch):
-    """On an accelerator, auto tries the kernel; unbounded gates make it fall back to XLA."""
-    q, k, v, g, beta, _, _, _ = make_inputs(6, 1, 20, 1, 1, 16, 16)
-    expected = kda_chunked(q, k, v, g, beta)[0]
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    np.testing.assert_array_equal(kda(q, k, v, g, beta, impl="auto")[0], expected)
+  """On an accelerator, auto tries the kernel; unbounded gates make it fall back to XLA."""
+  q, k, v, g, beta, _, _, _ = make_inputs(6, 1, 20, 1, 1, 16, 16)
+  expected = kda_chunked(q, k, v, g, beta)[0]
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  np.testing.assert_array_equal(kda(q, k, v, g, beta, impl="auto")[0], expected)
 
 
 def _small(**over):
-    q, k, v, g, beta, h0, _, _ = make_inputs(8, 1, 20, 1, 2, 16, 16)
-    kw = dict(q=q, k=k, v=v, g=g, beta=beta, lower_bound=-5.0)
-    kw.update(over)
-    return [kw.pop(n) for n in ("q", "k", "v", "g", "beta")], kw
+  q, k, v, g, beta, h0, _, _ = make_inputs(8, 1, 20, 1, 2, 16, 16)
+  kw = dict(q=q, k=k, v=v, g=g, beta=beta, lower_bound=-5.0)
+  kw.update(over)
+  return [kw.pop(n) for n in ("q", "k", "v", "g", "beta")], kw
 
 
 @pytest.mark.parametrize("over,match", [
@@ -251,11 +251,11 @@ def _small(**over):
     (dict(backend="tpu", interpret=False), "cannot run natively"),
 ])
 def test_kda_pallas_domain_errors(over, match):
-    if "interpret" in over and PLATFORM == "tpu":
-        pytest.skip("native on TPU")
-    args, kw = _small(**over)
-    with pytest.raises(NotImplementedError, match=match):
-        kda_pallas(*args, **kw)
+  if "interpret" in over and PLATFORM == "tpu":
+    pytest.skip("native on TPU")
+  args, kw = _small(**over)
+  with pytest.raises(NotImplementedError, match=match):
+    kda_pallas(*args, **kw)
 
 
 @pytest.mark.parametrize("over,match", [
@@ -266,9 +266,9 @@ def test_kda_pallas_domain_errors(over, match):
     (dict(g=jnp.zeros((1, 20, 2, 8))), r"g must have shape"),
 ])
 def test_kda_pallas_value_errors(over, match):
-    args, kw = _small(**over)
-    with pytest.raises(ValueError, match=match):
-        kda_pallas(*args, **kw)
+  args, kw = _small(**over)
+  with pytest.raises(ValueError, match=match):
+    kda_pallas(*args, **kw)
 
 
 @pytest.mark.parametrize("over,match", [
@@ -277,8 +277,8 @@ def test_kda_pallas_value_errors(over, match):
     (dict(chunk_size=128), "chunk_size in"),
 ])
 def test_dispatcher_domain_errors(over, match):
-    """Explicit impl="pallas" raises NotImplementedError outside the kernel's domain (never
-    silently computes something else); impl="auto" falls back on the same inputs."""
-    args, kw = _small(**over)
-    with pytest.raises(NotImplementedError, match=match):
-        kda(*args, impl="pallas", **kw)
+  """Explicit impl="pallas" raises NotImplementedError outside the kernel's domain (never
+  silently computes something else); impl="auto" falls back on the same inputs."""
+  args, kw = _small(**over)
+  with pytest.raises(NotImplementedError, match=match):
+    kda(*args, impl="pallas", **kw)
