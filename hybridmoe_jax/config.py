@@ -38,6 +38,45 @@ def _is_pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
+MOE_IMPLS = ("ragged", "dense")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+  """How a model computes, not what it is: none of these fields changes the parameters or
+  the train state, so a run may resume with other values (the `compute` config section).
+
+  The architecture (`ModelConfig`) is what a checkpoint must match; this is what a user
+  tunes per machine: precision, rematerialisation and which kernel implements each op.
+  """
+
+  dtype: str = "float32"          # activation / matmul dtype; parameters stay float32
+  remat: str = "none"             # decoder-layer rematerialisation: "none", "full", "dots"
+  kda_impl: str = "auto"          # KDA op: "auto" (pallas -> chunked), "recurrent", ...
+  kda_chunk_size: int = 64        # chunk of the chunked / Pallas KDA (power of two >= 16)
+  moe_impl: str = "ragged"        # local expert FFN: "ragged" (sorted ragged_dot) or "dense"
+  # Expert-parallel receive buffer: 0 -> dropless (worst-case buffers); c > 0 -> each
+  # expert shard receives at most ceil(c * m k) rows per step, the excess dropped, counted.
+  moe_capacity_factor: float = 0.0
+
+  def __post_init__(self):
+    p = "compute"
+    _require(self.dtype in DTYPES, f"{p}.dtype", self.dtype, f"one of {DTYPES}")
+    _require(self.remat in REMAT_POLICIES, f"{p}.remat", self.remat,
+             f"one of {REMAT_POLICIES}")
+    _require(self.kda_impl in KDA_IMPLS, f"{p}.kda_impl", self.kda_impl, f"one of {KDA_IMPLS}")
+    _require(isinstance(self.kda_chunk_size, int) and _is_pow2(self.kda_chunk_size)
+             and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
+             "a power of two >= 16")
+    _require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
+    _require(isinstance(self.moe_capacity_factor, (int, float))
+             and not isinstance(self.moe_capacity_factor, bool)
+             and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",
+             self.moe_capacity_factor,
+             "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
+
+
 @dataclasses.dataclass(frozen=True)
 class KDAConfig:
   """Kimi Delta Attention layer (DESIGN s1.4)."""
