@@ -24,6 +24,7 @@ from flax import nnx
 from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.sharding import path_string
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 
 
@@ -113,8 +114,7 @@ def load_from_workdir(workdir: str, expected: ModelConfig | None = None
 def _flat(tree) -> dict[str, tuple]:
   """{"layers/0/mixer/...": shape}; orbax turns integer keys into strings, so compare as str."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  name = lambda path: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-  return {name(p): tuple(np.shape(x)) for p, x in leaves}
+  return {path_string(p): tuple(np.shape(x)) for p, x in leaves}
 
 
 def _mismatch(want, got) -> list[str]:

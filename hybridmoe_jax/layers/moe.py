@@ -26,7 +26,8 @@ from hybridmoe_jax.ops.glu import get_glu
 from hybridmoe_jax.ops.quantile_balance import (bias_from_histogram, qb_histogram, qb_range,
                                                 sign_rule_update)
 from hybridmoe_jax.ops.routing import expert_load, max_violation, sigmoid_topk_route
-from hybridmoe_jax.parallel import ep_moe, rules
+from hybridmoe_jax import sharding
+from hybridmoe_jax.parallel import ep_moe
 
 ExpertImpl = Literal["ragged", "dense"]
 _F32 = jnp.float32
@@ -154,7 +155,7 @@ class MoE(nnx.Module):
     """
     cfg, dtype = self.cfg, self.dtype
     b, t, d = x.shape
-    x = rules.constrain(x, ("batch", "length", "act_embed"))
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
     xf = x.reshape(b * t, d)
     valid = None if mask is None else mask.reshape(b * t)
     # Inside a multi-device mesh context (`jax.set_mesh`) the ragged path runs expert-parallel.
@@ -193,7 +194,7 @@ class MoE(nnx.Module):
       if qb_bins:
         stats["qb_hist"] = qb_histogram(routes.scores, bias, cfg.experts_per_token,
                                         qb_bins, valid, cutoff=routes.cutoff)
-    y = rules.constrain(y.astype(dtype).reshape(b, t, d), ("batch", "length", "act_embed"))
+    y = sharding.constrain(y.astype(dtype).reshape(b, t, d), ("batch", "length", "act_embed"))
     return y, stats
 
 

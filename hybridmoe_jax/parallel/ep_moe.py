@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from hybridmoe_jax.ops.quantile_balance import qb_histogram
 from hybridmoe_jax.ops.routing import expert_load
 from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all
-from hybridmoe_jax.parallel.mesh import TOKEN_AXES
+from hybridmoe_jax.sharding import TOKEN_AXES
 
 _F32 = jnp.float32
 EXPERT_AXIS = "expert"

@@ -18,10 +18,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.sharding import BATCH_AXES, MESH_AXES, TOKEN_AXES  # noqa: F401  (re-exported)
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")   # = train.config.MESH_AXES
-BATCH_AXES = ("data", "fsdp")             # sequences of a batch
-TOKEN_AXES = ("data", "fsdp", "expert")   # tokens inside the MoE dispatch
 
 
 def available_devices() -> list:

@@ -17,13 +17,13 @@ from typing import Any
 import ml_collections
 
 from hybridmoe_jax.config import ConfigError, ModelConfig
+from hybridmoe_jax.sharding import MESH_AXES
 from hybridmoe_jax.data.config import default_data_config
 from hybridmoe_jax.train import curriculum as curriculum_lib
 
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 REMAT = ("none", "full", "dots")
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 def _train_config() -> ml_collections.ConfigDict:

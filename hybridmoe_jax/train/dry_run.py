@@ -25,7 +25,8 @@ from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
 from hybridmoe_jax.train import curriculum as curriculum_lib
 from hybridmoe_jax.train import optim
-from hybridmoe_jax.train.config import MESH_AXES, mesh_shape, validate_train_config
+from hybridmoe_jax.sharding import MESH_AXES
+from hybridmoe_jax.train.config import mesh_shape, validate_train_config
 
 GiB = 1024 ** 3
 

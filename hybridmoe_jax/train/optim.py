@@ -14,6 +14,8 @@ import ml_collections
 import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
+from hybridmoe_jax.sharding import path_string
+
 
 def piece_value(p: dict, local_step, xp=math):
   """Learning rate of one curriculum piece at `local_step` steps into its stage.
@@ -86,13 +88,8 @@ def make_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
   return optax.join_schedules([warmup, main], [warmup_steps])
 
 
-def _path_str(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                  for k in path)
-
-
 def _is_embedding_or_head(path) -> bool:
-  s = _path_str(path)
+  s = path_string(path)
   return s.startswith("embed") or s.startswith("lm_head")
 
 

@@ -19,10 +19,10 @@ import ml_collections
 import optax
 from flax import nnx
 
+from hybridmoe_jax import sharding
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_IDS
 from hybridmoe_jax.parallel import mesh as mesh_lib
-from hybridmoe_jax.parallel import rules
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import ModelFns, TrainState
 
@@ -153,8 +153,8 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
 
   def train_step(state: TrainState, batch: Batch):
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
-    tokens = rules.constrain(tokens, ("batch", "length"))
-    segment_ids = rules.constrain(segment_ids, ("batch", "length"))
+    tokens = sharding.constrain(tokens, ("batch", "length"))
+    segment_ids = sharding.constrain(segment_ids, ("batch", "length"))
     extras = model_inputs(batch, IMAGE_BATCH_KEYS + (LOSS_WEIGHTS,))
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
                                                 grad_accum, extras)

@@ -1,0 +1,94 @@
+"""Logical axis names -> mesh axes (MaxText style): the rules every layer's sharding
+annotations and the state layout (`parallel.rules`) read.
+
+`MESH_AXES` is the one list of mesh axis names. `LOGICAL_RULES` maps a logical name to a
+mesh axis, a tuple of axes or None (replicated), first match wins. Layers annotate
+activations with `constrain(x, names)`: a sharding hint under a multi-device mesh context,
+the identity otherwise (it never changes what is computed). This module sits below `ops`
+and `layers` (jax and numpy only), so layers can annotate without importing `parallel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp")             # sequences of a batch
+TOKEN_AXES = ("data", "fsdp", "expert")   # tokens inside the MoE dispatch
+
+MeshAxes = str | tuple[str, ...] | None
+
+LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("tokens", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("act_embed", None),
+    # parameters
+    ("embed", "fsdp"),           # the model width d of every weight: ZeRO-3 style
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),           # dense / shared FFN hidden width
+    ("heads", "tensor"),         # projected q/k/v/gate widths (heads x head_dim)
+    ("latent", None),            # MLA kv latent, MoE latent width, low-rank factors
+    ("expert", "expert"),        # routed experts are owned by expert shards
+    ("expert_embed", "fsdp"),
+    ("expert_mlp", "tensor"),
+    ("routing", None),           # router columns and balancing biases: every shard routes
+    ("norm", None),
+    ("conv", None),
+)
+
+def mesh_axes(name: str | None) -> MeshAxes:
+  """Mesh axes of one logical name (KeyError for a name missing from LOGICAL_RULES)."""
+  if name is None:
+    return None
+  for key, axes in LOGICAL_RULES:
+    if key == name:
+      return axes
+  raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_RULES")
+
+
+def path_string(path: Sequence[Any]) -> str:
+  """A jax key path as "a/b/0/c", dropping the trailing Variable `value` attribute."""
+  parts = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  if parts and parts[-1] in ("value", "raw_value"):
+    parts.pop()
+  return "/".join(parts)
+
+
+def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh_shape: dict) -> P:
+  """PartitionSpec from logical names, keeping only axes that divide the dim, each used once."""
+  used, out = set(), []
+  for name, size in zip(names, shape):
+    axes = mesh_axes(name)
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    keep = []
+    for ax in axes:
+      if ax not in mesh_shape or ax in used or mesh_shape[ax] == 1:
+        continue
+      if size % int(np.prod([mesh_shape[a] for a in keep + [ax]])) == 0:
+        keep.append(ax)
+    used.update(keep)
+    out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """`with_sharding_constraint` by logical names under the context mesh; identity otherwise."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec_for(names, x.shape, dict(mesh.shape)))
