@@ -1,17 +1,20 @@
 """Prefill, decode and generate for `HybridLM` over a fixed-size cache (no per-token compiles).
 
 Conventions: B batch, T prompt tokens, P prefill chunk, V vocab, N = max_len (cache
-capacity). Every jitted function takes the model as (graphdef, state): graphdef is static,
-so one compilation serves every call with the same shapes. A prompt is fed in chunks of P
-tokens (the last one padded), so its length never changes a shape and a prompt of any
-length up to N runs in memory bounded by P, the cache and one attention block.
-All rows of a batch share one length (prompts are not ragged).
+capacity). Every step is the model's own forward with a `DecodeCache` (`HybridLM.__call__`
+with cache=...): this module only chunks, jits and samples. Every jitted function takes the
+model as (graphdef, state): graphdef is static, so one compilation serves every call with the
+same shapes. A prompt is fed in chunks of P tokens (the last one padded, the padding marked
+by segment id 0), so its length never changes a shape and a prompt of any length up to N runs
+in memory bounded by P, the cache and one attention block. The prompts of one call share one
+length; the cache itself keeps a length per row.
 
 Images (vision models): `prefill(tokens, images=...)` takes the image keys of a processed
 batch (images, image_grid, image_index; see hybridmoe_jax.data.multimodal). The input
 embeddings of the whole prompt are computed once (`_embed_inputs`: the vision tower runs
-once per image) and then fed chunk by chunk like text: the caches hold image positions
-exactly as they hold text positions, so decoding after an image needs nothing special.
+once per image) and then fed chunk by chunk as `inputs_embeds`: the caches hold image
+positions exactly as they hold text positions, so decoding after an image needs nothing
+special.
 """
 
 from __future__ import annotations
@@ -25,97 +28,73 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridmoe_jax.infer.cache import DecodeCache, MLACache, init_cache
-from hybridmoe_jax.infer.mixers import kda_chunk, mla_chunk
 from hybridmoe_jax.infer.sampling import SamplingConfig, sample
-from hybridmoe_jax.layers.attnres import BlockStream, num_blocks
+from hybridmoe_jax.model.cache import DecodeCache, init_cache
 from hybridmoe_jax.model.decoder import HybridLM
 
-# Traces (= compilations) of each jitted entry point, for tests and benchmarks.
-TRACE_COUNTS: collections.Counter = collections.Counter()
-_F32 = jnp.float32
+_TRACES: collections.Counter = collections.Counter()
 
 
-def forward_chunk(model: HybridLM, tokens: jax.Array, cache: DecodeCache, n_valid: jax.Array,
-                  kv_block: int = 512, x: jax.Array | None = None
-                  ) -> tuple[jax.Array, DecodeCache]:
-  """The decoder over P new tokens at positions cache.length.. (the first n_valid real).
+def trace_counts() -> dict[str, int]:
+  """Traces (= compilations) so far of each jitted entry point: "prefill_chunk",
+  "score_chunk", "decode_step", "generate", "embed_inputs" (for tests and benchmarks)."""
+  return dict(_TRACES)
 
-  Mirrors `HybridLM.__call__` + `DecoderLayer.__call__` with cached mixers; the MoE runs
-  with its frozen routing bias and its statistics are dropped. `x` [B, P, d], if given,
-  replaces the token embeddings (precomputed inputs with image tokens; tokens unused).
-  Returns (final normed hidden [B, P, d] float32, updated cache).
-  """
-  cfg = model.cfg
-  start = cache.length
-  x = model.embed(tokens) if x is None else x
-  attnres = cfg.attnres.enabled
-  stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
-            if attnres else x)
-  add = lambda s, layer, out: s.add(layer.block, out) if attnres else s + out
-  new_layers = []
-  for layer, lc in zip(model.layers, cache.layers):
-    h = layer.mixer_norm(layer.mixer_mix(stream) if attnres else stream)
-    if isinstance(lc, MLACache):
-      out, lc = mla_chunk(layer.mixer, h, lc, start, n_valid, kv_block=kv_block)
-    else:
-      out, lc = kda_chunk(layer.mixer, h, lc, n_valid)
-    new_layers.append(lc)
-    stream = add(stream, layer, out)
-    h = layer.ffn_norm(layer.ffn_mix(stream) if attnres else stream)
-    out = layer.ffn(h)[0] if layer.is_moe else layer.ffn(h)
-    stream = add(stream, layer, out)
-  h = model.final_mix(stream) if attnres else stream
-  return model.final_norm(h).astype(_F32), DecodeCache(tuple(new_layers), start + n_valid)
+
+def _forward(model: HybridLM, tokens, embeds, cache: DecodeCache, n_valid: jax.Array,
+             kv_block: int, logits_at: jax.Array | None = None
+             ) -> tuple[jax.Array, DecodeCache]:
+  """The model over one chunk [B, P] (tokens, or input embeddings [B, P, d]) whose first
+  n_valid [B] tokens per row are real -> (logits [B, P or K, V] fp32, updated cache)."""
+  p = (tokens if embeds is None else embeds).shape[1]
+  real = (jnp.arange(p)[None, :] < n_valid[:, None]).astype(jnp.int32)
+  logits, aux = model(tokens, segment_ids=real, cache=cache, inputs_embeds=embeds,
+                      logits_at=logits_at, kv_block=kv_block)
+  return logits, aux["cache"]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
-def _prefill_chunk(graphdef, state, tokens, cache, n_valid, kv_block):
-  """-> (logits [B, V] at the chunk's last real token, cache)."""
-  TRACE_COUNTS["prefill_chunk"] += 1
+def _prefill_chunk(graphdef, state, tokens, embeds, cache, n_valid, kv_block):
+  """tokens [B, P] or embeds [B, P, d] -> (logits [B, V] at each row's last real token, cache)."""
+  _TRACES["prefill_chunk"] += 1
   model = nnx.merge(graphdef, state)
-  h, cache = forward_chunk(model, tokens, cache, n_valid, kv_block)
-  last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
-  return model.lm_head(last), cache
+  last = jnp.maximum(n_valid - 1, 0)[:, None]
+  logits, cache = _forward(model, tokens, embeds, cache, n_valid, kv_block, logits_at=last)
+  return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _embed_inputs(graphdef, state, tokens, images, image_grid, image_index):
   """tokens [B, T] + image keys -> input embeddings [B, T, d] (the tower runs once)."""
-  TRACE_COUNTS["embed_inputs"] += 1
+  _TRACES["embed_inputs"] += 1
   model = nnx.merge(graphdef, state)
   return model.embed_inputs(tokens, images, image_grid, image_index)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
-def _prefill_embeds_chunk(graphdef, state, x, cache, n_valid, kv_block):
-  """Like _prefill_chunk over precomputed inputs x [B, P, d]."""
-  TRACE_COUNTS["prefill_chunk"] += 1
-  model = nnx.merge(graphdef, state)
-  h, cache = forward_chunk(model, None, cache, n_valid, kv_block, x=x)
-  last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
-  return model.lm_head(last), cache
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
 def _score_chunk(graphdef, state, tokens, targets, cache, n_valid, kv_block):
   """-> (nll [B, P] float32 of `targets`, argmax prediction [B, P] int32, cache)."""
-  TRACE_COUNTS["score_chunk"] += 1
+  _TRACES["score_chunk"] += 1
   model = nnx.merge(graphdef, state)
-  h, cache = forward_chunk(model, tokens, cache, n_valid, kv_block)
-  logits = model.lm_head(h)
+  logits, cache = _forward(model, tokens, None, cache, n_valid, kv_block)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   nll = jax.nn.logsumexp(logits, axis=-1) - picked
   return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
+def _one_token(model: HybridLM, token: jax.Array, cache: DecodeCache, kv_block: int
+               ) -> tuple[jax.Array, DecodeCache]:
+  """token [B] -> (logits [B, V], cache)."""
+  logits, cache = _forward(model, token[:, None], None, cache,
+                           jnp.ones(token.shape, jnp.int32), kv_block)
+  return logits[:, 0], cache
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
 def _decode_step(graphdef, state, token, cache, kv_block):
   """token [B] int32 -> (logits [B, V] float32, cache)."""
-  TRACE_COUNTS["decode_step"] += 1
-  model = nnx.merge(graphdef, state)
-  h, cache = forward_chunk(model, token[:, None], cache, jnp.int32(1), kv_block)
-  return model.lm_head(h[:, 0]), cache
+  _TRACES["decode_step"] += 1
+  return _one_token(nnx.merge(graphdef, state), token, cache, kv_block)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block", "max_new"),
@@ -123,7 +102,7 @@ def _decode_step(graphdef, state, token, cache, kv_block):
 def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, pad_id,
                    kv_block, max_new):
   """Sample up to n_new (<= max_new) tokens in one while_loop; rows stop at a stop token."""
-  TRACE_COUNTS["generate"] += 1
+  _TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
   temperature, top_k, top_p = sampling
   key, sub = jax.random.split(key)
@@ -139,9 +118,9 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
 
   def body(carry):
     i, tok, out, lengths, done, cache, key = carry
-    h, cache = forward_chunk(model, tok[:, None], cache, jnp.int32(1), kv_block)
+    logits, cache = _one_token(model, tok, cache, kv_block)
     key, sub = jax.random.split(key)
-    nxt = sample(model.lm_head(h[:, 0]), sub, temperature, top_k, top_p)
+    nxt = sample(logits, sub, temperature, top_k, top_p)
     nxt = jnp.where(done, pad_id, nxt)
     out = jax.lax.dynamic_update_index_in_dim(out, nxt, i, axis=1)
     lengths = lengths + (~done).astype(jnp.int32)
@@ -175,12 +154,13 @@ class Engine:
       if not (isinstance(v, (int, np.integer)) and v >= 1):
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     self.cfg = model.cfg
+    self.dtype = model.compute.dtype
     self.graphdef, self.state = nnx.split(model)
     self.max_len, self.prefill_chunk, self.kv_block = int(max_len), int(prefill_chunk), int(
         kv_block)
 
   def init_cache(self, batch: int) -> DecodeCache:
-    return init_cache(self.cfg, batch, self.max_len)
+    return init_cache(self.cfg, batch, self.max_len, dtype=self.dtype)
 
   def _check_tokens(self, tokens, cache: DecodeCache | None, what: str) -> np.ndarray:
     tokens = np.asarray(tokens)
@@ -194,7 +174,7 @@ class Engine:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
       raise ValueError(f"{what} holds token ids outside the vocabulary [0, "
                        f"{self.cfg.vocab_size})")
-    used = 0 if cache is None else int(cache.length)
+    used = 0 if cache is None else int(np.max(cache.length))
     if used + tokens.shape[1] > self.max_len:
       raise ValueError(f"{what} of {tokens.shape[1]} tokens does not fit: {used} cached + "
                        f"{tokens.shape[1]} > max_len={self.max_len} (raise max_len)")
@@ -207,7 +187,7 @@ class Engine:
     for s in range(0, tokens.shape[1], p):
       part = tokens[:, s:s + p]
       n = part.shape[1]
-      yield s, np.pad(part, ((0, 0), (0, p - n))), np.int32(n)
+      yield s, np.pad(part, ((0, 0), (0, p - n))), np.full((tokens.shape[0],), n, np.int32)
 
   def _image_inputs(self, tokens: np.ndarray, images: dict) -> jax.Array:
     """Input embeddings [B, T_pad, d] of a prompt with images, T padded to a multiple of P
@@ -248,18 +228,18 @@ class Engine:
       x = self._image_inputs(tokens, images)
       p = self.prefill_chunk
       for s, _, n in self._chunks(tokens):
-        logits, cache = _prefill_embeds_chunk(self.graphdef, self.state, x[:, s:s + p], cache,
-                                              n, kv_block=self.kv_block)
+        logits, cache = _prefill_chunk(self.graphdef, self.state, None, x[:, s:s + p], cache,
+                                       n, kv_block=self.kv_block)
       return logits, cache
     for _, part, n in self._chunks(tokens):
-      logits, cache = _prefill_chunk(self.graphdef, self.state, part, cache, n,
+      logits, cache = _prefill_chunk(self.graphdef, self.state, part, None, cache, n,
                                      kv_block=self.kv_block)
     return logits, cache
 
   def decode_step(self, token, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
     """Feed one token per row, token [B] int -> (logits [B, V] float32, cache); the cache
     passed in is donated."""
-    if int(cache.length) >= self.max_len:
+    if int(np.max(cache.length)) >= self.max_len:
       raise ValueError(f"the cache is full (max_len={self.max_len})")
     return _decode_step(self.graphdef, self.state, jnp.asarray(token, jnp.int32), cache,
                         kv_block=self.kv_block)
@@ -271,11 +251,12 @@ class Engine:
     targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     cache, nll, pred = self.init_cache(tokens.shape[0]), [], []
     for s, part, n in self._chunks(tokens):
-      tgt = np.pad(targets[:, s:s + n], ((0, 0), (0, part.shape[1] - n)))
+      m = int(n[0])
+      tgt = np.pad(targets[:, s:s + m], ((0, 0), (0, part.shape[1] - m)))
       a, b, cache = _score_chunk(self.graphdef, self.state, part, tgt, cache, n,
                                  kv_block=self.kv_block)
-      nll.append(np.asarray(a)[:, :n])
-      pred.append(np.asarray(b)[:, :n])
+      nll.append(np.asarray(a)[:, :m])
+      pred.append(np.asarray(b)[:, :m])
     return np.concatenate(nll, 1)[:, :-1], np.concatenate(pred, 1)[:, :-1]
 
   def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),

@@ -8,8 +8,11 @@ from flax import nnx
 class ShortConv(nnx.Module):
   """y_t = SiLU(sum_j w[j] * x_{t-j}) over taps j < kernel, per channel, no bias.
 
-  Weights [kernel, C] are fp32. Taps reaching into an earlier segment (packed sequences) or
-  before the start of the sequence read zeros, so documents stay independent.
+  Weights [kernel, C] are fp32. Without a cache, taps reaching into an earlier segment
+  (packed sequences) or before the start of the sequence read zeros, so documents stay
+  independent. With a cache (the W-1 = kernel-1 inputs before the chunk), taps before the
+  chunk read the cache instead, so a sequence fed in chunks gives the same outputs as fed
+  at once.
   """
 
   def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs):
@@ -17,15 +20,47 @@ class ShortConv(nnx.Module):
     w = jax.random.normal(rngs.params(), (kernel, channels), jnp.float32) * kernel ** -0.5
     self.weight = nnx.Param(w)
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """x: [B, T, C] -> [B, T, C] in x's dtype; segment_ids: [B, T] int32 or None."""
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, *,
+               cache: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """Convolve x [B, T, C] -> (y [B, T, C] in x's dtype, new cache or None).
+
+    Args:
+      x: [B, T, C] inputs.
+      segment_ids: [B, T] int32 or None. Without a cache: packed-document ids (taps never
+        cross a change of id). With a cache: > 0 marks the chunk's real tokens, 0 padding;
+        the real tokens must be a prefix of each row.
+      cache: None, or [B, W-1, C] the inputs before the chunk (zeros at a sequence start).
+    Returns:
+      (y, None) without a cache; with one, (y, [B, W-1, C] the last W-1 inputs up to each
+      row's last real token, in the cache's dtype).
+    """
     w = self.weight[...]
-    x32 = x.astype(jnp.float32)
-    y = x32 * w[0]
+    lag = self.kernel - 1
+    b, t, _ = x.shape
+    if cache is None:
+      history = jnp.zeros((b, lag) + x.shape[2:], x.dtype)
+    else:
+      if cache.shape != (b, lag) + x.shape[2:]:
+        raise ValueError(f"conv cache has shape {cache.shape}, expected {(b, lag) + x.shape[2:]}")
+      history = cache.astype(x.dtype)
+    full = jnp.concatenate([history, x], axis=1)                      # [B, W-1+T, C]
+    f32 = full.astype(jnp.float32)
+    seg_full = None
+    if cache is None and segment_ids is not None:
+      seg_full = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)
+    y = f32[:, lag:] * w[0]
     for j in range(1, self.kernel):
-      shifted = jnp.pad(x32, ((0, 0), (j, 0), (0, 0)))[:, :-j]
-      if segment_ids is not None:
-        seg_shift = jnp.pad(segment_ids, ((0, 0), (j, 0)), constant_values=-1)[:, :-j]
-        shifted = jnp.where((seg_shift == segment_ids)[..., None], shifted, 0.0)
+      shifted = f32[:, lag - j:lag - j + t]
+      if seg_full is not None:
+        shifted = jnp.where((seg_full[:, lag - j:lag - j + t] == segment_ids)[..., None],
+                            shifted, 0.0)
       y = y + shifted * w[j]
-    return jax.nn.silu(y).astype(x.dtype)
+    y = jax.nn.silu(y).astype(x.dtype)
+    if cache is None:
+      return y, None
+    n_valid = (jnp.full((b,), t, jnp.int32) if segment_ids is None
+               else jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32))
+    # Row b's new tail is full[b, n_valid[b] : n_valid[b] + W-1]: it ends at its last real token.
+    idx = n_valid[:, None] + jnp.arange(lag)[None, :]
+    tail = jnp.take_along_axis(full, idx[..., None], axis=1)
+    return y, tail.astype(cache.dtype)

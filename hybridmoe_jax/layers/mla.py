@@ -1,29 +1,112 @@
 """Gated multi-head latent attention without positional encoding (DESIGN s2).
 
 Conventions: B batch, T tokens, d width, H heads, d_c latent (kv_lora_rank), Dn/Dr/Dv the
-nope/rope-slot/value head dims. The rope slot is a shared key part that is never rotated.
-Training and prefill use the expanded form below; decode will absorb W_uk into the query.
+nope/rope-slot/value head dims, N cache capacity. The rope slot is a shared key part that is
+never rotated.
+
+Training runs the expanded form over whole (packed) sequences. Decoding continues from an
+`MLACache` (per token only the latent c and the rope key k_r) in the absorbed form. With
+W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
+    q~_h = W_uk_h q_nope_h                 [d_c]
+    s_j  = (q~_h . c_j + q_rope_h . k_r_j) / sqrt(Dn + Dr)
+    o_h  = W_uv_h^T sum_j softmax(s)_j c_j
+i.e. one shared KV head [c ; k_r] of width d_c + Dr, attended blockwise with an online
+softmax, so memory is O(T * kv_block), not O(T * N).
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridmoe_jax.config import MLAConfig
+from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.linear import linear
 from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.ops.attention import causal_attention
+
+_F32 = jnp.float32
+_NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
+
+
+class MLACache(NamedTuple):
+  """One MLA layer's decode cache (a pytree) in the compute dtype; grows with N by
+  (d_c + Dr) * itemsize bytes per token."""
+
+  c: jax.Array        # [B, N, d_c]
+  k_r: jax.Array      # [B, N, Dr]  (Dr may be 0)
+
+  @classmethod
+  def zeros(cls, cfg: MLAConfig, batch: int, max_len: int, dtype: str) -> "MLACache":
+    """An empty cache for `batch` rows of up to `max_len` tokens."""
+    dt = jnp.dtype(dtype)
+    return cls(c=jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
+               k_r=jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt))
+
+
+def _write(buf: jax.Array, new: jax.Array, start: jax.Array, n_valid: jax.Array) -> jax.Array:
+  """buf[b, start[b] + i] = new[b, i] for i < n_valid[b]; padding (and overflow) dropped."""
+  b, n = buf.shape[:2]
+  i = jnp.arange(new.shape[1])[None, :]
+  idx = jnp.where(i < n_valid[:, None], start[:, None] + i, n)    # out of range -> dropped
+  return buf.at[jnp.arange(b)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
+
+
+def _latent_attention(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
+                      q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
+                      ) -> jax.Array:
+  """Causal attention of T queries over one shared latent KV head, blockwise (flash style).
+
+  Args:
+    q_c: [B, T, H, d_c] absorbed queries; q_r: [B, T, H, Dr] rope-slot queries.
+    c: [B, N, d_c] cached latents (keys and values); k_r: [B, N, Dr] cached rope keys.
+    q_pos: [B, T] int32 positions of the queries in their row (key j visible iff j <= q_pos).
+    total: [B] int32 filled positions per row; only ceil(max(total) / kv_block) blocks are
+      read, so the cost grows with the context, not with the capacity N.
+    scale: logit scale.
+    kv_block: keys per block.
+  Returns:
+    [B, T, H, d_c] float32: sum_j softmax_j c_j per query and head.
+  """
+  b, t, h, d_c = q_c.shape
+  n = c.shape[1]
+  blk = min(kv_block, n)
+  n_blocks = (jnp.max(total) + blk - 1) // blk
+
+  def body(j, carry):
+    m, l, acc = carry
+    # The last block may overhang N: slide it back and mask what earlier blocks covered.
+    start = jnp.minimum(j * blk, n - blk)
+    cb = jax.lax.dynamic_slice_in_dim(c, start, blk, axis=1)
+    rb = jax.lax.dynamic_slice_in_dim(k_r, start, blk, axis=1)
+    s = (jnp.einsum("bthc,bnc->bthn", q_c, cb, preferred_element_type=_F32)
+         + jnp.einsum("bthr,bnr->bthn", q_r, rb, preferred_element_type=_F32)) * scale
+    k_pos = (start + jnp.arange(blk))[None, None, :]
+    seen = (k_pos >= j * blk) & (k_pos <= q_pos[..., None])                 # [B, T, blk]
+    seen = seen[:, :, None, :]
+    s = jnp.where(seen, s, _NEG)
+    m_new = jnp.maximum(m, s.max(-1))
+    e = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum("bthn,bnc->bthc", e.astype(cb.dtype), cb,
+                                             preferred_element_type=_F32)
+    return m_new, l * corr + e.sum(-1), acc
+
+  init = (jnp.full((b, t, h), _NEG, _F32), jnp.zeros((b, t, h), _F32),
+          jnp.zeros((b, t, h, d_c), _F32))
+  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
 class MLALayer(nnx.Module):
   """q (optionally via q_lora), latent c = RMSNorm(W_dkv x), k = [W_uk c ; W_kr x], v = W_uv c."""
 
-  def __init__(self, d_model: int, cfg: MLAConfig, *, norm_eps: float, dtype: str,
-               rngs: nnx.Rngs):
+  def __init__(self, d_model: int, cfg: MLAConfig, *, norm_eps: float,
+               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs):
     self.cfg = cfg
-    self.dtype = jnp.dtype(dtype)
+    self.dtype = jnp.dtype(compute.dtype)
     h = cfg.num_heads
-    lin = lambda i, o: linear(i, o, dtype=dtype, rngs=rngs)
+    lin = lambda i, o: linear(i, o, dtype=compute.dtype, rngs=rngs)
     if cfg.q_lora_rank:
       self.q_a = lin(d_model, cfg.q_lora_rank)
       self.q_norm = RMSNorm(cfg.q_lora_rank, eps=norm_eps)
@@ -50,20 +133,89 @@ class MLALayer(nnx.Module):
     k_r = self.k_rope(x) if self.cfg.qk_rope_head_dim else None
     return self.kv_norm(self.kv_a(x)), k_r
 
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-    """x: [B, T, d] -> [B, T, d]; segment_ids [B, T] int32 or None."""
+  def _up_kernels(self) -> tuple[jax.Array, jax.Array]:
+    """(W_uk [d_c, H, Dn], W_uv [d_c, H, Dv]) in the compute dtype."""
+    cfg = self.cfg
+    w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim)
+    w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.v_head_dim)
+    return w_uk.astype(self.dtype), w_uv.astype(self.dtype)
+
+  def absorbed_attention(self, q: jax.Array, cache: "MLACache", q_pos: jax.Array,
+                         total: jax.Array, *, kv_block: int) -> jax.Array:
+    """Decode attention in the absorbed form, blockwise over the filled part of the cache.
+
+    Args:
+      q: [B, T, H, Dn + Dr] queries (compute dtype).
+      cache: MLACache holding the keys (the chunk's own latents already written).
+      q_pos: [B, T] int32 query positions; key j is visible to a query iff j <= its position.
+      total: [B] int32 filled positions per row (bounds the blocks read).
+      kv_block: keys per block.
+    Returns:
+      [B, T, H, Dv] float32.
+    """
+    dn = self.cfg.qk_nope_head_dim
+    w_uk, w_uv = self._up_kernels()
+    q_c = jnp.einsum("bthn,chn->bthc", q[..., :dn], w_uk,
+                     preferred_element_type=_F32).astype(q.dtype)
+    o_c = _latent_attention(q_c, q[..., dn:], cache.c, cache.k_r, q_pos, total,
+                            self.cfg.qk_head_dim ** -0.5, kv_block)
+    return jnp.einsum("bthc,chv->bthv", o_c.astype(q.dtype), w_uv, preferred_element_type=_F32)
+
+  def expanded_attention(self, q: jax.Array, cache: "MLACache", q_pos: jax.Array
+                         ) -> jax.Array:
+    """The training form over the whole cache (k_h = [W_uk_h c ; k_r], v_h = W_uv_h c):
+    the exact reference of `absorbed_attention` (same arguments but total and kv_block)."""
+    w_uk, w_uv = self._up_kernels()
+    b, n, _ = cache.c.shape
+    h = self.cfg.num_heads
+    k = jnp.einsum("bnc,chd->bnhd", cache.c, w_uk)
+    k_r = jnp.broadcast_to(cache.k_r[:, :, None, :], (b, n, h, cache.k_r.shape[-1]))
+    k = jnp.concatenate([k, k_r.astype(k.dtype)], axis=-1)
+    v = jnp.einsum("bnc,chd->bnhd", cache.c, w_uv)
+    s = jnp.einsum("bthd,bnhd->bhtn", q, k, preferred_element_type=_F32)
+    s = s * self.cfg.qk_head_dim ** -0.5
+    visible = jnp.arange(n)[None, None, :] <= q_pos[..., None]              # [B, T, N]
+    s = jnp.where(visible[:, None], s, _NEG)
+    probs = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhtn,bnhd->bthd", probs.astype(v.dtype), v, preferred_element_type=_F32)
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               cache: MLACache | None = None, length: jax.Array | None = None,
+               kv_block: int = 512) -> tuple[jax.Array, MLACache | None]:
+    """x [B, T, d] -> (y [B, T, d] in the compute dtype, cache).
+
+    Without a cache: the training forward; segment_ids [B, T] int32 (or None) are packed
+    document ids; the returned cache is None.
+    With a cache: row b's T new tokens sit at positions length[b] + i (length [B] int32, the
+    tokens already cached per row); segment_ids > 0 marks the real tokens (a prefix of each
+    row; None: all real), whose latents are written; each query sees the keys of its own row
+    at positions <= its own. Positions past the capacity N are dropped (the caller checks).
+    kv_block: keys per block of the absorbed attention.
+    """
     cfg = self.cfg
     b, t, _ = x.shape
     x = x.astype(self.dtype)
     q = self.queries(x)
     c, k_r = self.latents(x)
-    k = self.k_up(c).reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim)
-    if k_r is not None:
-      k_r = jnp.broadcast_to(k_r[:, :, None, :], (b, t, cfg.num_heads, cfg.qk_rope_head_dim))
-      k = jnp.concatenate([k, k_r], axis=-1)
-    v = self.v_up(c).reshape(b, t, cfg.num_heads, cfg.v_head_dim)
-    o = causal_attention(q, k, v, segment_ids=segment_ids, scale=cfg.qk_head_dim ** -0.5)
+    if cache is None:
+      k = self.k_up(c).reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim)
+      if k_r is not None:
+        k_r = jnp.broadcast_to(k_r[:, :, None, :], (b, t, cfg.num_heads, cfg.qk_rope_head_dim))
+        k = jnp.concatenate([k, k_r], axis=-1)
+      v = self.v_up(c).reshape(b, t, cfg.num_heads, cfg.v_head_dim)
+      o = causal_attention(q, k, v, segment_ids=segment_ids, scale=cfg.qk_head_dim ** -0.5)
+    else:
+      if length is None:
+        raise ValueError("MLALayer with a cache needs length: int32 [B] tokens already cached")
+      if k_r is None:
+        k_r = jnp.zeros((b, t, 0), c.dtype)
+      n_valid = (jnp.full((b,), t, jnp.int32) if segment_ids is None
+                 else jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32))
+      cache = MLACache(_write(cache.c, c, length, n_valid), _write(cache.k_r, k_r, length, n_valid))
+      q_pos = length[:, None] + jnp.arange(t)[None, :]
+      o = self.absorbed_attention(q, cache, q_pos, length + n_valid, kv_block=kv_block)
+      o = o.astype(x.dtype)
     o = o.reshape(b, t, -1)
     if cfg.output_gate:
       o = o * jax.nn.sigmoid(self.gate(x).astype(jnp.float32)).astype(o.dtype)
-    return self.o_proj(o)
+    return self.o_proj(o), cache

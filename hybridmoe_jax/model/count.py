@@ -12,7 +12,7 @@ import math
 
 from flax import nnx
 
-from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers.vision import VisionTower
 from hybridmoe_jax.model.decoder import DecoderLayer, HybridLM
 
@@ -61,7 +61,8 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
   for (kind, is_moe), times in variants.items():
     index = next(i for i, k in enumerate(cfg.layer_kinds)
                  if k == kind and cfg.is_moe_layer(i) == is_moe)
-    layer = _abstract_params(lambda: DecoderLayer(cfg, index, rngs=nnx.Rngs(0)))
+    layer = _abstract_params(lambda: DecoderLayer(cfg, index, compute=ComputeConfig(),
+                                                  rngs=nnx.Rngs(0)))
     for path, shape in layer:
       counts[_component(cfg, ("layers", str(index)) + path, shape)] += times * math.prod(shape)
   # Everything outside the layer stack, from a one-layer model of the same widths.
@@ -88,7 +89,7 @@ def vision_breakdown(cfg: ModelConfig) -> dict[str, int]:
     return counts
   one = dataclasses.replace(v, num_layers=min(v.num_layers, 1))
   for path, shape in _abstract_params(
-      lambda: VisionTower(one, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
+      lambda: VisionTower(one, cfg.d_model, eps=cfg.norm_eps, dtype=ComputeConfig().dtype,
                           rngs=nnx.Rngs(0))):
     n = math.prod(shape)
     if path[0] == "blocks":

@@ -9,6 +9,12 @@ images [B, M, S, S, C] float, image_grid [B, M, 2] int32 (real patch rows/cols, 
 slot) and image_index [B, T] int32 (-1 for text; else the flat index m * K + r * S/2p + c
 of the merged image token that replaces this placeholder, K = (S/2p)^2). The tower runs on
 every image slot and its outputs replace the placeholder embeddings (`embed_inputs`).
+
+One forward serves training, prefill and decode. Without a cache it runs over whole (packed)
+sequences. With a `DecodeCache` the T tokens continue each row's sequence at positions
+cache.length[b] + i: segment_ids > 0 then marks each row's real tokens (a prefix of the
+row), 0 its padding, so rows of one batch may hold different lengths. The MoE routes with
+its current bias either way (decode simply drops the statistics).
 """
 
 from typing import Any
@@ -17,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers.attnres import BlockStream, DepthMix, num_blocks
 from hybridmoe_jax.layers.kda import KDALayer
 from hybridmoe_jax.layers.linear import linear
@@ -25,6 +31,7 @@ from hybridmoe_jax.layers.mla import MLALayer
 from hybridmoe_jax.layers.moe import GLUMLP, MoE
 from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.layers.vision import VisionTower
+from hybridmoe_jax.model.cache import DecodeCache
 
 REMAT_POLICIES = {
     "none": None,
@@ -36,18 +43,21 @@ REMAT_POLICIES = {
 class DecoderLayer(nnx.Module):
   """Pre-norm mixer (KDA or MLA) then pre-norm FFN (dense or MoE), each fed by AttnRes."""
 
-  def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
-    d, eps, dtype = cfg.d_model, cfg.norm_eps, cfg.dtype
+  def __init__(self, cfg: ModelConfig, index: int, *, compute: ComputeConfig, rngs: nnx.Rngs,
+               moe_dispatch=None):
+    d, eps, dtype = cfg.d_model, cfg.norm_eps, compute.dtype
     self.index = index
     self.kind = cfg.layer_kinds[index]
     self.block = index // cfg.attnres.block_size + 1
     self.mixer_norm = RMSNorm(d, eps=eps)
     mixer_cls, mixer_cfg = (KDALayer, cfg.kda) if self.kind == "kda" else (MLALayer, cfg.mla)
-    self.mixer = mixer_cls(d, mixer_cfg, norm_eps=eps, dtype=dtype, rngs=rngs)
+    self.mixer = mixer_cls(d, mixer_cfg, norm_eps=eps, compute=compute, rngs=rngs)
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
-      self.ffn = MoE(d, cfg.moe, norm_eps=eps, dtype=dtype, rngs=rngs)
+      if moe_dispatch is not None:
+        raise NotImplementedError("moe_dispatch needs the MoE that takes a dispatch")
+      self.ffn = MoE(d, cfg.moe, norm_eps=eps, dtype=dtype, rngs=rngs, impl=compute.moe_impl)  # MoE signature: reconciled at merge
     else:
       self.ffn = GLUMLP(d, cfg.moe.dense_intermediate, glu=cfg.moe.glu, dtype=dtype, rngs=rngs)
     self.attnres = cfg.attnres.enabled
@@ -55,10 +65,27 @@ class DecoderLayer(nnx.Module):
       self.mixer_mix = DepthMix(d, eps=eps)
       self.ffn_mix = DepthMix(d, eps=eps)
 
-  def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array):
-    """stream: BlockStream (AttnRes) or the residual x [B, T, d] -> (stream, moe stats)."""
+  def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array, cache=None,
+               length: jax.Array | None = None, kv_block: int = 512):
+    """One decoder layer.
+
+    Args:
+      stream: BlockStream (AttnRes) or the residual x [B, T, d].
+      segment_ids: [B, T] int32 (see HybridLM.__call__ for their meaning with a cache).
+      valid: [B, T] bool, the real tokens (routing statistics count only these).
+      cache: this layer's KDACache / MLACache, or None (training).
+      length: [B] int32 tokens already cached per row (with a cache).
+      kv_block: keys per block of the cached MLA attention.
+    Returns:
+      (stream, moe stats or None for a dense FFN, the layer's new cache or None).
+    """
     h = self.mixer_mix(stream) if self.attnres else stream
-    out = self.mixer(self.mixer_norm(h), segment_ids=segment_ids)
+    h = self.mixer_norm(h)
+    if cache is not None and self.kind == "mla":
+      out, cache = self.mixer(h, segment_ids=segment_ids, cache=cache, length=length,
+                              kv_block=kv_block)
+    else:
+      out, cache = self.mixer(h, segment_ids=segment_ids, cache=cache)
     stream = stream.add(self.block, out) if self.attnres else stream + out
     h = self.ffn_mix(stream) if self.attnres else stream
     if self.is_moe:
@@ -66,23 +93,24 @@ class DecoderLayer(nnx.Module):
     else:
       out, stats = self.ffn(self.ffn_norm(h)), None
     stream = stream.add(self.block, out) if self.attnres else stream + out
-    return stream, stats
+    return stream, stats, cache
 
 
 class HybridLM(nnx.Module):
   """Decoder-only hybrid KDA/MLA sparse-MoE language model."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
-    if remat not in REMAT_POLICIES:
-      raise ValueError(f"remat={remat!r} is invalid: allowed one of {sorted(REMAT_POLICIES)}")
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None):
     self.cfg = cfg
-    self.remat = remat
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.dtype),
+    self.compute = compute
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(compute.dtype),
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, i, compute=compute, rngs=rngs,
+                                         moe_dispatch=moe_dispatch)
+                            for i in range(cfg.num_layers)])
     if cfg.vision.enabled:
-      self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
+      self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=compute.dtype,
                                 rngs=rngs)
     if cfg.attnres.enabled:
       self.final_mix = DepthMix(cfg.d_model, eps=cfg.norm_eps)
@@ -111,30 +139,71 @@ class HybridLM(nnx.Module):
     picked = jnp.take_along_axis(feats, jnp.maximum(image_index, 0)[..., None], axis=1)
     return jnp.where(image_index[..., None] >= 0, picked.astype(x.dtype), x)
 
-  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-               images: jax.Array | None = None, image_grid: jax.Array | None = None,
-               image_index: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
-    """tokens [B, T] int32 (+ optional images, see the module docstring)
-    -> (logits [B, T, vocab] fp32, aux).
+  def __call__(self, tokens: jax.Array | None, *, segment_ids: jax.Array | None = None,
+               cache: DecodeCache | None = None, images: jax.Array | None = None,
+               image_grid: jax.Array | None = None, image_index: jax.Array | None = None,
+               inputs_embeds: jax.Array | None = None, logits_at: jax.Array | None = None,
+               kv_block: int = 512) -> tuple[jax.Array, dict[str, Any]]:
+    """tokens [B, T] int32 (+ optional images, see the module docstring) -> (logits, aux).
 
-    aux["moe"][f"layer_{i}"] holds additive int32 routing statistics of MoE layer i:
-    "load" [E] and, with Quantile Balancing, "qb_hist" [E, qb_num_bins].
+    Args:
+      tokens: [B, T] int32, or None when inputs_embeds is given.
+      segment_ids: [B, T] int32 or None (all one document). Without a cache: packed
+        document ids, 0 = padding. With a cache: > 0 real tokens, 0 padding (a suffix).
+      cache: a DecodeCache to continue (see the module docstring), or None.
+      images, image_grid, image_index: the image inputs (vision models).
+      inputs_embeds: [B, T, d] precomputed input embeddings (e.g. a prompt with images
+        embedded once and fed in chunks) instead of tokens and images.
+      logits_at: [B, K] int32 positions of the chunk whose logits to compute (e.g. each
+        row's last real token); None: every position.
+      kv_block: keys per block of the cached MLA attention.
+    Returns:
+      logits [B, T or K, vocab] fp32 and aux: aux["moe"][f"layer_{i}"] holds additive int32
+      routing statistics of MoE layer i ("load" [E] and, with Quantile Balancing,
+      "qb_hist" [E, qb_num_bins]); aux["cache"] the updated DecodeCache (None without one).
     """
     cfg = self.cfg
+    if inputs_embeds is not None:
+      if tokens is not None or images is not None:
+        raise ValueError("give either inputs_embeds or tokens (+ images), not both")
+      x = inputs_embeds.astype(self.compute.dtype)
+    elif tokens is None:
+      raise ValueError("HybridLM needs tokens [B, T] or inputs_embeds [B, T, d]")
+    else:
+      x = self.embed_inputs(tokens, images, image_grid, image_index)
     if segment_ids is None:
-      segment_ids = jnp.ones(tokens.shape, jnp.int32)
+      segment_ids = jnp.ones(x.shape[:2], jnp.int32)
+    if segment_ids.shape != x.shape[:2]:
+      raise ValueError(f"segment_ids has shape {segment_ids.shape}, the inputs {x.shape[:2]}")
+    if cache is not None and len(cache.layers) != cfg.num_layers:
+      raise ValueError(f"the cache holds {len(cache.layers)} layers, the model "
+                       f"{cfg.num_layers}")
     valid = segment_ids > 0
-    x = self.embed_inputs(tokens, images, image_grid, image_index)
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
-    moe_stats = {}
+    moe_stats, new_caches = {}, []
     call = DecoderLayer.__call__
-    if self.remat != "none":
-      call = nnx.remat(call, policy=REMAT_POLICIES[self.remat])
+    # Only training needs remat (it saves backward memory; a cached forward has no backward).
+    if self.compute.remat != "none" and cache is None:
+      call = nnx.remat(call, policy=REMAT_POLICIES[self.compute.remat])
     for layer in self.layers:
-      stream, stats = call(layer, stream, segment_ids, valid)
+      if cache is None:
+        stream, stats, _ = call(layer, stream, segment_ids, valid)
+      else:
+        stream, stats, layer_cache = layer(stream, segment_ids, valid, cache.layers[layer.index],
+                                           cache.length, kv_block)
+        new_caches.append(layer_cache)
       if stats is not None:
         moe_stats[f"layer_{layer.index}"] = stats
-    h = self.final_mix(stream) if cfg.attnres.enabled else stream
-    logits = self.lm_head(self.final_norm(h).astype(jnp.float32))
-    return logits, {"moe": moe_stats}
+    h = self.final_norm(self.final_mix(stream) if cfg.attnres.enabled else stream)
+    if logits_at is not None:
+      if logits_at.ndim != 2 or logits_at.shape[0] != h.shape[0]:
+        raise ValueError(f"logits_at must be [B={h.shape[0]}, K] positions, got shape "
+                         f"{logits_at.shape}")
+      h = jnp.take_along_axis(h, logits_at[..., None].astype(jnp.int32), axis=1)
+    logits = self.lm_head(h.astype(jnp.float32))
+    new_cache = None
+    if cache is not None:
+      new_cache = DecodeCache(tuple(new_caches),
+                              cache.length + jnp.sum(valid, axis=1, dtype=jnp.int32))
+    return logits, {"moe": moe_stats, "cache": new_cache}
