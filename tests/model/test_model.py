@@ -6,17 +6,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import model_config_from_dict
+from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
 from hybridmoe_jax.model import HybridLM
 from tests.conftest import load_config, rel_rms
 
 
-def tiny_cfg(kda_impl="recurrent", **overrides):
-  """The tiny preset. Model-level tests default to the token-scan KDA: it runs eagerly in a
-  fraction of the chunked path's dispatch time, and chunked == recurrent is tested in
-  tests/ops/test_kda.py (test_shapes_and_stats keeps the chunked path in the model)."""
+# Model-level tests default to the token-scan KDA: it runs eagerly in a fraction of the
+# chunked path's dispatch time, and chunked == recurrent is tested in tests/ops/test_kda.py
+# (test_chunked_kda_in_model_matches_recurrent keeps the chunked path in the model).
+RECURRENT = ComputeConfig(kda_impl="recurrent")
+
+
+def tiny_cfg(**overrides):
+  """The tiny preset with `overrides` of its model section."""
   model = load_config("tiny").model
-  model.kda.impl = kda_impl
   model.update(overrides)
   return model_config_from_dict(model)
 
@@ -24,12 +27,12 @@ def tiny_cfg(kda_impl="recurrent", **overrides):
 @pytest.fixture(scope="module")
 def tiny():
   cfg = tiny_cfg()
-  return cfg, HybridLM(cfg, rngs=nnx.Rngs(0))
+  return cfg, HybridLM(cfg, rngs=nnx.Rngs(0), compute=RECURRENT)
 
 
 def test_chunked_kda_in_model_matches_recurrent(tiny):
   _, model = tiny
-  chunked = HybridLM(tiny_cfg(kda_impl="chunked"), rngs=nnx.Rngs(0))
+  chunked = HybridLM(tiny_cfg(), rngs=nnx.Rngs(0), compute=ComputeConfig(kda_impl="chunked"))
   tokens = _tokens(7, 1, 70)
   seg = jnp.concatenate([jnp.ones((1, 30), jnp.int32), jnp.full((1, 40), 2, jnp.int32)], 1)
   assert rel_rms(model(tokens, segment_ids=seg)[0], chunked(tokens, segment_ids=seg)[0]) < 1e-5
@@ -89,15 +92,17 @@ def test_padding_excluded_from_routing_stats(tiny):
     assert int(stats["qb_hist"].sum()) == 20 * cfg.moe.num_experts
 
 
-@pytest.mark.parametrize("overrides", [
-    {"attnres": {"enabled": False}},
-    {"dtype": "bfloat16"},
-    {"kda": {"gate": "unbounded", "output_gate_rank": 0, "num_heads": 1, "num_v_heads": 2},
-     "mla": {"q_lora_rank": 16, "output_gate": False}, "moe": {"glu": "swiglu", "latent_dim": 0}},
+@pytest.mark.parametrize("overrides, dtype", [
+    ({"attnres": {"enabled": False}}, "float32"),
+    ({}, "bfloat16"),
+    ({"kda": {"gate": "unbounded", "output_gate_rank": 0, "num_heads": 1, "num_v_heads": 2},
+      "mla": {"q_lora_rank": 16, "output_gate": False}, "moe": {"glu": "swiglu", "latent_dim": 0}},
+     "float32"),
 ])
-def test_variants_run_and_are_finite(overrides):
+def test_variants_run_and_are_finite(overrides, dtype):
   cfg = tiny_cfg(**overrides)
-  model = HybridLM(cfg, rngs=nnx.Rngs(1))
+  compute = ComputeConfig(dtype=dtype, kda_impl="recurrent")
+  model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=compute)
   logits, _ = model(_tokens(4, 2, 20))
   assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
 
@@ -106,7 +111,8 @@ def test_remat_matches_plain_gradients():
   cfg = tiny_cfg()
   grads = []
   for remat in ("none", "full"):
-    model = HybridLM(cfg, rngs=nnx.Rngs(2), remat=remat)
+    compute = ComputeConfig(remat=remat, kda_impl="recurrent")
+    model = HybridLM(cfg, rngs=nnx.Rngs(2), compute=compute)
     loss = lambda m: m(_tokens(5, 1, 16))[0].mean()
     grads.append(jax.tree.leaves(nnx.jit(nnx.grad(loss))(model)))
   for a, b in zip(*grads):
