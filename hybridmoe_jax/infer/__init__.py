@@ -8,9 +8,9 @@ from hybridmoe_jax.infer.engine import prefill
 from hybridmoe_jax.infer.engine import trace_counts
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.infer.sampling import sample
-from hybridmoe_jax.layers.kda import KDACache
-from hybridmoe_jax.layers.mla import MLACache
 from hybridmoe_jax.model.cache import DecodeCache
+from hybridmoe_jax.model.cache import KDACache
+from hybridmoe_jax.model.cache import MLACache
 from hybridmoe_jax.model.cache import cache_bytes
 from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.cache import mla_bytes_per_token

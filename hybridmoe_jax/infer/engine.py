@@ -183,11 +183,12 @@ class Engine:
     return tokens.astype(np.int32)
 
   def _chunks(self, tokens: np.ndarray):
+    """-> (start s, chunk [B, P] zero-padded, real tokens n, n_valid [B] int32 = n per row)."""
     p = self.prefill_chunk
     for s in range(0, tokens.shape[1], p):
       part = tokens[:, s:s + p]
       n = part.shape[1]
-      yield s, np.pad(part, ((0, 0), (0, p - n))), np.full((tokens.shape[0],), n, np.int32)
+      yield s, np.pad(part, ((0, 0), (0, p - n))), n, np.full((tokens.shape[0],), n, np.int32)
 
   def _image_inputs(self, tokens: np.ndarray, images: dict) -> jax.Array:
     """Input embeddings [B, T_pad, d] of a prompt with images, T padded to a multiple of P
@@ -227,12 +228,12 @@ class Engine:
     if images is not None:
       x = self._image_inputs(tokens, images)
       p = self.prefill_chunk
-      for s, _, n in self._chunks(tokens):
+      for s, _, _, n_valid in self._chunks(tokens):
         logits, cache = _prefill_chunk(self.graphdef, self.state, None, x[:, s:s + p], cache,
-                                       n, kv_block=self.kv_block)
+                                       n_valid, kv_block=self.kv_block)
       return logits, cache
-    for _, part, n in self._chunks(tokens):
-      logits, cache = _prefill_chunk(self.graphdef, self.state, part, None, cache, n,
+    for _, part, _, n_valid in self._chunks(tokens):
+      logits, cache = _prefill_chunk(self.graphdef, self.state, part, None, cache, n_valid,
                                      kv_block=self.kv_block)
     return logits, cache
 
@@ -250,13 +251,12 @@ class Engine:
     tokens = self._check_tokens(tokens, None, "text")
     targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     cache, nll, pred = self.init_cache(tokens.shape[0]), [], []
-    for s, part, n in self._chunks(tokens):
-      m = int(n[0])
-      tgt = np.pad(targets[:, s:s + m], ((0, 0), (0, part.shape[1] - m)))
-      a, b, cache = _score_chunk(self.graphdef, self.state, part, tgt, cache, n,
+    for s, part, n, n_valid in self._chunks(tokens):
+      tgt = np.pad(targets[:, s:s + n], ((0, 0), (0, part.shape[1] - n)))
+      a, b, cache = _score_chunk(self.graphdef, self.state, part, tgt, cache, n_valid,
                                  kv_block=self.kv_block)
-      nll.append(np.asarray(a)[:, :m])
-      pred.append(np.asarray(b)[:, :m])
+      nll.append(np.asarray(a)[:, :n])
+      pred.append(np.asarray(b)[:, :n])
     return np.concatenate(nll, 1)[:, :-1], np.concatenate(pred, 1)[:, :-1]
 
   def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),

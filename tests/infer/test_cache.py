@@ -9,11 +9,11 @@ from tests.infer.helpers import tiny_cfg
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cache_growth_is_exact(dtype):
-  cfg = tiny_cfg(dtype=dtype)
+  cfg = tiny_cfg()
   itemsize = jnp.dtype(dtype).itemsize
   per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 1 * itemsize   # 1 MLA layer
-  assert mla_bytes_per_token(cfg) == per_token == (32 + 8) * itemsize
-  sizes = {n: cache_bytes(init_cache(cfg, 1, n)) for n in (1024, 4096, 65536)}
+  assert mla_bytes_per_token(cfg, dtype=dtype) == per_token == (32 + 8) * itemsize
+  sizes = {n: cache_bytes(init_cache(cfg, 1, n, dtype=dtype)) for n in (1024, 4096, 65536)}
   k = cfg.kda
   kda_state = 3 * k.num_v_heads * k.head_dim * k.v_head_dim * 4           # fp32 states
   kda_tails = 3 * (k.conv_size - 1) * (2 * k.num_heads * k.head_dim
@@ -29,6 +29,7 @@ def test_all_kda_and_all_mla_models():
   mla_only = tiny_cfg(layer_kinds=("mla",) * 4)
   assert cache_bytes(init_cache(kda_only, 2, 10))["mla"] == 0
   assert init_cache(kda_only, 2, 10).max_len > 2**30
+  assert init_cache(kda_only, 2, 10).length.tolist() == [0, 0]   # one length per row
   assert mla_bytes_per_token(mla_only) == 4 * 40 * 4
   assert cache_bytes(init_cache(mla_only, 1, 100))["total"] == 100 * 4 * 40 * 4
   with pytest.raises(ValueError, match="max_len"):

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from hybridmoe_jax.infer import Engine, TRACE_COUNTS, decode_step, prefill
-from hybridmoe_jax.infer.cache import KDACache, MLACache
+from hybridmoe_jax.infer import Engine, KDACache, MLACache, decode_step, prefill, trace_counts
+from hybridmoe_jax.model import HybridLM
 from tests.conftest import rel_rms
 from tests.infer.helpers import full_logits, random_tokens, tiny_cfg, tiny_model
 
@@ -38,7 +39,7 @@ def test_teacher_forced_decode_matches_forward(setup):
     logits, cache = engine.decode_step(tokens[:, t], cache)
     steps.append(logits)
   got = jnp.stack(steps, axis=1)              # predictions at positions PROMPT-1 .. T-2
-  assert int(cache.length) == T - 1
+  assert cache.length.tolist() == [T - 1, T - 1]
   assert _rel_max(ref[:, PROMPT - 1:T - 1], got) < 1e-4
   assert rel_rms(ref[:, PROMPT - 1:T - 1], got) < 1e-4
 
@@ -48,7 +49,7 @@ def test_prefill_in_pieces_equals_one_prefill(setup):
   _, engine, tokens, ref = setup
   _, cache = engine.prefill(tokens[:, :9])
   last, cache = engine.prefill(tokens[:, 9:PROMPT], cache)
-  assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and int(cache.length) == PROMPT
+  assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and cache.length.tolist() == [PROMPT] * 2
 
 
 def test_score_matches_forward(setup):
@@ -63,14 +64,15 @@ def test_score_matches_forward(setup):
 def test_no_recompilation_across_steps_and_prompt_lengths(setup):
   _, engine, _, _ = setup
   engine.decode_step(jnp.zeros((2,), jnp.int32), engine.prefill(random_tokens(0, 2, 5))[1])
-  before = dict(TRACE_COUNTS)
+  before = trace_counts()
   for t in (3, 13, 20):                       # different prompt lengths, one chunk shape
     _, cache = engine.prefill(random_tokens(t, 2, t))
   for i in range(6):
     _, cache = engine.decode_step(jnp.array([i, i + 1]), cache)
-  assert {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill_chunk", "decode_step")} \
+  after = trace_counts()
+  assert {k: after.get(k, 0) - before.get(k, 0) for k in ("prefill_chunk", "decode_step")} \
       == {"prefill_chunk": 0, "decode_step": 0}
-  assert int(cache.length) == 26
+  assert cache.length.tolist() == [26, 26]
 
 
 def test_cache_contents(setup):
@@ -107,3 +109,22 @@ def test_functional_api(setup):
   last, cache = prefill(model, tokens[:, :PROMPT], max_len=T + 4, chunk_size=16, kv_block=8)
   logits, cache = decode_step(model, tokens[:, PROMPT], cache, kv_block=8)
   assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and _rel_max(ref[:, PROMPT], logits) < 1e-4
+
+
+def test_variant_without_attnres_rope_slot_with_qlora():
+  base = tiny_cfg()
+  cfg = tiny_cfg(num_layers=2, layer_kinds=("mla", "kda"),
+                 attnres={"enabled": False, "block_size": 2},
+                 mla={**base.mla.__dict__, "q_lora_rank": 16, "qk_rope_head_dim": 0},
+                 kda={**base.kda.__dict__, "gate": "unbounded", "conv_size": 3})
+  model = HybridLM(cfg, rngs=nnx.Rngs(3))
+  tokens = random_tokens(3, 1, 30)
+  ref = np.asarray(full_logits(model, tokens))
+  engine = Engine(model, max_len=30, prefill_chunk=4, kv_block=4)
+  last, cache = engine.prefill(tokens[:, :11])
+  steps = [last]
+  for t in range(11, 29):
+    logits, cache = engine.decode_step(tokens[:, t], cache)
+    steps.append(logits)
+  got = np.asarray(jnp.stack(steps, 1))
+  assert _rel_max(ref[:, 10:29], got) < 1e-4

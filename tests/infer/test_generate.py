@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridmoe_jax.infer import Engine, SamplingConfig, TRACE_COUNTS
+from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
 from hybridmoe_jax.infer.sampling import filter_logits, sample
 from tests.infer.helpers import random_tokens, tiny_model
 
@@ -35,7 +35,7 @@ def test_greedy_is_deterministic_and_matches_step_by_step(engine):
 def test_stops_at_stop_tokens_without_recompiling(engine):
   prompt = random_tokens(0, 2, 9)
   free = engine.generate(prompt, max_new_tokens=NEW).tokens
-  before = TRACE_COUNTS["generate"]
+  before = trace_counts()["generate"]
   stop = int(free[0, 3])                      # row 0 emits it at step 3 (maybe earlier)
   first = int(np.argmax(free[0] == stop))
   out = engine.generate(prompt, max_new_tokens=NEW, stop_tokens=[stop, 300], pad_id=256)
@@ -47,12 +47,12 @@ def test_stops_at_stop_tokens_without_recompiling(engine):
   # New prompt, stop set and sampling parameters: the same compiled loop.
   engine.generate(random_tokens(5, 2, 9), max_new_tokens=NEW, stop_tokens=[1, 2, 3],
                   sampling=SamplingConfig(temperature=0.8, top_k=20, top_p=0.9), seed=3)
-  assert TRACE_COUNTS["generate"] == before
+  assert trace_counts()["generate"] == before
 
 
 def test_max_length_and_bad_input(engine):
   out = engine.generate(random_tokens(1, 2, 27), max_new_tokens=NEW)   # room for 5 only
-  assert list(out.lengths) == [5, 5] and int(out.cache.length) == 31
+  assert list(out.lengths) == [5, 5] and out.cache.length.tolist() == [31, 31]
   with pytest.raises(ValueError, match="no room"):
     engine.generate(random_tokens(1, 1, 32), max_new_tokens=4)
   with pytest.raises(ValueError, match="max_len"):
