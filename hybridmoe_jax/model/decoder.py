@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers.attnres import BlockStream, DepthMix, num_blocks
 from hybridmoe_jax.layers.kda import KDALayer
 from hybridmoe_jax.layers.linear import linear
@@ -36,7 +36,8 @@ REMAT_POLICIES = {
 class DecoderLayer(nnx.Module):
   """Pre-norm mixer (KDA or MLA) then pre-norm FFN (dense or MoE), each fed by AttnRes."""
 
-  def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, index: int, *, compute: ComputeConfig, rngs: nnx.Rngs,
+               moe_dispatch=None):
     d, eps, dtype = cfg.d_model, cfg.norm_eps, cfg.dtype
     self.index = index
     self.kind = cfg.layer_kinds[index]
@@ -47,7 +48,7 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
-      self.ffn = MoE(d, cfg.moe, norm_eps=eps, dtype=dtype, rngs=rngs)
+      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch)
     else:
       self.ffn = GLUMLP(d, cfg.moe.dense_intermediate, glu=cfg.moe.glu, dtype=dtype, rngs=rngs)
     self.attnres = cfg.attnres.enabled
@@ -72,15 +73,16 @@ class DecoderLayer(nnx.Module):
 class HybridLM(nnx.Module):
   """Decoder-only hybrid KDA/MLA sparse-MoE language model."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
-    if remat not in REMAT_POLICIES:
-      raise ValueError(f"remat={remat!r} is invalid: allowed one of {sorted(REMAT_POLICIES)}")
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None):
     self.cfg = cfg
-    self.remat = remat
+    self.remat = compute.remat
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.dtype),
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, i, compute=compute, rngs=rngs,
+                                         moe_dispatch=moe_dispatch)
+                            for i in range(cfg.num_layers)])
     if cfg.vision.enabled:
       self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
                                 rngs=rngs)
@@ -117,8 +119,8 @@ class HybridLM(nnx.Module):
     """tokens [B, T] int32 (+ optional images, see the module docstring)
     -> (logits [B, T, vocab] fp32, aux).
 
-    aux["moe"][f"layer_{i}"] holds additive int32 routing statistics of MoE layer i:
-    "load" [E] and, with Quantile Balancing, "qb_hist" [E, qb_num_bins].
+    aux["moe"]: the routing statistics of every MoE layer (`layers.balancing.routing_stats`),
+    shaped like the pure dict of the RoutingBias state: {"layers": {i: {"ffn": {"bias": s}}}}.
     """
     cfg = self.cfg
     if segment_ids is None:
@@ -127,14 +129,14 @@ class HybridLM(nnx.Module):
     x = self.embed_inputs(tokens, images, image_grid, image_index)
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
-    moe_stats = {}
+    moe_stats = {}   # layer index -> stats, at the position of that layer's ffn.bias
     call = DecoderLayer.__call__
     if self.remat != "none":
       call = nnx.remat(call, policy=REMAT_POLICIES[self.remat])
     for layer in self.layers:
       stream, stats = call(layer, stream, segment_ids, valid)
       if stats is not None:
-        moe_stats[f"layer_{layer.index}"] = stats
+        moe_stats[layer.index] = {"ffn": {"bias": stats}}
     h = self.final_mix(stream) if cfg.attnres.enabled else stream
     logits = self.lm_head(self.final_norm(h).astype(jnp.float32))
-    return logits, {"moe": moe_stats}
+    return logits, {"moe": {"layers": moe_stats} if moe_stats else {}}
