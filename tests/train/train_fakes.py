@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridmoe_jax.config import ModelConfig, MoEConfig
+from hybridmoe_jax.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
 
 
 class FakeIterator:
@@ -47,7 +47,7 @@ class FakeIterator:
 
 # A 2-layer HybridLM (dense FFN, then MoE; d_model 16, 4 experts top-1). MLA mixers only:
 # a KDA layer would add ~10 s to every compile (KDA runs in the tiny-config tests).
-TINY_MODEL = dict(vocab_size=64, d_model=16, num_layers=2, layer_kinds=("mla", "mla"))
+TINY_MODEL = dict(d_model=16, num_layers=2, layer_kinds=("mla", "mla"))
 TINY_KDA = dict(num_heads=1, num_v_heads=1, head_dim=8, v_head_dim=8, chunk_size=16)
 TINY_MLA = dict(num_heads=1, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
                 v_head_dim=8)
@@ -55,15 +55,15 @@ TINY_MOE = dict(num_experts=4, experts_per_token=1, expert_intermediate=16,
                 shared_intermediate=16, dense_intermediate=32, qb_num_bins=64)
 
 
-def tiny_model_config(**moe) -> ModelConfig:
+def tiny_model_config(vocab_size: int = 64, **moe) -> ModelConfig:
   """The tiny model as a ModelConfig; `moe` overrides MoEConfig fields."""
-  from hybridmoe_jax.config import KDAConfig, MLAConfig  # pylint: disable=g-import-not-at-top
-  return ModelConfig(**TINY_MODEL, kda=KDAConfig(**TINY_KDA), mla=MLAConfig(**TINY_MLA),
-                     moe=MoEConfig(**{**TINY_MOE, **moe}))
+  return ModelConfig(vocab_size=vocab_size, **TINY_MODEL, kda=KDAConfig(**TINY_KDA),
+                     mla=MLAConfig(**TINY_MLA), moe=MoEConfig(**{**TINY_MOE, **moe}))
 
 
 def set_tiny_model(config) -> None:
-  """Write the tiny model into a root ConfigDict's `model` section (for the loop tests)."""
+  """Write the tiny model into a root ConfigDict's `model` section (for the loop tests);
+  the vocabulary stays the caller's."""
   m = config.model
   m.update(TINY_MODEL)
   m.kda.update(TINY_KDA)
