@@ -228,8 +228,8 @@ class BalancingTest(parameterized.TestCase):
     model.layers[1].ffn.bias[...] = 0.02 * jnp.arange(8.0)
     _, biases, _ = nnx.split(model, RoutingBias, ...)
     x = _x(b=2, t=12)
-    stats = {"layers": {i: {"ffn": {"bias": _forward(model.layers[i].ffn, x * (i + 1))[1]}}}
-             for i in range(2)}
+    stats = {"layers": {i: {"ffn": {"bias": _forward(model.layers[i].ffn, x * (i + 1))[1]}}
+                        for i in range(2)}}
     new, metrics = jax.jit(lambda b, s: update_routing_biases(b, s, cfg))(biases, stats)
     self.assertEqual(jax.tree.structure(new), jax.tree.structure(biases))
     self.assertEqual(set(metrics), {"layers/0/ffn", "layers/1/ffn"})
