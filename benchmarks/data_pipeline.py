@@ -51,16 +51,16 @@ def model_rate(config, stage, steps: int) -> float:
   """Tokens/s of the jitted train step at the stage's shape (after compilation)."""
   # pylint: disable=g-import-not-at-top
   import jax
-  from hybridmoe_jax.config import model_config_from_dict
+  from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
   from hybridmoe_jax.train import curriculum, optim
   from hybridmoe_jax.train import step as step_lib
-  from hybridmoe_jax.train.state import create_train_state, hybrid_lm_fns
+  from hybridmoe_jax.train.state import create_train_state
   cfg = model_config_from_dict(config.model)
   t = curriculum.train_section(config)
-  fns = hybrid_lm_fns()
   tx = optim.make_optimizer(t)
-  graphdef, state = create_train_state(fns, cfg, tx, t.seed, t.remat)
-  train_step = step_lib.make_train_step(graphdef, fns, cfg, t, tx)
+  compute = ComputeConfig(dtype=cfg.dtype, remat=t.remat)
+  graphdef, state = create_train_state(cfg, compute, tx, t.seed)
+  train_step = step_lib.make_train_step(graphdef, cfg, t, tx)
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, 256, (stage.batch_size, stage.seq_len), dtype=np.int32),
            "segment_ids": np.ones((stage.batch_size, stage.seq_len), np.int32)}

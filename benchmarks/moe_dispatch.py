@@ -39,21 +39,22 @@ if ARGS.ep:
 # pylint: disable=wrong-import-position,g-import-not-at-top
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hybridmoe_jax.config import MoEConfig
+from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
+from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.timing import time_fn
 
 
-def build(num_experts: int, impl: str):
+def build(num_experts: int, impl: str, dispatch=None):
   cfg = MoEConfig(num_experts=num_experts, experts_per_token=ARGS.k,
                   expert_intermediate=ARGS.inter, num_shared_experts=0, latent_dim=0,
                   balancing="qb", qb_num_bins=256)
-  model = MoE(ARGS.d, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl=impl)
+  model = MoE(ARGS.d, cfg, norm_eps=1e-5, compute=ComputeConfig(moe_impl=impl),
+              rngs=nnx.Rngs(0), dispatch=dispatch)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss(params, x, r):
@@ -61,8 +62,6 @@ def build(num_experts: int, impl: str):
     return jnp.sum(y * r)
 
   return jax.jit(jax.grad(loss, argnums=(0, 1))), params
-
-
 
 
 def main():
@@ -80,9 +79,8 @@ def main():
       row[f"{impl}_ms"] = round(t * 1e3, 3)
       row[f"{impl}_compile_s"] = round(first, 2)
     if ARGS.ep:
-      mesh = build_mesh(ml_collections.ConfigDict(dict(data=8 // ARGS.ep, fsdp=1,
-                                                       expert=ARGS.ep, tensor=1)))
-      fn, params = build(e, "ragged")
+      mesh = build_mesh(dict(data=8 // ARGS.ep, fsdp=1, expert=ARGS.ep, tensor=1))
+      fn, params = build(e, "ragged", ExpertParallelDispatch(mesh))
       with jax.set_mesh(mesh):
         first, t = time_fn(fn, (params, x, r), ARGS.repeats)
       row["ep"] = ARGS.ep

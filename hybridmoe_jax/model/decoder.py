@@ -55,9 +55,7 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
-      if moe_dispatch is not None:
-        raise NotImplementedError("moe_dispatch needs the MoE that takes a dispatch")
-      self.ffn = MoE(d, cfg.moe, norm_eps=eps, dtype=dtype, rngs=rngs, impl=compute.moe_impl)  # MoE signature: reconciled at merge
+      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch)
     else:
       self.ffn = GLUMLP(d, cfg.moe.dense_intermediate, glu=cfg.moe.glu, dtype=dtype, rngs=rngs)
     self.attnres = cfg.attnres.enabled
@@ -158,9 +156,10 @@ class HybridLM(nnx.Module):
         row's last real token); None: every position.
       kv_block: keys per block of the cached MLA attention.
     Returns:
-      logits [B, T or K, vocab] fp32 and aux: aux["moe"][f"layer_{i}"] holds additive int32
-      routing statistics of MoE layer i ("load" [E] and, with Quantile Balancing,
-      "qb_hist" [E, qb_num_bins]); aux["cache"] the updated DecodeCache (None without one).
+      logits [B, T or K, vocab] fp32 and aux: aux["moe"] the routing statistics of every MoE
+      layer (`layers.balancing.routing_stats`), shaped like the pure dict of the RoutingBias
+      state: {"layers": {i: {"ffn": {"bias": s}}}}; aux["cache"] the updated DecodeCache
+      (None without one).
     """
     cfg = self.cfg
     if inputs_embeds is not None:
@@ -181,7 +180,7 @@ class HybridLM(nnx.Module):
     valid = segment_ids > 0
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
-    moe_stats, new_caches = {}, []
+    moe_stats, new_caches = {}, []   # layer index -> stats, at the position of that layer's ffn.bias
     call = DecoderLayer.__call__
     # Only training needs remat (it saves backward memory; a cached forward has no backward).
     if self.compute.remat != "none" and cache is None:
@@ -194,7 +193,7 @@ class HybridLM(nnx.Module):
                                            cache.length, kv_block)
         new_caches.append(layer_cache)
       if stats is not None:
-        moe_stats[f"layer_{layer.index}"] = stats
+        moe_stats[layer.index] = {"ffn": {"bias": stats}}
     h = self.final_norm(self.final_mix(stream) if cfg.attnres.enabled else stream)
     if logits_at is not None:
       if logits_at.ndim != 2 or logits_at.shape[0] != h.shape[0]:
@@ -206,4 +205,4 @@ class HybridLM(nnx.Module):
     if cache is not None:
       new_cache = DecodeCache(tuple(new_caches),
                               cache.length + jnp.sum(valid, axis=1, dtype=jnp.int32))
-    return logits, {"moe": moe_stats, "cache": new_cache}
+    return logits, {"moe": {"layers": moe_stats} if moe_stats else {}, "cache": new_cache}

@@ -9,36 +9,36 @@ One step:
   1. sort the a assignments by expert (stable), so the rows for shard j are contiguous;
   2. all_gather the per-expert counts [G, E] (tiny) -> every shard knows every offset;
   3. ragged all-to-all of the sorted rows (`parallel.exchange`, sender-side offsets);
-  4. regroup the received rows by local expert, `ragged_dot` gate/up, GLU (fp32), down;
+  4. run the received rows through their local experts (`ops.grouped_ffn`, the sort /
+     `ragged_dot` / unsort core the local MoE path uses too);
   5. reverse ragged all-to-all to the senders' sorted positions, unsort, combine in fp32.
 Buffer sizing: dropless by default (R = G a, the worst case: every shard routes all its
 tokens to one shard). With `capacity_factor` c > 0, R = ceil(c a): rows beyond R at a receiver
 (the tail of its buffer, i.e. the last senders' last experts) are dropped, contribute zero,
 and are counted (valid tokens only) in the "dropped" statistic.
+The MoE layer reaches this through `ExpertParallelDispatch`, built once by the parallel
+runtime and passed down the model; the layers never read the ambient mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from hybridmoe_jax.ops.quantile_balance import qb_histogram
-from hybridmoe_jax.ops.routing import expert_load
-from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all
+from hybridmoe_jax.config import MoEConfig
+from hybridmoe_jax.layers.balancing import Stats, routing_stats
+from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
+from hybridmoe_jax.ops.routing import Routes
+from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all, resolve_impl
 from hybridmoe_jax.sharding import TOKEN_AXES
 
 _F32 = jnp.float32
 EXPERT_AXIS = "expert"
-
-
-def use_expert_parallel(mesh) -> bool:
-  """True inside a multi-device mesh context that has an `expert` axis."""
-  return (mesh is not None and not mesh.empty and mesh.size > 1
-          and EXPERT_AXIS in mesh.axis_names)
 
 
 def token_axes(mesh) -> tuple[str, ...]:
@@ -121,19 +121,12 @@ def expert_parallel_shard(x, experts, weights, valid, w_gate, w_up, w_down, *,
                            plan["send_sizes"], plan["dest_offsets"], plan["recv_sizes"],
                            axis_name=axis_name, num_shards=num_shards, impl=impl)
   # Received rows come sender by sender, each sender's rows by local expert: find each row's
-  # (sender, expert) run, then regroup by expert; rows past the filled part go last.
+  # (sender, expert) run; rows past the filled part get the skip group e_local.
   pos = jnp.arange(rows_cap, dtype=jnp.int32)
   run = jnp.searchsorted(plan["group_ends"], pos, side="right")
   filled = pos < jnp.minimum(plan["group_ends"][-1], rows_cap)
   local_e = jnp.where(filled, run % e_local, e_local)
-  regroup = jnp.argsort(local_e, stable=True)
-  sizes = jnp.zeros((e_local + 1,), jnp.int32).at[local_e].add(1)[:e_local]
-  hs = jnp.take(recv, regroup, axis=0)
-  dot = lambda u, w: jax.lax.ragged_dot(u.astype(dtype), w.astype(dtype), sizes,
-                                        preferred_element_type=_F32)
-  h = glu(dot(hs, w_gate), dot(hs, w_up))
-  ys = dot(h, w_down)                                         # [R, n] fp32, by expert
-  back = jnp.zeros_like(ys).at[regroup].set(ys, unique_indices=True).astype(dtype)
+  back = grouped_ffn(recv, local_e, w_gate, w_up, w_down, glu=glu, dtype=dtype).astype(dtype)
   ret = ragged_all_to_all(back, jnp.zeros((a, n), dtype), plan["recv_offsets"],
                           plan["recv_sizes"], plan["back_dest"], plan["back_recv"],
                           axis_name=axis_name, num_shards=num_shards, impl=impl)
@@ -148,53 +141,63 @@ def expert_parallel_shard(x, experts, weights, valid, w_gate, w_up, w_down, *,
   return y, dropped
 
 
-def expert_parallel_ffn(x, experts, weights, valid, w_gate, w_up, w_down, *, glu, dtype,
-                        capacity_factor: float = 0.0, impl: ExchangeImpl = "auto"):
-  """Routed-expert FFN over the context mesh (`jax.set_mesh`): shard_map over `expert`.
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelDispatch:
+  """The MoE's routed experts over `mesh`: one shard_map over the token axes, experts owned
+  by `expert` shards (an `layers.moe.ExpertDispatch`; static, hashable model structure).
 
-  Args:
-    x: [m, n] all tokens (global view); experts [m, k] int32; weights [m, k] fp32;
-    valid: [m] bool; w_gate, w_up [E, n, I]; w_down [E, I, n] (global views).
-
-  Returns:
-    y [m, n] fp32; dropped: int32 [] valid assignments dropped over the whole batch
-    (always 0 when capacity_factor == 0).
+  Attributes:
+    mesh: the run's mesh; it must have an `expert` axis (the other token axes are optional).
+    capacity_factor: 0 -> dropless; c > 0 -> R = ceil(c a) receive rows per shard.
+    exchange: ragged all-to-all implementation (`parallel.exchange`; "auto": emulated on CPU).
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  toks = token_axes(mesh)
-  num_shards = mesh.shape[EXPERT_AXIS]
-  num_experts = w_gate.shape[0]
 
-  def body(x, experts, weights, valid, w_gate, w_up, w_down):
-    y, dropped = expert_parallel_shard(
-        x, experts, weights, valid, w_gate, w_up, w_down, glu=glu, dtype=dtype,
-        num_experts=num_experts, num_shards=num_shards, capacity_factor=capacity_factor,
-        impl=impl)
-    return y, jax.lax.psum(dropped, toks)
+  mesh: Mesh
+  capacity_factor: float = 0.0
+  exchange: ExchangeImpl = "auto"
 
-  tok, wspec = P(toks), P(EXPERT_AXIS)
-  return jax.shard_map(body, in_specs=(tok, tok, tok, tok, wspec, wspec, wspec),
-                       out_specs=(tok, P()), check_vma=False)(
-                           x, experts, weights, valid, w_gate, w_up, w_down)
+  def __post_init__(self):
+    if EXPERT_AXIS not in self.mesh.axis_names:
+      raise ValueError(f"mesh axes {self.mesh.axis_names} have no {EXPERT_AXIS!r} axis: "
+                       "expert parallelism needs one")
+    if not (isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 0):
+      raise ValueError(f"capacity_factor={self.capacity_factor!r} is invalid: allowed 0 "
+                       "(dropless) or a float > 0")
+    resolve_impl(self.exchange)   # a clear error for an unknown name, before any trace
 
+  def __call__(self, x: jax.Array, routes: Routes, bias: jax.Array, valid: jax.Array,
+               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, cfg: MoEConfig,
+               glu: Callable, dtype) -> tuple[jax.Array, Stats]:
+    """Routed-expert FFN and routing statistics of all tokens (global views in and out).
 
-def sharded_routing_stats(experts, scores, cutoff, bias, valid, *, num_experts: int, k: int,
-                          num_bins: int | None):
-  """Load [E] and (if num_bins) QB histogram [E, bins] summed over every token shard.
+    Args:
+      x: [m, n] expert inputs (compute dtype); routes: `Routes` of the m tokens;
+      bias: [E] fp32 routing bias; valid: [m] bool; w_gate, w_up [E, n, I]; w_down [E, I, n].
+      cfg: the layer's MoEConfig; glu: gate nonlinearity; dtype: matmul dtype.
 
-  Each shard counts its own tokens; one integer psum over (data, fsdp, expert) gives the
-  pooled statistics, so the bias update sees the global histogram (exactly the unsharded
-  one: integer sums do not depend on the order).
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  toks = token_axes(mesh)
+    Returns:
+      y [m, n] fp32 over the assignments that were not dropped; `routing_stats` of the m
+      tokens with "dropped" the valid assignments dropped over the whole batch (always 0
+      when capacity_factor == 0). Integer psums: exactly the single-device statistics.
+    """
+    toks = token_axes(self.mesh)
+    num_shards = self.mesh.shape[EXPERT_AXIS]
+    num_experts = w_gate.shape[0]
+    if num_experts % num_shards:
+      raise ValueError(f"{num_experts} experts do not split over mesh.expert={num_shards}: "
+                       "each expert shard owns whole experts")
 
-  def body(experts, scores, cutoff, bias, valid):
-    out = {"load": expert_load(experts, num_experts, valid)}
-    if num_bins:
-      out["qb_hist"] = qb_histogram(scores, bias, k, num_bins, valid, cutoff=cutoff)
-    return jax.lax.psum(out, toks)
+    def body(x, routes, bias, valid, w_gate, w_up, w_down):
+      y, dropped = expert_parallel_shard(
+          x, routes.experts, routes.weights, valid, w_gate, w_up, w_down, glu=glu,
+          dtype=dtype, num_experts=num_experts, num_shards=num_shards,
+          capacity_factor=self.capacity_factor, impl=self.exchange)
+      # Per-shard counts, one integer psum over all token shards: the pooled statistics.
+      stats = routing_stats(routes, bias, valid, cfg, dropped=dropped)
+      return y, jax.lax.psum(stats, toks)
 
-  tok = P(toks)
-  return jax.shard_map(body, in_specs=(tok, tok, tok, P(), tok), out_specs=P(),
-                       check_vma=False)(experts, scores, cutoff, bias, valid)
+    tok, wspec = P(toks), P(EXPERT_AXIS)
+    return jax.shard_map(body, mesh=self.mesh,
+                         in_specs=(tok, tok, P(), tok, wspec, wspec, wspec),
+                         out_specs=(tok, P()), check_vma=False)(
+                             x, routes, bias, valid, w_gate, w_up, w_down)

@@ -1,6 +1,7 @@
 """The device mesh (axes data, fsdp, expert, tensor) and how batches are laid out on it.
 
-The sizes come from the `mesh` config section (`train.config.mesh_shape` resolves -1).
+The sizes are a plain {axis: size} mapping (the `mesh` config section); `mesh_shape`
+resolves its -1 against the device count.
 Every axis is `AxisType.Auto`: the code states shardings through the rules of
 `parallel.rules` and leaves the rest to XLA's partitioner; only the MoE dispatch is manual
 (`jax.shard_map` over `expert`, see `parallel.ep_moe`).
@@ -10,10 +11,10 @@ Batch layout: sequences [B, ...] are split over (data, fsdp); token-level MoE wo
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -21,25 +22,60 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.sharding import BATCH_AXES, MESH_AXES, TOKEN_AXES  # noqa: F401  (re-exported)
 
 
+def _bad(field: str, value: Any, allowed: str) -> ConfigError:
+  return ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
+
+
+def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+  """{axis: size} for every axis of MESH_AXES, the one -1 resolved to the remaining devices.
+
+  Args:
+    sizes: axis -> int >= 1, or -1 (at most one axis) for the remaining devices; axes of
+      MESH_AXES only; a missing axis has size 1.
+    num_devices: the devices the mesh must use, all of them.
+
+  Raises:
+    ConfigError: naming `mesh` / `mesh.<axis>` for an unknown axis, a bad size, two -1s, or
+      sizes whose product is not `num_devices`.
+  """
+  unknown = sorted(set(sizes) - set(MESH_AXES))
+  if unknown:
+    raise _bad("mesh", unknown, f"axes among {MESH_AXES}")
+  out = {a: sizes.get(a, 1) for a in MESH_AXES}
+  for a, v in out.items():
+    if not (isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1)):
+      raise _bad(f"mesh.{a}", v, "an integer >= 1, or -1 for the remaining devices")
+  free = [a for a, v in out.items() if v == -1]
+  if len(free) > 1:
+    raise _bad("mesh", dict(out), "at most one axis of size -1")
+  fixed = math.prod(v for v in out.values() if v > 0)
+  if free:
+    if num_devices % fixed:
+      raise _bad(f"mesh.{free[0]}", -1,
+                 f"-1 only when the other axes ({fixed}) divide the {num_devices} devices")
+    out[free[0]] = num_devices // fixed
+  if math.prod(out.values()) != num_devices:
+    raise _bad("mesh", out, f"axis sizes whose product is the {num_devices} device(s)")
+  return out
+
 
 def available_devices() -> list:
   """All devices of all processes (the mesh must use every one of them)."""
   return list(jax.devices())
 
 
-def build_mesh(mesh_cfg: ml_collections.ConfigDict, devices: Sequence | None = None) -> Mesh:
+def build_mesh(mesh_sizes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
   """Mesh with axes (data, fsdp, expert, tensor), Auto axis types.
 
   Args:
-    mesh_cfg: the `mesh` config section (sizes, at most one -1 = the remaining devices).
+    mesh_sizes: {axis: size} (the `mesh` config section; at most one -1, see `mesh_shape`).
     devices: defaults to `available_devices()`; their number must equal the mesh size.
 
   Raises:
     ConfigError: naming `mesh` when the sizes do not multiply to the device count.
   """
-  from hybridmoe_jax.train.config import mesh_shape  # pylint: disable=g-import-not-at-top
   devices = available_devices() if devices is None else list(devices)
-  sizes = mesh_shape(mesh_cfg, len(devices))
+  sizes = mesh_shape(mesh_sizes, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   types = (AxisType.Auto,) * len(MESH_AXES)
   if len(devices) == len(jax.devices()):
@@ -83,10 +119,6 @@ def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum
     raise ConfigError(
         f"config field `train.seq_len` = {seq_len} is invalid: the {tokens} tokens of a "
         f"microbatch must split over data x fsdp x expert = {dp * ep} shards")
-
-
-def describe(mesh: Mesh) -> str:
-  return " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
 
 
 def host_batch_to_global(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:

@@ -1,42 +1,43 @@
-"""Placing the train state on a mesh: init directly sharded, shardings for restore.
+"""Placing a train state on a mesh: init directly sharded, shardings for restore.
 
 Every leaf (parameters, optimizer state, routing biases, step, rng) gets its NamedSharding
-from `parallel.rules.tree_shardings`; scalars and unmatched leaves are replicated.
+from `parallel.rules.tree_shardings`; scalars and unmatched leaves are replicated. The state
+is any pytree (the train loop's TrainState): this module only sees its builder and shapes.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
-import optax
 from jax.sharding import Mesh
 
-from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.parallel.rules import tree_shardings
-from hybridmoe_jax.train.state import ModelFns, TrainState, abstract_train_state, create_train_state
 
 
-def state_shardings(abstract_state: TrainState, mesh: Mesh):
-  """A TrainState-shaped tree of NamedSharding."""
+def state_shardings(abstract_state: Any, mesh: Mesh):
+  """A state-shaped tree of NamedSharding."""
   return tree_shardings(abstract_state, mesh)
 
 
-def with_shardings(abstract_state: TrainState, shardings):
+def with_shardings(abstract_state: Any, shardings):
   """ShapeDtypeStruct leaves carrying their target sharding (orbax restores onto them)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       abstract_state, shardings)
 
 
-def create_sharded_train_state(fns: ModelFns, cfg: ModelConfig, tx: optax.GradientTransformation,
-                               seed: int, remat: str, mesh: Mesh):
-  """-> (graphdef, state, shardings): the state initialised straight into its shards.
+def init_sharded(build: Callable[[], Any], abstract_state: Any, mesh: Mesh):
+  """-> (state, shardings): `build()` initialised straight into its shards.
+
+  Args:
+    build: zero-argument function returning the state (allocating, e.g. a model init).
+    abstract_state: its shapes and dtypes (`jax.eval_shape(build)`), fixing the layout.
+    mesh: the mesh.
 
   The init runs under jit with `out_shardings`, so no device ever holds the whole model;
-  values equal the unsharded `create_train_state` (same seeds, partitionable RNG).
+  values equal an unsharded `build()` (same seeds, partitionable RNG).
   """
-  graphdef, abstract = abstract_train_state(fns, cfg, tx, seed, remat)
-  shardings = state_shardings(abstract, mesh)
-  init = jax.jit(lambda: create_train_state(fns, cfg, tx, seed, remat)[1],
-                 out_shardings=shardings)
+  shardings = state_shardings(abstract_state, mesh)
   with jax.set_mesh(mesh):
-    state = init()
-  return graphdef, state, shardings
+    state = jax.jit(build, out_shardings=shardings)()
+  return state, shardings

@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
+from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig, model_config_from_dict
 from hybridmoe_jax.data import build_train_and_eval, build_vlm_train_and_eval
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -30,8 +30,7 @@ from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.config import validate_train_config
 from hybridmoe_jax.train.monitor import Monitor
-from hybridmoe_jax.train.state import (ModelFns, abstract_train_state, create_train_state,
-                                       hybrid_lm_fns)
+from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
 _BYTE_IDS = 256  # ByteTokenizer: ids below this are UTF-8 bytes
 
@@ -155,15 +154,18 @@ def _log_sizes(state) -> None:
   logging.info("model: %s parameters, %s routing-bias entries", f"{n_params:,}", f"{n_bias:,}")
 
 
-def _restore_or_init(ckpt, fns: ModelFns, cfg: ModelConfig, t, tx, data, model_dict,
+def _restore_or_init(ckpt, cfg: ModelConfig, compute: ComputeConfig, t, tx, data, model_dict,
                      rt: parallel_runtime.Runtime):
   """-> graphdef, state, state-layout signature, whether a checkpoint was restored."""
-  graphdef, abstract = abstract_train_state(fns, cfg, tx, t.seed, t.remat)
+  graphdef, abstract = abstract_train_state(cfg, compute, tx, t.seed,
+                                            moe_dispatch=rt.moe_dispatch)
   signature = ckpt_lib.structure_signature(abstract)
   # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
   restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict, signature)
   if restored is None:
-    _, state = rt.init_state(fns, cfg, tx, t.seed, t.remat, create_train_state)
+    state = rt.init_state(lambda: create_train_state(cfg, compute, tx, t.seed,
+                                                     moe_dispatch=rt.moe_dispatch)[1],
+                          abstract)
     return graphdef, state, signature, False
   state, data_state, _ = restored
   data.train.set_state(data_state)
@@ -207,15 +209,13 @@ def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       export_params_to: str | None = None, fns: ModelFns | None = None,
-                       data=None) -> dict[str, Any]:
+                       export_params_to: str | None = None, data=None) -> dict[str, Any]:
   """Train `config` in `workdir` (resuming from its newest good checkpoint).
 
   Args:
     config: root config (model, train, data, mesh sections).
     workdir: checkpoints, TensorBoard events, metrics.jsonl and heatmaps go here.
     export_params_to: if set, write a params-only checkpoint there at the end.
-    fns: model factory and bias update (default: HybridLM + update_routing_biases).
     data: object with `.train` (checkpointable iterator) and `.eval_batches` (default:
       `build_data(config, ...)`).
 
@@ -237,12 +237,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
   os.makedirs(workdir, exist_ok=True)
   ckpt_lib.check_workdir_config(workdir, model_dict)
-  rt = parallel_runtime.setup(config, cfg)  # mesh from config.mesh; bad sizes stop here
+  # Until the typed `compute` section lands: the runtime knobs still read from model/train.
+  compute = ComputeConfig(dtype=cfg.dtype, remat=t.remat, kda_impl=cfg.kda.impl,
+                          kda_chunk_size=cfg.kda.chunk_size,
+                          moe_capacity_factor=cfg.moe.capacity_factor)
+  # Mesh from config.mesh; bad sizes stop here.
+  rt = parallel_runtime.setup(dict(config.mesh), cfg, compute, batch_size=t.batch_size,
+                              grad_accum=t.grad_accum, seq_len=t.seq_len)
   data = data if data is not None else build_data(config, cfg)
-  fns = fns or hybrid_lm_fns()
   tx = optim.make_optimizer(t)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
-  graphdef, state, signature, restored = _restore_or_init(ckpt, fns, cfg, t, tx, data,
+  graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, compute, t, tx, data,
                                                           model_dict, rt)
   ckpt_lib.write_workdir_config(workdir, model_dict)
   start = int(state.step)
@@ -261,7 +266,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   try:
     state, step, saved_at, stopped = _run_steps(
         state, start, t=t, cfg=cfg, data=data, eval_step=eval_step, monitor=monitor,
-        train_step=step_lib.make_train_step(graphdef, fns, cfg, t, tx, **rt.step_kwargs()),
+        train_step=step_lib.make_train_step(graphdef, cfg, t, tx, **rt.step_kwargs()),
         ckpt=ckpt, meta=meta,
         saved_at=start if restored else -1)
     if stopped is None:

@@ -2,8 +2,9 @@
 
 Every step's (host) metrics go through `Monitor.step`, which keeps the alert state (MaxVio
 streaks per MoE layer, loss spikes against a running mean); every `log_every` steps it prints
-one progress line and writes TensorBoard scalars / histograms (`train/`, `moe/<layer>/`) and
-one JSON line to `workdir/metrics.jsonl`.
+one progress line and writes TensorBoard scalars / histograms (`train/`, `moe/<layer>/`, the
+layer named by its MoE module path, e.g. "layers/1/ffn") and one JSON line to
+`workdir/metrics.jsonl`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Q/A documents; data/multimodal.py). The loss is the weighted mean of next-token
 cross-entropy in fp32 over targets inside the same segment; gradients flow to `params` only.
 Held-out evaluation ignores loss_weights (plain per-token NLL, comparable across runs).
 After the optimizer update, every MoE layer's routing bias is recomputed from this step's
-routing statistics (summed over microbatches) and used from the next step on.
+routing statistics (summed over microbatches; `layers.balancing`) and used from the next
+step on. metrics["moe"] = {MoE module path, e.g. "layers/1/ffn": `balancing.layer_metrics`}.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from flax import nnx
 from hybridmoe_jax import sharding
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_IDS
+from hybridmoe_jax.layers.balancing import update_routing_biases
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.train import optim
-from hybridmoe_jax.train.state import ModelFns, TrainState
+from hybridmoe_jax.train.state import TrainState
 
 Batch = dict[str, jax.Array]
 # Optional vision keys of a batch, passed to the model as keyword arguments (DESIGN s5).
@@ -112,22 +114,6 @@ def _where(ok, new, old):
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _moe_metrics(stats: dict[str, Any], bias_metrics: dict[str, Any]) -> dict[str, Any]:
-  out = {}
-  for name, s in stats.items():
-    load = s["load"]
-    m = dict(bias_metrics.get(name, {}))
-    if "max_vio" not in m:
-      mean = jnp.maximum(jnp.mean(load.astype(jnp.float32)), 1e-9)
-      m["max_vio"] = jnp.max(load) / mean - 1.0
-    m["load"] = load
-    # Valid assignments dropped by a capacity-limited expert-parallel buffer (dropless: 0).
-    dropped = s.get("dropped", jnp.zeros((), jnp.int32)).astype(jnp.float32)
-    m["drop_frac"] = dropped / jnp.maximum(jnp.sum(load).astype(jnp.float32), 1.0)
-    out[name] = m
-  return out
-
-
 def _on_mesh(fn, mesh, batch_arg: int):
   """Run jitted `fn` under `jax.set_mesh(mesh)` with argument `batch_arg` (a dict of host
   arrays: this process's rows) placed on the mesh, batch dimension over (data, fsdp)."""
@@ -140,14 +126,14 @@ def _on_mesh(fn, mesh, batch_arg: int):
   return call
 
 
-def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
+def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
                     t: ml_collections.ConfigDict, tx: optax.GradientTransformation, *,
                     mesh: jax.sharding.Mesh | None = None, state_shardings=None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
   """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated.
 
-  With `mesh`, the step runs under that mesh (expert-parallel MoE, host batches placed over
-  data x fsdp) and the new state is constrained to `state_shardings` (the input layout).
+  With `mesh`, the step runs under that mesh (host batches placed over data x fsdp; the
+  expert-parallel MoE comes with `graphdef`, built with the runtime's dispatch) and the new state is constrained to `state_shardings` (the input layout).
   """
   grad_accum = t.grad_accum
 
@@ -165,7 +151,7 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    biases, bias_metrics = fns.update_biases(state.biases, stats, cfg)
+    biases, moe_metrics = update_routing_biases(state.biases, stats, cfg.moe)
     applied = state.step - state.skipped
     new_rng, _ = jax.random.split(state.rng)
     new_state = state.replace(
@@ -181,7 +167,7 @@ def make_train_step(graphdef: nnx.GraphDef, fns: ModelFns, cfg: ModelConfig,
         "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(t, applied),
         "tokens": count,  # summed target weights (= target tokens without loss_weights)
         "finite": ok, "skipped": new_state.skipped,
-        "moe": _moe_metrics(stats, bias_metrics),
+        "moe": moe_metrics,
     }
     return new_state, metrics
 

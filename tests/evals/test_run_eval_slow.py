@@ -6,13 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from flax import nnx
 
-from hybridmoe_jax.layers.moe import RoutingBias
-from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.model.balancing import update_routing_biases
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.train.state import ModelFns
 from tests.conftest import ROOT, load_config
 
 FAST_FLAGS = ["--ppl_max_len=128", "--ppl_max_docs=1", "--niah_lengths=96,112",
@@ -26,10 +21,8 @@ def test_run_eval_all_on_trained_checkpoint(tmp_path):
   config = load_config("tiny")
   config.train.update(steps=3, batch_size=2, seq_len=64, warmup=1, eval_batches=1,
                       heatmap_every=0, log_every=1, async_checkpoints=False)
-  fns = ModelFns(lambda c, seed, remat: HybridLM(c, rngs=nnx.Rngs(seed), remat=remat),
-                 update_routing_biases, RoutingBias)
   workdir = tmp_path / "run"
-  train_and_evaluate(config, str(workdir), fns=fns)
+  train_and_evaluate(config, str(workdir))
   out = tmp_path / "eval"
   r = subprocess.run([sys.executable, "run_eval.py", f"--workdir={workdir}", "--task=all",
                       f"--output_dir={out}", *FAST_FLAGS], cwd=ROOT, capture_output=True,

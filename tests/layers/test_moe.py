@@ -1,4 +1,5 @@
-"""Tests of the MoE layer: ragged vs dense experts, stats, the bias as non-differentiable state."""
+"""Tests of the MoE layer and its balancing: ragged vs dense experts, stats, the bias update
+over the stats pytree, the bias as non-differentiable state."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +8,9 @@ import optax
 from absl.testing import absltest, parameterized
 from flax import nnx
 
-from hybridmoe_jax.config import MoEConfig
-from hybridmoe_jax.layers.moe import GLUMLP, MoE, RoutingBias, moe_metrics, update_bias
+from hybridmoe_jax.config import ComputeConfig, MoEConfig
+from hybridmoe_jax.layers.balancing import layer_metrics, update_bias, update_routing_biases
+from hybridmoe_jax.layers.moe import GLUMLP, MoE, RoutingBias
 from hybridmoe_jax.ops.quantile_balance import quantile_balance
 from hybridmoe_jax.ops.routing import max_violation
 
@@ -20,6 +22,11 @@ def _cfg(**kw):
               num_shared_experts=1, shared_intermediate=16, latent_dim=0, glu="situ",
               routed_scale=1.5, qb_num_bins=64)
   return MoEConfig(**{**base, **kw})
+
+
+def _moe(cfg, impl="ragged", dtype="float32", seed=0, **kw):
+  return MoE(D, cfg, norm_eps=1e-5, compute=ComputeConfig(dtype=dtype, moe_impl=impl),
+             rngs=nnx.Rngs(seed), **kw)
 
 
 def _x(b=2, t=12, seed=1, dtype=jnp.float32):
@@ -63,7 +70,7 @@ class MoEImplTest(parameterized.TestCase):
     x = _x()
     out = {}
     for impl in ("ragged", "dense"):
-      model = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl=impl)
+      model = _moe(cfg, impl)
       out[impl] = _forward_and_grad(model, x)
     (y_r, s_r, g_r), (y_d, s_d, g_d) = out["ragged"], out["dense"]
     self.assertEqual((y_r.shape, y_r.dtype), (x.shape, jnp.float32))
@@ -82,7 +89,7 @@ class MoEImplTest(parameterized.TestCase):
     x = _x(dtype=jnp.bfloat16)
     ys = {}
     for impl in ("ragged", "dense"):
-      model = MoE(D, cfg, norm_eps=1e-5, dtype="bfloat16", rngs=nnx.Rngs(0), impl=impl)
+      model = _moe(cfg, impl, dtype="bfloat16")
       ys[impl] = _forward(model, x)[0]
       self.assertEqual(model.w_gate[...].dtype, jnp.float32)
     self.assertEqual(ys["ragged"].dtype, jnp.bfloat16)
@@ -95,7 +102,7 @@ class MoEImplTest(parameterized.TestCase):
     m = x.shape[0] * x.shape[1]
     out = {}
     for impl in ("ragged", "dense"):
-      model = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl=impl)
+      model = _moe(cfg, impl)
       router = jnp.zeros((D, 8))
       if kind == "one_hot":  # expert 5 wins every token: s_5 = sigmoid(100), the rest 1/2
         router = router.at[0, 5].set(100.0)
@@ -118,7 +125,7 @@ class MoEImplTest(parameterized.TestCase):
 class MoEStatsTest(parameterized.TestCase):
 
   def _model(self, **kw):
-    return MoE(D, _cfg(**kw), norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0))
+    return _moe(_cfg(**kw))
 
   def test_padding_excluded_from_stats(self):
     model = self._model()
@@ -126,7 +133,7 @@ class MoEStatsTest(parameterized.TestCase):
     mask = jnp.arange(24).reshape(2, 12) % 4 != 3
     _, stats = _forward(model, x, mask)
     _, stats_valid = model(x[mask][None])       # only the valid tokens, as one row
-    self.assertEqual(set(stats), {"load", "qb_hist"})
+    self.assertEqual(set(stats), {"load", "dropped", "qb_hist"})
     for key in stats:
       self.assertEqual(stats[key].dtype, jnp.int32)
       np.testing.assert_array_equal(stats[key], stats_valid[key])
@@ -143,11 +150,12 @@ class MoEStatsTest(parameterized.TestCase):
 
   def test_no_histogram_without_qb(self):
     _, stats = _forward(self._model(balancing="sign"), _x())
-    self.assertEqual(set(stats), {"load"})
+    self.assertEqual(set(stats), {"load", "dropped"})
+    self.assertEqual(int(stats["dropped"]), 0)
 
   def test_update_bias_qb_equals_histogram_method(self):
     cfg = _cfg(qb_num_bins=256)
-    model = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0))
+    model = _moe(cfg)
     model.bias[...] = 0.05 * jax.random.normal(jax.random.PRNGKey(7), (8,))
     x = _x(b=4, t=12)
     _, stats = _forward(model, x)
@@ -159,19 +167,22 @@ class MoEStatsTest(parameterized.TestCase):
 
   def test_update_bias_sign_and_none(self):
     bias = jnp.linspace(-0.1, 0.1, 8)
-    stats = {"load": jnp.array([9, 1, 2, 2, 2, 2, 2, 12], jnp.int32)}
+    stats = {"load": jnp.array([9, 1, 2, 2, 2, 2, 2, 12], jnp.int32),
+             "dropped": jnp.array(8, jnp.int32)}
     sign = update_bias(bias, stats, _cfg(balancing="sign", sign_gamma=0.01))
     np.testing.assert_allclose(sign - bias, [-0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, -0.01],
                                atol=1e-7)
     np.testing.assert_array_equal(update_bias(bias, stats, _cfg(balancing="none")), bias)
-    metrics = moe_metrics(bias, stats)
+    metrics = layer_metrics(bias, stats)
     np.testing.assert_allclose(metrics["max_vio"], 12 / 4 - 1)
     np.testing.assert_allclose([metrics["bias_min"], metrics["bias_max"]], [-0.1, 0.1])
+    np.testing.assert_allclose(metrics["drop_frac"], 8 / 32)
+    np.testing.assert_array_equal(metrics["load"], stats["load"])
 
   def test_balancing_loop_reduces_max_vio(self):
     # A skewed router on a fixed batch: a few QB updates through the layer balance it.
     cfg = _cfg(num_experts=16, experts_per_token=2, qb_num_bins=500)
-    model = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0))
+    model = _moe(cfg)
     # x_0 = 1 on every token, so router row 0 acts as a per-expert logit offset.
     model.router[...] = model.router[...].at[0].set(jnp.linspace(-1.5, 1.5, 16))
     x = _x(b=8, t=64).at[..., 0].set(1.0)
@@ -183,10 +194,76 @@ class MoEStatsTest(parameterized.TestCase):
     self.assertLess(vio[-1], 0.25 * vio[0], vio)
 
 
+class _Block(nnx.Module):
+  def __init__(self, cfg, seed):
+    self.ffn = _moe(cfg, seed=seed)
+
+
+class _TwoMoE(nnx.Module):
+  """Two MoE layers at the model's paths layers/{0,1}/ffn (the bias-state structure)."""
+
+  def __init__(self, cfg):
+    self.layers = nnx.List([_Block(cfg, 0), _Block(cfg, 1)])
+
+
+class _Recorder:
+  """An ExpertDispatch that runs the local ragged path and records that it was called."""
+
+  calls = 0
+
+  def __call__(self, x, routes, bias, valid, w_gate, w_up, w_down, *, cfg, glu, dtype):
+    type(self).calls += 1
+    from hybridmoe_jax.layers.balancing import routing_stats  # pylint: disable=g-import-not-at-top
+    from hybridmoe_jax.layers.moe import _ragged_experts  # pylint: disable=g-import-not-at-top
+    y = _ragged_experts(x, routes.experts, routes.weights, w_gate, w_up, w_down, glu, dtype)
+    return y, routing_stats(routes, bias, valid, cfg, dropped=jnp.asarray(3, jnp.int32))
+
+
+class BalancingTest(parameterized.TestCase):
+
+  @parameterized.parameters("qb", "sign", "none")
+  def test_update_is_one_tree_map_over_biases_and_stats(self, balancing):
+    cfg = _cfg(balancing=balancing, sign_gamma=0.01)
+    model = _TwoMoE(cfg)
+    model.layers[1].ffn.bias[...] = 0.02 * jnp.arange(8.0)
+    _, biases, _ = nnx.split(model, RoutingBias, ...)
+    x = _x(b=2, t=12)
+    stats = {"layers": {i: {"ffn": {"bias": _forward(model.layers[i].ffn, x * (i + 1))[1]}}
+                        for i in range(2)}}
+    new, metrics = jax.jit(lambda b, s: update_routing_biases(b, s, cfg))(biases, stats)
+    self.assertEqual(jax.tree.structure(new), jax.tree.structure(biases))
+    self.assertEqual(set(metrics), {"layers/0/ffn", "layers/1/ffn"})
+    for i in range(2):
+      old = biases["layers"][i]["ffn"]["bias"][...]
+      s = stats["layers"][i]["ffn"]["bias"]
+      np.testing.assert_allclose(new["layers"][i]["ffn"]["bias"][...], update_bias(old, s, cfg),
+                                 atol=1e-7)
+      jax.tree.map(np.testing.assert_allclose, metrics[f"layers/{i}/ffn"],
+                   layer_metrics(old, s))
+    # The input state is untouched (the step keeps it for a skipped update).
+    np.testing.assert_array_equal(biases["layers"][1]["ffn"]["bias"][...], 0.02 * jnp.arange(8.0))
+    if balancing != "none":
+      self.assertFalse(np.allclose(new["layers"][0]["ffn"]["bias"][...], 0.0))
+
+  def test_dispatch_replaces_the_local_experts(self):
+    cfg = _cfg()
+    x = _x()
+    ref_y, ref_stats = _moe(cfg)(x)
+    y, stats = _moe(cfg, dispatch=_Recorder())(x)
+    self.assertEqual(_Recorder.calls, 1)
+    _assert_close(self, y, ref_y, 1e-6)
+    np.testing.assert_array_equal(stats["load"], ref_stats["load"])
+    self.assertEqual(int(stats["dropped"]), 3)
+
+  def test_dense_impl_refuses_a_dispatch(self):
+    with self.assertRaisesRegex(ValueError, "compute.moe_impl='dense'"):
+      _moe(_cfg(), "dense", dispatch=_Recorder())
+
+
 class BiasStateTest(absltest.TestCase):
 
   def test_bias_is_not_a_param_and_gets_no_gradient(self):
-    model = MoE(D, _cfg(latent_dim=16), norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0))
+    model = _moe(_cfg(latent_dim=16))
     self.assertIsInstance(model.bias, RoutingBias)
     self.assertNotIsInstance(model.bias, nnx.Param)
     self.assertNotIn(("bias",), dict(nnx.to_flat_state(nnx.state(model, nnx.Param))))
@@ -197,7 +274,7 @@ class BiasStateTest(absltest.TestCase):
     np.testing.assert_array_equal(grad["bias"][...], 0.0)
 
   def test_optimizer_skips_bias(self):
-    model = MoE(D, _cfg(), norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0))
+    model = _moe(_cfg())
     model.bias[...] = 0.1 * jnp.arange(8.0)
     opt = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=0.1), wrt=nnx.Param)
     paths = [p for p, _ in nnx.to_flat_state(nnx.state(opt, nnx.OptState))]

@@ -46,8 +46,10 @@ def test_shapes_and_stats(tiny):
   cfg, model = tiny
   logits, aux = model(_tokens(0, 2, 37))
   assert logits.shape == (2, 37, cfg.vocab_size) and logits.dtype == jnp.float32
-  assert sorted(aux["moe"]) == [f"layer_{i}" for i in cfg.moe_layers]
-  for stats in aux["moe"].values():
+  # Shaped like the routing-bias state: {"layers": {i: {"ffn": {"bias": stats}}}}.
+  assert sorted(aux["moe"]["layers"]) == list(cfg.moe_layers)
+  for layer in aux["moe"]["layers"].values():
+    stats = layer["ffn"]["bias"]
     assert stats["load"].shape == (cfg.moe.num_experts,)
     assert int(stats["load"].sum()) == 2 * 37 * cfg.moe.experts_per_token
     assert stats["qb_hist"].shape == (cfg.moe.num_experts, cfg.moe.qb_num_bins)
@@ -87,7 +89,8 @@ def test_padding_excluded_from_routing_stats(tiny):
   tokens = _tokens(3, 1, 30)
   seg = jnp.concatenate([jnp.ones((1, 20), jnp.int32), jnp.zeros((1, 10), jnp.int32)], 1)
   _, aux = model(tokens, segment_ids=seg)
-  for stats in aux["moe"].values():
+  for layer in aux["moe"]["layers"].values():
+    stats = layer["ffn"]["bias"]
     assert int(stats["load"].sum()) == 20 * cfg.moe.experts_per_token
     assert int(stats["qb_hist"].sum()) == 20 * cfg.moe.num_experts
 

@@ -1,4 +1,5 @@
-"""Expert-parallel MoE (shard_map over `expert`) == the single-device dense one-hot reference.
+"""Expert-parallel MoE (`ExpertParallelDispatch`: shard_map over `expert`) == the
+single-device dense one-hot reference.
 
 EP in {1, 2, 4, 8} with the remaining devices on data (and fsdp): outputs, routing stats and
 gradients w.r.t. every parameter and the input, fp32, rel 1e-5; with a maximally skewed
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import MoEConfig
+from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
+from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from tests.conftest import rel_rms
 from tests.parallel.helpers import make_mesh
 
@@ -34,8 +36,13 @@ def _loss_fn(graphdef):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
 
 
+def _moe(cfg, impl="ragged", dispatch=None):
+  return MoE(D, cfg, norm_eps=1e-5, compute=ComputeConfig(moe_impl=impl), rngs=nnx.Rngs(0),
+             dispatch=dispatch)
+
+
 def _run(impl, bias, x, r, cfg=CFG):
-  model = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl=impl)
+  model = _moe(cfg, impl)
   model.bias[...] = jnp.asarray(bias)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return _loss_fn(graphdef)(params, rest, x, r)
@@ -69,29 +76,29 @@ def _check(got, ref):
 def test_ep_matches_dense_reference(inputs, ep, data, fsdp):
   x, r, biases, refs = inputs
   mesh = make_mesh(data=data, fsdp=fsdp, expert=ep)
-  model = MoE(D, CFG, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl="ragged")
+  model = _moe(CFG, dispatch=ExpertParallelDispatch(mesh))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   step = _loss_fn(graphdef)
-  with jax.set_mesh(mesh):
-    for name in ("random", "skewed"):   # one compilation: the bias is an input
-      rest["bias"].set_value(jnp.asarray(biases[name]))
-      got = step(params, rest, x, r)
-      _check(got, refs[name])
-      if name == "skewed":  # every valid assignment went to experts 0 and 1
-        assert int(got[0][1]["load"][:2].sum()) == int(got[0][1]["load"].sum())
+  # No mesh context: the dispatch carries its mesh (the layer never reads an ambient one).
+  for name in ("random", "skewed"):   # one compilation: the bias is an input
+    rest["bias"].set_value(jnp.asarray(biases[name]))
+    got = step(params, rest, x, r)
+    _check(got, refs[name])
+    if name == "skewed":  # every valid assignment went to experts 0 and 1
+      assert int(got[0][1]["load"][:2].sum()) == int(got[0][1]["load"].sum())
 
 
 def test_capacity_factor_drops_and_counts(inputs):
   """All tokens routed to shard 0, buffer = 1.0 x local assignments: only shard 0's own
   tokens fit, the other 7/8 of the valid assignments are dropped and contribute zero."""
   x, r, _, refs = inputs
-  cfg = dataclasses.replace(CFG, capacity_factor=1.0, num_shared_experts=0, latent_dim=0)
+  cfg = dataclasses.replace(CFG, num_shared_experts=0, latent_dim=0)
   mesh = make_mesh(data=1, expert=8)
-  model = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl="ragged")
+  model = _moe(cfg, dispatch=ExpertParallelDispatch(mesh, capacity_factor=1.0))
   model.bias[...] = jnp.asarray(SKEW)
   with jax.set_mesh(mesh):
     y, stats = nnx.jit(lambda m, x: m(x, mask=jnp.ones(x.shape[:2], bool)))(model, x)
-  dense = MoE(D, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(0), impl="dense")
+  dense = _moe(cfg, "dense")
   dense.bias[...] = jnp.asarray(SKEW)
   y_ref, _ = dense(x)
   m = x.shape[0] * x.shape[1]
@@ -100,3 +107,14 @@ def test_capacity_factor_drops_and_counts(inputs):
   kept = m // 8                                              # shard 0's own tokens
   assert rel_rms(y_ref[:kept], y[:kept]) < 1e-5
   np.testing.assert_array_equal(y[kept:], 0.0)
+
+
+def test_dispatch_validates_its_arguments():
+  with pytest.raises(ValueError, match="capacity_factor"):
+    ExpertParallelDispatch(make_mesh(expert=8), capacity_factor=-1.0)
+  with pytest.raises(ValueError, match="exchange impl"):
+    ExpertParallelDispatch(make_mesh(expert=8), exchange="fast")
+  bad = _moe(dataclasses.replace(CFG, num_experts=12),
+             dispatch=ExpertParallelDispatch(make_mesh(data=1, expert=8)))
+  with pytest.raises(ValueError, match="12 experts do not split over mesh.expert=8"):
+    bad(jnp.zeros((8, 4, D)))

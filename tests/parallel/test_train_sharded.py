@@ -1,8 +1,8 @@
 """Sharded train step == unsharded train step; QB bias from pooled histograms; mesh errors.
 
-The model is a real `MoE` layer between an embedding and a head (one compile is a few
-seconds on CPU, unlike the full decoder); the step, the optimizer, the routing-bias update
-and the state layout are the production ones.
+The model is the tiny real HybridLM of the train tests (2 MLA layers, d_model 16, the second
+with an 8-expert MoE); the runtime, its expert-parallel dispatch, the step, the optimizer,
+the routing-bias update and the state layout are the production ones.
 """
 
 import dataclasses
@@ -13,42 +13,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import ConfigError, model_config_from_dict
-from hybridmoe_jax.layers.moe import MoE, RoutingBias, update_bias
-from hybridmoe_jax.model.balancing import update_routing_biases
+from hybridmoe_jax.config import ComputeConfig, ConfigError, model_config_from_dict
+from hybridmoe_jax.layers.balancing import update_bias
+from hybridmoe_jax.layers.moe import MoE
+from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.quantile_balance import bias_from_histogram, qb_range
-from hybridmoe_jax.parallel import rules, runtime, shard_state
+from hybridmoe_jax.parallel import rules, runtime
+from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
+from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.train.state import ModelFns
+from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 from hybridmoe_jax.train.step import make_train_step
 from tests.conftest import load_config, rel_rms
-from tests.parallel.helpers import make_mesh, mesh_cfg
+from tests.parallel.helpers import make_mesh
+from tests.train.train_fakes import tiny_model_config
 
-
-class _Block(nnx.Module):
-  def __init__(self, cfg, rngs):
-    self.ffn = MoE(cfg.d_model, cfg.moe, norm_eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
-
-
-class MoELM(nnx.Module):
-  """embed -> x + MoE(x) -> head: the HybridLM call contract with one MoE layer."""
-
-  def __init__(self, cfg, *, rngs, remat="none"):
-    del remat
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-    self.layers = nnx.List([_Block(cfg, rngs)])
-    self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
-
-  def __call__(self, tokens, *, segment_ids=None):
-    segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-    x = self.embed(tokens)
-    y, stats = self.layers[0].ffn(x, mask=segment_ids > 0)
-    return self.lm_head(x + y), {"moe": {"layer_0": stats}}
-
-
-FNS = ModelFns(lambda cfg, seed, remat: MoELM(cfg, rngs=nnx.Rngs(seed)), update_routing_biases,
-               RoutingBias)
+MOE = "layers/1/ffn"   # the tiny model's MoE layer, as metrics["moe"] names it
+COMPUTE = ComputeConfig()
 
 
 def _config():
@@ -58,7 +40,13 @@ def _config():
   return c
 
 
-def _batches(n, vocab=259):
+def _setup(c, mesh_sizes, compute=COMPUTE, **kw):
+  t = c.train
+  return runtime.setup(mesh_sizes, model_config_from_dict(c.model), compute,
+                       batch_size=t.batch_size, grad_accum=t.grad_accum, seq_len=t.seq_len, **kw)
+
+
+def _batches(n, vocab):
   rng = np.random.default_rng(0)
   out = []
   for _ in range(n):
@@ -71,38 +59,42 @@ def _batches(n, vocab=259):
 
 def test_sharded_train_step_equals_unsharded():
   c = _config()
-  cfg = model_config_from_dict(c.model)
+  cfg = tiny_model_config(num_experts=8, experts_per_token=2, qb_num_bins=128)
   tx = optim.make_optimizer(c.train)
-  mesh = make_mesh(data=2, expert=4)
-  graphdef, state, shardings = shard_state.create_sharded_train_state(FNS, cfg, tx, 0, "none",
-                                                                      mesh)
-  # The reference: the same values on one device, the plain (unsharded) step.
+  rt = _setup(c, dict(data=2, expert=4))
+  assert isinstance(rt.moe_dispatch, ExpertParallelDispatch) and rt.moe_dispatch.mesh is rt.mesh
+  graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0, moe_dispatch=rt.moe_dispatch)
+  state = rt.init_state(lambda: create_train_state(cfg, COMPUTE, tx, 0,
+                                                   moe_dispatch=rt.moe_dispatch)[1], abstract)
+  # The reference: the same values on one device, the plain (local experts, unsharded) step.
+  ref_graphdef, _ = abstract_train_state(cfg, COMPUTE, tx, 0)
   ref = jax.device_put(jax.device_get(state), jax.devices()[0])
-  ref_step = make_train_step(graphdef, FNS, cfg, c.train, tx)
+  ref_step = make_train_step(ref_graphdef, cfg, c.train, tx)
   # Expert weights and their Adam moments live on the expert axis, the bias is replicated.
-  ffn = state.params["layers"][0]["ffn"]
+  ffn = state.params["layers"][1]["ffn"]
   assert ffn["w_gate"][...].sharding.spec[0] == "expert"
-  mu = state.opt_state[1][0].mu["layers"][0]["ffn"]["w_gate"][...]
+  mu = state.opt_state[1][0].mu["layers"][1]["ffn"]["w_gate"][...]
   assert mu.sharding.spec == ffn["w_gate"][...].sharding.spec
-  assert state.biases["layers"][0]["ffn"]["bias"][...].sharding.is_fully_replicated
+  assert state.biases["layers"][1]["ffn"]["bias"][...].sharding.is_fully_replicated
   # Sharded init == unsharded init of the same weights (up to ulps: jitted sampling).
-  eager = MoELM(cfg, rngs=nnx.Rngs(0)).layers[0].ffn.w_up[...]
+  eager = HybridLM(cfg, rngs=nnx.Rngs(0), compute=COMPUTE).layers[1].ffn.w_up[...]
   np.testing.assert_allclose(eager, ffn["w_up"][...], rtol=1e-6, atol=1e-7)
-  step = make_train_step(graphdef, FNS, cfg, c.train, tx, mesh=mesh, state_shardings=shardings)
-  for batch in _batches(2):
+  step = make_train_step(graphdef, cfg, c.train, tx, **rt.step_kwargs())
+  for batch in _batches(2, cfg.vocab_size):
     ref, m_ref = ref_step(ref, batch)
     state, m = step(state, batch)
     assert abs(float(m["loss"]) - float(m_ref["loss"])) <= 1e-5 * float(m_ref["loss"])
     assert abs(float(m["grad_norm"]) - float(m_ref["grad_norm"])) <= 1e-5 * float(
         m_ref["grad_norm"])
-    np.testing.assert_array_equal(m["moe"]["layer_0"]["load"], m_ref["moe"]["layer_0"]["load"])
-    assert float(m["moe"]["layer_0"]["drop_frac"]) == 0.0
+    np.testing.assert_array_equal(m["moe"][MOE]["load"], m_ref["moe"][MOE]["load"])
+    assert float(m["moe"][MOE]["drop_frac"]) == 0.0
   for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(state.params)):
     assert rel_rms(a, b) < 1e-5
   np.testing.assert_allclose(jax.tree.leaves(state.biases)[0], jax.tree.leaves(ref.biases)[0],
                              atol=1e-6)
-  w = state.params["layers"][0]["ffn"]["w_gate"][...]
-  assert w.sharding.spec == shardings.params["layers"][0]["ffn"]["w_gate"].get_value().spec
+  w = state.params["layers"][1]["ffn"]["w_gate"][...]
+  want = rt.state_shardings.params["layers"][1]["ffn"]["w_gate"].get_value()
+  assert w.sharding.spec == want.spec
 
 
 def test_sharded_qb_bias_is_the_pooled_global_quantile():
@@ -111,16 +103,20 @@ def test_sharded_qb_bias_is_the_pooled_global_quantile():
   c = _config()
   cfg = model_config_from_dict(c.model).moe
   cfg = dataclasses.replace(cfg, num_experts=16, experts_per_token=2)
-  model = MoE(32, cfg, norm_eps=1e-5, dtype="float32", rngs=nnx.Rngs(1))
+  mesh = make_mesh(data=2, fsdp=2, expert=2)
+  model, sharded = (MoE(32, cfg, norm_eps=1e-5, compute=COMPUTE, rngs=nnx.Rngs(1), dispatch=d)
+                    for d in (None, ExpertParallelDispatch(mesh)))
   model.bias[...] = jnp.linspace(-0.2, 0.3, 16)
+  sharded.bias[...] = jnp.linspace(-0.2, 0.3, 16)
   x = jax.random.normal(jax.random.PRNGKey(2), (8, 16, 32)) * jnp.linspace(0.2, 3, 8)[:, None,
                                                                                       None]
   fwd = nnx.jit(lambda m, x, mask: m(x, mask=mask)[1])
   every = jnp.ones(x.shape[:2], bool)
   ref = fwd(model, x, every)
-  with jax.set_mesh(make_mesh(data=2, fsdp=2, expert=2)):
-    got = fwd(model, x, every)
+  with jax.set_mesh(mesh):
+    got = fwd(sharded, x, every)
   np.testing.assert_array_equal(got["qb_hist"], ref["qb_hist"])
+  np.testing.assert_array_equal(got["load"], ref["load"])
   bias = model.bias[...]
   new_ref, new = update_bias(bias, ref, cfg), update_bias(bias, got, cfg)
   np.testing.assert_array_equal(new, new_ref)
@@ -168,15 +164,28 @@ def test_bad_mesh_input_fails_before_compile(tmp_path, mesh, model, train, match
   c.model.moe.update(model)
   c.train.update(train)
   with pytest.raises(ConfigError, match=match):
-    runtime.setup(c, model_config_from_dict(c.model))
+    _setup(c, dict(c.mesh))
   with pytest.raises(ConfigError, match=match):
-    train_and_evaluate(c, str(tmp_path / "run"), fns=FNS, data=_Untouchable())
+    train_and_evaluate(c, str(tmp_path / "run"), data=_Untouchable())
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_single_device_mesh_is_the_plain_path():
-  c = _config()
-  c.mesh.update(dict(data=1, fsdp=-1, expert=1, tensor=1))
-  rt = runtime.setup(c, model_config_from_dict(c.model), devices=jax.devices()[:1])
-  assert rt.mesh is None and rt.step_kwargs() == {}
-  assert mesh_cfg(data=2).data == 2
+  rt = _setup(_config(), dict(data=1, fsdp=-1, expert=1, tensor=1), devices=jax.devices()[:1])
+  assert rt.mesh is None and rt.moe_dispatch is None and rt.step_kwargs() == {}
+
+
+def test_dense_moe_impl_stays_local_on_a_mesh():
+  rt = _setup(_config(), dict(data=2, expert=4), ComputeConfig(moe_impl="dense"))
+  assert rt.mesh is not None and rt.moe_dispatch is None
+
+
+def test_mesh_shape_resolves_and_names_bad_fields():
+  assert mesh_shape({"fsdp": -1}, 8) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+  assert mesh_shape(dict(data=1, fsdp=-1, expert=4, tensor=1), 8)["fsdp"] == 2
+  for sizes, match in (({"pipe": 2}, "`mesh`.*axes among"), ({"data": 0}, "mesh.data"),
+                       ({"data": -1, "fsdp": -1}, "at most one"),
+                       ({"expert": -1, "data": 3}, "mesh.expert.*divide"),
+                       ({"data": 4}, "product is the 8 device")):
+    with pytest.raises(ConfigError, match=match):
+      mesh_shape(sizes, 8)

@@ -1,6 +1,6 @@
 """The curriculum plan, its bad-input errors, the piecewise LR, and staged training + resume.
 
-Loop tests use the stand-in model of train_fakes.py on real curriculum data (bundled pydoc
+Loop tests use the tiny real model of train_fakes.py on real curriculum data (bundled pydoc
 texts, byte tokens); the slow test runs configs/curriculum_cpu.py end to end.
 """
 
@@ -16,16 +16,13 @@ from hybridmoe_jax.train import curriculum, dry_run, optim
 from hybridmoe_jax.train.config import default_config, validate_train_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import load_config
-from tests.train.train_fakes import fake_fns
+from tests.train.train_fakes import set_tiny_model
 
 
 def _config(steps=(3, 2, 2), lens=(16, 32, 64), tps=512, train_steps=None, **train):
-  """Fake-model config with a 3-stage curriculum (batches divide over 8 test devices)."""
+  """Tiny-model config with a 3-stage curriculum (batches divide over 8 test devices)."""
   config = default_config()
-  m = config.model
-  m.vocab_size, m.d_model, m.num_layers = 259, 16, 2
-  m.moe.num_experts, m.moe.experts_per_token = 4, 1
-  m.kda.chunk_size = 16
+  set_tiny_model(config)          # byte vocabulary (259) of the default config; chunk 16
   c = config.curriculum
   c.tokens_per_step = tps
   c.sources = {"pydoc": {"kind": "bundled"}}
@@ -91,7 +88,7 @@ def _with_stage(k, **fields):
 def test_bad_curriculum_config_is_refused_before_training(config, match, tmp_path):
   cfg = config()
   with pytest.raises(ConfigError, match=match):
-    train_and_evaluate(cfg, str(tmp_path), fns=fake_fns())
+    train_and_evaluate(cfg, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
@@ -107,10 +104,10 @@ def test_source_without_documents_fails_before_training(tmp_path):
   config = _config()
   config.curriculum.sources = {"pydoc": {"kind": "text", "paths": (str(tmp_path / "data"),)}}
   with pytest.raises(InputError, match="pydoc.*1 documents"):
-    train_and_evaluate(config, str(tmp_path / "run"), fns=fake_fns())
+    train_and_evaluate(config, str(tmp_path / "run"))
   (tmp_path / "data" / "a.txt").write_bytes(b"\xff\xfe")
   with pytest.raises(InputError, match="no usable text"):
-    train_and_evaluate(config, str(tmp_path / "run"), fns=fake_fns())
+    train_and_evaluate(config, str(tmp_path / "run"))
 
 
 def _reference_lr(pieces, step):
@@ -150,7 +147,7 @@ def test_piecewise_learning_rate_matches_reference():
 
 def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path):
   config = _config(steps=(2, 2), lens=(16, 32))
-  ref = train_and_evaluate(config, str(tmp_path / "ref"), fns=fake_fns())
+  ref = train_and_evaluate(config, str(tmp_path / "ref"))
   assert ref["end_step"] == 4
   train = _records(tmp_path / "ref", "train")
   losses = {s: r["loss"] for s, r in train.items()}
@@ -163,7 +160,7 @@ def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path):
   # every resumed step must see the same batch, hence give the same loss.
   for stop in (2, 3, 4):
     config.train.steps = stop
-    out = train_and_evaluate(config, str(tmp_path / "run"), fns=fake_fns())
+    out = train_and_evaluate(config, str(tmp_path / "run"))
     assert out["end_step"] == stop
   resumed = {s: r["loss"] for s, r in _records(tmp_path / "run", "train").items()}
   assert resumed == losses

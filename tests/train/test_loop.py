@@ -1,4 +1,4 @@
-"""train_and_evaluate on a stand-in model: outputs, resume exactness, corruption, bad input."""
+"""train_and_evaluate on a tiny real model: outputs, resume exactness, corruption, bad input."""
 
 import glob
 import json
@@ -15,7 +15,7 @@ from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import heatmap
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
-from tests.train.train_fakes import FakeIterator, fake_fns
+from tests.train.train_fakes import FakeIterator, set_tiny_model
 
 
 class Crash(Exception):
@@ -38,9 +38,8 @@ class _Iter(FakeIterator):
 
 def _config(**train):
   config = default_config()
-  m = config.model
-  m.vocab_size, m.d_model, m.num_layers = 64, 16, 2
-  m.moe.num_experts, m.moe.experts_per_token = 4, 1
+  set_tiny_model(config)
+  config.model.vocab_size = 64
   config.train.update({**dict(steps=8, batch_size=4, seq_len=16, lr=3e-2, warmup=2,
                               log_every=1, eval_every=4, eval_batches=2, checkpoint_every=3,
                               keep_checkpoints=5, heatmap_every=4, maxvio_alert_steps=3,
@@ -56,7 +55,7 @@ def _data(config, **kw):
 
 def _run(config, workdir, **kw):
   data_kw = {k: kw.pop(k) for k in ("at", "hook") if k in kw}
-  return train_and_evaluate(config, str(workdir), fns=fake_fns(), data=_data(config, **data_kw),
+  return train_and_evaluate(config, str(workdir), data=_data(config, **data_kw),
                             **kw)
 
 
@@ -171,7 +170,7 @@ def test_bad_tokens_stop_before_training(tmp_path):
   data = _data(config)
   data.train.vocab = 100                             # ids up to 99 > vocab_size 64
   with pytest.raises(InputError, match="outside the model vocabulary"):
-    train_and_evaluate(config, str(tmp_path), fns=fake_fns(), data=data)
+    train_and_evaluate(config, str(tmp_path), data=data)
   assert not os.listdir(tmp_path / "checkpoints")
 
 
@@ -180,4 +179,4 @@ def test_empty_dataset_stops(tmp_path):
   data = _data(config)
   data.train.length = 0
   with pytest.raises(InputError, match="empty"):
-    train_and_evaluate(config, str(tmp_path), fns=fake_fns(), data=data)
+    train_and_evaluate(config, str(tmp_path), data=data)

@@ -12,11 +12,13 @@ from hybridmoe_jax.train.monitor import Monitor
 
 
 def _metrics(loss, vio, finite=True):
+  # metrics["moe"] as the train step names it: by the MoE module's path.
+  moe = {"layers/1/ffn": {"max_vio": vio, "bias_min": -0.1, "bias_max": 0.1, "drop_frac": 0.0,
+                          "load": np.array([3, 1, 2, 2])},
+         "layers/2/ffn": {"max_vio": 0.0, "bias_min": 0.0, "bias_max": 0.0, "drop_frac": 0.0,
+                          "load": np.array([2, 2, 2, 2])}}
   return {"loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 100.0, "finite": finite,
-          "skipped": 0, "moe": {"layer_1": {"max_vio": vio, "bias_min": -0.1, "bias_max": 0.1,
-                                            "drop_frac": 0.0, "load": np.array([3, 1, 2, 2])},
-                                "layer_2": {"max_vio": 0.0, "bias_min": 0.0, "bias_max": 0.0,
-                                            "drop_frac": 0.0, "load": np.array([2, 2, 2, 2])}}}
+          "skipped": 0, "moe": moe}
 
 
 def test_alerts_and_outputs(tmp_path, caplog):
@@ -29,12 +31,12 @@ def test_alerts_and_outputs(tmp_path, caplog):
     vio = 0.5 if step <= 9 else 0.1           # above threshold for 9 steps -> 2 alerts
     mon.step(step, _metrics(loss, vio, finite=step != 25))
   mon.close()
-  assert mon.alerts["maxvio"] == 2 and mon.alerts["maxvio/layer_1"] == 2
+  assert mon.alerts["maxvio"] == 2 and mon.alerts["maxvio/layers/1/ffn"] == 2
   assert mon.alerts["loss_spike"] == 1 and mon.alerts["nonfinite"] == 1
   assert "ALERT" in caplog.text and "MaxVio" in caplog.text
   recs = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in recs] == [5, 10, 15, 20, 25, 30]
-  assert recs[-1]["moe"]["layer_1"]["load"] == [3, 1, 2, 2]
+  assert recs[-1]["moe"]["layers/1/ffn"]["load"] == [3, 1, 2, 2]
   img = heatmap.decode_png(open(tmp_path / "expert_load.png", "rb").read())
   assert img.shape == (2 * 16, 4 * 16, 3)
   assert len(list((tmp_path / "heatmaps").iterdir())) == 3

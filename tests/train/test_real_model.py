@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import model_config_from_dict
+from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import optim, step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.train.state import create_train_state, hybrid_lm_fns
+from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
 from tests.conftest import load_config
 
 
@@ -26,9 +26,9 @@ def test_bias_outside_gradient_and_optimizer():
   config = _small()
   cfg = model_config_from_dict(config.model)
   tx = optim.make_optimizer(config.train)
-  graphdef, state = create_train_state(hybrid_lm_fns(), cfg, tx, seed=0, remat="none")
+  graphdef, state = create_train_state(cfg, ComputeConfig(), tx, seed=0)
   biases = nnx.to_flat_state(state.biases)
-  assert len(biases) == len(cfg.moe_layers)
+  assert [p for p, _ in biases] == [("layers", i, "ffn", "bias") for i in cfg.moe_layers]
   assert all(isinstance(v, RoutingBias) for _, v in biases)
   assert not any(isinstance(v, RoutingBias) for _, v in nnx.to_flat_state(state.params))
   # Optimizer moments mirror the parameters exactly: no bias-shaped leaf sneaks in.
@@ -40,6 +40,18 @@ def test_bias_outside_gradient_and_optimizer():
   grad = jax.grad(lambda b: step_lib._forward_nll(graphdef, state.params, b, state.rest,
                                                   tokens, seg)[0])(state.biases)
   assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grad))
+  # The forward's routing stats are shaped like the bias state (one stats dict per leaf).
+  _, (_, stats) = step_lib._forward_nll(graphdef, state.params, state.biases, state.rest,
+                                        tokens, seg)
+  assert jax.tree.structure(nnx.to_pure_dict(state.biases)) == jax.tree.structure(
+      stats, is_leaf=lambda x: isinstance(x, dict) and "load" in x)
+  # The abstract state has the same graph and structure, and allocates nothing.
+  abs_graphdef, abstract = abstract_train_state(cfg, ComputeConfig(), tx, seed=0)
+  assert abs_graphdef == graphdef
+  assert jax.tree.structure(abstract) == jax.tree.structure(state)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+  model = nnx.merge(graphdef, state.params, state.biases, state.rest)
+  assert jax.tree.structure(split_model(model)[2]) == jax.tree.structure(state.biases)
 
 
 @pytest.mark.parametrize("variant", [

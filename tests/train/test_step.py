@@ -1,4 +1,7 @@
-"""Train/eval step: loss masking, grad accumulation, non-finite skip, bias outside the optimizer."""
+"""Train/eval step on a tiny real HybridLM: loss masking, grad accumulation, non-finite skip,
+bias outside the optimizer, the balancing metrics."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -6,20 +9,32 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybridmoe_jax.config import ComputeConfig
+from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import optim, step as step_lib
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.state import create_train_state
-from tests.train.train_fakes import FakeBias, FakeIterator, fake_fns, fake_model_config
+from tests.train.train_fakes import FakeIterator, tiny_model_config
+
+MOE = "layers/1/ffn"   # the tiny model's one MoE layer, as metrics["moe"] names it
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(**train):
+  """(cfg, tx, graphdef, train_step) per train-section override: one compile each."""
+  config = default_config()
+  config.train.update({**dict(steps=20, warmup=2, lr=1e-2), **train})
+  cfg = tiny_model_config()
+  tx = optim.make_optimizer(config.train)
+  graphdef, _ = create_train_state(cfg, ComputeConfig(), tx, seed=0)
+  return cfg, tx, graphdef, step_lib.make_train_step(graphdef, cfg, config.train, tx)
 
 
 def _setup(**train):
-  config = default_config()
-  config.train.update({**dict(steps=20, warmup=2, lr=1e-2), **train})
-  cfg = fake_model_config()
-  tx = optim.make_optimizer(config.train)
-  graphdef, state = create_train_state(fake_fns(), cfg, tx, seed=0, remat="none")
-  train_step = step_lib.make_train_step(graphdef, fake_fns(), cfg, config.train, tx)
-  return config, cfg, tx, graphdef, state, train_step
+  """-> cfg, graphdef, a fresh state (the step donates it), train_step."""
+  cfg, tx, graphdef, train_step = _compiled(**train)
+  _, state = create_train_state(cfg, ComputeConfig(), tx, seed=0)
+  return cfg, graphdef, state, train_step
 
 
 def test_targets_stay_inside_segments():
@@ -42,25 +57,36 @@ def test_token_nll_matches_log_softmax():
 
 
 def test_loss_falls_and_bias_moves():
-  _, _, _, _, state, train_step = _setup(lr=5e-2)
+  _, _, state, train_step = _setup(lr=5e-2)
   it = FakeIterator(4, 16)
   losses = []
   for _ in range(15):
+    old_bias = np.asarray(state.biases["layers"][1]["ffn"]["bias"][...])
     state, m = train_step(state, next(it))
     losses.append(float(m["loss"]))
   assert losses[-1] < 0.7 * losses[0]
   assert int(state.step) == 15 and int(state.skipped) == 0
   assert float(jnp.abs(jax.tree.leaves(state.biases)[0]).sum()) > 0
-  assert set(m["moe"]["layer_1"]) >= {"max_vio", "bias_min", "bias_max", "load", "drop_frac"}
+  layer = m["moe"][MOE]
+  assert set(m["moe"]) == {MOE}
+  assert set(layer) == {"max_vio", "bias_min", "bias_max", "load", "drop_frac"}
+  # Metrics describe the step's routing: the load of its valid tokens (13 of 16 per row,
+  # k = 1) and the bias it routed with (the old one), dropless on one device.
+  assert int(np.sum(layer["load"])) == 4 * 13
+  np.testing.assert_allclose([layer["bias_min"], layer["bias_max"]],
+                             [old_bias.min(), old_bias.max()])
+  load = np.asarray(layer["load"], np.float64)
+  np.testing.assert_allclose(layer["max_vio"], load.max() / load.mean() - 1, rtol=1e-6)
+  assert float(layer["drop_frac"]) == 0.0
 
 
 def test_bias_is_not_optimized_and_gets_no_gradient():
-  config, cfg, tx, graphdef, state, _ = _setup()
-  bias_leaves = jax.tree.leaves(state.biases)
-  assert len(bias_leaves) == 1
+  cfg, graphdef, state, _ = _setup()
+  flat = nnx.to_flat_state(state.biases)
+  assert [tuple(p) for p, _ in flat] == [("layers", 1, "ffn", "bias")]
+  assert all(isinstance(v, RoutingBias) for _, v in flat)
   # Not in the differentiated tree, hence not in the optimizer state.
-  for path, _ in nnx.to_flat_state(state.params):
-    assert "bias" not in [str(p) for p in path] or "head" in [str(p) for p in path]
+  assert not any(isinstance(v, RoutingBias) for _, v in nnx.to_flat_state(state.params))
   n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
   n_par = sum(x.size for x in jax.tree.leaves(state.params))
   assert n_opt == 2 * n_par                # AdamW mu + nu over params only
@@ -76,14 +102,14 @@ def test_bias_is_not_optimized_and_gets_no_gradient():
 
 
 def test_grad_accumulation_matches_full_batch():
-  _, _, _, _, s1, step1 = _setup(batch_size=4, grad_accum=1)
-  _, _, _, _, s2, step2 = _setup(batch_size=4, grad_accum=2)
+  _, _, s1, step1 = _setup(batch_size=4, grad_accum=1)
+  _, _, s2, step2 = _setup(batch_size=4, grad_accum=2)
   batch = next(FakeIterator(4, 16))
   s1, m1 = step1(s1, batch)
   s2, m2 = step2(s2, batch)
   np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
   np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-4)
-  np.testing.assert_array_equal(m1["moe"]["layer_1"]["load"], m2["moe"]["layer_1"]["load"])
+  np.testing.assert_array_equal(m1["moe"][MOE]["load"], m2["moe"][MOE]["load"])
   for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   for a, b in zip(jax.tree.leaves(s1.biases), jax.tree.leaves(s2.biases)):
@@ -91,7 +117,7 @@ def test_grad_accumulation_matches_full_batch():
 
 
 def test_nonfinite_loss_skips_update_and_counts():
-  _, _, _, _, state, train_step = _setup()
+  _, _, state, train_step = _setup(batch_size=4, grad_accum=1)
   batch = next(FakeIterator(4, 16))
   state, _ = train_step(state, batch)
   before = jax.tree.map(np.asarray, (state.params, state.opt_state, state.biases))
@@ -112,7 +138,7 @@ def test_nonfinite_loss_skips_update_and_counts():
 
 
 def test_eval_step_counts_targets():
-  _, _, _, graphdef, state, _ = _setup()
+  _, graphdef, state, _ = _setup()
   eval_step = step_lib.make_eval_step(graphdef)
   batch = next(FakeIterator(2, 16))
   nll, n = eval_step(state.params, state.biases, batch, state.rest)
@@ -135,7 +161,7 @@ def test_schedules(schedule):
 
 
 def test_muon_optimizer_runs():
-  _, _, _, _, state, train_step = _setup(optimizer="muon")
+  _, _, state, train_step = _setup(optimizer="muon")
   it = FakeIterator(4, 16)
   losses = []
   for _ in range(10):

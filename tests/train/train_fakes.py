@@ -1,76 +1,11 @@
-"""Small stand-ins for the train tests: a routed toy LM and an in-memory packed iterator."""
+"""Small pieces for the train tests: a tiny real HybridLM config and an in-memory packed
+iterator."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from hybridmoe_jax.config import ModelConfig
-from hybridmoe_jax.train.state import ModelFns
-
-
-class FakeBias(nnx.Variable):
-  """Routing bias stand-in: state, not a parameter."""
-
-
-class FakeMoE(nnx.Module):
-  """Sigmoid router with a bias, top-k experts (one matrix each), additive load stats."""
-
-  def __init__(self, d: int, num_experts: int, k: int, *, rngs: nnx.Rngs):
-    self.k = k
-    self.router = nnx.Param(jax.random.normal(rngs.params(), (d, num_experts)) * 0.5)
-    self.experts = nnx.Param(jax.random.normal(rngs.params(), (num_experts, d, d)) * 0.1)
-    self.bias = FakeBias(jnp.zeros((num_experts,), jnp.float32))
-
-  def __call__(self, x, valid):
-    s = jax.nn.sigmoid(x @ self.router[...])                       # [B, T, E]
-    _, idx = jax.lax.top_k(jax.lax.stop_gradient(s) + self.bias[...], self.k)
-    onehot = jax.nn.one_hot(idx, s.shape[-1]).sum(-2)               # [B, T, E]
-    w = onehot * s
-    y = jnp.einsum("bte,btd,edf->btf", w, x, self.experts[...])
-    load = jnp.sum(onehot * valid[..., None], axis=(0, 1)).astype(jnp.int32)
-    return x + y, {"load": load}
-
-
-class FakeLM(nnx.Module):
-  """Embedding -> one FakeMoE -> LM head; the HybridLM call signature."""
-
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
-    d = cfg.d_model
-    self.dtype = jnp.dtype(cfg.dtype)
-    self.embed = nnx.Embed(cfg.vocab_size, d, rngs=rngs)
-    self.moe = FakeMoE(d, cfg.moe.num_experts, cfg.moe.experts_per_token, rngs=rngs)
-    self.head = nnx.Linear(d, cfg.vocab_size, rngs=rngs)
-
-  def __call__(self, tokens, *, segment_ids=None):
-    if segment_ids is None:
-      segment_ids = jnp.ones_like(tokens)
-    x = self.embed(tokens).astype(self.dtype)
-    x, stats = self.moe(x, segment_ids > 0)
-    return self.head(x.astype(jnp.float32)), {"moe": {"layer_1": stats}}
-
-
-def fake_update_biases(biases, moe_stats, cfg: ModelConfig):
-  """Sign rule on the single layer; MaxVio from the load (balancing "none" keeps the bias)."""
-  load = moe_stats["layer_1"]["load"].astype(jnp.float32)
-  mean = jnp.maximum(jnp.mean(load), 1e-9)
-  max_vio = jnp.max(load) / mean - 1.0
-
-  def upd(b):
-    if cfg.moe.balancing == "none":
-      return b
-    return b - 0.05 * jnp.sign(load - mean)
-
-  new = jax.tree.map(upd, biases)
-  b = jax.tree.leaves(new)[0]
-  return new, {"layer_1": {"max_vio": max_vio, "bias_min": jnp.min(b), "bias_max": jnp.max(b)}}
-
-
-def fake_fns() -> ModelFns:
-  return ModelFns(lambda cfg, seed, remat: FakeLM(cfg, rngs=nnx.Rngs(seed), remat=remat),
-                  fake_update_biases, FakeBias)
+from hybridmoe_jax.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
 
 
 class FakeIterator:
@@ -110,7 +45,27 @@ class FakeIterator:
     self.index = int(state["index"])
 
 
-def fake_model_config(**moe) -> ModelConfig:
-  from hybridmoe_jax.config import MoEConfig  # pylint: disable=g-import-not-at-top
-  return ModelConfig(vocab_size=64, d_model=16, num_layers=2,
-                     moe=MoEConfig(num_experts=4, experts_per_token=1, **moe))
+# A 2-layer HybridLM (dense FFN, then MoE; d_model 16, 4 experts top-1). MLA mixers only:
+# a KDA layer would add ~10 s to every compile (KDA runs in the tiny-config tests).
+TINY_MODEL = dict(d_model=16, num_layers=2, layer_kinds=("mla", "mla"))
+TINY_KDA = dict(num_heads=1, num_v_heads=1, head_dim=8, v_head_dim=8, chunk_size=16)
+TINY_MLA = dict(num_heads=1, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=8)
+TINY_MOE = dict(num_experts=4, experts_per_token=1, expert_intermediate=16,
+                shared_intermediate=16, dense_intermediate=32, qb_num_bins=64)
+
+
+def tiny_model_config(vocab_size: int = 64, **moe) -> ModelConfig:
+  """The tiny model as a ModelConfig; `moe` overrides MoEConfig fields."""
+  return ModelConfig(vocab_size=vocab_size, **TINY_MODEL, kda=KDAConfig(**TINY_KDA),
+                     mla=MLAConfig(**TINY_MLA), moe=MoEConfig(**{**TINY_MOE, **moe}))
+
+
+def set_tiny_model(config) -> None:
+  """Write the tiny model into a root ConfigDict's `model` section (for the loop tests);
+  the vocabulary stays the caller's."""
+  m = config.model
+  m.update(TINY_MODEL)
+  m.kda.update(TINY_KDA)
+  m.mla.update(TINY_MLA)
+  m.moe.update(TINY_MOE)

@@ -1,0 +1,193 @@
+"""Import layering of hybridmoe_jax (and pallas_kernels), checked from the source with `ast`.
+
+Ranks (a module may import modules of its own group or of a lower rank only):
+  0 config, sharding      1 ops, pallas_kernels (external, importable with jax alone)
+  2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals
+  7 top-level tools (describe.py, timing.py, ...: any other hybridmoe_jax/<name>.py);
+    they may import everything, and no package module may import them.
+data: imports only config, sharding and data; only train, infer, evals and the tools
+  (rank >= 5) import it.
+__init__ modules belong to their package (same group, same rules); the root
+  hybridmoe_jax/__init__.py loads its public names lazily and imports nothing.
+Every import statement counts, function-level ones included; `from pkg import name` is an
+import of the submodule pkg.name when that module exists, else of pkg. Besides the ranks,
+the module graph must have no import cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("hybridmoe_jax", "pallas_kernels")
+RANKS = {"config": 0, "sharding": 0, "ops": 1, "pallas_kernels": 1, "layers": 2, "model": 3,
+         "parallel": 4, "train": 5, "infer": 5, "evals": 6}
+TOOLS_RANK = 7
+DATA_IMPORTS = {"config", "sharding", "data"}
+DATA_IMPORTERS_MIN_RANK = 5
+SIBLINGS_APART = {frozenset({"train", "infer"})}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  """Dotted module name -> source file, for every .py file of the checked packages."""
+  out = {}
+  for pkg in PACKAGES:
+    for path in sorted((ROOT / pkg).rglob("*.py")):
+      parts = list(path.relative_to(ROOT).with_suffix("").parts)
+      if parts[-1] == "__init__":
+        parts.pop()
+      out[".".join(parts)] = path
+  return out
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+  """The checked-package modules that `name` imports anywhere in its source."""
+  is_pkg = path.name == "__init__.py"
+  here = name.split(".") if is_pkg else name.split(".")[:-1]
+  found = set()
+
+  def add(target: str, names=()):
+    if target.split(".")[0] not in PACKAGES:
+      return
+    subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+    if subs:
+      found.update(subs)
+    if len(subs) < len(names) or not names:
+      # A name that is not a submodule comes from the package (or module) itself.
+      while target not in modules and "." in target:
+        target = target.rsplit(".", 1)[0]
+      found.add(target)
+
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        add(alias.name)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = here[:len(here) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+      else:
+        target = node.module
+      add(target, tuple(a.name for a in node.names if a.name != "*"))
+  found.discard(name)
+  return found
+
+
+def _group(name: str) -> str:
+  """hybridmoe_jax.layers.moe -> "layers"; hybridmoe_jax.describe -> "describe";
+  hybridmoe_jax -> "__root__"; pallas_kernels.* -> "pallas_kernels"."""
+  parts = name.split(".")
+  if parts[0] == "pallas_kernels":
+    return "pallas_kernels"
+  return parts[1] if len(parts) > 1 else "__root__"
+
+
+def _rank(group: str) -> int | None:
+  """None for data (its own rules) and the root package; TOOLS_RANK for top-level tools."""
+  if group in ("data", "__root__"):
+    return None
+  return RANKS.get(group, TOOLS_RANK)
+
+
+def _violation(src: str, dst: str) -> str | None:
+  a, b = _group(src), _group(dst)
+  if a == b:
+    return None
+  if a == "__root__":
+    return "the root __init__ must import nothing (its names load lazily)"
+  if b == "__root__":
+    return None                                   # `import hybridmoe_jax`: imports nothing
+  if a == "data":
+    return None if b in DATA_IMPORTS else f"data may import only {sorted(DATA_IMPORTS)}"
+  ra, rb = _rank(a), _rank(b)
+  if b == "data":
+    return (None if ra >= DATA_IMPORTERS_MIN_RANK
+            else f"only rank >= {DATA_IMPORTERS_MIN_RANK} (train, infer, evals, tools) "
+                 "may import data")
+  if frozenset({a, b}) in SIBLINGS_APART:
+    return f"{a} and {b} must not import each other"
+  if rb == TOOLS_RANK:
+    return f"top-level tool {b} is not importable from the package"
+  if rb > ra:
+    return f"{a} (rank {ra}) may not import {b} (rank {rb})"
+  return None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Strongly connected components with more than one module (Tarjan, iterative)."""
+  index, low, on_stack, stack, out = {}, {}, set(), [], []
+  counter = 0
+  for root in sorted(graph):
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph[root])))]
+    index[root] = low[root] = counter
+    counter += 1
+    stack.append(root)
+    on_stack.add(root)
+    while work:
+      node, children = work[-1]
+      child = next(children, None)
+      if child is not None:
+        if child not in index:
+          index[child] = low[child] = counter
+          counter += 1
+          stack.append(child)
+          on_stack.add(child)
+          work.append((child, iter(sorted(graph[child]))))
+        elif child in on_stack:
+          low[node] = min(low[node], index[child])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[node])
+      if low[node] == index[node]:
+        comp = []
+        while True:
+          top = stack.pop()
+          on_stack.discard(top)
+          comp.append(top)
+          if top == node:
+            break
+        if len(comp) > 1:
+          out.append(sorted(comp))
+  return out
+
+
+def _graph() -> dict[str, set[str]]:
+  modules = _modules()
+  return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_import_ranks_and_no_cycles():
+  graph = _graph()
+  problems = [f"{src} -> {dst}: {why}" for src in sorted(graph) for dst in sorted(graph[src])
+              if (why := _violation(src, dst))]
+  problems += [f"import cycle: {' <-> '.join(c)}" for c in _cycles(graph)]
+  assert not problems, f"{len(problems)} layering violation(s):\n" + "\n".join(problems)
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path):
+  """The parser finds absolute, relative, function-level and submodule imports, and the
+  rules flag what they forbid (else the test above could pass by seeing nothing)."""
+  modules = _modules()
+  src = tmp_path / "moe.py"
+  src.write_text("import jax\nfrom hybridmoe_jax import sharding\nfrom ..ops.glu import get_glu\n"
+                 "from . import norms\n\ndef f():\n  from hybridmoe_jax.parallel import ep_moe\n"
+                 "  import hybridmoe_jax.model.decoder\n")
+  got = _imports("hybridmoe_jax.layers.moe", src, modules)
+  assert got == {"hybridmoe_jax.sharding", "hybridmoe_jax.ops.glu", "hybridmoe_jax.layers.norms",
+                 "hybridmoe_jax.parallel.ep_moe", "hybridmoe_jax.model.decoder"}, got
+  assert "hybridmoe_jax.ops.glu" in _graph()["hybridmoe_jax.ops"]      # an __init__'s imports
+  for src_mod, dst in [("hybridmoe_jax.layers.moe", "hybridmoe_jax.parallel.ep_moe"),
+                       ("hybridmoe_jax.train.step", "hybridmoe_jax.infer.engine"),
+                       ("hybridmoe_jax.data.pipeline", "hybridmoe_jax.ops.glu"),
+                       ("hybridmoe_jax.model.decoder", "hybridmoe_jax.data.tokenizer"),
+                       ("hybridmoe_jax.ops.kda", "hybridmoe_jax.describe"),
+                       ("hybridmoe_jax", "hybridmoe_jax.config")]:
+    assert _violation(src_mod, dst), (src_mod, dst)
+  assert not _violation("hybridmoe_jax.train.step", "hybridmoe_jax.data.tokenizer")
+  assert not _violation("hybridmoe_jax.evals.loading", "hybridmoe_jax.train.state")
+  assert not _violation("hybridmoe_jax.ops.kda", "pallas_kernels.kda")
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
