@@ -161,7 +161,7 @@ def _restore_or_init(ckpt, fns: ModelFns, cfg: ModelConfig, t, tx, data, model_d
   graphdef, abstract = abstract_train_state(fns, cfg, tx, t.seed, t.remat)
   signature = ckpt_lib.structure_signature(abstract)
   # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
-  restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict, signature)
+  restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict)
   if restored is None:
     _, state = rt.init_state(fns, cfg, tx, t.seed, t.remat, create_train_state)
     return graphdef, state, signature, False
