@@ -93,12 +93,12 @@ def test_corrupt_newest_is_skipped_in_place_by_a_reader_and_moved_by_training(tm
 
 def test_fingerprint_and_unreadable_meta_are_skipped_with_their_reason(tmp_path):
   _write(tmp_path, steps=(1, 2, 3))
-  meta_file = glob.glob(str(tmp_path / "checkpoints" / "3" / "meta" / "*"))[0]
-  with open(meta_file, "w") as f:
+  with open(tmp_path / "checkpoints" / "3" / "meta" / "metadata", "w") as f:
     f.write("{not json")
-  meta = json.load(open(glob.glob(str(tmp_path / "checkpoints" / "2" / "meta" / "*"))[0]))
+  meta_file = tmp_path / "checkpoints" / "2" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
   meta["fingerprint"][0] += 1.0
-  json.dump(meta, open(glob.glob(str(tmp_path / "checkpoints" / "2" / "meta" / "*"))[0], "w"))
+  meta_file.write_text(json.dumps(meta))
   for read_only in (True, False):
     r, ckpt = _restore(tmp_path, read_only)
     assert r.meta["step"] == 1
