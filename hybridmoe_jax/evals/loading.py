@@ -85,6 +85,7 @@ def load_from_workdir(workdir: str, expected: ModelConfig | None = None
   root = ml_collections.ConfigDict(json.loads(meta["config"]))
   model = nnx.merge(graphdefs[-1], state.params, state.biases, state.rest)
   return model, {"source": "workdir", "path": workdir, "step": meta["step"],
+                 "skipped": [{"step": step, "why": why} for step, why in ckpt.skipped],
                  "data_config": root.data.to_dict() if "data" in root else None}
 
 

@@ -122,15 +122,15 @@ def _legacy_model_dict(d: dict[str, Any]) -> dict[str, Any]:
   return _fill_absent(_drop_moved(d), defaults)
 
 
-def config_diff(saved: dict, current: dict, *, saved_as: str = "in the workdir",
-                current_as: str = "now", prefix: str = "model") -> list[str]:
+def _config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,
+                 prefix: str = "model") -> list[str]:
   """Human-readable differences between two (nested) config dicts, as stored (no migration)."""
   out = []
   for key in sorted(set(saved) | set(current)):
     a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
     if isinstance(a, dict) and isinstance(b, dict):
-      out += config_diff(a, b, saved_as=saved_as, current_as=current_as,
-                         prefix=f"{prefix}.{key}")
+      out += _config_diff(a, b, saved_as=saved_as, current_as=current_as,
+                          prefix=f"{prefix}.{key}")
     elif a != b:
       out.append(f"{prefix}.{key}: {a!r} {saved_as} vs {b!r} {current_as}")
   return out
@@ -139,16 +139,16 @@ def config_diff(saved: dict, current: dict, *, saved_as: str = "in the workdir",
 def check_model_config(saved: dict[str, Any], current: dict[str, Any], *, what: str,
                        saved_as: str = "in the workdir", current_as: str = "now",
                        remedy: str = "") -> None:
-  """ConfigError listing every field in which two model configs (dicts) differ.
+  """ConfigError listing every field in which two model configs (dicts) differ (all of them
+  count: the runtime settings live in `ComputeConfig`, outside the model config).
 
   Both go through the legacy migration, so a config written by older code compares equal to
   the same architecture written today. `what` opens the message; `remedy` ends it.
   """
-  diff = config_diff(_legacy_model_dict(saved), _legacy_model_dict(current),
-                     saved_as=saved_as, current_as=current_as)
+  diff = _config_diff(_legacy_model_dict(saved), _legacy_model_dict(current),
+                      saved_as=saved_as, current_as=current_as)
   if diff:
-    raise ConfigError(f"{what}: " + "; ".join(diff[:8]) + (" ..." if len(diff) > 8 else "")
-                      + (f". {remedy}" if remedy else ""))
+    raise ConfigError(f"{what}: " + "; ".join(diff) + (f". {remedy}" if remedy else ""))
 
 
 def read_model_config(path: str) -> dict[str, Any] | None:

@@ -53,6 +53,7 @@ def test_eval_restores_exactly_what_training_saved(run):
   workdir, state = run
   model, info = load_model(workdir=str(workdir))
   assert info["step"] == 2 and info["source"] == "workdir" and info["data_config"]
+  assert info["skipped"] == []
   _, params, biases, _ = nnx.split(model, nnx.Param, RoutingBias, ...)
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(params),
                nnx.to_pure_dict(state.params))
@@ -86,6 +87,7 @@ def test_one_reader_eval_skips_in_place_training_quarantines_legacy_config_loads
   before = _files(workdir)
   model, info = load_model(workdir=str(workdir))
   assert info["step"] == 1 and not model.cfg.vision.enabled     # the missing field's default
+  assert [s["step"] for s in info["skipped"]] == [2]           # recorded with the results
   assert "checkpoint step 2 is corrupt or partial" in caplog.text
   assert _files(workdir) == before                         # the eval moved nothing
   s = train_and_evaluate(_config(3), str(workdir))
