@@ -2,13 +2,20 @@
 
 Layout: `workdir/checkpoints/<step>/{state, data, meta}`. orbax writes each step into a
 temporary directory and renames it when complete (atomic); `keep` bounds how many stay.
-Restore walks back from the newest step: a checkpoint that fails to load or whose
-fingerprint (per-leaf sums recorded at save time) does not match is reported, moved to
-`workdir/checkpoints_corrupt/` (never deleted or overwritten) and the previous one is tried.
-`meta` holds the model config: a workdir from an incompatible config stops the run.
+
+There is one reader, `Checkpointer.restore_latest`, for training and evaluation alike. It walks
+back from the newest step: it reads the step's meta, refuses (ConfigError) a checkpoint of
+another model config or train-state layout, restores onto the given abstract target and
+verifies the fingerprint (per-leaf sums recorded at save time). A step that fails to load or
+to match its fingerprint is reported with the reason and the previous one is tried: a
+training run moves it to `workdir/checkpoints_corrupt/` (never deleted or overwritten); a
+read-only reader (an eval of a possibly live run) leaves it in place.
+`meta` and `workdir/model_config.json` hold the architecture (`ModelConfig`); every field must
+match. Runtime settings (`ComputeConfig`) are not part of it, so a run may resume with others.
 Sharded states are saved collectively (every process calls `save`; orbax writes each shard
 once) and restored onto whatever shardings the abstract target carries, so a run may resume
 on a different mesh (`parallel.runtime.Runtime.restore_target`).
+A params export (`export_params`) holds parameters and routing biases only, plus the config.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import logging as std_logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from absl import logging
 import jax
@@ -31,13 +38,12 @@ from flax import nnx
 
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
+from hybridmoe_jax.sharding import path_string
 
 CONFIG_FILE = "model_config.json"
-# Model fields that change how a step computes but not what the state holds: a workdir may be
-# resumed with new values (with a warning). Every other model field must match.
-RUNTIME_FIELDS = ("model.dtype", "model.kda.impl", "model.kda.chunk_size",
-                  "model.moe.balancing", "model.moe.qb_num_bins", "model.moe.sign_gamma",
-                  "model.moe.capacity_factor")
+# Fields older code stored in the model config that are runtime settings now (ComputeConfig).
+_MOVED_TO_COMPUTE = (("dtype",), ("kda", "impl"), ("kda", "chunk_size"),
+                     ("moe", "capacity_factor"))
 
 
 class _QuietOrbax(std_logging.Filter):
@@ -72,7 +78,10 @@ def _same_fingerprint(a, b) -> bool:
 
 
 def structure_signature(abstract_state) -> str:
-  """Tree structure plus leaf shapes/dtypes: equal iff a checkpoint can be restored into it."""
+  """Tree structure plus leaf shapes/dtypes: equal iff a checkpoint can be restored into it.
+
+  Shardings are not part of it: a state saved on one mesh restores onto another.
+  """
   leaves = [f"{tuple(x.shape)}:{x.dtype}" for x in jax.tree.leaves(abstract_state)]
   text = f"{jax.tree.structure(abstract_state)}|{','.join(leaves)}"
   return hashlib.sha256(text.encode()).hexdigest()
@@ -82,18 +91,7 @@ def _jsonify(d):
   return json.loads(json.dumps(d, default=list))
 
 
-def config_diff(saved: dict, current: dict, prefix: str = "model") -> list[str]:
-  """Human-readable differences between two (nested) config dicts."""
-  out = []
-  for key in sorted(set(saved) | set(current)):
-    a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += config_diff(a, b, f"{prefix}.{key}")
-    elif a != b:
-      out.append(f"{prefix}.{key}: {a!r} in the workdir vs {b!r} now")
-  return out
-
-
+# ------------------------------------------------------------------------------- model config
 def _fill_absent(saved: dict, defaults: dict) -> dict:
   """`saved` with the fields it lacks (added to the config after it was written) defaulted."""
   out = dict(saved)
@@ -105,28 +103,76 @@ def _fill_absent(saved: dict, defaults: dict) -> dict:
   return out
 
 
+def _drop_moved(d: dict) -> dict:
+  d = _jsonify(d)  # a copy
+  for *parents, name in _MOVED_TO_COMPUTE:
+    sub = d
+    for p in parents:
+      sub = sub.get(p) if isinstance(sub, dict) else None
+    if isinstance(sub, dict):
+      sub.pop(name, None)
+  return d
+
+
+def _legacy_model_dict(d: dict[str, Any]) -> dict[str, Any]:
+  """A stored model config (JSON dict) in today's layout: without the fields older code kept
+  there that are runtime settings now, and with fields added since it was written at their
+  defaults (a run saved before `vision` existed had no vision tower)."""
+  defaults = _drop_moved(dataclasses.asdict(ModelConfig()))
+  return _fill_absent(_drop_moved(d), defaults)
+
+
+def _config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,
+                 prefix: str = "model") -> list[str]:
+  """Human-readable differences between two (nested) config dicts, as stored (no migration)."""
+  out = []
+  for key in sorted(set(saved) | set(current)):
+    a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _config_diff(a, b, saved_as=saved_as, current_as=current_as,
+                          prefix=f"{prefix}.{key}")
+    elif a != b:
+      out.append(f"{prefix}.{key}: {a!r} {saved_as} vs {b!r} {current_as}")
+  return out
+
+
+def check_model_config(saved: dict[str, Any], current: dict[str, Any], *, what: str,
+                       saved_as: str = "in the workdir", current_as: str = "now",
+                       remedy: str = "") -> None:
+  """ConfigError listing every field in which two model configs (dicts) differ (all of them
+  count: the runtime settings live in `ComputeConfig`, outside the model config).
+
+  Both go through the legacy migration, so a config written by older code compares equal to
+  the same architecture written today. `what` opens the message; `remedy` ends it.
+  """
+  diff = _config_diff(_legacy_model_dict(saved), _legacy_model_dict(current),
+                      saved_as=saved_as, current_as=current_as)
+  if diff:
+    raise ConfigError(f"{what}: " + "; ".join(diff) + (f". {remedy}" if remedy else ""))
+
+
+def read_model_config(path: str) -> dict[str, Any] | None:
+  """The model config stored in directory `path` (a workdir or an export), migrated to
+  today's layout (`_legacy_model_dict`); None if it has no CONFIG_FILE."""
+  file = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(file):
+    return None
+  with open(file, encoding="utf-8") as f:
+    return _legacy_model_dict(json.load(f))
+
+
 def check_workdir_config(workdir: str, model_dict: dict[str, Any], *, source: str | None = None,
                          saved: dict | None = None) -> None:
-  """Raise ConfigError if the workdir's stored model config differs from `model_dict`."""
-  path = os.path.join(workdir, CONFIG_FILE)
+  """Raise ConfigError if the workdir's stored model config (or `saved`, the copy in a
+  checkpoint's meta named by `source`) differs from `model_dict` in any field."""
   if saved is None:
-    if not os.path.exists(path):
+    saved = read_model_config(workdir)
+    if saved is None:
       return
-    with open(path, encoding="utf-8") as f:
-      saved = json.load(f)
-    source = path
-  # A run saved before a config field existed used that field's default (e.g. no vision).
-  saved = _fill_absent(_jsonify(saved), _jsonify(dataclasses.asdict(ModelConfig())))
-  diff = config_diff(saved, _jsonify(model_dict))
-  soft = [d for d in diff if d.split(":")[0] in RUNTIME_FIELDS]
-  if soft:
-    logging.warning("resuming with changed runtime settings: %s", "; ".join(soft))
-  diff = [d for d in diff if d not in soft]
-  if diff:
-    raise ConfigError(
-        f"workdir {workdir} holds a run of an incompatible model config ({source}): "
-        + "; ".join(diff[:8]) + (" ..." if len(diff) > 8 else "")
-        + ". Use a fresh --workdir or the original config.")
+    source = os.path.join(workdir, CONFIG_FILE)
+  check_model_config(saved, model_dict,
+                     what=f"workdir {workdir} holds a run of an incompatible model config "
+                     f"({source})", remedy="Use a fresh --workdir or the original config.")
 
 
 def write_workdir_config(workdir: str, model_dict: dict[str, Any]) -> None:
@@ -139,24 +185,47 @@ def write_workdir_config(workdir: str, model_dict: dict[str, Any]) -> None:
   os.replace(tmp, path)
 
 
-class Checkpointer:
-  """Saves and restores (state, data-iterator state, meta) under workdir/checkpoints."""
+# ------------------------------------------------------------------------------- checkpoints
+class Restored(NamedTuple):
+  """What `Checkpointer.restore_latest` returns."""
 
-  def __init__(self, workdir: str, *, keep: int, async_save: bool = True):
-    self.workdir = workdir
-    self.directory = os.path.join(workdir, "checkpoints")
-    self.corrupt_dir = os.path.join(workdir, "checkpoints_corrupt")
+  state: Any                    # the train state, on the target's shardings
+  data_state: dict[str, Any]    # this process's data-iterator state (read-only: as saved)
+  meta: dict[str, Any]          # step, model_config (migrated), signature, config, ...
+
+
+class Checkpointer:
+  """Saves and restores (state, data-iterator state, meta) under workdir/checkpoints.
+
+  `read_only=True` (evals): never creates, saves, moves or deletes anything, so it may read
+  a run that is still training; a bad checkpoint is skipped and left in place.
+  """
+
+  def __init__(self, workdir: str, *, keep: int | None = None, async_save: bool = True,
+               read_only: bool = False):
+    self.workdir = os.path.abspath(workdir)  # orbax wants absolute paths
+    self.directory = os.path.join(self.workdir, "checkpoints")
+    self.corrupt_dir = os.path.join(self.workdir, "checkpoints_corrupt")
+    self.read_only = read_only
+    self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
     _quiet_orbax_logs()
-    os.makedirs(self.directory, exist_ok=True)
-    self._quarantine_partial()
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                           enable_async_checkpointing=async_save, create=True)
+    if read_only:
+      if not os.path.isdir(self.directory):
+        raise ValueError(f"{workdir} has no checkpoints/ directory")
+      options = ocp.CheckpointManagerOptions(read_only=True)
+    else:
+      os.makedirs(self.directory, exist_ok=True)
+      self._quarantine_partial()
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                             enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   # ----------------------------------------------------------------------------- save
   def save(self, step: int, state, data_state: dict[str, Any] | None,
            meta: dict[str, Any]) -> bool:
     """Start saving `step` (async); returns False if that step already exists."""
+    if self.read_only:
+      raise RuntimeError(f"Checkpointer({self.workdir}) is read-only: it cannot save")
     if step in self.manager.all_steps():
       return False
     if jax.default_backend() == "cpu":
@@ -182,41 +251,63 @@ class Checkpointer:
 
   # ----------------------------------------------------------------------------- restore
   def read_meta(self, step: int) -> dict[str, Any]:
-    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    """Step `step`'s meta, its model config migrated to today's layout."""
+    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    return {**meta, "model_config": _legacy_model_dict(meta.get("model_config", {}))}
 
-  def restore_latest(self, abstract_state, model_dict: dict[str, Any], signature: str):
-    """-> (state, data_state, meta) of the newest good checkpoint, or None if there is none.
+  def restore_latest(self, target: Any | Callable[[dict[str, Any]], Any],
+                     model_dict: dict[str, Any]) -> Restored | None:
+    """The newest good checkpoint, or None if there is none (every skip is in `self.skipped`).
 
-    Raises ConfigError when the newest readable checkpoint comes from another model config
-    or state layout (e.g. a different optimizer): nothing is restored or moved then.
+    Args:
+      target: the abstract train state to restore onto (jax.ShapeDtypeStruct leaves, with
+        shardings on a mesh), or a function meta -> that state for a reader that learns the
+        layout from the checkpoint itself (an eval: the optimizer is in meta["config"]).
+      model_dict: the model config (dataclasses.asdict(ModelConfig)) the checkpoint must hold.
+
+    Raises:
+      ConfigError: the newest readable checkpoint comes from another model config or state
+        layout (e.g. a different optimizer): nothing is restored or moved then.
     """
+    target_for = target if callable(target) else lambda _: target
+    self.skipped = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-except
-        self._quarantine(step, f"unreadable metadata ({type(e).__name__}: {e})")
+        self._skip(step, f"unreadable metadata ({type(e).__name__}: {str(e)[:300]})")
         continue
-      check_workdir_config(self.workdir, model_dict, saved=meta.get("model_config", {}),
+      check_workdir_config(self.workdir, model_dict, saved=meta["model_config"],
                            source=f"checkpoint step {step}")
-      if meta.get("signature") not in (None, signature):
+      abstract = target_for(meta)
+      if meta.get("signature") not in (None, structure_signature(abstract)):
         raise ConfigError(
             f"checkpoint step {step} in {self.directory} has a different train-state layout "
             "(model, optimizer or clipping changed: train.optimizer / train.clip). "
             "Use a fresh --workdir or the original config.")
       try:
         r = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
-        self._quarantine(step, f"{type(e).__name__}: {str(e)[:300]}")
+        self._skip(step, f"{type(e).__name__}: {str(e)[:300]}")
         continue
       if not _same_fingerprint(meta.get("fingerprint", []), fingerprint(r.state)):
-        self._quarantine(step, "restored values do not match the fingerprint saved with them")
+        self._skip(step, "restored values do not match the fingerprint saved with them")
         continue
       logging.info("restored checkpoint step %d from %s", step, self.directory)
-      return r.state, own_host_state(r.data), meta
+      # A read-only reader resumes no data iterator: the record stays as saved (it may hold
+      # every process's state of a multi-process run).
+      data = r.data if self.read_only else own_host_state(r.data)
+      return Restored(r.state, data, meta)
     return None
 
-  def _quarantine(self, step: int, why: str) -> None:
+  def _skip(self, step: int, why: str) -> None:
+    """Report a bad checkpoint; a writer moves it aside so that no later run tries it."""
+    self.skipped.append((step, why))
+    if self.read_only:
+      logging.warning("checkpoint step %d is corrupt or partial (%s); left in place "
+                      "(read-only), trying the previous one", step, why)
+      return
     os.makedirs(self.corrupt_dir, exist_ok=True)
     src = os.path.join(self.directory, str(step))
     dst = os.path.join(self.corrupt_dir, f"{step}-{int(time.time() * 1000)}")
@@ -236,6 +327,7 @@ class Checkpointer:
         shutil.move(os.path.join(self.directory, name), dst)
 
 
+# ------------------------------------------------------------------------------- params export
 def export_params(path: str, params, biases, model_dict: dict[str, Any]) -> str:
   """Write parameters and (frozen) routing biases only, as plain dicts, plus the config."""
   path = os.path.abspath(path)
@@ -249,7 +341,34 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any]) -> str:
   return path
 
 
-def load_exported_params(path: str):
-  """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays."""
+def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
+  """{"layers/0/mixer/...": shape}; orbax turns integer keys into strings, so compare as str."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {path_string(p): tuple(np.shape(x)) for p, x in leaves}
+
+
+def tree_mismatch(want, got) -> list[str]:
+  """Every leaf missing from `got`, unexpected in it, or of another shape than in `want`."""
+  want, got = _leaf_shapes(want), _leaf_shapes(got)
+  out = [f"{k}: missing" for k in sorted(set(want) - set(got))]
+  out += [f"{k}: unexpected" for k in sorted(set(got) - set(want))]
+  out += [f"{k}: shape {got[k]} stored vs {want[k]} from the config"
+          for k in sorted(set(want) & set(got)) if want[k] != got[k]]
+  return out
+
+
+def load_exported_params(path: str, expected: dict[str, Any] | None = None):
+  """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays.
+
+  expected: the same two trees (arrays or jax.ShapeDtypeStruct) built from the export's
+    config; ValueError listing every missing, unexpected or mis-shaped leaf.
+  """
+  path = os.path.abspath(path)
   with ocp.StandardCheckpointer() as ckptr:
-    return ckptr.restore(os.path.join(os.path.abspath(path), "params"))
+    tree = ckptr.restore(os.path.join(path, "params"))
+  for name, want in (expected or {}).items():
+    bad = tree_mismatch(want, tree.get(name, {}))
+    if bad:
+      raise ValueError(f"params export {path}: the stored {name} do not match its "
+                       f"{CONFIG_FILE}: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else ""))
+  return tree

@@ -161,7 +161,7 @@ def _restore_or_init(ckpt, cfg: ModelConfig, compute: ComputeConfig, t, tx, data
                                             moe_dispatch=rt.moe_dispatch)
   signature = ckpt_lib.structure_signature(abstract)
   # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
-  restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict, signature)
+  restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict)
   if restored is None:
     state = rt.init_state(lambda: create_train_state(cfg, compute, tx, t.seed,
                                                      moe_dispatch=rt.moe_dispatch)[1],
