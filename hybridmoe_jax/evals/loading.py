@@ -20,12 +20,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from hybridmoe_jax.config import ModelConfig, model_config_from_dict
-from hybridmoe_jax.layers.moe import RoutingBias
+from hybridmoe_jax.config import ComputeConfig, ModelConfig, model_config_from_dict
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim
-from hybridmoe_jax.train.state import ModelFns, abstract_train_state
+from hybridmoe_jax.train.state import abstract_train_state, split_model
 
 
 def _read_config(path: str, what: str) -> dict[str, Any]:
@@ -49,8 +48,7 @@ def _abstract_train_state(meta: dict[str, Any]):
   stored in its meta; the optimizer only shapes the state, no step is run."""
   cfg = model_config_from_dict(meta["model_config"])
   tx = optim.make_optimizer(ml_collections.ConfigDict(json.loads(meta["config"])).train)
-  fns = ModelFns(lambda c, seed, _: HybridLM(c, rngs=nnx.Rngs(seed)), None, RoutingBias)
-  return abstract_train_state(fns, cfg, tx, 0, "none")
+  return abstract_train_state(cfg, ComputeConfig(), tx, 0)
 
 
 def load_from_workdir(workdir: str, expected: ModelConfig | None = None
@@ -96,7 +94,7 @@ def load_from_params(path: str, expected: ModelConfig | None = None
   _check_expected(path, saved, expected)
   cfg = model_config_from_dict(saved)
   abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
-  graphdef, params, biases, rest = nnx.split(abstract, nnx.Param, RoutingBias, ...)
+  graphdef, params, biases, rest = split_model(abstract)
   tree = ckpt_lib.load_exported_params(path, expected={
       "params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)})
   nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))

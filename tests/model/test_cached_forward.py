@@ -84,8 +84,8 @@ def test_ragged_rows_equal_each_row_alone():
   cache = init_cache(cfg, 2, 16)
   first = jnp.stack([jnp.pad(a[:5], (0, 3)), b[:8]])
   l1, cache, stats = _feed(model, cache, first, [5, 8], 8)
-  for layer_stats in stats.values():   # padding is left out of the routing statistics
-    assert int(layer_stats["load"].sum()) == 13 * cfg.moe.experts_per_token
+  for layer in stats["layers"].values():   # padding is left out of the routing statistics
+    assert int(layer["ffn"]["bias"]["load"].sum()) == 13 * cfg.moe.experts_per_token
   l2, cache, _ = _feed(model, cache, jnp.stack([jnp.zeros(3, a.dtype), b[8:11]]), [0, 3], 8)
   l3, cache, _ = _feed(model, cache, jnp.stack([a[5:6], b[11:12]]), [1, 1], 1)
   assert cache.length.tolist() == [6, 12]
