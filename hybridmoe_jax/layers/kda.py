@@ -58,11 +58,10 @@ class KDALayer(nnx.Module):
     self.cfg = cfg
     self.dtype = jnp.dtype(compute.dtype)
     self.impl, self.chunk_size = compute.kda_impl, compute.kda_chunk_size
-    dtype = compute.dtype
     self.norm_eps = norm_eps
     hk, hvk, hvv = cfg.num_heads * cfg.head_dim, cfg.num_v_heads * cfg.head_dim, (
         cfg.num_v_heads * cfg.v_head_dim)
-    lin = lambda i, o: linear(i, o, dtype=dtype, rngs=rngs)
+    lin = lambda i, o: linear(i, o, dtype=compute.dtype, rngs=rngs)
     self.q_proj, self.k_proj, self.v_proj = lin(d_model, hk), lin(d_model, hk), lin(d_model, hvv)
     self.q_conv = ShortConv(hk, cfg.conv_size, rngs=rngs)
     self.k_conv = ShortConv(hk, cfg.conv_size, rngs=rngs)
