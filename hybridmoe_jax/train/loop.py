@@ -278,7 +278,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
         saved_at=start if restored else -1)
     if stopped is None:
       eval_metrics = evaluate(eval_step, state, data.eval_batches)
-      monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, tokens_per_step))
+      monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, plan.tokens_per_step))
       if saved_at != step:
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()

@@ -38,30 +38,36 @@ def piece_value(p: LRPiece, local_step, xp=math):
   """Learning rate of one piece at `local_step` steps into its stage.
 
   Linear from p.lr_from to p.lr over p.warmup steps, then over the remaining
-  n = steps - warmup steps (s = progress in [0, 1], clamped), with end = lr * min_lr_ratio:
+  d = steps - warmup steps (n = steps since the warmup, clamped to [0, d]), with
+  end = lr * min_lr_ratio:
     constant  lr
-    linear    lr + (end - lr) * s
-    cosine    end + (lr - end) * (1 + cos(pi * s)) / 2
+    linear    linear from lr to end over d steps
+    cosine    lr * ((1 - min_lr_ratio) * (1 + cos(pi * n / d)) / 2 + min_lr_ratio)
     wsd       lr until the last decay_fraction * steps, then linear to end
+  Written in optax's operation order (linear_schedule, cosine_decay_schedule), so a plain
+  run's float32 learning rates are those of the optax warmup-cosine / wsd schedules.
   `xp` is `math` (Python floats) or `jax.numpy` (traced steps).
   """
-  lr, lo, w = p.lr, p.lr * p.min_lr_ratio, p.warmup
+  lr, m, w = p.lr, p.min_lr_ratio, p.warmup
   clip = (lambda v, a, b: min(max(v, a), b)) if xp is math else jnp.clip
   where = (lambda c, a, b: a if c else b) if xp is math else jnp.where
+
+  def ramp(start, end, n, length):  # linear from start to end over `length` steps
+    return (start - end) * (1 - clip(n, 0, length) / length) + end
+
+  d = max(p.steps - w, 1)
   if p.schedule == "wsd":
     decay = min(int(round(p.steps * p.decay_fraction)), p.steps - w)
-    s = clip((local_step - (p.steps - decay)) / max(decay, 1), 0.0, 1.0)
-    main = lr + (lo - lr) * s
+    since = local_step - (p.steps - decay)
+    main = where(since < 0, lr + 0.0 * since, ramp(lr, lr * m, since, max(decay, 1)))
+  elif p.schedule == "linear":
+    main = ramp(lr, lr * m, local_step - w, d)
+  elif p.schedule == "cosine":
+    n = clip(local_step - w, 0, d)
+    main = lr * ((1 - m) * (0.5 * (1 + xp.cos(math.pi * n / d))) + m)
   else:
-    s = clip((local_step - w) / max(p.steps - w, 1), 0.0, 1.0)
-    if p.schedule == "linear":
-      main = lr + (lo - lr) * s
-    elif p.schedule == "cosine":
-      main = lo + (lr - lo) * (1 + xp.cos(math.pi * s)) / 2
-    else:
-      main = lr + 0.0 * s
-  warm = p.lr_from + (lr - p.lr_from) * clip(local_step / max(w, 1), 0.0, 1.0)
-  return where(local_step < w, warm, main)
+    main = lr + 0.0 * local_step
+  return where(local_step < w, ramp(p.lr_from, lr, local_step, max(w, 1)), main)
 
 
 def make_schedule(pieces: Sequence[LRPiece]) -> optax.Schedule:

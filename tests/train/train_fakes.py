@@ -39,7 +39,7 @@ class FakeLM(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
     d = cfg.d_model
-    self.dtype = jnp.dtype(cfg.dtype)
+    self.dtype = jnp.float32  # the compute dtype is ComputeConfig.dtype, not the model's
     self.embed = nnx.Embed(cfg.vocab_size, d, rngs=rngs)
     self.moe = FakeMoE(d, cfg.moe.num_experts, cfg.moe.experts_per_token, rngs=rngs)
     self.head = nnx.Linear(d, cfg.vocab_size, rngs=rngs)
