@@ -225,7 +225,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
     export_params_to: if set, write a params-only checkpoint there at the end.
     fns: model factory and bias update (default: HybridLM + update_routing_biases).
     data: object with `.train` (checkpointable iterator) and `.eval_batches` (default:
-      `build_data(run, plan)`).
+      `build_data(config, plan)`).
 
   Returns:
     A summary: steps, first/last loss, final eval, tokens/s, wall time, alerts, final state.

@@ -2,6 +2,8 @@
 
 import json
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -198,3 +200,13 @@ def test_build_train_and_eval(tmp_path):
   cfg = DataConfig(source="text", paths=(str(tmp_path),), heldout_fraction=0.25)
   data = build_train_and_eval(cfg, vocab_size=259, seq_len=32, batch_size=2, seed=0)
   assert len(data.heldout_source) == 1 and len(data.train_source) == 3
+
+
+def test_package_import_is_lazy():
+  """`import hybridmoe_jax.data` loads no submodule (nor grain); names resolve on use."""
+  code = ("import sys, hybridmoe_jax.data as d; "
+          "before = sorted(m for m in sys.modules if m.startswith('hybridmoe_jax.data.')); "
+          "print(before, 'grain' in sys.modules); d.ByteTokenizer; print(d.make_pipeline.__module__)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True).stdout.split("\n")
+  assert out[0] == "[] False" and out[1] == "hybridmoe_jax.data.pipeline"

@@ -225,9 +225,14 @@ def test_plain_run_schedule_equals_the_optax_schedule(preset, train):
   np.testing.assert_array_equal(got, want)  # the same float32 values
 
 
-def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path):
+def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeypatch):
   config = _config(steps=(2, 2), lens=(16, 32))
+  calls = []
+  monkeypatch.setattr(plan_lib, "build_plan",
+                      lambda run, _build=plan_lib.build_plan: calls.append(1) or _build(run))
   ref = train_and_evaluate(config, str(tmp_path / "ref"), fns=fake_fns())
+  assert len(calls) == 1  # the plan is built once per run
+  monkeypatch.undo()
   assert ref["end_step"] == 4
   train = _records(tmp_path / "ref", "train")
   losses = {s: r["loss"] for s, r in train.items()}
