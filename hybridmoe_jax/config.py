@@ -42,7 +42,6 @@ def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
 
 
-
 def _positive(prefix: str, **fields: int) -> None:
   for name, value in fields.items():
     require(isinstance(value, int) and value > 0, f"{prefix}.{name}", value, "an integer >= 1")
@@ -78,17 +77,17 @@ class ComputeConfig:
     p = "compute"
     require(self.dtype in DTYPES, f"{p}.dtype", self.dtype, f"one of {DTYPES}")
     require(self.remat in REMAT_POLICIES, f"{p}.remat", self.remat,
-             f"one of {REMAT_POLICIES}")
+            f"one of {REMAT_POLICIES}")
     require(self.kda_impl in KDA_IMPLS, f"{p}.kda_impl", self.kda_impl, f"one of {KDA_IMPLS}")
     require(isinstance(self.kda_chunk_size, int) and _is_pow2(self.kda_chunk_size)
-             and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
-             "a power of two >= 16")
+            and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
+            "a power of two >= 16")
     require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
     require(isinstance(self.moe_capacity_factor, (int, float))
-             and not isinstance(self.moe_capacity_factor, bool)
-             and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",
-             self.moe_capacity_factor,
-             "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
+            and not isinstance(self.moe_capacity_factor, bool)
+            and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",
+            self.moe_capacity_factor,
+            "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +109,12 @@ class KDAConfig:
     _positive(p, num_heads=self.num_heads, num_v_heads=self.num_v_heads,
               head_dim=self.head_dim, v_head_dim=self.v_head_dim, conv_size=self.conv_size)
     require(self.num_v_heads % self.num_heads == 0, f"{p}.num_v_heads", self.num_v_heads,
-             f"a multiple of num_heads={self.num_heads}")
+            f"a multiple of num_heads={self.num_heads}")
     require(self.gate in GATE_KINDS, f"{p}.gate", self.gate, f"one of {GATE_KINDS}")
     require(-5.0 <= self.lower_bound < 0.0, f"{p}.lower_bound", self.lower_bound, "[-5, 0)")
     require(self.gate_rank >= 0, f"{p}.gate_rank", self.gate_rank, ">= 0 (0 -> head_dim)")
     require(self.output_gate_rank >= -1, f"{p}.output_gate_rank", self.output_gate_rank,
-             "-1 (full rank), 0 (head_dim) or a positive rank")
+            "-1 (full rank), 0 (head_dim) or a positive rank")
 
   @property
   def decay_rank(self) -> int:
@@ -178,19 +177,19 @@ class MoEConfig:
               dense_intermediate=self.dense_intermediate, qb_num_bins=self.qb_num_bins)
     # top_k(k + 1) needs one expert beyond the k routed ones for the QB cutoff.
     require(self.experts_per_token < self.num_experts, f"{p}.experts_per_token",
-             self.experts_per_token, f"[1, num_experts={self.num_experts})")
+            self.experts_per_token, f"[1, num_experts={self.num_experts})")
     require(self.num_shared_experts >= 0, f"{p}.num_shared_experts",
-             self.num_shared_experts, ">= 0")
+            self.num_shared_experts, ">= 0")
     if self.num_shared_experts:
       _positive(p, shared_intermediate=self.shared_intermediate)
     require(0 <= self.latent_dim < d_model or self.latent_dim == 0, f"{p}.latent_dim",
-             self.latent_dim, f"0 (off) or [1, d_model={d_model})")
+            self.latent_dim, f"0 (off) or [1, d_model={d_model})")
     require(self.glu in GLU_KINDS, f"{p}.glu", self.glu, f"one of {GLU_KINDS}")
     require(self.routed_scale > 0, f"{p}.routed_scale", self.routed_scale, "> 0")
     require(0 <= self.first_dense_layers <= num_layers, f"{p}.first_dense_layers",
-             self.first_dense_layers, f"[0, num_layers={num_layers}]")
+            self.first_dense_layers, f"[0, num_layers={num_layers}]")
     require(self.balancing in BALANCING, f"{p}.balancing", self.balancing,
-             f"one of {BALANCING}")
+            f"one of {BALANCING}")
     require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
 
 
@@ -231,17 +230,17 @@ class VisionConfig:
               max_images_per_row=self.max_images_per_row)
     require(self.num_channels in (1, 3), f"{p}.num_channels", self.num_channels, "1 or 3")
     require(isinstance(self.num_layers, int) and self.num_layers >= 0, f"{p}.num_layers",
-             self.num_layers, "an integer >= 0")
+            self.num_layers, "an integer >= 0")
     require(self.width % self.num_heads == 0, f"{p}.num_heads", self.num_heads,
-             f"a divisor of width={self.width}")
+            f"a divisor of width={self.width}")
     require(self.projector_dim >= 0, f"{p}.projector_dim", self.projector_dim,
-             ">= 0 (0 -> d_model)")
+            ">= 0 (0 -> d_model)")
     b = tuple(self.image_buckets)
     require(len(b) > 0 and all(isinstance(x, int) and x > 0 and x % (2 * self.patch_size) == 0
                                 for x in b) and list(b) == sorted(set(b)),
-             f"{p}.image_buckets", b,
-             f"a non-empty ascending tuple of sides that are multiples of 2 * patch_size = "
-             f"{2 * self.patch_size}")
+            f"{p}.image_buckets", b,
+            f"a non-empty ascending tuple of sides that are multiples of 2 * patch_size = "
+            f"{2 * self.patch_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +266,7 @@ class ModelConfig:
     kinds = tuple(self.layer_kinds)
     object.__setattr__(self, "layer_kinds", kinds)
     require(len(kinds) == self.num_layers, "model.layer_kinds", kinds,
-             f"a list of num_layers={self.num_layers} entries")
+            f"a list of num_layers={self.num_layers} entries")
     for i, kind in enumerate(kinds):
       require(kind in LAYER_KINDS, f"model.layer_kinds[{i}]", kind, f"one of {LAYER_KINDS}")
     require(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "(0, 1)")
@@ -314,7 +313,7 @@ def migrate_legacy(d: Mapping[str, Any]) -> dict[str, Any]:
   `run_config_from_dict`. Used on configs read back from a workdir (checkpoint meta
   "config"); for the model section alone (`model_config.json`) pass {"model": saved}.
   """
-  out = copy.deepcopy(_plain(dict(d)))
+  out = copy.deepcopy(dict(_plain(d)))
   for old, new in MOVED.items():
     *path, name = old.split(".")
     section = out
@@ -366,8 +365,7 @@ def _coerce(tp, value, field: str):
     require(_is_int(value), field, value, "an integer")
     return int(value)
   if tp is float:
-    require(_is_num(value) and not isinstance(value, (bool, np.bool_)), field, value,
-            "a number")
+    require(_is_num(value), field, value, "a number")
     return float(value)
   if tp is str:
     require(isinstance(value, str), field, value, "a string")

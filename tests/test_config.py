@@ -1,5 +1,6 @@
 """Config validation: every bad value names its field and the allowed range."""
 
+import ml_collections
 import pytest
 
 from hybridmoe_jax.config import (ComputeConfig, ConfigError, MoEConfig, default_layer_kinds,
@@ -101,3 +102,4 @@ def test_migrate_legacy_moves_runtime_fields():
                         )["compute"] == {"dtype": "float32"}
   model = migrate_legacy({"model": {"dtype": "float32", "d_model": 16}})["model"]
   assert model_config_from_dict(model).d_model == 16
+  assert migrate_legacy(ml_collections.ConfigDict(old)) == new  # a ConfigDict as well
