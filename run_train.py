@@ -21,11 +21,22 @@ from ml_collections import config_flags
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
+def _exit_if_moved():
+  """An override of a field that moved (e.g. --config.model.dtype) names its new place."""
+  from hybridmoe_jax.config import MOVED  # pylint: disable=g-import-not-at-top
+  for arg in sys.argv[1:]:
+    name = arg.split("=", 1)[0][len("--config."):] if arg.startswith("--config.") else ""
+    if name in MOVED:
+      sys.exit(f"error: bad --config flag {arg}: config field `{name}` moved to "
+               f"`{MOVED[name]}` (use --config.{MOVED[name]}=...)")
+
+
 def _define_config_flag():
   """--config plus --config.<field> overrides; a bad file or field name exits with one line."""
   try:
     return config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file.")
   except Exception as e:  # pylint: disable=broad-except  (raised while reading sys.argv)
+    _exit_if_moved()
     msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ")
     msg = msg.replace("\\'", "'")
     key = msg.split("'")[1] if msg.count("'") >= 2 else msg.split()[0] if msg else ""
@@ -62,6 +73,7 @@ def main(argv):
                            num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   except ValueError as e:
     sys.exit(f"error: {e}")
+  from hybridmoe_jax.run_config import run_config_from_dict
   from hybridmoe_jax.train import dry_run, loop
   try:
     config = _CONFIG.value
@@ -69,12 +81,13 @@ def main(argv):
   except OSError as e:  # the --config file could not be loaded
     sys.exit(f"error: {' '.join(str(e).split())}")
   try:
+    run = run_config_from_dict(config)  # the typed config everything below takes
     if _DRY_RUN.value:
-      dry_run.dry_run(config)
+      dry_run.dry_run(run)
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)
-    loop.train_and_evaluate(config, _WORKDIR.value, export_params_to=_EXPORT.value)
+    loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
   except (ConfigError, loop.InputError) as e:
     sys.exit(f"error: {e}")
 

@@ -51,16 +51,16 @@ def model_rate(config, stage, steps: int) -> float:
   """Tokens/s of the jitted train step at the stage's shape (after compilation)."""
   # pylint: disable=g-import-not-at-top
   import jax
-  from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
-  from hybridmoe_jax.train import curriculum, optim
+  from hybridmoe_jax.train import optim
+  from hybridmoe_jax.train import plan as plan_lib
   from hybridmoe_jax.train import step as step_lib
   from hybridmoe_jax.train.state import create_train_state
-  cfg = model_config_from_dict(config.model)
-  t = curriculum.train_section(config)
-  tx = optim.make_optimizer(t)
-  compute = ComputeConfig(dtype=cfg.dtype, remat=t.remat)
-  graphdef, state = create_train_state(cfg, compute, tx, t.seed)
-  train_step = step_lib.make_train_step(graphdef, cfg, t, tx)
+  cfg, t = config.model, config.train
+  schedule = plan_lib.build_plan(config).schedule()
+  tx = optim.make_optimizer(t, schedule)
+  graphdef, state = create_train_state(cfg, config.compute, tx, t.seed)
+  train_step = step_lib.make_train_step(graphdef, cfg, tx, grad_accum=t.grad_accum,
+                                        schedule=schedule)
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, 256, (stage.batch_size, stage.seq_len), dtype=np.int32),
            "segment_ids": np.ones((stage.batch_size, stage.seq_len), np.int32)}
@@ -77,11 +77,12 @@ def model_rate(config, stage, steps: int) -> float:
 
 def main(argv):
   del argv
-  from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.train import curriculum  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.train.config import load_config_file  # pylint: disable=g-import-not-at-top
-  config = load_config_file(_CONFIG.value)
-  data = curriculum.build_data(config, model_config_from_dict(config.model).vocab_size)
+  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.run_config import run_config_from_dict
+  from hybridmoe_jax.train import loop, plan as plan_lib
+  from hybridmoe_jax.train.config import load_config_file
+  config = run_config_from_dict(load_config_file(_CONFIG.value))
+  data = loop.build_data(config, plan_lib.build_plan(config))
   rows = []
   print(f"load average at start: {os.getloadavg()}", flush=True)
   print("| stage | seq_len x batch | workers | batches/s | tokens/s | model tokens/s | ratio |")

@@ -18,7 +18,8 @@ def _small():
 
 def get_config():
   config = _small()
-  config.model.dtype = "bfloat16"
+  config.compute.dtype = "bfloat16"
+  config.compute.remat = "full"    # see the per-stage memory estimate of --dry_run
   c = config.curriculum
   c.tokens_per_step = 1 << 22
   c.sources = {"pydoc": {"kind": "bundled"}, "stdlib": {"kind": "stdlib_long"}}
@@ -38,7 +39,6 @@ def get_config():
   )
   t = config.train
   t.steps = sum(s["tokens"] for s in c.stages) // c.tokens_per_step
-  t.remat = "full"
   t.eval_every = 0
   t.eval_batches = 1
   t.checkpoint_every = 500

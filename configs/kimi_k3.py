@@ -10,7 +10,6 @@ def get_config():
   m.d_model = 7168
   m.num_layers = 93               # MLA at 1-based 4, 8, ..., 92 and 93: 69 KDA + 24 MLA
   m.norm_eps = 1e-5
-  m.dtype = "bfloat16"
   m.kda.num_heads = 96
   m.kda.num_v_heads = 96
   m.kda.head_dim = 128
@@ -53,4 +52,5 @@ def get_config():
   v.projector_dim = 0             # projector 4 * 1024 -> 7168 -> 7168, then RMSNorm
   v.image_buckets = (224, 448, 896)
   v.max_images_per_row = 8
+  config.compute.dtype = "bfloat16"
   return config

@@ -9,7 +9,6 @@ def get_config():
   m.vocab_size = 163840
   m.d_model = 2304
   m.num_layers = 27               # MLA at 1-based 4, 8, ..., 24 and 27
-  m.dtype = "bfloat16"
   m.kda.num_heads = 32
   m.kda.num_v_heads = 32
   m.kda.head_dim = 128
@@ -36,4 +35,5 @@ def get_config():
   m.moe.dense_intermediate = 9216
   m.moe.balancing = "sign"        # auxiliary-loss-free bias rule of the original model
   m.attnres.enabled = False
+  config.compute.dtype = "bfloat16"
   return config

@@ -13,7 +13,6 @@ def get_config():
   m.kda.num_v_heads = 2
   m.kda.head_dim = 32
   m.kda.v_head_dim = 32
-  m.kda.chunk_size = 64
   m.mla.num_heads = 2
   m.mla.kv_lora_rank = 32
   m.mla.qk_nope_head_dim = 16
@@ -28,6 +27,7 @@ def get_config():
   m.moe.first_dense_layers = 1
   m.moe.dense_intermediate = 128
   m.attnres.block_size = 2
+  config.compute.kda_chunk_size = 64
   # The embedded default run (`python run_train.py`) uses the `train` defaults of
   # hybridmoe_jax/train/config.py: 300 steps of 8 x 256 tokens, loss ~6.1 -> ~1.4 on 2 cores.
   return config

@@ -1,16 +1,28 @@
-"""Typed, validated model configuration.
+"""Typed, validated configuration: the one field checker, the model and the compute config.
 
-Config files in `configs/` build an `ml_collections.ConfigDict` (one commented line per
-field); `model_config_from_dict(config.model)` turns its `model` part into these frozen
-dataclasses. Every check raises `ConfigError` naming the field, the value and the allowed
-range, before anything is allocated. Field names follow DESIGN.md and, where they exist,
-the upstream Hugging Face config keys.
+Config files in `configs/` build an `ml_collections.ConfigDict`; at the CLI boundary
+`from_dict` turns each section into a frozen dataclass (the whole run: `run_config.py`,
+the model alone: `model_config_from_dict`). `from_dict` checks names and types (unknown
+fields, ints / floats / bools / strings, tuples, dicts, nested dataclasses); each dataclass
+checks its ranges in `__post_init__`. Every check raises `ConfigError` naming the field, the
+value and the allowed range, before anything is allocated. Field names follow DESIGN.md
+and, where they exist, the upstream Hugging Face config keys.
+
+Runtime knobs (precision, remat, kernel choice, EP capacity) are not architecture: they
+live in `ComputeConfig`. Configs saved by older runs hold them in the model / train
+sections; `migrate_legacy` moves them, and a user config that still sets one gets a
+ConfigError naming its new place (`MOVED`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
+import typing
 from typing import Any, Mapping
+
+import numpy as np
 
 LAYER_KINDS = ("kda", "mla")
 GLU_KINDS = ("situ", "swiglu")
@@ -24,14 +36,15 @@ class ConfigError(ValueError):
   """A config field holds a value outside its allowed range."""
 
 
-def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+def require(ok: bool, field: str, value: Any, allowed: str) -> None:
+  """Raise `ConfigError` naming `field`, its `value` and the `allowed` range unless `ok`."""
   if not ok:
     raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
 
 
 def _positive(prefix: str, **fields: int) -> None:
   for name, value in fields.items():
-    _require(isinstance(value, int) and value > 0, f"{prefix}.{name}", value, "an integer >= 1")
+    require(isinstance(value, int) and value > 0, f"{prefix}.{name}", value, "an integer >= 1")
 
 
 def _is_pow2(n: int) -> bool:
@@ -62,19 +75,19 @@ class ComputeConfig:
 
   def __post_init__(self):
     p = "compute"
-    _require(self.dtype in DTYPES, f"{p}.dtype", self.dtype, f"one of {DTYPES}")
-    _require(self.remat in REMAT_POLICIES, f"{p}.remat", self.remat,
-             f"one of {REMAT_POLICIES}")
-    _require(self.kda_impl in KDA_IMPLS, f"{p}.kda_impl", self.kda_impl, f"one of {KDA_IMPLS}")
-    _require(isinstance(self.kda_chunk_size, int) and _is_pow2(self.kda_chunk_size)
-             and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
-             "a power of two >= 16")
-    _require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
-    _require(isinstance(self.moe_capacity_factor, (int, float))
-             and not isinstance(self.moe_capacity_factor, bool)
-             and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",
-             self.moe_capacity_factor,
-             "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
+    require(self.dtype in DTYPES, f"{p}.dtype", self.dtype, f"one of {DTYPES}")
+    require(self.remat in REMAT_POLICIES, f"{p}.remat", self.remat,
+            f"one of {REMAT_POLICIES}")
+    require(self.kda_impl in KDA_IMPLS, f"{p}.kda_impl", self.kda_impl, f"one of {KDA_IMPLS}")
+    require(isinstance(self.kda_chunk_size, int) and _is_pow2(self.kda_chunk_size)
+            and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
+            "a power of two >= 16")
+    require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
+    require(isinstance(self.moe_capacity_factor, (int, float))
+            and not isinstance(self.moe_capacity_factor, bool)
+            and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",
+            self.moe_capacity_factor,
+            "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,23 +103,18 @@ class KDAConfig:
   lower_bound: float = -5.0     # lb of the bounded gate, in [-5, 0)
   gate_rank: int = 0            # rank of the decay projection; 0 -> head_dim
   output_gate_rank: int = -1    # -1: full-rank output gate; r > 0: low rank r; 0 -> head_dim
-  chunk_size: int = 64          # chunk of the chunked/Pallas algorithm (power of two >= 16)
-  impl: str = "auto"            # kda op implementation
 
   def validate(self, d_model: int) -> None:
     p = "model.kda"
     _positive(p, num_heads=self.num_heads, num_v_heads=self.num_v_heads,
               head_dim=self.head_dim, v_head_dim=self.v_head_dim, conv_size=self.conv_size)
-    _require(self.num_v_heads % self.num_heads == 0, f"{p}.num_v_heads", self.num_v_heads,
-             f"a multiple of num_heads={self.num_heads}")
-    _require(self.gate in GATE_KINDS, f"{p}.gate", self.gate, f"one of {GATE_KINDS}")
-    _require(-5.0 <= self.lower_bound < 0.0, f"{p}.lower_bound", self.lower_bound, "[-5, 0)")
-    _require(self.gate_rank >= 0, f"{p}.gate_rank", self.gate_rank, ">= 0 (0 -> head_dim)")
-    _require(self.output_gate_rank >= -1, f"{p}.output_gate_rank", self.output_gate_rank,
-             "-1 (full rank), 0 (head_dim) or a positive rank")
-    _require(_is_pow2(self.chunk_size) and self.chunk_size >= 16, f"{p}.chunk_size",
-             self.chunk_size, "a power of two >= 16")
-    _require(self.impl in KDA_IMPLS, f"{p}.impl", self.impl, f"one of {KDA_IMPLS}")
+    require(self.num_v_heads % self.num_heads == 0, f"{p}.num_v_heads", self.num_v_heads,
+            f"a multiple of num_heads={self.num_heads}")
+    require(self.gate in GATE_KINDS, f"{p}.gate", self.gate, f"one of {GATE_KINDS}")
+    require(-5.0 <= self.lower_bound < 0.0, f"{p}.lower_bound", self.lower_bound, "[-5, 0)")
+    require(self.gate_rank >= 0, f"{p}.gate_rank", self.gate_rank, ">= 0 (0 -> head_dim)")
+    require(self.output_gate_rank >= -1, f"{p}.output_gate_rank", self.output_gate_rank,
+            "-1 (full rank), 0 (head_dim) or a positive rank")
 
   @property
   def decay_rank(self) -> int:
@@ -136,8 +144,8 @@ class MLAConfig:
     p = "model.mla"
     _positive(p, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
               qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
-    _require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, ">= 0 (0: none)")
-    _require(self.qk_rope_head_dim >= 0, f"{p}.qk_rope_head_dim", self.qk_rope_head_dim, ">= 0")
+    require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, ">= 0 (0: none)")
+    require(self.qk_rope_head_dim >= 0, f"{p}.qk_rope_head_dim", self.qk_rope_head_dim, ">= 0")
 
   @property
   def qk_head_dim(self) -> int:
@@ -161,9 +169,6 @@ class MoEConfig:
   balancing: str = "qb"             # "qb", "sign" (DeepSeek rule) or "none"
   qb_num_bins: int = 1000           # histogram bins of the scalable QB update
   sign_gamma: float = 1e-3          # step of the DeepSeek sign rule
-  # Expert-parallel buffer: 0 -> dropless (worst-case buffers); c > 0 -> each expert shard
-  # receives at most ceil(c * m k) rows per step, the excess is dropped and counted.
-  capacity_factor: float = 0.0
 
   def validate(self, d_model: int, num_layers: int) -> None:
     p = "model.moe"
@@ -171,24 +176,21 @@ class MoEConfig:
               expert_intermediate=self.expert_intermediate,
               dense_intermediate=self.dense_intermediate, qb_num_bins=self.qb_num_bins)
     # top_k(k + 1) needs one expert beyond the k routed ones for the QB cutoff.
-    _require(self.experts_per_token < self.num_experts, f"{p}.experts_per_token",
-             self.experts_per_token, f"[1, num_experts={self.num_experts})")
-    _require(self.num_shared_experts >= 0, f"{p}.num_shared_experts",
-             self.num_shared_experts, ">= 0")
+    require(self.experts_per_token < self.num_experts, f"{p}.experts_per_token",
+            self.experts_per_token, f"[1, num_experts={self.num_experts})")
+    require(self.num_shared_experts >= 0, f"{p}.num_shared_experts",
+            self.num_shared_experts, ">= 0")
     if self.num_shared_experts:
       _positive(p, shared_intermediate=self.shared_intermediate)
-    _require(0 <= self.latent_dim < d_model or self.latent_dim == 0, f"{p}.latent_dim",
-             self.latent_dim, f"0 (off) or [1, d_model={d_model})")
-    _require(self.glu in GLU_KINDS, f"{p}.glu", self.glu, f"one of {GLU_KINDS}")
-    _require(self.routed_scale > 0, f"{p}.routed_scale", self.routed_scale, "> 0")
-    _require(0 <= self.first_dense_layers <= num_layers, f"{p}.first_dense_layers",
-             self.first_dense_layers, f"[0, num_layers={num_layers}]")
-    _require(self.balancing in BALANCING, f"{p}.balancing", self.balancing,
-             f"one of {BALANCING}")
-    _require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
-    _require(isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 0,
-             f"{p}.capacity_factor", self.capacity_factor,
-             "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
+    require(0 <= self.latent_dim < d_model or self.latent_dim == 0, f"{p}.latent_dim",
+            self.latent_dim, f"0 (off) or [1, d_model={d_model})")
+    require(self.glu in GLU_KINDS, f"{p}.glu", self.glu, f"one of {GLU_KINDS}")
+    require(self.routed_scale > 0, f"{p}.routed_scale", self.routed_scale, "> 0")
+    require(0 <= self.first_dense_layers <= num_layers, f"{p}.first_dense_layers",
+            self.first_dense_layers, f"[0, num_layers={num_layers}]")
+    require(self.balancing in BALANCING, f"{p}.balancing", self.balancing,
+            f"one of {BALANCING}")
+    require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,19 +228,19 @@ class VisionConfig:
     _positive(p, patch_size=self.patch_size, width=self.width, num_heads=self.num_heads,
               mlp_dim=self.mlp_dim, native_grid=self.native_grid,
               max_images_per_row=self.max_images_per_row)
-    _require(self.num_channels in (1, 3), f"{p}.num_channels", self.num_channels, "1 or 3")
-    _require(isinstance(self.num_layers, int) and self.num_layers >= 0, f"{p}.num_layers",
-             self.num_layers, "an integer >= 0")
-    _require(self.width % self.num_heads == 0, f"{p}.num_heads", self.num_heads,
-             f"a divisor of width={self.width}")
-    _require(self.projector_dim >= 0, f"{p}.projector_dim", self.projector_dim,
-             ">= 0 (0 -> d_model)")
+    require(self.num_channels in (1, 3), f"{p}.num_channels", self.num_channels, "1 or 3")
+    require(isinstance(self.num_layers, int) and self.num_layers >= 0, f"{p}.num_layers",
+            self.num_layers, "an integer >= 0")
+    require(self.width % self.num_heads == 0, f"{p}.num_heads", self.num_heads,
+            f"a divisor of width={self.width}")
+    require(self.projector_dim >= 0, f"{p}.projector_dim", self.projector_dim,
+            ">= 0 (0 -> d_model)")
     b = tuple(self.image_buckets)
-    _require(len(b) > 0 and all(isinstance(x, int) and x > 0 and x % (2 * self.patch_size) == 0
+    require(len(b) > 0 and all(isinstance(x, int) and x > 0 and x % (2 * self.patch_size) == 0
                                 for x in b) and list(b) == sorted(set(b)),
-             f"{p}.image_buckets", b,
-             f"a non-empty ascending tuple of sides that are multiples of 2 * patch_size = "
-             f"{2 * self.patch_size}")
+            f"{p}.image_buckets", b,
+            f"a non-empty ascending tuple of sides that are multiples of 2 * patch_size = "
+            f"{2 * self.patch_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +252,6 @@ class ModelConfig:
   num_layers: int = 4
   layer_kinds: tuple[str, ...] = ()   # per layer "kda"/"mla"; () -> every 4th and the last
   norm_eps: float = 1e-5
-  dtype: str = "float32"              # compute dtype; parameters stay float32
   kda: KDAConfig = KDAConfig()
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
@@ -264,12 +265,11 @@ class ModelConfig:
       object.__setattr__(self, "layer_kinds", default_layer_kinds(self.num_layers))
     kinds = tuple(self.layer_kinds)
     object.__setattr__(self, "layer_kinds", kinds)
-    _require(len(kinds) == self.num_layers, "model.layer_kinds", kinds,
-             f"a list of num_layers={self.num_layers} entries")
+    require(len(kinds) == self.num_layers, "model.layer_kinds", kinds,
+            f"a list of num_layers={self.num_layers} entries")
     for i, kind in enumerate(kinds):
-      _require(kind in LAYER_KINDS, f"model.layer_kinds[{i}]", kind, f"one of {LAYER_KINDS}")
-    _require(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "(0, 1)")
-    _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {DTYPES}")
+      require(kind in LAYER_KINDS, f"model.layer_kinds[{i}]", kind, f"one of {LAYER_KINDS}")
+    require(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "(0, 1)")
     self.kda.validate(self.d_model)
     self.mla.validate(self.d_model)
     self.moe.validate(self.d_model, self.num_layers)
@@ -290,43 +290,112 @@ def default_layer_kinds(num_layers: int) -> tuple[str, ...]:
                for i in range(num_layers))
 
 
-def _typed_fields(cls, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-  """Check names and types of `values` against the dataclass `cls`; return coerced values."""
-  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - set(defaults))
-  if unknown:
-    raise ConfigError(f"unknown config field(s) {', '.join(prefix + '.' + u for u in unknown)};"
-                      f" allowed: {sorted(defaults)}")
-  out = {}
-  for name, value in values.items():
-    default = defaults[name]
-    if dataclasses.is_dataclass(default):
-      out[name] = _typed_sub(type(default), value, f"{prefix}.{name}")
+# Fields that moved out of the model / train sections: old name -> new name.
+MOVED = {
+    "model.dtype": "compute.dtype",
+    "model.kda.impl": "compute.kda_impl",
+    "model.kda.chunk_size": "compute.kda_chunk_size",
+    "model.moe.capacity_factor": "compute.moe_capacity_factor",
+    "train.remat": "compute.remat",
+}
+
+
+def _plain(values):
+  """ConfigDict (or FrozenConfigDict) -> dict; anything else unchanged."""
+  return values.to_dict() if hasattr(values, "to_dict") else values
+
+
+def migrate_legacy(d: Mapping[str, Any]) -> dict[str, Any]:
+  """A root config dict as saved by older runs -> today's layout (a new dict).
+
+  Each `MOVED` field found is taken out of its old section and put at its new place, unless
+  the new place is already set; fields absent from `d` are left to the defaults of
+  `run_config_from_dict`. Used on configs read back from a workdir (checkpoint meta
+  "config"); for the model section alone (`model_config.json`) pass {"model": saved}.
+  """
+  out = copy.deepcopy(dict(_plain(d)))
+  for old, new in MOVED.items():
+    *path, name = old.split(".")
+    section = out
+    for key in path:
+      section = section.get(key) if isinstance(section, dict) else None
+    if not isinstance(section, dict) or name not in section:
       continue
-    if isinstance(default, bool):
-      ok = isinstance(value, bool)
-    elif isinstance(default, float):
-      ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-      value = float(value) if ok else value
-    elif isinstance(default, int):
-      ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, str):
-      ok = isinstance(value, str)
-    elif isinstance(default, tuple):
-      ok = isinstance(value, (tuple, list))
-      value = tuple(value) if ok else value
-    else:
-      ok = True
-    _require(ok, f"{prefix}.{name}", value, f"a value of type {type(default).__name__}")
-    out[name] = value
+    value = section.pop(name)
+    new_section, new_name = new.split(".")
+    out.setdefault(new_section, {}).setdefault(new_name, value)
   return out
 
 
-def _typed_sub(cls, values, prefix: str):
-  values = dict(values.to_dict() if hasattr(values, "to_dict") else (values or {}))
-  return cls(**_typed_fields(cls, values, prefix))
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_num(v) -> bool:
+  return _is_int(v) or isinstance(v, (float, np.floating))
+
+
+def _join(prefix: str, name: str) -> str:
+  return f"{prefix}.{name}" if prefix else name
+
+
+def _coerce(tp, value, field: str):
+  """`value` checked against the annotation `tp` (and converted: list -> tuple, ...)."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    (tp,) = [a for a in args if a is not type(None)]
+    return _coerce(tp, value, field)
+  if dataclasses.is_dataclass(tp):
+    return from_dict(tp, {} if value is None else value, field)
+  if origin is tuple:
+    require(isinstance(value, (tuple, list)), field, value, "a tuple")
+    elem = args[0]
+    return tuple(_coerce(elem, v, f"{field}[{i}]") for i, v in enumerate(value))
+  if origin is dict:
+    value = _plain(value)
+    require(isinstance(value, Mapping) and all(isinstance(k, str) for k in value), field,
+            value, "a dict with string keys")
+    return {k: _coerce(args[1], v, _join(field, k)) for k, v in value.items()}
+  if tp is bool:
+    require(isinstance(value, (bool, np.bool_)), field, value, "True or False")
+    return bool(value)
+  if tp is int:
+    require(_is_int(value), field, value, "an integer")
+    return int(value)
+  if tp is float:
+    require(_is_num(value), field, value, "a number")
+    return float(value)
+  if tp is str:
+    require(isinstance(value, str), field, value, "a string")
+    return value
+  return value
+
+
+def from_dict(cls, values: Mapping[str, Any] | None, prefix: str = ""):
+  """THE config checker: a frozen dataclass `cls` from a (ConfigDict or) dict.
+
+  Fields missing from `values` take their defaults; unknown fields, a field that moved
+  (`MOVED`) and values of the wrong type raise `ConfigError` naming `prefix.field`; nested
+  dataclasses, tuples and dicts are built recursively; `cls.__post_init__` checks ranges.
+  """
+  values = _plain({} if values is None else values)
+  require(isinstance(values, Mapping), prefix or "config", values,
+          f"a dict of {cls.__name__} fields")
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls) if f.init]
+  unknown = sorted(set(values) - set(names))
+  for name in unknown:
+    if _join(prefix, name) in MOVED:
+      raise ConfigError(f"config field `{_join(prefix, name)}` moved to "
+                        f"`{MOVED[_join(prefix, name)]}`")
+  if unknown:
+    raise ConfigError(f"unknown config field(s) {', '.join(_join(prefix, u) for u in unknown)};"
+                      f" allowed: {sorted(names)}")
+  return cls(**{n: _coerce(hints[n], v, _join(prefix, n)) for n, v in values.items()})
 
 
 def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
   """Build a validated `ModelConfig` from a (ConfigDict or dict) `config.model`."""
-  return _typed_sub(ModelConfig, d, "model")
+  return from_dict(ModelConfig, d, "model")

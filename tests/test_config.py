@@ -1,19 +1,18 @@
 """Config validation: every bad value names its field and the allowed range."""
 
+import ml_collections
 import pytest
 
-from hybridmoe_jax.config import ConfigError, default_layer_kinds, model_config_from_dict
+from hybridmoe_jax.config import (ComputeConfig, ConfigError, MoEConfig, default_layer_kinds,
+                                  from_dict, migrate_legacy, model_config_from_dict)
 from tests.conftest import load_config
 
 
 @pytest.mark.parametrize("override, field", [
     ({"kda": {"num_heads": 3, "num_v_heads": 4}}, "model.kda.num_v_heads"),
-    ({"kda": {"chunk_size": 48}}, "model.kda.chunk_size"),
-    ({"kda": {"chunk_size": 8}}, "model.kda.chunk_size"),
     ({"kda": {"lower_bound": -5.5}}, "model.kda.lower_bound"),
     ({"kda": {"lower_bound": 0.0}}, "model.kda.lower_bound"),
     ({"kda": {"gate": "relu"}}, "model.kda.gate"),
-    ({"kda": {"impl": "fast"}}, "model.kda.impl"),
     ({"moe": {"num_experts": 4, "experts_per_token": 4}}, "model.moe.experts_per_token"),
     ({"moe": {"latent_dim": 64}}, "model.moe.latent_dim"),
     ({"moe": {"glu": "gelu"}}, "model.moe.glu"),
@@ -22,7 +21,11 @@ from tests.conftest import load_config
     ({"layer_kinds": ["kda", "mla"]}, "model.layer_kinds"),
     ({"d_model": 0}, "model.d_model"),
     ({"d_model": "64"}, "model.d_model"),
-    ({"dtype": "float16"}, "model.dtype"),
+    ({"norm_eps": "small"}, "model.norm_eps"),
+    ({"attnres": {"enabled": 1}}, "model.attnres.enabled"),
+    ({"vision": {"enabled": True, "image_buckets": (224, 100)}}, "model.vision.image_buckets"),
+    ({"vision": {"enabled": True, "image_buckets": "224"}}, "model.vision.image_buckets"),
+    ({"kda": 3}, "model.kda"),
     ({"mla": {"num_heads": -1}}, "model.mla.num_heads"),
     ({"attnres": {"block_size": 0}}, "model.attnres.block_size"),
     ({"kda": {"heads": 2}}, "model.kda.heads"),
@@ -44,3 +47,59 @@ def test_default_layer_pattern_matches_published_models():
 def test_presets_validate(name):
   cfg = model_config_from_dict(load_config(name).model)
   assert cfg.num_layers == len(cfg.layer_kinds)
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"dtype": "float16"}, "compute.dtype"),
+    ({"remat": "some"}, "compute.remat"),
+    ({"kda_impl": "fast"}, "compute.kda_impl"),
+    ({"kda_chunk_size": 48}, "compute.kda_chunk_size"),
+    ({"kda_chunk_size": 8}, "compute.kda_chunk_size"),
+    ({"moe_impl": "sparse"}, "compute.moe_impl"),
+    ({"moe_capacity_factor": -1.0}, "compute.moe_capacity_factor"),
+    ({"moe_capacity_factor": "big"}, "compute.moe_capacity_factor"),
+    ({"kda_chunks": 64}, "compute.kda_chunks"),
+])
+def test_bad_compute_values_name_the_field(override, field):
+  with pytest.raises(ConfigError, match=field):
+    from_dict(ComputeConfig, override, "compute")
+
+
+def test_checker_coerces_types():
+  cfg = model_config_from_dict({"layer_kinds": ["kda", "kda", "kda", "mla"],
+                                "moe": {"routed_scale": 2}, "vision": {"image_buckets": [28, 56]}})
+  assert cfg.layer_kinds == ("kda", "kda", "kda", "mla") and cfg.moe.routed_scale == 2.0
+  assert isinstance(cfg.moe.routed_scale, float) and cfg.vision.image_buckets == (28, 56)
+  assert from_dict(ComputeConfig, {"moe_capacity_factor": 2}).moe_capacity_factor == 2.0
+  assert from_dict(MoEConfig, None) == MoEConfig()
+
+
+@pytest.mark.parametrize("override, old, new", [
+    ({"dtype": "bfloat16"}, "model.dtype", "compute.dtype"),
+    ({"kda": {"impl": "chunked"}}, "model.kda.impl", "compute.kda_impl"),
+    ({"kda": {"chunk_size": 16}}, "model.kda.chunk_size", "compute.kda_chunk_size"),
+    ({"moe": {"capacity_factor": 1.5}}, "model.moe.capacity_factor",
+     "compute.moe_capacity_factor"),
+])
+def test_moved_fields_name_their_new_place(override, old, new):
+  with pytest.raises(ConfigError, match=f"`{old}` moved to `{new}`"):
+    model_config_from_dict(override)
+
+
+def test_migrate_legacy_moves_runtime_fields():
+  old = {"model": {"d_model": 16, "dtype": "bfloat16",
+                   "kda": {"impl": "chunked", "chunk_size": 16, "num_heads": 2},
+                   "moe": {"capacity_factor": 1.5}},
+         "train": {"remat": "full", "steps": 3}}
+  new = migrate_legacy(old)
+  assert new["compute"] == {"dtype": "bfloat16", "kda_impl": "chunked", "kda_chunk_size": 16,
+                            "moe_capacity_factor": 1.5, "remat": "full"}
+  assert new["model"] == {"d_model": 16, "kda": {"num_heads": 2}, "moe": {}}
+  assert new["train"] == {"steps": 3}
+  assert old["model"]["dtype"] == "bfloat16"  # the input is left as it was
+  # A compute section already present wins; a model-only dict migrates under "model".
+  assert migrate_legacy({"model": {"dtype": "bfloat16"}, "compute": {"dtype": "float32"}}
+                        )["compute"] == {"dtype": "float32"}
+  model = migrate_legacy({"model": {"dtype": "float32", "d_model": 16}})["model"]
+  assert model_config_from_dict(model).d_model == 16
+  assert migrate_legacy(ml_collections.ConfigDict(old)) == new  # a ConfigDict as well

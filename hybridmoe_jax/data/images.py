@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hybridmoe_jax.run_config import QA_WEIGHTS, QUESTION_TYPES
+
 # Where an image goes in a document's text (one marker per image).
 IMAGE_MARKER = "<image>"
 
@@ -43,12 +45,9 @@ GLYPHS = {d: np.array([[c == "#" for c in row] for row in rows], bool)
 COLOURS = {"red": (255, 40, 40), "green": (40, 220, 40), "blue": (60, 90, 255),
            "yellow": (240, 230, 40)}
 CELL_NAMES = ("top left", "top right", "bottom left", "bottom right")
-QUESTION_TYPES = ("count", "where", "colour")
-# Questions per Q/A training document and their relative sampling weights by type: digit
-# identity at a position is the hardest type (10 classes read from a few pixels after a 2-D
-# lookup), so it is asked more often.
-QA_PER_DOC = 4
-QA_WEIGHTS = {"count": 1.0, "where": 2.0, "colour": 1.0}
+# Question types and their default relative sampling weights live with the `data.vision`
+# config section that sets them (run_config.py).
+QA_PER_DOC = 4  # questions per Q/A training document
 
 
 class ImageError(ValueError):

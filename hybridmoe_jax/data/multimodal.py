@@ -32,9 +32,9 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.run_config import check_loss_weights
 
 IMAGE_MARKER = images_lib.IMAGE_MARKER
-VISION_SOURCES = ("synthetic", "jsonl")
 
 
 # ------------------------------------------------------------------------------- processor
@@ -342,20 +342,3 @@ class VLMPackedIterator:
     while len(rows) < self.batch_size:  # padding rows (segment id 0) for a static shape
       rows.append(_row_from_pieces([], self.seq_len))
     return collate(rows, self.proc.vision, self.seq_len)
-
-
-# --------------------------------------------------------------------- config checks
-
-
-def require_field(ok: bool, field: str, value, allowed: str) -> None:
-  if not ok:
-    raise ConfigError(f"config field `data.vision.{field}` = {value!r} is invalid: "
-                      f"allowed {allowed}")
-
-
-def check_loss_weights(prompt: float, answer: float) -> None:
-  """ConfigError unless prompt_loss_weight is in [0, 1] and answer_loss_weight in (0, 100]."""
-  num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-  require_field(num(prompt) and 0.0 <= prompt <= 1.0, "prompt_loss_weight", prompt, "a number in [0, 1]")
-  require_field(num(answer) and 0.0 < answer <= 100.0, "answer_loss_weight", answer,
-       "a number in (0, 100]")

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 
 from absl import logging
 import grain
-import ml_collections
 import numpy as np
 
 from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import packing
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.run_config import DataConfig
 
 Batch = dict[str, np.ndarray]
 
@@ -132,14 +132,14 @@ class TrainEvalData:
   heldout_source: sources_lib.SubsetSource
 
 
-def build_train_and_eval(data_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq_len: int,
+def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
                          batch_size: int, seed: int, eval_batch_size: int | None = None,
                          max_eval_batches: int = 16, shard_index: int = 0,
                          shard_count: int = 1) -> TrainEvalData:
   """Validates everything that can fail, then builds the train iterator and eval batches.
 
   Args:
-    data_cfg: a `config.data` section (see config.default_data_config).
+    data_cfg: the `data` section (`run_config.DataConfig`).
     vocab_size: the model's vocabulary; must hold every tokenizer id.
     seq_len, batch_size, seed: as in make_pipeline (batch_size is per shard).
     eval_batch_size: rows per eval batch (default batch_size).

@@ -1,5 +1,5 @@
-"""The image-text data pipeline of a vision model: `config.data.vision`, its checks, mixing
-with text by token share, and the train / held-out / curriculum-stage iterators.
+"""The image-text data pipeline of a vision model (`data.vision`, a `VisionDataConfig`):
+mixing with text by token share, and the train / held-out / curriculum-stage iterators.
 
 Documents, the processor and the packer live in `hybridmoe_jax.data.multimodal`.
 """
@@ -12,68 +12,17 @@ from typing import Any, Sequence
 
 from absl import logging
 import grain
-import ml_collections
 import numpy as np
 
 from hybridmoe_jax.config import VisionConfig
+from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import images as images_lib
+from hybridmoe_jax.data import sources as sources_lib
+from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data.image_text_source import ImageJsonlSource
-from hybridmoe_jax.data.multimodal import (VISION_SOURCES, Processor, VLMPackedIterator,
-                                           check_loss_weights, require_field)
-
-
-def default_vision_data_config() -> ml_collections.ConfigDict:
-  """The `config.data.vision` section (used only when model.vision.enabled)."""
-  c = ml_collections.ConfigDict()
-  # Share of training tokens from image-text documents (the rest: the text source), (0, 1].
-  c.share = 0.5
-  # "synthetic" (bundled generated digit scenes with Q/A) or "jsonl" (image path + text).
-  c.source = "synthetic"
-  # JSONL files or directories for source = "jsonl".
-  c.paths = ()
-  # Generated documents per epoch (synthetic) and generated held-out documents.
-  c.num_train = 200000
-  c.num_heldout = 64
-  # Image sides of generated scenes (pixels; multiples of 2 * patch_size).
-  c.sides = (28, 56)
-  # Seeds of the generated train and held-out scenes (disjoint by seed).
-  c.train_seed = 1
-  c.heldout_seed = 2
-  # Pad images whose sides are not multiples of 2 * patch_size (else they are rejected).
-  c.pad_images = False
-  # Target weights in documents that mark answer spans (the synthetic Q/A documents; JSONL
-  # records with "answer_spans"): prompt text in [0, 1], answers in (0, 100]; every other
-  # token (text documents, captions) weighs 1. Standard prompt masking is (0, 1); tiny_vlm
-  # also weighs answers up (see configs/tiny_vlm.py).
-  c.prompt_loss_weight = 0.0
-  c.answer_loss_weight = 1.0
-  # Synthetic Q/A documents: relative sampling weight of each question type (> 0).
-  c.question_weights = dict(images_lib.QA_WEIGHTS)
-  return c
-
-
-def validate_vision_data_config(c: ml_collections.ConfigDict, vision: VisionConfig) -> None:
-  """Checks `config.data.vision` against the model's vision config (ConfigError)."""
-  require_field(isinstance(c.share, (int, float)) and 0.0 < c.share <= 1.0, "share", c.share,
-       "a number in (0, 1]")
-  require_field(c.source in VISION_SOURCES, "source", c.source, f"one of {VISION_SOURCES}")
-  require_field(isinstance(c.paths, (tuple, list)) and all(isinstance(p, str) and p for p in c.paths),
-       "paths", c.paths, "a tuple of non-empty path strings")
-  if c.source == "jsonl":
-    require_field(len(c.paths) > 0, "paths", c.paths, "at least one path when source = 'jsonl'")
-  for name in ("num_train", "num_heldout"):
-    require_field(isinstance(c[name], int) and c[name] >= 1, name, c[name], "an integer >= 1")
-  m, top = 2 * vision.patch_size, vision.image_buckets[-1]
-  require_field(len(c.sides) > 0 and all(isinstance(s, int) and s > 0 and s % m == 0 and s <= top
-                                for s in c.sides), "sides", c.sides,
-       f"positive multiples of 2 * patch_size = {m}, at most the largest bucket {top}")
-  require_field(isinstance(c.pad_images, bool), "pad_images", c.pad_images, "True or False")
-  check_loss_weights(c.prompt_loss_weight, c.answer_loss_weight)
-  qw = dict(c.question_weights)
-  require_field(sorted(qw) == sorted(images_lib.QUESTION_TYPES)
-       and all(isinstance(w, (int, float)) and w > 0 for w in qw.values()),
-       "question_weights", qw, f"a weight > 0 for each of {images_lib.QUESTION_TYPES}")
+from hybridmoe_jax.data.multimodal import Processor, VLMPackedIterator
+from hybridmoe_jax.run_config import DataConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +84,6 @@ def vlm_stage_iterator(stage, *, proc: Processor, image_source, share: float
   tokens. Rows of stage.seq_len, stage.batch_size rows, resumable like any VLMPackedIterator.
   One host only (the image-text pipeline has no host shard).
   """
-  # pylint: disable=g-import-not-at-top  (avoid a cycle through data/__init__)
-  from hybridmoe_jax.data import stages as stages_lib
   img = grain.MapDataset.source(image_source).shuffle(stage.seed).repeat(None)
   texts = [(stages_lib.component_docs(c, seed=stage.seed + k + 1,
                                       long_upsample=stage.long_upsample,
@@ -147,10 +94,8 @@ def vlm_stage_iterator(stage, *, proc: Processor, image_source, share: float
                            num_docs=1 << 62)
 
 
-def image_text_sources(data_cfg: ml_collections.ConfigDict, vision: VisionConfig):
+def image_text_sources(data_cfg: DataConfig, vision: VisionConfig):
   """-> (train, held-out) image-text sources of `data.vision` (generated or JSONL)."""
-  # pylint: disable=g-import-not-at-top  (avoid a cycle through data/__init__)
-  from hybridmoe_jax.data import sources as sources_lib
   vc = data_cfg.vision
   if vc.source == "synthetic":
     kw = dict(sides=tuple(vc.sides), channels=vision.num_channels,
@@ -161,18 +106,18 @@ def image_text_sources(data_cfg: ml_collections.ConfigDict, vision: VisionConfig
                                   data_cfg.heldout_seed)
 
 
-def processor_from_config(data_cfg: ml_collections.ConfigDict, vision: VisionConfig,
+def processor_from_config(data_cfg: DataConfig, vision: VisionConfig,
                           vocab_size: int) -> Processor:
-  """Checks `data.vision` and the vocabulary; the processor it configures."""
+  """Checks `data.vision` against the tower and the vocabulary; the processor it configures."""
   vc = data_cfg.vision
-  validate_vision_data_config(vc, vision)
+  vc.check_against(vision)
   tokenizer_lib.check_vocab(tokenizer_lib.ByteTokenizer(vision=True), vocab_size)
   return Processor(vision, pad_images=vc.pad_images,
                    prompt_loss_weight=float(vc.prompt_loss_weight),
                    answer_loss_weight=float(vc.answer_loss_weight))
 
 
-def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: VisionConfig, *,
+def build_vlm_train_and_eval(data_cfg: DataConfig, vision: VisionConfig, *,
                              vocab_size: int, seq_len: int, batch_size: int, seed: int,
                              eval_batch_size: int | None = None,
                              max_eval_batches: int = 8) -> VLMData:
@@ -180,9 +125,6 @@ def build_vlm_train_and_eval(data_cfg: ml_collections.ConfigDict, vision: Vision
 
   Raises ConfigError / ValueError / FileNotFoundError before any batch is built.
   """
-  # pylint: disable=g-import-not-at-top  (avoid a cycle through data/__init__)
-  from hybridmoe_jax.data import config as data_config
-  from hybridmoe_jax.data import sources as sources_lib
   vc = data_cfg.vision
   proc = processor_from_config(data_cfg, vision, vocab_size)
   train_img, held_img = image_text_sources(data_cfg, vision)

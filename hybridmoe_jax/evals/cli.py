@@ -6,7 +6,6 @@ import dataclasses
 import os
 from typing import Any
 
-import ml_collections
 
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals import niah
@@ -72,6 +71,6 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   kinds = "".join(k[0] for k in model.cfg.layer_kinds)
   echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds})")
   results = run_evals(model, tasks, opts, output_dir, info=info,
-                      data_cfg=ml_collections.ConfigDict(data) if data else None, echo=echo)
+                      data_cfg=data, echo=echo)
   echo(f"results in {output_dir}")
   return results

@@ -17,11 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
+import optax
 from flax import nnx
 
-from hybridmoe_jax.config import ComputeConfig, ModelConfig, model_config_from_dict
+from hybridmoe_jax.config import ModelConfig, migrate_legacy, model_config_from_dict
 from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import abstract_train_state, split_model
@@ -43,12 +44,19 @@ def _check_expected(path: str, saved: dict, expected: ModelConfig | None) -> Non
         what=f"--config does not match the model stored in {path} ({ckpt_lib.CONFIG_FILE})")
 
 
+def _saved_run(meta: dict[str, Any]) -> RunConfig:
+  """The run config a checkpoint was trained with (older layouts migrated)."""
+  return run_config_from_dict(migrate_legacy(json.loads(meta["config"])))
+
+
 def _abstract_train_state(meta: dict[str, Any]):
-  """(graphdef, abstract TrainState) of a checkpoint, from the model and optimizer configs
-  stored in its meta; the optimizer only shapes the state, no step is run."""
+  """(graphdef, abstract TrainState) of a checkpoint, from the model, compute and optimizer
+  configs stored in its meta; no step is run, so the learning rate is irrelevant (a
+  constant schedule shapes the optimizer state like any other)."""
+  run = _saved_run(meta)
   cfg = model_config_from_dict(meta["model_config"])
-  tx = optim.make_optimizer(ml_collections.ConfigDict(json.loads(meta["config"])).train)
-  return abstract_train_state(cfg, ComputeConfig(), tx, 0)
+  tx = optim.make_optimizer(run.train, optax.constant_schedule(0.0))
+  return abstract_train_state(cfg, run.compute, tx, 0)
 
 
 def load_from_workdir(workdir: str, expected: ModelConfig | None = None
@@ -80,11 +88,10 @@ def load_from_workdir(workdir: str, expected: ModelConfig | None = None
     raise ValueError(f"no checkpoint in {ckpt.directory} could be restored: " + "; ".join(
         f"step {step}: {why}" for step, why in ckpt.skipped))
   state, _, meta = restored
-  root = ml_collections.ConfigDict(json.loads(meta["config"]))
   model = nnx.merge(graphdefs[-1], state.params, state.biases, state.rest)
   return model, {"source": "workdir", "path": workdir, "step": meta["step"],
                  "skipped": [{"step": step, "why": why} for step, why in ckpt.skipped],
-                 "data_config": root.data.to_dict() if "data" in root else None}
+                 "data_config": _saved_run(meta).data}
 
 
 def load_from_params(path: str, expected: ModelConfig | None = None

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.run_config import DataConfig
 from hybridmoe_jax.infer import Engine
 
 _BYTES = 256
@@ -23,12 +24,12 @@ _BYTES = 256
 def heldout_documents(data_cfg=None, text_files: Sequence[str] = ()) -> list[str]:
   """Documents from `text_files`, else the held-out split of a data config (default: bundled)."""
   # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.data import default_data_config, source_from_config, split_source
+  from hybridmoe_jax.data import source_from_config, split_source
   from hybridmoe_jax.data.sources import TextFileSource
   if text_files:
     source = TextFileSource(list(text_files))
     return [source[i] for i in range(len(source))]
-  data_cfg = data_cfg or default_data_config()
+  data_cfg = data_cfg or DataConfig()
   _, heldout = split_source(source_from_config(data_cfg), data_cfg.heldout_fraction,
                             data_cfg.heldout_seed)
   return [heldout[i] for i in range(len(heldout))]

@@ -109,7 +109,7 @@ def run_generate(model: HybridLM, opts: EvalOptions) -> dict[str, Any]:
 
 def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None) -> dict[str, Any]:
   """VQA on held-out generated scenes; sides and seed from the run's data.vision section."""
-  vis = data_cfg.get("vision") if data_cfg is not None else None
+  vis = data_cfg.vision if data_cfg is not None else None
   sides = tuple(vis.sides) if vis is not None else tuple(model.cfg.vision.image_buckets)
   seed = opts.vqa_seed if opts.vqa_seed >= 0 else (int(vis.heldout_seed) if vis is not None
                                                    else 2)

@@ -36,14 +36,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from hybridmoe_jax.config import ConfigError, ModelConfig
+from hybridmoe_jax.config import ConfigError, ModelConfig, migrate_legacy
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 from hybridmoe_jax.sharding import path_string
 
 CONFIG_FILE = "model_config.json"
-# Fields older code stored in the model config that are runtime settings now (ComputeConfig).
-_MOVED_TO_COMPUTE = (("dtype",), ("kda", "impl"), ("kda", "chunk_size"),
-                     ("moe", "capacity_factor"))
 
 
 class _QuietOrbax(std_logging.Filter):
@@ -103,23 +100,12 @@ def _fill_absent(saved: dict, defaults: dict) -> dict:
   return out
 
 
-def _drop_moved(d: dict) -> dict:
-  d = _jsonify(d)  # a copy
-  for *parents, name in _MOVED_TO_COMPUTE:
-    sub = d
-    for p in parents:
-      sub = sub.get(p) if isinstance(sub, dict) else None
-    if isinstance(sub, dict):
-      sub.pop(name, None)
-  return d
-
-
 def _legacy_model_dict(d: dict[str, Any]) -> dict[str, Any]:
   """A stored model config (JSON dict) in today's layout: without the fields older code kept
   there that are runtime settings now, and with fields added since it was written at their
   defaults (a run saved before `vision` existed had no vision tower)."""
-  defaults = _drop_moved(dataclasses.asdict(ModelConfig()))
-  return _fill_absent(_drop_moved(d), defaults)
+  migrated = migrate_legacy({"model": _jsonify(d)})["model"]
+  return _fill_absent(migrated, _jsonify(dataclasses.asdict(ModelConfig())))
 
 
 def _config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,

@@ -19,14 +19,14 @@ import jax
 import ml_collections
 from flax import nnx
 
-from hybridmoe_jax.config import model_config_from_dict
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
-from hybridmoe_jax.train import curriculum as curriculum_lib
-from hybridmoe_jax.train import optim
+from hybridmoe_jax.parallel.mesh import mesh_shape
+from hybridmoe_jax.run_config import MeshConfig, RunConfig, run_config_from_dict
 from hybridmoe_jax.sharding import MESH_AXES
-from hybridmoe_jax.train.config import mesh_shape, validate_train_config
+from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import plan as plan_lib
 
 GiB = 1024 ** 3
 
@@ -56,22 +56,22 @@ def _param_pieces(cfg):
   return pieces
 
 
-def resolve_mesh(mesh: ml_collections.ConfigDict) -> dict[str, int]:
+def resolve_mesh(mesh: MeshConfig) -> dict[str, int]:
   """-1 takes the local devices; without -1 the configured sizes define the device count."""
-  if any(int(mesh[a]) == -1 for a in MESH_AXES):
-    fixed = math.prod(int(mesh[a]) for a in MESH_AXES if int(mesh[a]) != -1)
-    return mesh_shape(mesh, max(jax.device_count(), fixed))
-  return mesh_shape(mesh, math.prod(int(mesh[a]) for a in MESH_AXES))
+  sizes = [getattr(mesh, a) for a in MESH_AXES]
+  if -1 in sizes:
+    return mesh_shape(dataclasses.asdict(mesh),
+                      max(jax.device_count(), math.prod(v for v in sizes if v != -1)))
+  return mesh_shape(dataclasses.asdict(mesh), math.prod(sizes))
 
 
-def estimate(config: ml_collections.ConfigDict) -> dict:
-  """Counts and per-device bytes for `config` (model, train.optimizer, mesh)."""
-  validate_train_config(config)
-  cfg = model_config_from_dict(config.model)
-  mesh = resolve_mesh(config.mesh)
+def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
+  """Counts and per-device bytes for `run` (model, train.optimizer, mesh)."""
+  cfg = run.model
+  mesh = resolve_mesh(run.mesh)
   counts = param_breakdown(cfg)
   total, active = sum(counts.values()), active_from_breakdown(cfg, counts)
-  tx = optim.make_optimizer(config.train)
+  tx = optim.make_optimizer(run.train, plan.schedule())
   param_bytes = opt_bytes = 0
   for params, times in _param_pieces(cfg):
     param_bytes += times * _bytes(params)
@@ -84,7 +84,7 @@ def estimate(config: ml_collections.ConfigDict) -> dict:
       "devices": math.prod(mesh.values()), "param_bytes": param_bytes,
       "opt_bytes": opt_bytes, "per_device_param_bytes": param_bytes * per_param_split,
       "per_device_opt_bytes": opt_bytes * per_param_split,
-      "optimizer": config.train.optimizer,
+      "optimizer": run.train.optimizer,
   }
 
 
@@ -115,17 +115,17 @@ def report(e: dict) -> str:
 DEVICE_MEMORY_GIB = 64.0
 
 
-def activation_bytes_per_token(cfg, seq_len: int) -> dict[str, float]:
+def activation_bytes_per_token(cfg, seq_len: int, dtype: str) -> dict[str, float]:
   """Bytes of activations kept for the backward pass, per token of one sequence.
 
   Counts the tensors each sublayer saves (projections, conv outputs, gates, router scores,
-  expert hidden states at k experts/token, norms and residual adds) in the compute dtype;
+  expert hidden states at k experts/token, norms and residual adds) in the compute `dtype`;
   "dots" keeps about half (matmul outputs only); "full" keeps each layer's input plus the
   AttnRes block buffer and recomputes one layer at a time. `attention_scores` is the
   [H, T] softmax row per query token that the XLA MLA core materialises (fp32 logits +
   probabilities): quadratic in T per sequence, it is what a flash-style kernel removes.
   """
-  b = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+  b = 2 if dtype in ("bfloat16", "float16") else 4
   d, k, m, moe = cfg.d_model, cfg.kda, cfg.mla, cfg.moe
   kda = 6 * d + 5 * k.num_heads * k.head_dim + 4 * k.num_v_heads * k.v_head_dim + k.num_heads
   mla = (6 * d + 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
@@ -151,30 +151,29 @@ def activation_bytes_per_token(cfg, seq_len: int) -> dict[str, float]:
   }
 
 
-def curriculum_report(config: ml_collections.ConfigDict, e: dict) -> str:
+def curriculum_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
   """Plan and per-stage activation memory per device, with the least remat that fits."""
-  plan = curriculum_lib.build_plan(config)
-  cfg = model_config_from_dict(config.model)
+  cfg = run.model
   rows_split = e["mesh"]["data"] * e["mesh"]["fsdp"]  # batch rows are split over these axes
   static = e["per_device_param_bytes"] * 2 + e["per_device_opt_bytes"]  # + fp32 gradients
   budget = DEVICE_MEMORY_GIB * GiB
-  lines = [curriculum_lib.describe(plan),
+  lines = [plan_lib.describe(plan),
            f"activation memory per device (estimate; params + grads + optimizer "
            f"{_fmt_bytes(static)}; budget {DEVICE_MEMORY_GIB:g} GiB per device):"]
   for s in plan.stages:
-    per_tok = activation_bytes_per_token(cfg, s.seq_len)
+    per_tok = activation_bytes_per_token(cfg, s.seq_len, run.compute.dtype)
     rows = s.batch_size / rows_split
     tokens = rows * s.seq_len
-    mb = max(1, config.train.grad_accum)
+    mb = run.train.grad_accum
     acts = {p: per_tok[p] * tokens / mb for p in ("none", "dots", "full")}
     scores = per_tok["attention_scores"] * s.seq_len * max(rows, 1.0) / mb
     fits = [p for p in ("none", "dots", "full") if static + acts[p] + scores <= budget]
     fits_flash = [p for p in ("none", "dots", "full") if static + acts[p] <= budget]
     if fits:
-      need = f"remat needed: train.remat='{fits[0]}'"
+      need = f"remat needed: compute.remat='{fits[0]}'"
     elif fits_flash:
       need = (f"does not fit with the XLA attention core; with a flash-attention kernel: "
-              f"train.remat='{fits_flash[0]}'")
+              f"compute.remat='{fits_flash[0]}'")
     else:
       need = "does not fit even with remat='full': raise train.grad_accum or add devices"
     cp = (f"; {rows:.2f} rows per device: needs context parallelism over "
@@ -186,10 +185,12 @@ def curriculum_report(config: ml_collections.ConfigDict, e: dict) -> str:
   return "\n".join(lines)
 
 
-def dry_run(config: ml_collections.ConfigDict) -> dict:
+def dry_run(config: ml_collections.ConfigDict | RunConfig) -> dict:
   """Print the report (and the curriculum plan when there is one); return the estimate."""
-  e = estimate(config)
+  run = run_config_from_dict(config)
+  plan = plan_lib.build_plan(run)
+  e = estimate(run, plan)
   print(report(e), flush=True)
-  if curriculum_lib.enabled(config):
-    print(curriculum_report(config, e), flush=True)
+  if plan.curriculum:
+    print(curriculum_report(run, plan, e), flush=True)
   return e

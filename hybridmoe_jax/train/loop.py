@@ -1,7 +1,7 @@
 """`train_and_evaluate(config, workdir)`: the whole run, resumable at any step.
 
-Order: validate config -> check the workdir's stored model config -> build data (every bad
-input stops here, before any allocation) -> restore the newest good checkpoint or initialise
+Order: the typed run config and its plan (every bad field stops here) -> check the workdir's
+stored model config -> build data (every bad input stops here, before any allocation) -> restore the newest good checkpoint or initialise
 -> steps, with periodic eval / checkpoint / heatmap and always a checkpoint at the end or on
 SIGINT/SIGTERM -> optional params-only export.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import json
 import math
 import os
 import signal
@@ -21,14 +22,16 @@ import jax
 import ml_collections
 import numpy as np
 
-from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig, model_config_from_dict
-from hybridmoe_jax.data import build_train_and_eval, build_vlm_train_and_eval
+from hybridmoe_jax.config import ConfigError, ModelConfig
+from hybridmoe_jax.data import curriculum as data_curriculum
+from hybridmoe_jax.data import pipeline as data_pipeline
+from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.parallel import runtime as parallel_runtime
+from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import curriculum as curriculum_lib
 from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
-from hybridmoe_jax.train.config import validate_train_config
 from hybridmoe_jax.train.monitor import Monitor
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
@@ -39,22 +42,25 @@ class InputError(ValueError):
   """Bad training input (data path, dataset, token ids, batch shapes): stops the run."""
 
 
-def build_data(config: ml_collections.ConfigDict, cfg: ModelConfig):
-  """Train iterator + held-out batches (`hybridmoe_jax.data.build_train_and_eval`)."""
-  t = config.train
+def build_data(run: RunConfig, plan: plan_lib.Plan):
+  """Train iterator + held-out batches: the curriculum's stages, image-text + text for a
+  vision model, else the `data` section's text (`hybridmoe_jax.data.pipeline`)."""
+  cfg, t = run.model, run.train
   try:
-    if curriculum_lib.enabled(config):  # staged context curriculum (train/curriculum.py)
-      return curriculum_lib.build_data(config, cfg.vocab_size, vision=cfg.vision)
-    if cfg.vision.enabled:  # image-text mixed with text (hybridmoe_jax.data.vlm_pipeline)
-      return build_vlm_train_and_eval(config.data, cfg.vision, vocab_size=cfg.vocab_size,
-                                      seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-                                      max_eval_batches=t.eval_batches)
+    if plan.curriculum:  # staged context curriculum (data/curriculum.py)
+      return data_curriculum.build_curriculum_data(
+          plan.stages, run.curriculum, run.data, vocab_size=cfg.vocab_size, seed=t.seed,
+          eval_batches=t.eval_batches, vision=cfg.vision)
+    if cfg.vision.enabled:  # image-text mixed with text (data/vlm_pipeline.py)
+      return vlm_pipeline.build_vlm_train_and_eval(
+          run.data, cfg.vision, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
+          batch_size=t.batch_size, seed=t.seed, max_eval_batches=t.eval_batches)
     # Multi-host: each process loads its own batch_size / process_count rows (its shard).
-    return build_train_and_eval(config.data, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
-                                batch_size=t.batch_size // jax.process_count(), seed=t.seed,
-                                max_eval_batches=t.eval_batches,
-                                shard_index=jax.process_index(),
-                                shard_count=jax.process_count())
+    return data_pipeline.build_train_and_eval(
+        run.data, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
+        batch_size=t.batch_size // jax.process_count(), seed=t.seed,
+        max_eval_batches=t.eval_batches, shard_index=jax.process_index(),
+        shard_count=jax.process_count())
   except ConfigError:
     raise
   except (ValueError, OSError) as e:  # missing path, empty dataset, ids beyond the vocab
@@ -154,9 +160,10 @@ def _log_sizes(state) -> None:
   logging.info("model: %s parameters, %s routing-bias entries", f"{n_params:,}", f"{n_bias:,}")
 
 
-def _restore_or_init(ckpt, cfg: ModelConfig, compute: ComputeConfig, t, tx, data, model_dict,
+def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dict,
                      rt: parallel_runtime.Runtime):
   """-> graphdef, state, state-layout signature, whether a checkpoint was restored."""
+  t, compute = run.train, run.compute
   graphdef, abstract = abstract_train_state(cfg, compute, tx, t.seed,
                                             moe_dispatch=rt.moe_dispatch)
   signature = ckpt_lib.structure_signature(abstract)
@@ -172,17 +179,16 @@ def _restore_or_init(ckpt, cfg: ModelConfig, compute: ComputeConfig, t, tx, data
   return graphdef, state, signature, True
 
 
-def _stage_info(it, step: int, t) -> dict[str, int]:
+def _stage_info(it, step: int, tokens_per_step: int) -> dict[str, int]:
   """Curriculum runs: stage, seq_len of the last batch and tokens seen; else {}."""
   stage = getattr(it, "stage", None)
   if stage is None:
     return {}
-  return {"stage": stage, "seq_len": it.batch_shape[1],
-          "tokens_seen": step * t.batch_size * t.seq_len}
+  return {"stage": stage, "seq_len": it.batch_shape[1], "tokens_seen": step * tokens_per_step}
 
 
-def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_step,
-               monitor: Monitor, ckpt, meta: dict, saved_at: int):
+def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, data,
+               train_step, eval_step, monitor: Monitor, ckpt, meta: dict, saved_at: int):
   """Steps until `t.steps` or a signal; periodic eval and checkpoints.
 
   Returns:
@@ -194,12 +200,13 @@ def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_
       state, metrics = train_step(state,
                                   step_lib.model_inputs(batch, step_lib.TRAIN_INPUT_KEYS))
       step += 1
-      monitor.step(step, {**jax.device_get(metrics), **_stage_info(data.train, step, t)})
+      monitor.step(step, {**jax.device_get(metrics),
+                          **_stage_info(data.train, step, tokens_per_step)})
       # A curriculum also evaluates (at the longest length) at the end of every stage.
       if ((t.eval_every and step % t.eval_every == 0) or step in getattr(data, "eval_at", ())
           ) and step < t.steps:
         monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches),
-                         _stage_info(data.train, step, t))
+                         _stage_info(data.train, step, tokens_per_step))
       if (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.signum:
         ckpt.save(step, state, data.train.get_state(), meta)
         saved_at = step
@@ -208,16 +215,17 @@ def _run_steps(state, step: int, *, t, cfg: ModelConfig, data, train_step, eval_
   return state, step, saved_at, None
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: str, *,
                        export_params_to: str | None = None, data=None) -> dict[str, Any]:
   """Train `config` in `workdir` (resuming from its newest good checkpoint).
 
   Args:
-    config: root config (model, train, data, mesh sections).
+    config: the root ConfigDict of a preset (model, compute, train, data, mesh, curriculum)
+      or the `RunConfig` built from one.
     workdir: checkpoints, TensorBoard events, metrics.jsonl and heatmaps go here.
     export_params_to: if set, write a params-only checkpoint there at the end.
     data: object with `.train` (checkpointable iterator) and `.eval_batches` (default:
-      `build_data(config, ...)`).
+      `build_data(config, plan)`).
 
   Returns:
     A summary: steps, first/last loss, final eval, tokens/s, wall time, alerts, final state.
@@ -226,52 +234,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     ConfigError / InputError: bad config or input, before training starts (token ids are
       also checked on every later batch).
   """
+  config = run_config_from_dict(config)  # typed and checked from here on
   wall0 = time.time()
   _dump_stacks_on_sigusr1()
   workdir = os.path.abspath(workdir)  # orbax wants absolute paths
-  validate_train_config(config)
-  cfg = model_config_from_dict(config.model)
+  plan = plan_lib.build_plan(config)  # once per run: stages, batches, the LR schedule
+  cfg, t = config.model, config.train
   model_dict = dataclasses.asdict(cfg)
-  t = curriculum_lib.train_section(config)  # config.train; a curriculum adds its LR plan
+  schedule = plan.schedule()
   if export_params_to and os.path.exists(export_params_to):
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
   os.makedirs(workdir, exist_ok=True)
   ckpt_lib.check_workdir_config(workdir, model_dict)
-  # Until the typed `compute` section lands: the runtime knobs still read from model/train.
-  compute = ComputeConfig(dtype=cfg.dtype, remat=t.remat, kda_impl=cfg.kda.impl,
-                          kda_chunk_size=cfg.kda.chunk_size,
-                          moe_capacity_factor=cfg.moe.capacity_factor)
   # Mesh from config.mesh; bad sizes stop here.
-  rt = parallel_runtime.setup(dict(config.mesh), cfg, compute, batch_size=t.batch_size,
-                              grad_accum=t.grad_accum, seq_len=t.seq_len)
-  data = data if data is not None else build_data(config, cfg)
-  tx = optim.make_optimizer(t)
+  rt = parallel_runtime.setup(dataclasses.asdict(config.mesh), cfg, config.compute,
+                              batch_size=t.batch_size, grad_accum=t.grad_accum,
+                              seq_len=t.seq_len)
+  data = data if data is not None else build_data(config, plan)
+  tx = optim.make_optimizer(t, schedule)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
-  graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, compute, t, tx, data,
+  graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, config, tx, data,
                                                           model_dict, rt)
   ckpt_lib.write_workdir_config(workdir, model_dict)
   start = int(state.step)
   _log_sizes(state)
-  meta = {"model_config": model_dict, "signature": signature, "config": config.to_json()}
+  meta = {"model_config": model_dict, "signature": signature,
+          "config": json.dumps(dataclasses.asdict(config))}
   eval_step = step_lib.make_eval_step(graphdef, **rt.step_kwargs(train=False))
   # Multi-process: only process 0 writes the run's logs; the others log under process_<i>/.
   logdir = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process_{jax.process_index()}")
   os.makedirs(logdir, exist_ok=True)
   monitor = Monitor(logdir, t, start_step=start, total_steps=t.steps,
-                    tokens_per_step=t.batch_size * t.seq_len)
+                    tokens_per_step=plan.tokens_per_step)
   monitor.write_jsonl({"event": "resume" if restored else "start", "step": start})
   logging.info("training steps %d..%d in %s", start, t.steps, workdir)
   eval_metrics = {}
   try:
     state, step, saved_at, stopped = _run_steps(
-        state, start, t=t, cfg=cfg, data=data, eval_step=eval_step, monitor=monitor,
-        train_step=step_lib.make_train_step(graphdef, cfg, t, tx, **rt.step_kwargs()),
+        state, start, t=t, tokens_per_step=plan.tokens_per_step, cfg=cfg, data=data,
+        eval_step=eval_step, monitor=monitor,
+        train_step=step_lib.make_train_step(graphdef, cfg, tx, grad_accum=t.grad_accum,
+                                            schedule=schedule, **rt.step_kwargs()),
         ckpt=ckpt, meta=meta,
         saved_at=start if restored else -1)
     if stopped is None:
       eval_metrics = evaluate(eval_step, state, data.eval_batches)
-      monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, t))
+      monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, plan.tokens_per_step))
       if saved_at != step:
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()
@@ -281,7 +290,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   finally:
     ckpt.close()
     monitor.close()
-    if isinstance(data, curriculum_lib.CurriculumData):  # its stage's grain workers
+    if isinstance(data, data_curriculum.CurriculumData):  # its stage's grain workers
       data.train.close()
   summary = {
       "start_step": start, "end_step": step, "first_loss": monitor.first_loss,

@@ -1,91 +1,87 @@
-"""Learning-rate schedules and the optimizer (global-norm clipping, then AdamW or Muon).
+"""The learning-rate schedule and the optimizer (global-norm clipping, then AdamW or Muon).
 
-A curriculum run's train section carries `lr_pieces` (train/curriculum.py): one piece per
-stage, and the schedule is their piecewise function of the global step.
+One scheduler for every run: the plan (train/plan.py) gives one `LRPiece` per stage (a run
+without a curriculum is one stage) and `make_schedule` is their piecewise function of the
+global step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
+from hybridmoe_jax.run_config import TrainConfig
 from hybridmoe_jax.sharding import path_string
 
 
-def piece_value(p: dict, local_step, xp=math):
-  """Learning rate of one curriculum piece at `local_step` steps into its stage.
+@dataclasses.dataclass(frozen=True)
+class LRPiece:
+  """The learning rate of one stage: global steps [start, start + steps)."""
 
-  Linear from p["lr_from"] to p["lr"] over p["warmup"] steps, then over the remaining
-  n = steps - warmup steps (s = progress in [0, 1], clamped), with end = lr * min_lr_ratio:
+  start: int
+  steps: int
+  lr_from: float        # warmup start value
+  lr: float             # peak
+  warmup: int           # linear warmup steps (<= steps)
+  schedule: str         # "constant", "linear", "cosine" or "wsd"
+  min_lr_ratio: float   # end value / lr
+  decay_fraction: float  # wsd: share of the steps in the final linear decay
+
+
+def piece_value(p: LRPiece, local_step, xp=math):
+  """Learning rate of one piece at `local_step` steps into its stage.
+
+  Linear from p.lr_from to p.lr over p.warmup steps, then over the remaining
+  d = steps - warmup steps (n = steps since the warmup, clamped to [0, d]), with
+  end = lr * min_lr_ratio:
     constant  lr
-    linear    lr + (end - lr) * s
-    cosine    end + (lr - end) * (1 + cos(pi * s)) / 2
+    linear    linear from lr to end over d steps
+    cosine    lr * ((1 - min_lr_ratio) * (1 + cos(pi * n / d)) / 2 + min_lr_ratio)
     wsd       lr until the last decay_fraction * steps, then linear to end
+  Written in optax's operation order (linear_schedule, cosine_decay_schedule), so a plain
+  run's float32 learning rates are those of the optax warmup-cosine / wsd schedules.
   `xp` is `math` (Python floats) or `jax.numpy` (traced steps).
   """
-  lr, lo, w = p["lr"], p["lr"] * p["min_lr_ratio"], p["warmup"]
+  lr, m, w = p.lr, p.min_lr_ratio, p.warmup
   clip = (lambda v, a, b: min(max(v, a), b)) if xp is math else jnp.clip
   where = (lambda c, a, b: a if c else b) if xp is math else jnp.where
-  if p["schedule"] == "wsd":
-    decay = min(int(round(p["steps"] * p["decay_fraction"])), p["steps"] - w)
-    s = clip((local_step - (p["steps"] - decay)) / max(decay, 1), 0.0, 1.0)
-    main = lr + (lo - lr) * s
+
+  def ramp(start, end, n, length):  # linear from start to end over `length` steps
+    return (start - end) * (1 - clip(n, 0, length) / length) + end
+
+  d = max(p.steps - w, 1)
+  if p.schedule == "wsd":
+    decay = min(int(round(p.steps * p.decay_fraction)), p.steps - w)
+    since = local_step - (p.steps - decay)
+    main = where(since < 0, lr + 0.0 * since, ramp(lr, lr * m, since, max(decay, 1)))
+  elif p.schedule == "linear":
+    main = ramp(lr, lr * m, local_step - w, d)
+  elif p.schedule == "cosine":
+    n = clip(local_step - w, 0, d)
+    main = lr * ((1 - m) * (0.5 * (1 + xp.cos(math.pi * n / d))) + m)
   else:
-    s = clip((local_step - w) / max(p["steps"] - w, 1), 0.0, 1.0)
-    if p["schedule"] == "linear":
-      main = lr + (lo - lr) * s
-    elif p["schedule"] == "cosine":
-      main = lo + (lr - lo) * (1 + xp.cos(math.pi * s)) / 2
-    else:
-      main = lr + 0.0 * s
-  warm = p["lr_from"] + (lr - p["lr_from"]) * clip(local_step / max(w, 1), 0.0, 1.0)
-  return where(local_step < w, warm, main)
+    main = lr + 0.0 * local_step
+  return where(local_step < w, ramp(p.lr_from, lr, local_step, max(w, 1)), main)
 
 
-def piecewise_schedule(pieces) -> optax.Schedule:
-  """Global step -> the learning rate of the stage it falls in (the last stage holds on)."""
-  pieces = tuple(dict(p) for p in pieces)
+def make_schedule(pieces: Sequence[LRPiece]) -> optax.Schedule:
+  """Global step -> the learning rate of the piece it falls in (the last one holds on)."""
+  pieces = tuple(pieces)
 
   def schedule(count):
     count = jnp.asarray(count, jnp.float32)
-    lr = piece_value(pieces[0], count - pieces[0]["start"], jnp)
+    lr = piece_value(pieces[0], count - pieces[0].start, jnp)
     for p in pieces[1:]:
-      lr = jnp.where(count >= p["start"], piece_value(p, count - p["start"], jnp), lr)
+      lr = jnp.where(count >= p.start, piece_value(p, count - p.start, jnp), lr)
     return lr
 
   return schedule
-
-
-def make_schedule(t: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup to `t.lr`, then cosine / warmup-stable-decay (WSD) / constant.
-
-  cosine: lr * (min + (1 - min) * (1 + cos(pi * s)) / 2), s = progress after warmup.
-  wsd:    lr held until the last `decay_fraction` of the steps, then linear to min * lr.
-  With `t.lr_pieces` (a curriculum run): `piecewise_schedule(t.lr_pieces)` instead.
-  """
-  if t.get("lr_pieces"):
-    return piecewise_schedule(t.lr_pieces)
-  peak, end = t.lr, t.lr * t.min_lr_ratio
-  warmup_steps = min(t.warmup, t.steps)
-  warmup = optax.linear_schedule(0.0, peak, warmup_steps) if warmup_steps else None
-  rest = t.steps - warmup_steps
-  if t.schedule == "cosine":
-    main = optax.cosine_decay_schedule(peak, max(rest, 1), alpha=t.min_lr_ratio)
-  elif t.schedule == "wsd":
-    decay = min(int(round(t.steps * t.decay_fraction)), rest)
-    main = optax.join_schedules(
-        [optax.constant_schedule(peak), optax.linear_schedule(peak, end, max(decay, 1))],
-        [rest - decay])
-  else:
-    main = optax.constant_schedule(peak)
-  if warmup is None:
-    return main
-  return optax.join_schedules([warmup, main], [warmup_steps])
 
 
 def _is_embedding_or_head(path) -> bool:
@@ -111,9 +107,8 @@ def _muon_dims(params):
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """clip_by_global_norm(t.clip) -> AdamW or Muon with `make_schedule(t)`."""
-  schedule = make_schedule(t)
+def make_optimizer(t: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """clip_by_global_norm(t.clip) -> AdamW or Muon at the learning rate `schedule`."""
   if t.optimizer == "adamw":
     opt = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay,
                       mask=decay_mask)
@@ -126,6 +121,6 @@ def make_optimizer(t: ml_collections.ConfigDict) -> optax.GradientTransformation
   return opt
 
 
-def learning_rate(t: ml_collections.ConfigDict, applied_updates: jax.Array) -> jax.Array:
+def learning_rate(schedule: optax.Schedule, applied_updates: jax.Array) -> jax.Array:
   """The learning rate of the next update, given how many updates were applied so far."""
-  return jnp.asarray(make_schedule(t)(applied_updates), jnp.float32)
+  return jnp.asarray(schedule(applied_updates), jnp.float32)

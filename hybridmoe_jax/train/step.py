@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
@@ -127,16 +126,18 @@ def _on_mesh(fn, mesh, batch_arg: int):
 
 
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
-                    t: ml_collections.ConfigDict, tx: optax.GradientTransformation, *,
-                    mesh: jax.sharding.Mesh | None = None, state_shardings=None
+                    tx: optax.GradientTransformation, *, grad_accum: int,
+                    schedule: optax.Schedule, mesh: jax.sharding.Mesh | None = None,
+                    state_shardings=None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
   """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated.
 
-  With `mesh`, the step runs under that mesh (host batches placed over data x fsdp; the
-  expert-parallel MoE comes with `graphdef`, built with the runtime's dispatch) and the new state is constrained to `state_shardings` (the input layout).
+  grad_accum microbatches (dividing the batch) are summed; `schedule` maps applied updates
+  to the learning rate (the optimizer's, reported as a metric). With `mesh`, the step runs
+  under that mesh (host batches placed over data x fsdp; the expert-parallel MoE comes with
+  `graphdef`, built with the runtime's dispatch) and the new state is constrained to
+  `state_shardings` (the input layout).
   """
-  grad_accum = t.grad_accum
-
   def train_step(state: TrainState, batch: Batch):
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
     tokens = sharding.constrain(tokens, ("batch", "length"))
@@ -164,7 +165,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     if state_shardings is not None:
       new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     metrics = {
-        "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(t, applied),
+        "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(schedule, applied),
         "tokens": count,  # summed target weights (= target tokens without loss_weights)
         "finite": ok, "skipped": new_state.skipped,
         "moe": moe_metrics,

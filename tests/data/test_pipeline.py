@@ -2,14 +2,17 @@
 
 import json
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import (BundledTextSource, ByteTokenizer, JsonlSource, TextFileSource,
-                                build_train_and_eval, default_data_config, eval_batches,
-                                make_pipeline, split_source, unpack_row, validate_data_config)
+                                build_train_and_eval, eval_batches, make_pipeline, make_source,
+                                split_source, unpack_row)
+from hybridmoe_jax.run_config import DataConfig
 
 TOK = ByteTokenizer()
 KEYS = ("tokens", "segment_ids", "positions")
@@ -160,28 +163,50 @@ def test_jsonl_skips_and_counts_bad_lines(tmp_path, caplog):
 
 
 def test_config_validation_names_the_field():
-  validate_data_config(default_data_config())
+  assert from_dict(DataConfig, {}, "data") == DataConfig()
   for field, value, match in [("source", "web", "data.source"), ("source", "text", "data.paths"),
                               ("heldout_fraction", 0.0, "data.heldout_fraction"),
-                              ("heldout_fraction", 0.6, "data.heldout_fraction")]:
-    cfg = default_data_config()
-    cfg[field] = value
+                              ("heldout_fraction", 0.6, "data.heldout_fraction"),
+                              ("jsonl_field", "", "data.jsonl_field"),
+                              ("heldout_seed", -1, "data.heldout_seed"),
+                              ("paths", "a.txt", "data.paths"),
+                              ("colour", "red", "data.colour")]:
     with pytest.raises(ConfigError, match=match):
-      validate_data_config(cfg)
+      from_dict(DataConfig, {field: value}, "data")
+
+
+def test_one_source_factory(tmp_path):
+  (tmp_path / "a.txt").write_text("document a")
+  assert isinstance(make_source("bundled"), BundledTextSource)
+  assert len(make_source("text", (str(tmp_path),))) == 1
+  (tmp_path / "b.jsonl").write_text(json.dumps({"body": "document b"}) + "\n")
+  assert make_source("jsonl", (str(tmp_path / "b.jsonl"),), field="body")[0] == "document b"
+  with pytest.raises(ValueError, match="unknown document source kind 'web'"):
+    make_source("web")
 
 
 def test_build_train_and_eval(tmp_path):
-  cfg = default_data_config()
+  cfg = DataConfig()
   data = build_train_and_eval(cfg, vocab_size=259, seq_len=64, batch_size=2, seed=0,
                               max_eval_batches=3)
   assert next(data.train)["tokens"].shape == (2, 64) and len(data.eval_batches) == 3
   with pytest.raises(ValueError, match="model vocab_size 200"):
     build_train_and_eval(cfg, vocab_size=200, seq_len=64, batch_size=2, seed=0)
-  cfg.source, cfg.paths = "jsonl", (str(tmp_path / "missing"),)
+  cfg = DataConfig(source="jsonl", paths=(str(tmp_path / "missing"),))
   with pytest.raises(FileNotFoundError, match="missing"):
     build_train_and_eval(cfg, vocab_size=259, seq_len=64, batch_size=2, seed=0)
   for i in range(4):
     (tmp_path / f"{i}.txt").write_text(f"document {i} " * 20)
-  cfg.source, cfg.paths, cfg.heldout_fraction = "text", (str(tmp_path),), 0.25
+  cfg = DataConfig(source="text", paths=(str(tmp_path),), heldout_fraction=0.25)
   data = build_train_and_eval(cfg, vocab_size=259, seq_len=32, batch_size=2, seed=0)
   assert len(data.heldout_source) == 1 and len(data.train_source) == 3
+
+
+def test_package_import_is_lazy():
+  """`import hybridmoe_jax.data` loads no submodule (nor grain); names resolve on use."""
+  code = ("import sys, hybridmoe_jax.data as d; "
+          "before = sorted(m for m in sys.modules if m.startswith('hybridmoe_jax.data.')); "
+          "print(before, 'grain' in sys.modules); d.ByteTokenizer; print(d.make_pipeline.__module__)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True).stdout.split("\n")
+  assert out[0] == "[] False" and out[1] == "hybridmoe_jax.data.pipeline"

@@ -22,7 +22,9 @@ from hybridmoe_jax.parallel import rules, runtime
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.train import optim
+from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.train.plan import build_plan
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 from hybridmoe_jax.train.step import make_train_step
 from tests.conftest import load_config, rel_rms
@@ -60,7 +62,9 @@ def _batches(n, vocab):
 def test_sharded_train_step_equals_unsharded():
   c = _config()
   cfg = tiny_model_config(num_experts=8, experts_per_token=2, qb_num_bins=128)
-  tx = optim.make_optimizer(c.train)
+  run = run_config_from_dict(c)
+  schedule = build_plan(run).schedule()
+  tx = optim.make_optimizer(run.train, schedule)
   rt = _setup(c, dict(data=2, expert=4))
   assert isinstance(rt.moe_dispatch, ExpertParallelDispatch) and rt.moe_dispatch.mesh is rt.mesh
   graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0, moe_dispatch=rt.moe_dispatch)
@@ -69,7 +73,8 @@ def test_sharded_train_step_equals_unsharded():
   # The reference: the same values on one device, the plain (local experts, unsharded) step.
   ref_graphdef, _ = abstract_train_state(cfg, COMPUTE, tx, 0)
   ref = jax.device_put(jax.device_get(state), jax.devices()[0])
-  ref_step = make_train_step(ref_graphdef, cfg, c.train, tx)
+  step_args = dict(grad_accum=run.train.grad_accum, schedule=schedule)
+  ref_step = make_train_step(ref_graphdef, cfg, tx, **step_args)
   # Expert weights and their Adam moments live on the expert axis, the bias is replicated.
   ffn = state.params["layers"][1]["ffn"]
   assert ffn["w_gate"][...].sharding.spec[0] == "expert"
@@ -79,7 +84,7 @@ def test_sharded_train_step_equals_unsharded():
   # Sharded init == unsharded init of the same weights (up to ulps: jitted sampling).
   eager = HybridLM(cfg, rngs=nnx.Rngs(0), compute=COMPUTE).layers[1].ffn.w_up[...]
   np.testing.assert_allclose(eager, ffn["w_up"][...], rtol=1e-6, atol=1e-7)
-  step = make_train_step(graphdef, cfg, c.train, tx, **rt.step_kwargs())
+  step = make_train_step(graphdef, cfg, tx, **step_args, **rt.step_kwargs())
   for batch in _batches(2, cfg.vocab_size):
     ref, m_ref = ref_step(ref, batch)
     state, m = step(state, batch)

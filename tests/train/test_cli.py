@@ -45,6 +45,11 @@ def _one_error(p, *needles):
     ("--config.model.moe.balancing=off", ["model.moe.balancing", "qb"]),
     ("--config.model.vocab_size=100", ["vocab"]),
     ("--config=configs/nonexistent.py", ["nonexistent.py"]),
+    ("--config.model.dtype=bfloat16", ["model.dtype", "moved to `compute.dtype`"]),
+    ("--config.train.remat=full", ["train.remat", "moved to `compute.remat`"]),
+    ("--config.model.kda.chunk_size=32", ["model.kda.chunk_size", "compute.kda_chunk_size"]),
+    ("--config.compute.dtype=float16", ["compute.dtype", "bfloat16"]),
+    ("--config.data.heldout_fraction=0.9", ["data.heldout_fraction", "(0, 0.5]"]),
 ])
 def test_bad_flags_stop_with_one_message(tmp_path, flag, needles):
   _one_error(_run(flag, f"--workdir={tmp_path}"), *needles)

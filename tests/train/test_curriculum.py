@@ -1,4 +1,4 @@
-"""The curriculum plan, its bad-input errors, the piecewise LR, and staged training + resume.
+"""The run plan, its bad-input errors, the one LR schedule, and staged training + resume.
 
 Loop tests use the tiny real model of train_fakes.py on real curriculum data (bundled pydoc
 texts, byte tokens); the slow test runs configs/curriculum_cpu.py end to end.
@@ -9,11 +9,14 @@ import math
 import os
 
 import numpy as np
+import optax
 import pytest
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.train import curriculum, dry_run, optim
-from hybridmoe_jax.train.config import default_config, validate_train_config
+from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.train import dry_run, optim
+from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import load_config
 from tests.train.train_fakes import set_tiny_model
@@ -47,8 +50,12 @@ def _records(workdir, split):
   return out
 
 
+def build_plan(config):
+  return plan_lib.build_plan(run_config_from_dict(config))
+
+
 def test_plan_batches_tokens_and_lengths():
-  plan = curriculum.build_plan(_config(steps=(3, 2, 2)))
+  plan = build_plan(_config(steps=(3, 2, 2)))
   assert [s.batch_size for s in plan.stages] == [32, 16, 8]
   assert {s.batch_size * s.seq_len for s in plan.stages} == {512}
   assert [(s.start_step, s.end_step) for s in plan.stages] == [(0, 3), (3, 5), (5, 7)]
@@ -56,11 +63,22 @@ def test_plan_batches_tokens_and_lengths():
   config = _config()
   config.curriculum.stages = tuple(dict(s, steps=0, tokens=1024) for s in config.curriculum.stages)
   config.train.steps = 6
-  assert [s.steps for s in curriculum.build_plan(config).stages] == [2, 2, 2]
-  # Without stages nothing changes: the plain run's train section is config.train itself.
-  plain = default_config()
-  validate_train_config(plain)
-  assert not curriculum.enabled(plain) and curriculum.train_section(plain) is plain.train
+  assert [s.steps for s in build_plan(config).stages] == [2, 2, 2]
+  # Without stages: one stage of train.batch_size x train.seq_len for train.steps.
+  plain = build_plan(default_config())
+  t = run_config_from_dict(default_config()).train
+  assert not plain.curriculum and len(plain.stages) == 1
+  (s,) = plain.stages
+  assert (s.batch_size, s.seq_len, s.steps, s.start_step) == (t.batch_size, t.seq_len,
+                                                                t.steps, 0)
+  assert plain.tokens_per_step == t.batch_size * t.seq_len and plain.total_steps == t.steps
+
+
+def _with_curriculum(**fields):
+  config = _config()
+  for k, v in fields.items():
+    config.curriculum[k] = v
+  return config
 
 
 def _with_stage(k, **fields):
@@ -81,7 +99,27 @@ def _with_stage(k, **fields):
     (lambda: _with_stage(0, tokens=100, steps=0), r"stages\[0\].tokens"),
     (lambda: _with_stage(0, retrieval_fraction=0.7), r"retrieval_fraction"),
     (lambda: _with_stage(0, schedule="step"), r"stages\[0\].schedule"),
-    (lambda: _with_stage(0, colour="red"), r"stages\[0\]"),
+    (lambda: _with_stage(0, colour="red"), r"stages\[0\].colour"),
+    (lambda: _with_stage(0, seq_len="long"), r"stages\[0\].seq_len.*an integer"),
+    (lambda: _with_stage(0, seq_len=None), r"stages\[0\].seq_len.*>= 2"),
+    (lambda: _with_stage(0, lr=20.0), r"stages\[0\].lr"),
+    (lambda: _with_stage(0, warmup=9), r"stages\[0\].warmup"),
+    (lambda: _with_stage(0, min_lr_ratio=2.0), r"stages\[0\].min_lr_ratio"),
+    (lambda: _with_stage(0, warmup_from=-1.0), r"stages\[0\].warmup_from"),
+    (lambda: _with_stage(0, long_upsample=0), r"stages\[0\].long_upsample"),
+    (lambda: _with_stage(0, long_min_tokens=-1), r"stages\[0\].long_min_tokens"),
+    (lambda: _with_stage(0, weights={}), r"stages\[0\].weights"),
+    (lambda: _with_stage(1, seq_len=48, retrieval_fraction=0.1), r"seq_len|retrieval_fraction"),
+    (lambda: _with_curriculum(tokens_per_step=1), r"curriculum.tokens_per_step"),
+    (lambda: _with_curriculum(sources={}), r"curriculum.sources"),
+    (lambda: _with_curriculum(sources={"pydoc": {"kind": "web"}}),
+     r"curriculum.sources.pydoc.kind"),
+    (lambda: _with_curriculum(sources={"pydoc": {"kind": "text"}}),
+     r"curriculum.sources.pydoc.paths"),
+    (lambda: _with_curriculum(sources={"pydoc": {"kind": "bundled", "url": "x"}}),
+     r"curriculum.sources.pydoc.url"),
+    (lambda: _with_curriculum(num_packing_bins=0), r"curriculum.num_packing_bins"),
+    (lambda: _config(grad_accum=3, tps=768, lens=(16, 32, 64)), r"train.grad_accum"),
     (lambda: _config(tps=500), r"seq_len.*divisor of curriculum.tokens_per_step=500"),
     (lambda: _config(train_steps=99), r"train.steps.*at most"),
 ])
@@ -94,8 +132,8 @@ def test_bad_curriculum_config_is_refused_before_training(config, match, tmp_pat
 
 def test_chunk_size_rule_names_the_kda_chunk():
   config = _config(lens=(16, 32, 40), tps=1280)
-  with pytest.raises(ConfigError, match=r"stages\[2\].seq_len.*chunk_size=16"):
-    curriculum.build_plan(config)
+  with pytest.raises(ConfigError, match=r"stages\[2\].seq_len.*compute.kda_chunk_size=16"):
+    build_plan(config)
 
 
 def test_source_without_documents_fails_before_training(tmp_path):
@@ -112,21 +150,20 @@ def test_source_without_documents_fails_before_training(tmp_path):
 
 def _reference_lr(pieces, step):
   """Independent float reference of the stage schedules (written out per case)."""
-  p = [q for q in pieces if q["start"] <= step][-1]
-  n = step - p["start"]
-  if n < p["warmup"]:
-    return p["lr_from"] + (p["lr"] - p["lr_from"]) * n / p["warmup"]
-  end = p["lr"] * p["min_lr_ratio"]
-  if p["schedule"] == "constant":
-    return p["lr"]
-  if p["schedule"] == "wsd":
-    d = round(p["steps"] * p["decay_fraction"])
-    return p["lr"] if n < p["steps"] - d else p["lr"] + (end - p["lr"]) * min(
-        (n - (p["steps"] - d)) / d, 1.0)
-  s = min((n - p["warmup"]) / (p["steps"] - p["warmup"]), 1.0)
-  if p["schedule"] == "linear":
-    return p["lr"] + (end - p["lr"]) * s
-  return end + (p["lr"] - end) * 0.5 * (1 + math.cos(math.pi * s))
+  p = [q for q in pieces if q.start <= step][-1]
+  n = step - p.start
+  if n < p.warmup:
+    return p.lr_from + (p.lr - p.lr_from) * n / p.warmup
+  end = p.lr * p.min_lr_ratio
+  if p.schedule == "constant":
+    return p.lr
+  if p.schedule == "wsd":
+    d = round(p.steps * p.decay_fraction)
+    return p.lr if n < p.steps - d else p.lr + (end - p.lr) * min((n - (p.steps - d)) / d, 1.0)
+  s = min((n - p.warmup) / (p.steps - p.warmup), 1.0)
+  if p.schedule == "linear":
+    return p.lr + (end - p.lr) * s
+  return end + (p.lr - end) * 0.5 * (1 + math.cos(math.pi * s))
 
 
 def test_piecewise_learning_rate_matches_reference():
@@ -135,19 +172,64 @@ def test_piecewise_learning_rate_matches_reference():
   config.curriculum.stages = tuple(
       dict(s, schedule=sch, warmup=w, decay_fraction=0.5)
       for s, sch, w in zip(config.curriculum.stages, schedules, (3, 2, 0)))
-  plan = curriculum.build_plan(config)
+  plan = build_plan(config)
   pieces = plan.lr_pieces()
   # Re-warm starts where the previous stage ended.
-  assert pieces[1]["lr_from"] == pytest.approx(_reference_lr(pieces, 10 - 1e-9), rel=1e-6)
-  t = curriculum.train_section(config, plan)
-  got = [float(optim.learning_rate(t, np.int32(i))) for i in range(26)]
+  assert pieces[1].lr_from == pytest.approx(_reference_lr(pieces, 10 - 1e-9), rel=1e-6)
+  schedule = plan.schedule()
+  got = [float(optim.learning_rate(schedule, np.int32(i))) for i in range(26)]
   want = [_reference_lr(pieces, i) for i in range(26)]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
 
 
-def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path):
+def _optax_schedule(t):
+  """The optax schedule a plain run had before the one-scheduler plan (commit 928f724)."""
+  peak, end = t.lr, t.lr * t.min_lr_ratio
+  warmup_steps = min(t.warmup, t.steps)
+  rest = t.steps - warmup_steps
+  if t.schedule == "cosine":
+    main = optax.cosine_decay_schedule(peak, max(rest, 1), alpha=t.min_lr_ratio)
+  elif t.schedule == "wsd":
+    decay = min(int(round(t.steps * t.decay_fraction)), rest)
+    main = optax.join_schedules(
+        [optax.constant_schedule(peak), optax.linear_schedule(peak, end, max(decay, 1))],
+        [rest - decay])
+  else:
+    main = optax.constant_schedule(peak)
+  if not warmup_steps:
+    return main
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup_steps), main],
+                              [warmup_steps])
+
+
+@pytest.mark.parametrize("preset, train", [
+    ("tiny", {}),
+    ("tiny", {"schedule": "wsd", "decay_fraction": 0.3}),
+    ("tiny", {"schedule": "wsd", "warmup": 0, "steps": 40, "decay_fraction": 1.0}),
+    ("tiny", {"schedule": "constant"}),
+    ("tiny", {"warmup": 0, "min_lr_ratio": 0.0}),
+    ("tiny", {"warmup": 50, "steps": 20}),   # warmup capped at the run length
+    ("tiny_vlm", {}),
+])
+def test_plain_run_schedule_equals_the_optax_schedule(preset, train):
+  config = load_config(preset)
+  config.train.update(train)
+  t = run_config_from_dict(config).train
+  schedule = build_plan(config).schedule()
+  steps = np.arange(t.steps + 5)
+  got = np.array([float(optim.learning_rate(schedule, np.int32(i))) for i in steps])
+  want = np.array([float(_optax_schedule(t)(i)) for i in steps])
+  np.testing.assert_array_equal(got, want)  # the same float32 values
+
+
+def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeypatch):
   config = _config(steps=(2, 2), lens=(16, 32))
+  calls = []
+  monkeypatch.setattr(plan_lib, "build_plan",
+                      lambda run, _build=plan_lib.build_plan: calls.append(1) or _build(run))
   ref = train_and_evaluate(config, str(tmp_path / "ref"))
+  assert len(calls) == 1  # the plan is built once per run
+  monkeypatch.undo()
   assert ref["end_step"] == 4
   train = _records(tmp_path / "ref", "train")
   losses = {s: r["loss"] for s, r in train.items()}
@@ -170,7 +252,7 @@ def test_dry_run_prints_plan_and_memory(capsys):
   e = dry_run.dry_run(load_config("curriculum_1m"))
   out = capsys.readouterr().out
   assert e["total"] > 50e6
-  for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "train.remat=",
+  for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "compute.remat=",
                "context parallelism over 4 devices", "T=262,144", "MLA score matrices"):
     assert want in out
   assert out.count("rows/device") == 4
@@ -183,6 +265,6 @@ def test_cpu_curriculum_preset_end_to_end(tmp_path):
   out = train_and_evaluate(config, str(tmp_path), export_params_to=None)
   assert out["end_step"] == config.train.steps and out["stopped_by"] is None
   evals = _records(tmp_path, "eval")
-  losses = [evals[s.end_step]["loss"] for s in curriculum.build_plan(config).stages]
+  losses = [evals[s.end_step]["loss"] for s in build_plan(config).stages]
   print("held-out loss at 8K per stage:", losses)
   assert all(b < a for a, b in zip(losses, losses[1:]))

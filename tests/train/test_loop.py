@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 import signal
 import types
 
@@ -10,12 +11,16 @@ import jax
 import numpy as np
 import pytest
 
-from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.config import ConfigError, migrate_legacy
+from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import heatmap
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
+from tests.conftest import ROOT, load_config
 from tests.train.train_fakes import FakeIterator, set_tiny_model
+
+OLD_RUN = ROOT / "tests" / "testdata" / "run_928f724"  # see its README.md
 
 
 class Crash(Exception):
@@ -159,10 +164,41 @@ def test_run_saved_before_a_new_config_field_still_resumes(tmp_path):
   path = tmp_path / "model_config.json"
   saved = json.loads(path.read_text())
   del saved["vision"]                              # written before vision existed
-  saved["moe"].pop("capacity_factor")
+  saved["moe"].pop("sign_gamma")
   path.write_text(json.dumps(saved))
   s = _run(_config(steps=5), tmp_path)
   assert s["start_step"] == 3 and s["end_step"] == 5
+
+
+def _old_run_config(steps: int):
+  """Today's spelling of the config the run in OLD_RUN was made with."""
+  config = load_config("tiny")
+  config.train.update(dict(steps=steps, batch_size=2, seq_len=32, eval_batches=1,
+                           checkpoint_every=0, heatmap_every=0, async_checkpoints=False,
+                           log_every=1))
+  m = config.model
+  m.d_model, m.num_layers = 16, 2
+  m.kda.update(dict(num_heads=1, num_v_heads=1, head_dim=16, v_head_dim=16))
+  m.mla.update(dict(num_heads=1, kv_lora_rank=16))
+  m.moe.update(dict(num_experts=4, experts_per_token=1, expert_intermediate=16,
+                    shared_intermediate=16, dense_intermediate=32, latent_dim=0))
+  config.compute.kda_chunk_size = 16  # was model.kda.chunk_size
+  return config
+
+
+def test_run_directory_of_older_code_resumes(tmp_path):
+  """A workdir written at 928f724 (runtime knobs still in model / train) resumes here."""
+  workdir = tmp_path / "run"
+  shutil.copytree(OLD_RUN, workdir, ignore=shutil.ignore_patterns("README.md"))
+  meta = json.loads((workdir / "checkpoints" / "3" / "meta" / "metadata").read_text())
+  saved = json.loads(meta["config"])
+  assert "dtype" in saved["model"] and "remat" in saved["train"]  # really the old layout
+  old = run_config_from_dict(migrate_legacy(saved))
+  new = run_config_from_dict(_old_run_config(steps=3))
+  assert old.model == new.model and old.compute == new.compute and old.train == new.train
+  s = train_and_evaluate(_old_run_config(steps=5), str(workdir))
+  assert s["start_step"] == 3 and s["end_step"] == 5 and s["stopped_by"] is None
+  assert np.isfinite(s["last_loss"])
 
 
 def test_bad_tokens_stop_before_training(tmp_path):

@@ -3,11 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
 from hybridmoe_jax.layers.moe import RoutingBias
+from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import optim, step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
@@ -25,7 +27,7 @@ def _small(**train):
 def test_bias_outside_gradient_and_optimizer():
   config = _small()
   cfg = model_config_from_dict(config.model)
-  tx = optim.make_optimizer(config.train)
+  tx = optim.make_optimizer(run_config_from_dict(config).train, optax.constant_schedule(1e-3))
   graphdef, state = create_train_state(cfg, ComputeConfig(), tx, seed=0)
   biases = nnx.to_flat_state(state.biases)
   assert [p for p, _ in biases] == [("layers", i, "ffn", "bias") for i in cfg.moe_layers]
@@ -62,7 +64,7 @@ def test_bias_outside_gradient_and_optimizer():
 def test_loop_runs_real_model(tmp_path, variant):
   config = _small(**{k: v for k, v in variant.items() if k != "dtype"})
   if "dtype" in variant:
-    config.model.dtype = variant["dtype"]
+    config.compute.dtype = variant["dtype"]
   s = train_and_evaluate(config, str(tmp_path))
   assert s["end_step"] == 2 and s["skipped_steps"] == 0
   assert np.isfinite(s["last_loss"]) and s["eval"]["bits_per_byte"] > 0

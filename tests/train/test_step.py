@@ -12,7 +12,9 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import optim, step as step_lib
+from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train.config import default_config
+from hybridmoe_jax.train.plan import build_plan
 from hybridmoe_jax.train.state import create_train_state
 from tests.train.train_fakes import FakeIterator, tiny_model_config
 
@@ -25,9 +27,12 @@ def _compiled(**train):
   config = default_config()
   config.train.update({**dict(steps=20, warmup=2, lr=1e-2), **train})
   cfg = tiny_model_config()
-  tx = optim.make_optimizer(config.train)
+  run = run_config_from_dict(config)
+  schedule = build_plan(run).schedule()
+  tx = optim.make_optimizer(run.train, schedule)
   graphdef, _ = create_train_state(cfg, ComputeConfig(), tx, seed=0)
-  return cfg, tx, graphdef, step_lib.make_train_step(graphdef, cfg, config.train, tx)
+  return cfg, tx, graphdef, step_lib.make_train_step(
+      graphdef, cfg, tx, grad_accum=run.train.grad_accum, schedule=schedule)
 
 
 def _setup(**train):

@@ -48,7 +48,7 @@ class FakeIterator:
 # A 2-layer HybridLM (dense FFN, then MoE; d_model 16, 4 experts top-1). MLA mixers only:
 # a KDA layer would add ~10 s to every compile (KDA runs in the tiny-config tests).
 TINY_MODEL = dict(d_model=16, num_layers=2, layer_kinds=("mla", "mla"))
-TINY_KDA = dict(num_heads=1, num_v_heads=1, head_dim=8, v_head_dim=8, chunk_size=16)
+TINY_KDA = dict(num_heads=1, num_v_heads=1, head_dim=8, v_head_dim=8)
 TINY_MLA = dict(num_heads=1, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
                 v_head_dim=8)
 TINY_MOE = dict(num_experts=4, experts_per_token=1, expert_intermediate=16,
@@ -69,3 +69,4 @@ def set_tiny_model(config) -> None:
   m.kda.update(TINY_KDA)
   m.mla.update(TINY_MLA)
   m.moe.update(TINY_MOE)
+  config.compute.kda_chunk_size = 16

@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from hybridmoe_jax.config import model_config_from_dict
+from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data.tokenizer import IMAGE_PAD_ID
-from hybridmoe_jax.train import curriculum
+from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.train import plan as plan_lib
 from tests.conftest import load_config
 
 
@@ -33,9 +34,12 @@ def _config(tmp_path, share=0.5):
   return config
 
 
-def _build(config):
-  cfg = model_config_from_dict(config.model)
-  return curriculum.build_data(config, cfg.vocab_size, vision=cfg.vision)
+def _build(config, **shard):
+  run = run_config_from_dict(config)
+  return data_curriculum.build_curriculum_data(
+      plan_lib.build_plan(run).stages, run.curriculum, run.data,
+      vocab_size=run.model.vocab_size, seed=run.train.seed,
+      eval_batches=run.train.eval_batches, vision=run.model.vision, **shard)
 
 
 def test_every_stage_mixes_images_at_its_length_and_resumes_exactly(tmp_path):
@@ -78,10 +82,8 @@ def test_every_stage_mixes_images_at_its_length_and_resumes_exactly(tmp_path):
 
 def test_curriculum_with_images_refuses_several_hosts(tmp_path):
   config = _config(tmp_path)
-  cfg = model_config_from_dict(config.model)
   with pytest.raises(NotImplementedError, match="image-text pipeline has no host shard"):
-    curriculum.build_data(config, cfg.vocab_size, vision=cfg.vision, shard_index=0,
-                          shard_count=2)
+    _build(config, shard_index=0, shard_count=2)
 
 
 def test_train_loop_runs_a_curriculum_with_images(tmp_path):

@@ -1,17 +1,19 @@
 """Image-text data: answer-span loss weights, packing, synthetic scenes, readers, JSONL source
 and the VLM pipeline (tower and model checks are in test_vision.py)."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.data.image_text_source import ImageJsonlSource
 from hybridmoe_jax.data.tokenizer import IMAGE_END_ID, IMAGE_PAD_ID, IMAGE_START_ID
+from hybridmoe_jax.run_config import DataConfig
 from tests.conftest import load_config
 from tests.vision.helpers import P, VIS, rand_img as _rand_img, vlm_cfg as _vlm_cfg
 
@@ -226,16 +228,15 @@ def test_vlm_pipeline_from_jsonl_and_config_checks(tmp_path):
   data = load_config("tiny_vlm").data
   data.vision.source, data.vision.paths, data.vision.share = "jsonl", (str(tmp_path),), 1.0
   data.heldout_fraction = 0.25
+  data = from_dict(DataConfig, data, "data")
   out = vlm_pipeline.build_vlm_train_and_eval(data, cfg.vision, vocab_size=cfg.vocab_size,
                                             seq_len=32, batch_size=2, seed=0)
   assert len(out.train_source) == 6 and len(out.heldout_source) == 2
   batch = next(out.train)
   assert batch["images"].shape == (2, cfg.vision.max_images_per_row, 16, 16, 3) and (batch["image_index"] >= 0).sum() >= 2
-  data.vision.share = 0.0
   with pytest.raises(ConfigError, match="data.vision.share"):
-    vlm_pipeline.build_vlm_train_and_eval(data, cfg.vision, vocab_size=cfg.vocab_size,
-                                        seq_len=32, batch_size=2, seed=0)
-  data.vision.share, data.vision.sides = 1.0, (12,)
+    dataclasses.replace(data.vision, share=0.0)
+  data = dataclasses.replace(data, vision=dataclasses.replace(data.vision, sides=(12,)))
   with pytest.raises(ConfigError, match="data.vision.sides"):
     vlm_pipeline.build_vlm_train_and_eval(data, cfg.vision, vocab_size=cfg.vocab_size,
                                         seq_len=32, batch_size=2, seed=0)

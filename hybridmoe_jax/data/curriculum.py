@@ -1,0 +1,176 @@
+"""The data of a staged context curriculum: per-stage sources and pipelines, held-out set.
+
+The stages come resolved from the plan (`train/plan.py`: global batch, length, mixing
+weights per stage); here every named source of `curriculum.sources` is indexed and split
+into train / held-out documents (`data.heldout_fraction` / `data.heldout_seed`), each stage
+becomes a `stages.StageData` (retrieval documents join as one more component) and the
+`stages.StagedIterator` walks them. Held-out batches are packed at the longest stage length
+(or curriculum.eval_seq_len) and evaluated at every stage end.
+
+A vision model gets image-text documents (`data.vision`) mixed into every stage at the token
+share data.vision.share, packed by the image-aware packer in-process (curriculum.num_workers
+does not apply; one host only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from absl import logging
+import jax
+import numpy as np
+
+from hybridmoe_jax.config import ConfigError, VisionConfig
+from hybridmoe_jax.data import config as data_config
+from hybridmoe_jax.data import multimodal
+from hybridmoe_jax.data import pipeline as pipeline_lib
+from hybridmoe_jax.data import retrieval
+from hybridmoe_jax.data import sources as sources_lib
+from hybridmoe_jax.data import stages as stages_lib
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data import vlm_pipeline
+from hybridmoe_jax.run_config import CurriculumConfig, DataConfig
+
+
+class Stage(Protocol):
+  """What the data needs of one resolved stage (`train/plan.py: StagePlan` has it)."""
+
+  index: int
+  seq_len: int
+  batch_size: int            # global rows per step
+  steps: int
+  weights: dict[str, float]  # {source name: weight > 0}
+  long_upsample: int
+  long_min_bytes: int
+  retrieval_fraction: float
+
+  @property
+  def end_step(self) -> int: ...
+
+
+class _ConcatSource:
+  """Documents of several sources one after another (the held-out set)."""
+
+  def __init__(self, parts):
+    self.parts = list(parts)
+    self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def __getitem__(self, i) -> str:
+    k = int(np.searchsorted(self.offsets, int(i), side="right")) - 1
+    return self.parts[k][int(i) - int(self.offsets[k])]
+
+
+@dataclasses.dataclass
+class CurriculumData:
+  """What the train loop needs for a curriculum run."""
+
+  train: stages_lib.StagedIterator
+  eval_batches: list  # held-out int32 [B_eval, T_eval] batches
+  tokenizer: tokenizer_lib.ByteTokenizer
+  eval_at: frozenset  # global steps at which a stage ends (held-out eval there)
+
+
+def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: int,
+               shard_count: int = 1) -> list[stages_lib.StageData]:
+  """Per-stage pipeline inputs (batch per host); retrieval docs join as one more component."""
+  out = []
+  for s in stages:
+    if s.batch_size % shard_count:
+      raise ConfigError(f"config field `curriculum.stages[{s.index}].seq_len` = {s.seq_len} is "
+                        f"invalid: its global batch {s.batch_size} must split evenly over "
+                        f"{shard_count} hosts")
+    comps = [stages_lib.Component(n, train_sources[n], w) for n, w in s.weights.items()]
+    if s.retrieval_fraction > 0:
+      total = sum(s.weights.values())
+      comps.append(stages_lib.Component(
+          "retrieval", retrieval.RetrievalSource(s.seq_len - 2, seed=seed + 7919 * s.index),
+          total * s.retrieval_fraction / (1 - s.retrieval_fraction)))
+    out.append(stages_lib.StageData(
+        index=s.index, seq_len=s.seq_len, batch_size=s.batch_size // shard_count,
+        steps=s.steps, components=tuple(comps), long_upsample=s.long_upsample,
+        long_min_bytes=s.long_min_bytes, seed=seed + 1009 * s.index))
+  return out
+
+
+def _split_sources(names, curriculum: CurriculumConfig, data: DataConfig, shard_count: int):
+  """-> ({name: train source}, [held-out sources]); every bad source fails here."""
+  train_sources, heldout = {}, []
+  for name in names:
+    spec = curriculum.sources[name]
+    try:
+      src = data_config.make_source(spec.kind, spec.paths, spec.field)
+    except ValueError as e:
+      raise ValueError(f"curriculum source {name!r} ({spec.kind}): {e}") from e
+    if len(src) < 2:
+      raise ValueError(f"curriculum source {name!r} ({spec.kind}) yields {len(src)} "
+                       "documents; it needs at least 2 (one is held out)")
+    tr, ho = sources_lib.split_source(src, data.heldout_fraction, data.heldout_seed)
+    if len(tr) < shard_count:
+      raise ValueError(f"curriculum source {name!r} has {len(tr)} training documents, fewer "
+                       f"than the {shard_count} hosts reading it")
+    logging.info("curriculum source %s (%s): %d documents, %d train, %d held out", name,
+                 spec.kind, len(src), len(tr), len(ho))
+    train_sources[name], heldout = tr, heldout + [ho]
+  return train_sources, heldout
+
+
+def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
+                          data: DataConfig, *, vocab_size: int, seed: int, eval_batches: int,
+                          vision: VisionConfig | None = None, shard_index: int | None = None,
+                          shard_count: int | None = None) -> CurriculumData:
+  """Indexes every source the stages use (all bad input fails here), builds the iterator.
+
+  Args:
+    stages: the plan's resolved stages, in order.
+    curriculum, data: the `curriculum` and `data` sections.
+    vocab_size: the model's vocabulary (must hold every tokenizer id).
+    seed: the run seed; eval_batches: held-out batches (train.eval_batches).
+    vision: the model's tower; when enabled every stage mixes image-text documents
+      (`data.vision`) in at the token share data.vision.share and the held-out batches add
+      image-text rows at the evaluation length.
+    shard_index, shard_count: this host's shard (default: the jax process).
+
+  Raises:
+    ConfigError: a stage batch that does not split over the hosts. ValueError / OSError: a
+      source with no usable documents, a missing path, a host shard without documents.
+  """
+  shard_index = jax.process_index() if shard_index is None else shard_index
+  shard_count = jax.process_count() if shard_count is None else shard_count
+  with_images = vision is not None and vision.enabled
+  if with_images and shard_count > 1:
+    raise NotImplementedError("a curriculum with images on several hosts: the image-text "
+                              "pipeline has no host shard")
+  proc = vlm_pipeline.processor_from_config(data, vision, vocab_size) if with_images else None
+  tokenizer = proc.tokenizer if with_images else tokenizer_lib.ByteTokenizer()
+  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  used = sorted({n for s in stages for n in s.weights})
+  train_sources, heldout = _split_sources(used, curriculum, data, shard_count)
+  datas = stage_data(stages, train_sources, seed=seed, shard_count=shard_count)
+  eval_len = curriculum.eval_seq_len or stages[-1].seq_len
+  eval_rows = max(1, curriculum.tokens_per_step // eval_len)
+  evals = pipeline_lib.eval_batches(_ConcatSource(heldout), tokenizer, eval_len, eval_rows,
+                                    eval_batches)
+  if with_images:
+    train_img, held_img = vlm_pipeline.image_text_sources(data, vision)
+    build = functools.partial(vlm_pipeline.vlm_stage_iterator, proc=proc,
+                              image_source=train_img, share=data.vision.share)
+    held = multimodal.VLMPackedIterator([held_img[i] for i in range(len(held_img))], proc,
+                                        seq_len=eval_len, batch_size=eval_rows,
+                                        drop_remainder=False)
+    evals += list(itertools.islice(held, eval_batches))
+    logging.info("curriculum with images: %s image-text documents at token share %.2f",
+                 data.vision.source, data.vision.share)
+  else:
+    build = functools.partial(
+        stages_lib.make_stage_dataset, tokenizer=tokenizer, shard_index=shard_index,
+        shard_count=shard_count, num_packing_bins=curriculum.num_packing_bins,
+        num_workers=curriculum.num_workers)
+  it = stages_lib.StagedIterator(datas, build)
+  return CurriculumData(it, evals, tokenizer, frozenset(s.end_step for s in stages[:-1]))

@@ -1,0 +1,183 @@
+"""The run's plan: its stages (global batch, length, mix, learning-rate piece), built once.
+
+A curriculum (`curriculum.stages`) is an ordered list of stages of strictly increasing
+sequence length. Tokens per optimizer step are constant (`curriculum.tokens_per_step`), so
+each stage's global batch is tokens_per_step // seq_len (an error if that does not divide),
+and the learning rate is one piecewise function of the global step: one `optim.LRPiece` per
+stage (`optim.make_schedule`). A run without a curriculum is a one-stage plan of
+train.batch_size x train.seq_len for train.steps whose piece is the train section's
+warmup + cosine / wsd / constant schedule, so every run has the same single scheduler.
+
+Stage learning rate (`run_config.StageConfig`): linear from `warmup_from` (None: where the
+previous stage ended; 0 for the first) to `lr` over `warmup` steps, then "constant",
+"cosine" / "linear" to lr * min_lr_ratio at the stage end, or "wsd" (constant, then linear
+decay over the last decay_fraction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybridmoe_jax.config import require
+from hybridmoe_jax.run_config import RunConfig, STAGE_SCHEDULES, StageConfig
+from hybridmoe_jax.train import optim
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """One stage, resolved: global batch, global start step, mixing weights, LR piece."""
+
+  index: int
+  name: str
+  seq_len: int
+  batch_size: int
+  steps: int
+  start_step: int
+  weights: dict[str, float]   # {source name: weight > 0}; {} for a plain run
+  long_upsample: int
+  long_min_bytes: int
+  retrieval_fraction: float
+  lr: optim.LRPiece
+
+  @property
+  def end_step(self) -> int:
+    return self.start_step + self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  tokens_per_step: int
+  stages: tuple[StagePlan, ...]
+  curriculum: bool  # False: the one stage of a plain run (its data: the `data` section)
+
+  @property
+  def total_steps(self) -> int:
+    return self.stages[-1].end_step
+
+  def stage_at(self, step: int) -> StagePlan:
+    """The stage that step `step` (0-based: the step run from state.step == step) belongs to."""
+    for s in self.stages:
+      if step < s.end_step:
+        return s
+    return self.stages[-1]
+
+  def lr_pieces(self) -> tuple[optim.LRPiece, ...]:
+    return tuple(s.lr for s in self.stages)
+
+  def schedule(self):
+    """The run's learning rate as a function of the applied updates (`optim.make_schedule`)."""
+    return optim.make_schedule(self.lr_pieces())
+
+
+def _plain_plan(run: RunConfig) -> Plan:
+  t = run.train
+  lr = optim.LRPiece(start=0, steps=t.steps, lr_from=0.0, lr=t.lr,
+                     warmup=min(t.warmup, t.steps), schedule=t.schedule,
+                     min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
+  stage = StagePlan(index=0, name="train", seq_len=t.seq_len, batch_size=t.batch_size,
+                    steps=t.steps, start_step=0, weights={}, long_upsample=1,
+                    long_min_bytes=t.seq_len // 2, retrieval_fraction=0.0, lr=lr)
+  return Plan(t.batch_size * t.seq_len, (stage,), curriculum=False)
+
+
+def _lr_piece(st: StageConfig, w: str, start: int, steps: int, base_lr: float,
+              prev: optim.LRPiece | None) -> optim.LRPiece:
+  lr = base_lr if st.lr is None else st.lr
+  require(0 < lr <= 10, f"{w}.lr", lr, "a float in (0, 10]")
+  require(0 <= st.warmup <= steps, f"{w}.warmup", st.warmup, f"an integer in [0, steps={steps}]")
+  require(st.schedule in STAGE_SCHEDULES, f"{w}.schedule", st.schedule,
+          f"one of {STAGE_SCHEDULES}")
+  for name in ("min_lr_ratio", "decay_fraction"):
+    v = getattr(st, name)
+    require(0 <= v <= 1, f"{w}.{name}", v, "a float in [0, 1]")
+  if st.warmup_from is None:
+    lr_from = 0.0 if prev is None else optim.piece_value(prev, prev.steps)
+  else:
+    lr_from = st.warmup_from
+    require(0 <= lr_from <= 10, f"{w}.warmup_from", lr_from,
+            "None (continue from the previous stage) or a float in [0, 10]")
+  return optim.LRPiece(start=start, steps=steps, lr_from=float(lr_from), lr=float(lr),
+                       warmup=st.warmup, schedule=st.schedule, min_lr_ratio=st.min_lr_ratio,
+                       decay_fraction=st.decay_fraction)
+
+
+def build_plan(run: RunConfig) -> Plan:
+  """The run's plan; a curriculum is checked against the model, compute and train sections.
+
+  Raises:
+    ConfigError naming the first bad field (stage lengths not increasing, a batch that does
+    not divide, negative or all-zero weights, unknown sources, seq_len not a multiple of
+    compute.kda_chunk_size, ...).
+  """
+  c, t = run.curriculum, run.train
+  if not c.enabled:
+    return _plain_plan(run)
+  names = sorted(c.sources)
+  chunk = run.compute.kda_chunk_size
+  has_kda = "kda" in run.model.layer_kinds
+  tps = c.tokens_per_step
+  plans, start, prev_len, prev_lr = [], 0, 0, None
+  for k, st in enumerate(c.stages):
+    w, T = f"curriculum.stages[{k}]", st.seq_len
+    require(T is not None and T >= 2, f"{w}.seq_len", T, "an integer >= 2")
+    require(T > prev_len, f"{w}.seq_len", T,
+            f"a length > the previous stage's {prev_len} (stage lengths must increase)")
+    if has_kda:
+      require(T % chunk == 0, f"{w}.seq_len", T,
+              f"a multiple of the KDA chunk size compute.kda_chunk_size={chunk}")
+    require(tps % T == 0, f"{w}.seq_len", T,
+            f"a divisor of curriculum.tokens_per_step={tps} (batch = tokens_per_step / seq_len)")
+    batch = tps // T
+    require(batch % t.grad_accum == 0, f"{w}.seq_len", T,
+            f"a length whose batch {batch} is a multiple of train.grad_accum={t.grad_accum}")
+    steps, tokens = st.steps, st.tokens
+    require(steps >= 0 and tokens >= 0 and (steps > 0) != (tokens > 0), f"{w}.steps/tokens",
+            (steps, tokens), "exactly one of `steps` or `tokens` > 0")
+    if tokens:
+      require(tokens % tps == 0, f"{w}.tokens", tokens,
+              f"a multiple of curriculum.tokens_per_step={tps}")
+      steps = tokens // tps
+    weights = st.weights
+    require(bool(weights), f"{w}.weights", weights,
+            f"a dict {{source name: weight}} with names among {names}")
+    bad = sorted(set(weights) - set(names))
+    require(not bad, f"{w}.weights", bad, f"source names among {names}")
+    for n, v in weights.items():
+      require(v >= 0 and math.isfinite(v), f"{w}.weights.{n}", v, "a finite weight >= 0")
+    require(sum(weights.values()) > 0, f"{w}.weights", weights, "at least one weight > 0")
+    require(st.long_upsample >= 1, f"{w}.long_upsample", st.long_upsample, "an integer >= 1")
+    require(st.long_min_tokens >= 0, f"{w}.long_min_tokens", st.long_min_tokens,
+            "an integer >= 0 (0: seq_len // 2)")
+    rf = st.retrieval_fraction
+    require(0 <= rf <= 0.5, f"{w}.retrieval_fraction", rf, "a float in [0, 0.5]")
+    if rf:
+      require(T >= 64, f"{w}.retrieval_fraction", rf, "0 for stages shorter than 64 tokens")
+    lr = _lr_piece(st, w, start, steps, t.lr, prev_lr)
+    plans.append(StagePlan(
+        index=k, name=st.name or f"stage{k}", seq_len=T, batch_size=batch, steps=steps,
+        start_step=start, weights={n: v for n, v in weights.items() if v > 0},
+        long_upsample=st.long_upsample, long_min_bytes=st.long_min_tokens or T // 2,
+        retrieval_fraction=rf, lr=lr))
+    start, prev_len, prev_lr = start + steps, T, lr
+  plan = Plan(tps, tuple(plans), curriculum=True)
+  require(t.steps <= plan.total_steps, "train.steps", t.steps,
+          f"at most the curriculum's {plan.total_steps} steps (the sum of the stage lengths)")
+  return plan
+
+
+def describe(plan: Plan) -> str:
+  """The plan as a table (one line per stage)."""
+  lines = [f"curriculum: {len(plan.stages)} stages, {plan.tokens_per_step:,} tokens/step, "
+           f"{plan.total_steps:,} steps, {plan.total_steps * plan.tokens_per_step:,} tokens"]
+  for s in plan.stages:
+    mix = ", ".join(f"{n} {w:g}" for n, w in s.weights.items())
+    extra = f", retrieval {s.retrieval_fraction:g}" if s.retrieval_fraction else ""
+    up = f", long x{s.long_upsample} (>= {s.long_min_bytes} B)" if s.long_upsample > 1 else ""
+    lr = s.lr
+    lines.append(
+        f"  {s.index} {s.name}: seq_len {s.seq_len:,} x batch {s.batch_size} | steps "
+        f"{s.start_step:,}..{s.end_step:,} | mix {mix}{extra}{up} | lr {lr.lr_from:.2e} -> "
+        f"{lr.lr:.2e} (warmup {lr.warmup}) {lr.schedule}"
+        + (f" to x{lr.min_lr_ratio:g}" if lr.schedule != "constant" else ""))
+  return "\n".join(lines)
