@@ -2,7 +2,9 @@
 
 Forward: one fused Pallas kernel (kernel_tpu / kernel_gpu .forward), or with
 cfg.fused=False XLA chunk_prep + the Pallas recurrence (.recurrent_forward). Residuals are
-the inputs only. Backward (README.md):
+the inputs only. Packed sequences arrive as `seg` [B, Tp] float32 (segments.py), or None
+for the unpacked fast path; they change only the per-chunk math (the fused kernel's masks,
+chunk_prep's), never the recurrences over chunks. Backward (README.md):
   1. XLA:    prep, prep_vjp = jax.vjp(reference.chunk_prep, q, k, v, g, beta)
   2. Pallas: the states entering every chunk (forward state recurrence on prep)
   3. Pallas: the reverse recurrence over chunks -> d(prep), dS0
@@ -46,16 +48,16 @@ def _head_major(x: jax.Array, tp: int, dtype=None) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)
 
 
-def _prep(q, k, v, g, beta, st: Static) -> ChunkPrep:
-    return chunk_prep(q, k, v, g, beta, scale=st.scale, lower_bound=st.lower_bound,
+def _prep(q, k, v, g, beta, seg, st: Static) -> ChunkPrep:
+    return chunk_prep(q, k, v, g, beta, seg, scale=st.scale, lower_bound=st.lower_bound,
                       chunk_size=st.cfg.chunk_size)
 
 
-def _forward_split(q, k, v, g, beta, h0, st: Static):
+def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
     """XLA chunk_prep (chunk-parallel) + the Pallas recurrence over chunks."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    prep = _prep(q, k, v, g, beta, st)
+    prep = _prep(q, k, v, g, beta, seg, st)
     s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
     o, ht_t = st.kernels.recurrent_forward(
         prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, s0_t,
@@ -64,9 +66,9 @@ def _forward_split(q, k, v, g, beta, h0, st: Static):
     return o, jnp.swapaxes(ht_t.reshape(B, HV, V, K), -1, -2)
 
 
-def _forward(q, k, v, g, beta, h0, st: Static):
+def _forward(q, k, v, g, beta, h0, seg, st: Static):
     if not st.cfg.fused:
-        return _forward_split(q, k, v, g, beta, h0, st)
+        return _forward_split(q, k, v, g, beta, h0, seg, st)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = st.cfg.chunk_size
@@ -75,28 +77,30 @@ def _forward(q, k, v, g, beta, h0, st: Static):
         _head_major(q, tp), _head_major(k, tp), _head_major(v, tp),
         _head_major(g, tp, _f32), _head_major(beta[..., None], tp, _f32),
         jnp.swapaxes(h0.astype(_f32), -1, -2),
+        None if seg is None else seg[..., None],
         cfg=st.cfg, scale=st.scale, lower_bound=st.lower_bound, interpret=st.interpret,
     )
     return jnp.swapaxes(o, 1, 2)[:, :T], jnp.swapaxes(ht_t, -1, -2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def kda_core(q, k, v, g, beta, h0, st: Static):
-    """(o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] f32); h0 is required."""
-    return _forward(q, k, v, g, beta, h0, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def kda_core(q, k, v, g, beta, h0, seg, st: Static):
+    """(o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] f32); h0 is required;
+    seg [B, Tp] float32 (segments.chunk_local_segments) or None (unpacked)."""
+    return _forward(q, k, v, g, beta, h0, seg, st)
 
 
-def _fwd(q, k, v, g, beta, h0, st):
-    return _forward(q, k, v, g, beta, h0, st), (q, k, v, g, beta, h0)
+def _fwd(q, k, v, g, beta, h0, seg, st):
+    return _forward(q, k, v, g, beta, h0, seg, st), (q, k, v, g, beta, h0, seg)
 
 
 def _bwd(st: Static, res, cts):
-    q, k, v, g, beta, h0 = res
+    q, k, v, g, beta, h0, seg = res
     do, dht = cts
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = st.cfg.chunk_size
-    prep, prep_vjp = jax.vjp(functools.partial(_prep, st=st), q, k, v, g, beta)
+    prep, prep_vjp = jax.vjp(functools.partial(_prep, seg=seg, st=st), q, k, v, g, beta)
     s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
     kern = st.kernels
     states = kern.states(prep.w, prep.u, prep.k_out, prep.decay, s0_t, cfg=st.cfg,
@@ -111,7 +115,8 @@ def _bwd(st: Static, res, cts):
     dq, dk, dv, dg, dbeta = prep_vjp(d_prep)
     dh0 = jnp.swapaxes(ds0_t.reshape(B, HV, V, K), -1, -2)
     grads = (dq, dk, dv, dg, dbeta, dh0)
-    return tuple(d.astype(x.dtype) for d, x in zip(grads, res))
+    grads = tuple(d.astype(x.dtype) for d, x in zip(grads, res))
+    return grads + (None if seg is None else jnp.zeros_like(seg),)
 
 
 kda_core.defvjp(_fwd, _bwd)
