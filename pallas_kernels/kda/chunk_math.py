@@ -15,6 +15,8 @@ Forward, per chunk (DESIGN s1.1-1.2), with G the inclusive cumsum of g over the 
                                                               inverses by Neumann products
     O = (scale q e^G) S + scale lower(A_qk) Vn;  S <- e^G_C S + (k e^(G_C-G))^T Vn
 (Vn = U - W S of DESIGN s1.1 with W, U never formed: one solve instead of two.)
+Packed sequences (packed=True) keep the plain chunk cumsum and add 0/1 segment masks only
+(see forward_chunk): every exponent stays a sum of gates, so the bounds above still hold.
 The backward recurrence (state-gradient scan over chunks) is `backward_chunk`; it works on
 whole-chunk [C, F] tensors precomputed in XLA (reference.chunk_prep).
 """

@@ -69,9 +69,7 @@ def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
 def _forward(q, k, v, g, beta, h0, seg, st: Static):
   if not st.cfg.fused:
     return _forward_split(q, k, v, g, beta, h0, seg, st)
-  B, T, _, K = q.shape
-  HV, V = v.shape[2], v.shape[3]
-  C = st.cfg.chunk_size
+  T, C = q.shape[1], st.cfg.chunk_size
   tp = -(-T // C) * C
   o, ht_t = st.kernels.forward(
       _head_major(q, tp), _head_major(k, tp), _head_major(v, tp),
