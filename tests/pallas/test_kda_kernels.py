@@ -1,4 +1,6 @@
-"""KDA Pallas kernels (pallas_kernels/kda) vs the token recurrence, in interpret mode on CPU.
+"""KDA Pallas kernels (pallas_kernels/kda) vs the token recurrence, in interpret mode on CPU:
+unpacked rows and packed documents (segment_ids), both backends, forward and all gradients.
+Native lowering without a device: test_kda_lowering.py; inside the model: test_model_pallas.py.
 
 Set KDA_PALLAS_NATIVE=1 on a GPU/TPU machine to run the same checks compiled (interpret=False,
 the backend of the machine only). Tolerances: fp32 inputs 1e-5 relative RMS; bf16 inputs
