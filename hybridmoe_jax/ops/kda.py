@@ -24,14 +24,14 @@ from .kda_recurrent import check_kda_inputs, kda_recurrent
 Impl = Literal["auto", "recurrent", "chunked", "pallas"]
 
 
-def _kda_pallas(q, k, v, g, beta, *, segment_ids, chunk_size, lower_bound, **kwargs):
-  """The Pallas kernels (pallas_kernels/kda; interpreted on CPU). Inputs outside their
-  domain (unbounded gate, segment_ids, head dims, chunk size) raise NotImplementedError
-  before any work, which makes "auto" fall through to the chunked XLA path."""
-  from pallas_kernels.kda import check_domain, kda_pallas  # lazy: Pallas only when used
+def _kda_pallas(q, k, v, g, beta, **kwargs):
+  """The Pallas kernels (pallas_kernels/kda; interpreted on CPU), packed sequences
+  (segment_ids) included. Inputs outside their domain (unbounded gate, head dims, chunk
+  size) raise NotImplementedError before any work, which makes "auto" fall through to the
+  chunked XLA path."""
+  from pallas_kernels.kda import kda_pallas  # lazy: Pallas only when used
 
-  check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size, segment_ids=segment_ids)
-  return kda_pallas(q, k, v, g, beta, chunk_size=chunk_size, lower_bound=lower_bound, **kwargs)
+  return kda_pallas(q, k, v, g, beta, **kwargs)
 
 
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:

@@ -24,6 +24,7 @@ from .config import (
     default_gpu_config,
     default_tpu_config,
 )
+from .segments import chunk_local_segments
 from .wrapper import Static, kda_core
 
 Backend = Literal["auto", "tpu", "gpu"]
@@ -47,7 +48,7 @@ def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
   return backend, bool(interpret)
 
 
-def check_domain(q, v, *, lower_bound, chunk_size, segment_ids=None) -> None:
+def check_domain(q, v, *, lower_bound, chunk_size) -> None:
   """Raises NotImplementedError for inputs the kernels do not cover (valid arguments
   that another implementation handles)."""
   if lower_bound is None:
@@ -55,12 +56,6 @@ def check_domain(q, v, *, lower_bound, chunk_size, segment_ids=None) -> None:
         "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
         "16-token diagonal blocks are one matmul with factors up to e^(7.5 |lb|), which "
         "unbounded gates overflow; use impl='chunked' for unbounded gates"
-    )
-  if segment_ids is not None:
-    raise NotImplementedError(
-        "the KDA Pallas kernel does not support segment_ids (packed sequences need "
-        "in-chunk cumsum restarts, cross-segment masks and state resets, not "
-        "implemented in the kernel); use impl='chunked'"
     )
   K, V = q.shape[-1], v.shape[-1]
   if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
@@ -84,6 +79,7 @@ def kda_pallas(
     scale: float | None = None,
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
     chunk_size: int = 64,
     lower_bound: float | None = None,
     backend: Backend = "auto",
@@ -104,6 +100,9 @@ def kda_pallas(
     scale: query scale; defaults to K ** -0.5.
     initial_state: optional [B, HV, K, V] state (float32).
     output_final_state: also return the final state.
+    segment_ids: optional [B, T] integer ids of packed documents: the state resets where
+      the id changes (token 0 keeps initial_state) and documents never interact. None
+      compiles the unpacked kernels, with no segment masks.
     chunk_size: C in (16, 32, 64).
     lower_bound: the bounded gate's lb in [-5, 0); required.
     backend: "tpu" (Mosaic), "gpu" (Triton) or "auto" (from jax.default_backend(); the
@@ -119,7 +118,7 @@ def kda_pallas(
     NotImplementedError: unbounded gates (lower_bound None), unsupported head dims or
       chunk size, or a backend that cannot run on this platform.
   """
-  check_kda_inputs(q, k, v, g, beta, initial_state)
+  check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size)
   check_lower_bound(lower_bound)
   backend, interpret = _resolve_backend(backend, interpret)
@@ -137,5 +136,6 @@ def kda_pallas(
   st = Static(backend=backend, cfg=config, scale=float(K**-0.5 if scale is None else scale),
               lower_bound=float(lower_bound), interpret=interpret)
   h0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
-  o, ht = kda_core(q, k, v, g, beta, h0, st)
+  seg = None if segment_ids is None else chunk_local_segments(segment_ids, chunk_size)
+  o, ht = kda_core(q, k, v, g, beta, h0, seg, st)
   return o, (ht if output_final_state else None)

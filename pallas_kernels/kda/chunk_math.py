@@ -15,6 +15,8 @@ Forward, per chunk (DESIGN s1.1-1.2), with G the inclusive cumsum of g over the 
                                                               inverses by Neumann products
     O = (scale q e^G) S + scale lower(A_qk) Vn;  S <- e^G_C S + (k e^(G_C-G))^T Vn
 (Vn = U - W S of DESIGN s1.1 with W, U never formed: one solve instead of two.)
+Packed sequences (packed=True) keep the plain chunk cumsum and add 0/1 segment masks only
+(see forward_chunk): every exponent stays a sum of gates, so the bounds above still hold.
 The backward recurrence (state-gradient scan over chunks) is `backward_chunk`; it works on
 whole-chunk [C, F] tensors precomputed in XLA (reference.chunk_prep).
 """
@@ -74,6 +76,20 @@ def invert_unit_lower16(L, eye):
   return inv + mm(inv, eye - mm(eye + L, inv, _HIGHEST), _HIGHEST)
 
 
+def _row(x, i):
+  """Row i of a [16, F] value as [1, F] (Triton cannot slice values: a masked sum)."""
+  pick = lax.broadcasted_iota(jnp.int32, x.shape, 0) == i
+  return jnp.sum(jnp.where(pick, x, 0.0), axis=0, keepdims=True)
+
+
+def _same_segment(s, eye):
+  """[16, 16] bool: s_i == s_j for a [16, 1] column of segment indices. The row form s^T
+  comes from a matmul with the identity (exact for small integers at HIGHEST), which both
+  backends lower without a transpose of a [16, 1] value."""
+  cols = jnp.broadcast_to(s, (SUB, SUB))
+  return cols == mm_tn(cols, eye, _HIGHEST)
+
+
 def forward_chunk(
     load: Callable[[str, int], jax.Array],
     store: Callable[[int, jax.Array], None],
@@ -83,12 +99,14 @@ def forward_chunk(
     lower_bound: float,
     scale: float,
     prec,
+    packed: bool = False,
 ) -> jax.Array:
   """One chunk of the fused forward; returns the next state St [BV, K] float32.
 
   Args:
     load: load(name, r) -> sub-block r (rows 16r..16r+15) of name in {"q", "k", "g"}
-      ([16, K]), "v" ([16, BV]) or "beta" ([16, 1]), as float32.
+      ([16, K]), "v" ([16, BV]), "beta" ([16, 1]) or, if packed, "seg" ([16, 1]: the
+      chunk-local segment index of segments.py), as float32.
     store: store(r, o) writes output rows 16r..16r+15 (o: [16, BV] float32).
     St: incoming state, transposed: [BV, K] float32.
     nb: sub-blocks per chunk (C = 16 nb).
@@ -96,6 +114,10 @@ def forward_chunk(
     scale: query scale.
     prec: lax precision of the matmuls (the cumsum and the 16 x 16 inverses are
       always HIGHEST).
+    packed: mask by segment (reference.chunk_prep explains why the plain cumsum stays
+      exact): rows with seg > 0 do not see St, only rows in the chunk's last segment write
+      the next state, St is dropped if the chunk holds a start, and scores pair tokens of
+      one segment only. False compiles none of it.
   """
   K = St.shape[1]
   causal, strict, eye, first = _masks(K)
@@ -112,33 +134,52 @@ def forward_chunk(
     base.append(carry)
     carry = carry + jnp.sum(g, axis=0, keepdims=True)
   G_C = carry  # [1, K]: the chunk's total log decay
+  state_decay = jnp.exp(G_C)
+  if packed:
+    seg = [load("seg", r) for r in range(nb)]  # [16, 1] each
+    seg_last = _row(seg[-1], SUB - 1)  # [1, 1]: the chunk's last segment
+    state_decay = jnp.where(seg_last == 0.0, state_decay, 0.0)
+
+  def keep(x, mask):  # x masked by a segment condition (every exponent here is <= 0)
+    return x if mask is None else jnp.where(mask, x, 0.0)
 
   # Pass 2, one 16-row block at a time. The fused kernel never forms W and U: with the
   # state S entering the chunk, Vn = U - W S = (I + L)^-1 (beta v - beta k e^G S), so one
   # blocked solve gives Vn directly and only the earlier blocks' Vn stay live.
   v_new = []
-  St_next = St * jnp.exp(G_C)
+  St_next = St * state_decay
   for r in range(nb):
+    sees_state = same = in_anchor = seg_anchor = writes_state = None
+    if packed:
+      sees_state = seg[r] == 0.0  # [16, 1]
+      same = _same_segment(seg[r], eye)
+      seg_anchor = _row(seg[r], 0)  # [1, 1]: the segment of the block's first row
+      in_anchor = seg[r] == seg_anchor
+      writes_state = seg[r] == seg_last
     q = load("q", r) * scale
     k = load("k", r)
     b = load("beta", r)  # [16, 1]
     G = Gl[r] + base[r]
-    decay_in = jnp.exp(G)  # <= 1
+    decay_in = keep(jnp.exp(G), sees_state)  # <= 1
     # Diagonal block: anchor x = Gl[0] + offset depends on row 0 only (causal); both
     # factors' exponents lie in [-7.5|lb|, 7.5|lb|] for gates in [lb, 0].
     up = jnp.exp(Gl[r] - g0[r] - offset)
     down = k * jnp.exp(g0[r] + offset - Gl[r])
+    diag_causal = causal if same is None else causal & same
+    diag_strict = strict if same is None else strict & same
     aqk = [None] * (r + 1)
-    aqk[r] = jnp.where(causal, mm_nt(q * up, down, prec), 0.0)
-    L_rr = b * jnp.where(strict, mm_nt(k * up, down, prec), 0.0)
+    aqk[r] = jnp.where(diag_causal, mm_nt(q * up, down, prec), 0.0)
+    L_rr = b * jnp.where(diag_strict, mm_nt(k * up, down, prec), 0.0)
     rhs = b * load("v", r) - mm_nt(b * k * decay_in, St, prec)  # [16, BV]
     # Off-diagonal blocks s < r: anchor G_{16r}; exp(Gl - Gl[0]) <= 1 and
-    # exp(G_{16r} - G_j) <= 1 for j < 16r.
-    ef = jnp.exp(Gl[r] - g0[r])
+    # exp(G_{16r} - G_j) <= 1 for j < 16r. Packed: a row after a start inside block r
+    # pairs with no earlier block, and a column pairs only if in the anchor's segment.
+    ef = keep(jnp.exp(Gl[r] - g0[r]), in_anchor)
     qo, ko = q * ef, k * ef
     anchor = base[r] + g0[r]
     for s in range(r):
       cols = load("k", s) * jnp.exp(anchor - (Gl[s] + base[s]))
+      cols = keep(cols, None if seg_anchor is None else seg[s] == seg_anchor)
       aqk[s] = mm_nt(qo, cols, prec)
       rhs = rhs - mm(b * mm_nt(ko, cols, prec), v_new[s], prec)
     v_new.append(mm(invert_unit_lower16(L_rr, eye), rhs, prec))
@@ -147,7 +188,8 @@ def forward_chunk(
     for s in range(r + 1):
       o = o + mm(aqk[s], v_new[s], prec)
     store(r, o)
-    St_next = St_next + mm_tn(v_new[r], k * jnp.exp(G_C - G), prec)
+    k_out = k * keep(jnp.exp(G_C - G), writes_state)
+    St_next = St_next + mm_tn(v_new[r], k_out, prec)
   return St_next
 
 

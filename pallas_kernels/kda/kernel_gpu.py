@@ -29,16 +29,24 @@ def _params(cfg: GpuConfig):
   return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def forward(q, k, v, g, beta, h0t, *, cfg: GpuConfig, scale: float, lower_bound: float,
-            interpret: bool):
-  """Fused forward. Returns (o [B, HV, Tp, V] in v's dtype, final St [B, HV, V, K] f32)."""
+def forward(q, k, v, g, beta, h0t, seg=None, *, cfg: GpuConfig, scale: float,
+            lower_bound: float, interpret: bool):
+  """Fused forward. Returns (o [B, HV, Tp, V] in v's dtype, final St [B, HV, V, K] f32).
+
+  seg: optional [B, Tp, 1] float32 chunk-local segment index (packed sequences)."""
   B, H, Tp, K = q.shape
   HV, V = v.shape[1], v.shape[3]
   rep, C, BV = HV // H, cfg.chunk_size, cfg.block_v
   prec = lax_precision(cfg.precision)
+  packed = seg is not None
 
-  def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref):
-    refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref, beta=b_ref)
+  def kernel(*refs):
+    if packed:
+      q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, seg_ref, o_ref, ht_ref = refs
+    else:
+      q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref = refs
+      seg_ref = None
+    refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref, beta=b_ref, seg=seg_ref)
 
     def body(n, St):
       base = pl.multiple_of(n * C, C)
@@ -50,7 +58,7 @@ def forward(q, k, v, g, beta, h0t, *, cfg: GpuConfig, scale: float, lower_bound:
         o_ref[pl.ds(base + SUB * r, SUB), :] = o.astype(o_ref.dtype)
 
       return forward_chunk(load, store, St, nb=C // SUB, lower_bound=lower_bound,
-                           scale=scale, prec=prec)
+                           scale=scale, prec=prec, packed=packed)
 
     ht_ref[...] = lax.fori_loop(0, Tp // C, body, h0_ref[...].astype(_f32))
 
@@ -58,18 +66,23 @@ def forward(q, k, v, g, beta, h0t, *, cfg: GpuConfig, scale: float, lower_bound:
   hk_spec = pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0))
   tile_spec = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
   state_spec = pl.BlockSpec((None, None, BV, K), lambda b, h, j: (b, h, j, 0))
+  in_specs = [qk_spec, qk_spec, tile_spec, hk_spec,
+              pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)), state_spec]
+  extra = ()
+  if packed:  # one segment index per token, shared by all heads
+    in_specs.append(pl.BlockSpec((None, Tp, 1), lambda b, h, j: (b, 0, 0)))
+    extra = (seg,)
   return pl.pallas_call(
       kernel,
       grid=(B, HV, V // BV),
-      in_specs=[qk_spec, qk_spec, tile_spec, hk_spec,
-                pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)), state_spec],
+      in_specs=in_specs,
       out_specs=[tile_spec, state_spec],
       out_shape=[jax.ShapeDtypeStruct((B, HV, Tp, V), v.dtype),
                  jax.ShapeDtypeStruct((B, HV, V, K), _f32)],
       compiler_params=_params(cfg),
       interpret=interpret,
-      name="kda_fwd_gpu",
-  )(q, k, v, g, beta, h0t)
+      name="kda_fwd_packed_gpu" if packed else "kda_fwd_gpu",
+  )(q, k, v, g, beta, h0t, *extra)
 
 
 def _chunk_specs(N, C, K, BV):

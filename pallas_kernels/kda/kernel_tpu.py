@@ -25,18 +25,26 @@ def _params(n_parallel: int):
       dimension_semantics=("parallel",) * n_parallel + ("arbitrary",))
 
 
-def forward(q, k, v, g, beta, h0t, *, cfg: TpuConfig, scale: float, lower_bound: float,
-            interpret: bool):
-  """Fused forward. Returns (o [B, HV, Tp, V] in v's dtype, final St [B, HV, V, K] f32)."""
+def forward(q, k, v, g, beta, h0t, seg=None, *, cfg: TpuConfig, scale: float,
+            lower_bound: float, interpret: bool):
+  """Fused forward. Returns (o [B, HV, Tp, V] in v's dtype, final St [B, HV, V, K] f32).
+
+  seg: optional [B, Tp, 1] float32 chunk-local segment index (packed sequences)."""
   B, H, Tp, K = q.shape
   HV, V = v.shape[1], v.shape[3]
   rep, C = HV // H, cfg.chunk_size
   N = Tp // C
   prec = lax_precision(cfg.precision)
+  packed = seg is not None
 
-  def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, st_scr):
+  def kernel(*refs):
+    if packed:
+      q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, seg_ref, o_ref, ht_ref, st_scr = refs
+    else:
+      q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, st_scr = refs
+      seg_ref = None
     n = pl.program_id(2)
-    refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref, beta=b_ref)
+    refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref, beta=b_ref, seg=seg_ref)
 
     @pl.when(n == 0)
     def _():
@@ -49,7 +57,7 @@ def forward(q, k, v, g, beta, h0t, *, cfg: TpuConfig, scale: float, lower_bound:
       o_ref[pl.ds(SUB * r, SUB), :] = o.astype(o_ref.dtype)
 
     St = forward_chunk(load, store, st_scr[...], nb=C // SUB, lower_bound=lower_bound,
-                       scale=scale, prec=prec)
+                       scale=scale, prec=prec, packed=packed)
     st_scr[...] = St
 
     @pl.when(n == N - 1)
@@ -60,19 +68,24 @@ def forward(q, k, v, g, beta, h0t, *, cfg: TpuConfig, scale: float, lower_bound:
     return pl.BlockSpec((None, None, C, f), lambda b, h, n: (b, heads(h), n, 0))
 
   state_spec = pl.BlockSpec((None, None, V, K), lambda b, h, n: (b, h, 0, 0))
+  in_specs = [chunk(K, lambda h: h // rep), chunk(K, lambda h: h // rep), chunk(V),
+              chunk(K), chunk(1), state_spec]
+  extra = ()
+  if packed:  # one segment index per token, shared by all heads
+    in_specs.append(pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0)))
+    extra = (seg,)
   return pl.pallas_call(
       kernel,
       grid=(B, HV, N),
-      in_specs=[chunk(K, lambda h: h // rep), chunk(K, lambda h: h // rep), chunk(V),
-                chunk(K), chunk(1), state_spec],
+      in_specs=in_specs,
       out_specs=[chunk(V), state_spec],
       out_shape=[jax.ShapeDtypeStruct((B, HV, Tp, V), v.dtype),
                  jax.ShapeDtypeStruct((B, HV, V, K), _f32)],
       scratch_shapes=[pltpu.VMEM((V, K), _f32)],
       compiler_params=_params(2),
       interpret=interpret,
-      name="kda_fwd_tpu",
-  )(q, k, v, g, beta, h0t)
+      name="kda_fwd_packed_tpu" if packed else "kda_fwd_tpu",
+  )(q, k, v, g, beta, h0t, *extra)
 
 
 def states(w, u, k_out, decay, s0t, *, cfg: TpuConfig, interpret: bool):

@@ -78,31 +78,48 @@ def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
   return jnp.concatenate(xs, axis=-2)
 
 
-def chunk_prep(q, k, v, g, beta, *, scale: float, lower_bound: float,
+def chunk_prep(q, k, v, g, beta, seg=None, *, scale: float, lower_bound: float,
                chunk_size: int) -> ChunkPrep:
   """The chunk-parallel part of KDA (DESIGN s1.1) with the bounded-gate diagonal blocks.
 
-  Args: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV].
+  Packed sequences (seg given) keep the plain, unrestarted chunk cumsum G: every factor the
+  chunked form needs spans tokens of one segment only (a pair inside a segment; a row and
+  the chunk start for the incoming state; a row and the chunk end for the outgoing one), and
+  for those the plain differences equal the restarted ones. Pairs across segments, rows
+  after a segment start (incoming state) and rows before the chunk's last start (outgoing
+  state) are masked to zero; the state recurrence is then unchanged, with decay 0 for a
+  chunk that holds a start (the state resets).
+
+  Args: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
+    seg: optional [B, Tp] float32 chunk-local segment index (segments.py).
   Returns: ChunkPrep in layout [B*HV, N, C, F]; zero padding makes extra tokens no-ops.
   """
-  rep = v.shape[2] // q.shape[2]
+  rep, HV = v.shape[2] // q.shape[2], v.shape[2]
   c = chunk_size
   qc = to_chunks(jnp.repeat(q, rep, axis=2), c)
   kc = to_chunks(jnp.repeat(k, rep, axis=2), c)
   vc, gc = to_chunks(v, c), to_chunks(g, c)
   bc = to_chunks(beta, c)[..., None]
   G = _chunk_cumsum(gc, None)
-  a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, G, None, lower_bound)
+  sc = None if seg is None else jnp.repeat(seg.reshape(seg.shape[0], -1, c), HV, axis=0)
+  a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, G, sc, lower_bound)
   strict = jnp.tril(jnp.ones((c, c), bool), -1)
   lower = jnp.where(strict, bc * a_kk, 0.0)
+  # Every exponent below is <= 0 (sums of gates), so masking the product is NaN-free.
   decay_in = jnp.exp(G)
+  out_decay = jnp.exp(G[..., -1:, :] - G)
+  decay = jnp.exp(G[..., -1:, :])
+  if sc is not None:
+    decay_in = jnp.where(sc[..., None] == 0, decay_in, 0.0)
+    out_decay = jnp.where(sc[..., None] == sc[..., -1:, None], out_decay, 0.0)
+    decay = jnp.where(sc[..., -1:, None] == 0, decay, 0.0)
   K = qc.shape[-1]
   wu = _unit_lower_solve(lower, jnp.concatenate([bc * kc * decay_in, bc * vc], axis=-1))
   return ChunkPrep(
       w=wu[..., :K],
       u=wu[..., K:],
       q_in=scale * qc * decay_in,
-      k_out=kc * jnp.exp(G[..., -1:, :] - G),
+      k_out=kc * out_decay,
       a_qk=scale * a_qk,
-      decay=jnp.exp(G[..., -1:, :]),
+      decay=decay,
   )

@@ -1,4 +1,6 @@
-"""KDA Pallas kernels (pallas_kernels/kda) vs the token recurrence, in interpret mode on CPU.
+"""KDA Pallas kernels (pallas_kernels/kda) vs the token recurrence, in interpret mode on CPU:
+unpacked rows and packed documents (segment_ids), both backends, forward and all gradients.
+Native lowering without a device: test_kda_lowering.py; inside the model: test_model_pallas.py.
 
 Set KDA_PALLAS_NATIVE=1 on a GPU/TPU machine to run the same checks compiled (interpret=False,
 the backend of the machine only). Tolerances: fp32 inputs 1e-5 relative RMS; bf16 inputs
@@ -7,7 +9,6 @@ fla's (0.005 outputs/state, 0.008 dq/dk/dv/dh0, 0.02 dg/dbeta).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -134,6 +135,95 @@ def test_kernel_matches_recurrent(T, K, V, H, HV, use_h0, dtype, backend, chunk,
     assert_close(_f32(d), d_ref, tol[name], name)
 
 
+def packed_ids(B: int, T: int, C: int) -> jax.Array:
+  """[B, T] int32 segment ids of packed documents. Row 0: starts at token 1, at the chunk
+  boundaries C and 2C, inside chunks, a one-token document (C + 5) and a start at the last
+  token; row 1: a run of one-token documents inside one 16-block, then random starts;
+  row 2 (if B > 2): one document. Ids are arbitrary (not sorted): only changes matter."""
+  rng = np.random.default_rng(T + C)
+  starts = np.zeros((B, T), bool)
+  for t in (1, C, C + 5, C + 6, 2 * C, 2 * C + C // 2 + 3, T - 1):
+    if t < T:
+      starts[0, t] = True
+  starts[1, 19:24] = True
+  starts[1, 24:] = rng.random(T - 24) < 0.08
+  ids = np.cumsum(starts, axis=1) * 7 % 11  # distinct neighbours, unsorted values
+  return jnp.asarray(ids, jnp.int32)
+
+
+def recurrent_packed(segment_ids):
+  def run(q, k, v, g, beta, h0):
+    return kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         segment_ids=segment_ids)
+  return run
+
+
+def pallas_packed(backend, chunk_size, config, segment_ids):
+  if NATIVE and backend != ("tpu" if PLATFORM == "tpu" else "gpu"):
+    pytest.skip(f"{backend} kernel cannot run natively on {PLATFORM}")
+
+  def run(q, k, v, g, beta, h0):
+    return kda_pallas(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                      segment_ids=segment_ids, chunk_size=chunk_size, lower_bound=-5.0,
+                      backend=backend, interpret=not NATIVE, config=config)
+
+  return run
+
+
+# (T, K, V, H, HV, h0, dtype, backend, chunk, config): packed batches (packed_ids) through
+# both backends, every chunk size, grouped heads, the split forward and bf16.
+PACKED_CASES = [
+    (100, 32, 32, 1, 2, True, jnp.float32, "gpu", 32, None),
+    (100, 32, 32, 1, 2, True, jnp.float32, "tpu", 32, None),
+    (64, 32, 64, 2, 4, True, jnp.float32, "tpu", 16, None),
+    (150, 32, 32, 1, 1, False, jnp.float32, "gpu", 64, GpuConfig(block_v=16)),
+    (128, 32, 32, 1, 2, True, jnp.float32, "gpu", 64, GpuConfig(block_v=32, fused=False)),
+    (96, 32, 32, 1, 1, True, jnp.float32, "tpu", 32, TpuConfig(chunk_size=32, fused=False)),
+    (100, 32, 32, 1, 2, True, jnp.bfloat16, "tpu", 64, None),
+    (128, 64, 64, 1, 2, True, jnp.bfloat16, "gpu", 32,
+     GpuConfig(chunk_size=32, block_v=32, precision="default")),
+]
+
+
+@pytest.mark.parametrize("T,K,V,H,HV,use_h0,dtype,backend,chunk,config", PACKED_CASES)
+def test_packed_kernel_matches_recurrent(T, K, V, H, HV, use_h0, dtype, backend, chunk,
+                                         config):
+  """Packed documents (state resets, no attention across documents, restarted decays):
+  outputs, final state and all gradients equal the token scan with segment_ids."""
+  B = 3 if T == 150 else 2
+  q, k, v, g, beta, h0, do, dht = make_inputs(T + K + V + 1, B, T, H, HV, K, V, dtype=dtype)
+  seg = packed_ids(B, T, chunk)
+  out = fwd_bwd(pallas_packed(backend, chunk, config, seg), use_h0)(
+      q, k, v, g, beta, h0, do, dht)
+  ref_in = [_f32(x) for x in (q, k, v, g, beta, h0, do, dht)]
+  ref = fwd_bwd(recurrent_packed(seg), use_h0)(*ref_in)
+  assert out[0].dtype == dtype and out[0].shape == (B, T, HV, V)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert_close(_f32(out[0]), ref[0], tol["o"], "o")
+  assert_close(out[1], ref[1], tol["ht"], "ht")
+  for name, d, d_ref, x in zip(GRAD_NAMES, out[2], ref[2], (q, k, v, g, beta, h0)):
+    assert d.dtype == x.dtype, name
+    assert_close(_f32(d), d_ref, tol[name], name)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_packed_equals_documents_run_alone(backend):
+  """Two documents packed in one row (the second starting inside a chunk and inside a
+  16-block) give the outputs of the unpacked kernel run on each document alone: the first
+  with the initial state, the second from a zero state; the final state is the second's."""
+  T, C, cut = 80, 32, 41
+  q, k, v, g, beta, h0, _, _ = make_inputs(11, 1, T, 1, 2, 32, 32)
+  seg = jnp.asarray((np.arange(T) >= cut)[None].astype(np.int32))
+  o, ht = jax.jit(pallas_packed(backend, C, None, seg))(q, k, v, g, beta, h0)
+  alone = jax.jit(pallas(backend, C))
+  parts = [[x[:, :cut] for x in (q, k, v, g, beta)], [x[:, cut:] for x in (q, k, v, g, beta)]]
+  o1, _ = alone(*parts[0], h0)
+  o2, ht2 = alone(*parts[1], jnp.zeros_like(h0))
+  assert_close(o[:, :cut], o1, 1e-5, "o first")
+  assert_close(o[:, cut:], o2, 1e-5, "o second")
+  assert_close(ht, ht2, 1e-5, "ht")
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_anchor_is_causal(backend):
   """Changing a future token's gate leaves every earlier output bit-identical, also inside
@@ -178,42 +268,6 @@ def test_identical_keys_worst_conditioned_inverse():
     assert_close(d, d_ref, 2e-5, name)
 
 
-@pytest.mark.parametrize("backend,fused", [("gpu", True), ("gpu", False), ("tpu", True),
-                                           ("tpu", False)])
-def test_kernels_lower_natively(backend, fused, monkeypatch):
-  """The compiled (not interpreted) forward, state and backward kernels lower through
-  Pallas's Triton / Mosaic front ends at the benchmark head size (K = V = 128, bf16), with
-  no device: catches primitives a backend cannot lower. (Triton -> PTX and Mosaic's layout
-  passes still need the device.)"""
-  if backend == "tpu":
-    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
-    if not hasattr(tpu_info, "get_device_kind"):
-      pytest.skip("jax internals changed: cannot fake a TPU device kind")
-    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v6 lite")
-    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-  from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
-  from pallas_kernels.kda.wrapper import Static, kda_core
-
-  B, T, H, HV, K, V, dt = 1, 256, 2, 4, 128, 128, jnp.bfloat16
-  cfg = (default_tpu_config(chunk_size=64, dtype=dt) if backend == "tpu"
-         else default_gpu_config(chunk_size=64, k=K, v=V, dtype=dt))
-  cfg = dataclasses.replace(cfg, fused=fused)
-  st = Static(backend=backend, cfg=cfg, scale=K**-0.5, lower_bound=-5.0, interpret=False)
-  sd = jax.ShapeDtypeStruct
-  args = (sd((B, T, H, K), dt), sd((B, T, H, K), dt), sd((B, T, HV, V), dt),
-          sd((B, T, HV, K), jnp.float32), sd((B, T, HV), dt), sd((B, HV, K, V), jnp.float32))
-
-  def loss(*a):
-    o, ht = kda_core(*a, st)
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-  platform = "tpu" if backend == "tpu" else "cuda"
-  text = jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
-      lowering_platforms=(platform,)).as_text()
-  target = "tpu_custom_call" if backend == "tpu" else "xla.gpu.triton"
-  assert text.count(target) == 3  # forward (fused or recurrence), states, backward
-
-
 # --- dispatcher and domain errors ----------------------------------------------------------
 
 
@@ -225,6 +279,24 @@ def test_dispatcher_pallas_matches_chunked():
   o_ref, ht_ref = kda_chunked(q, k, v, g, beta, **kw)
   assert_close(o, o_ref, 1e-5, "o")
   assert_close(ht, ht_ref, 1e-5, "ht")
+
+
+def test_dispatcher_pallas_packed_gradients_match_chunked():
+  """kda(impl="pallas") takes segment_ids (no fallback): loss and gradients inside jax.grad
+  equal the chunked XLA path's on a packed batch."""
+  q, k, v, g, beta, _, do, _ = make_inputs(12, 2, 72, 1, 2, 16, 16)
+  seg = packed_ids(2, 72, 16)
+
+  def loss(impl, q, k, v, g, beta):
+    o, _ = kda(q, k, v, g, beta, segment_ids=seg, chunk_size=16, lower_bound=-5.0,
+               impl=impl)
+    return jnp.sum(o * do)
+
+  grads = {impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl), range(5)))(
+      q, k, v, g, beta) for impl in ("pallas", "chunked")}
+  assert_close(grads["pallas"][0], grads["chunked"][0], 1e-5, "loss")
+  for name, d, d_ref in zip(GRAD_NAMES, grads["pallas"][1], grads["chunked"][1]):
+    assert_close(d, d_ref, 1e-5, name)
 
 
 def test_auto_falls_back_for_unbounded_gate(monkeypatch):
@@ -273,7 +345,6 @@ def test_kda_pallas_value_errors(over, match):
 
 @pytest.mark.parametrize("over,match", [
     (dict(lower_bound=None), "needs the bounded gate"),
-    (dict(segment_ids=np.zeros((1, 20), np.int32)), "does not support segment_ids"),
     (dict(chunk_size=128), "chunk_size in"),
 ])
 def test_dispatcher_domain_errors(over, match):

@@ -1,0 +1,123 @@
+"""Native (not interpreted) lowering of the KDA Pallas kernels, with no device.
+
+On a CPU-only jaxlib, `jax.jit(f).trace(...).lower(lowering_platforms=(p,))` runs Pallas's
+Triton (p = "cuda") or Mosaic (p = "tpu") front end on the forward and backward kernels:
+it catches primitives, block shapes and dtypes a backend cannot lower, long before a device
+is available. What it cannot check: Triton -> PTX compilation, Mosaic's layout passes and
+run time (they need the device).
+
+Mosaic asks for the TPU generation while lowering: from the abstract mesh's device if one
+is set, else from the local device; on CPU the latter raises "Unsupported TPU device kind:
+cpu" (test_tpu_lowering_needs_a_tpu_device_kind). So the TPU checks lower under an abstract
+mesh whose abstract device is a TPU v6e (public jax.sharding API; README.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.kda.config import (
+    SUPPORTED_CHUNKS,
+    SUPPORTED_DIMS,
+    default_gpu_config,
+    default_tpu_config,
+)
+from pallas_kernels.kda.wrapper import Static, kda_core
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_sd = jax.ShapeDtypeStruct
+
+
+def _grid():
+  """Every (chunk, K, V); dtype and packing cycle along the (K, V) index j = 5 ki + vi, so
+  each chunk meets every (dtype, packed) pair and each K and each V meets every dtype."""
+  for C in SUPPORTED_CHUNKS:
+    for j, (K, V) in enumerate(itertools.product(SUPPORTED_DIMS, SUPPORTED_DIMS)):
+      yield C, K, V, DTYPES[j % 3], (j // 3) % 2 == 1
+
+
+GRID = list(_grid())
+# The benchmark size both ways, and the split forward (XLA prep + Pallas recurrence).
+EXTRA = [(64, 128, 128, jnp.bfloat16, False, True), (64, 128, 128, jnp.bfloat16, True, True),
+         (16, 64, 32, jnp.float32, True, False), (64, 128, 128, jnp.bfloat16, True, False)]
+CASES = [(*case, True) for case in GRID] + EXTRA
+
+
+def _ids(case):
+  C, K, V, dt, packed, fused = case
+  return f"C{C}-K{K}-V{V}-{jnp.dtype(dt).name}-{'packed' if packed else 'unpacked'}" + (
+      "" if fused else "-split")
+
+
+def tpu_v6e():
+  """Context in which Mosaic lowers for a TPU v6e (one TensorCore), whatever the host."""
+  device = jax.sharding.AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+def lower(backend: str, C: int, K: int, V: int, dt, packed: bool, fused: bool = True) -> str:
+  """StableHLO text of jit(grad(sum(o) + sum(ht))) through kda_core, forward and backward
+  kernels lowered for the backend's platform (B = 1, T = 2C, H = 1, HV = 2)."""
+  cfg = (default_tpu_config(chunk_size=C, dtype=dt) if backend == "tpu"
+         else default_gpu_config(chunk_size=C, k=K, v=V, dtype=dt))
+  cfg = dataclasses.replace(cfg, fused=fused)
+  st = Static(backend=backend, cfg=cfg, scale=K**-0.5, lower_bound=-5.0, interpret=False)
+  B, T, H, HV = 1, 2 * C, 1, 2
+  args = (_sd((B, T, H, K), dt), _sd((B, T, H, K), dt), _sd((B, T, HV, V), dt),
+          _sd((B, T, HV, K), jnp.float32), _sd((B, T, HV), dt),
+          _sd((B, HV, K, V), jnp.float32), _sd((B, T), jnp.float32) if packed else None)
+
+  def loss(*a):
+    o, ht = kda_core(*a, st)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+  platform = "tpu" if backend == "tpu" else "cuda"
+  return jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
+      lowering_platforms=(platform,)).as_text()
+
+
+def _check(text: str, backend: str, packed: bool, fused: bool):
+  target = "tpu_custom_call" if backend == "tpu" else "xla.gpu.triton"
+  assert text.count(target) == 3  # forward (fused or recurrence), states, backward
+  # The unpacked fast path compiles no segment masks: a separate forward kernel.
+  assert ("kda_fwd_packed" in text) == (packed and fused)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_gpu_kernels_lower(case):
+  C, K, V, dt, packed, fused = case
+  _check(lower("gpu", C, K, V, dt, packed, fused), "gpu", packed, fused)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_tpu_kernels_lower(case):
+  C, K, V, dt, packed, fused = case
+  with tpu_v6e():
+    text = lower("tpu", C, K, V, dt, packed, fused)
+  _check(text, "tpu", packed, fused)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="documents the CPU-only failure")
+def test_tpu_lowering_needs_a_tpu_device_kind():
+  """Why the TPU checks lower under tpu_v6e(): without an abstract TPU device Mosaic reads
+  the TPU generation of the local device, and a CPU device has none. (If this starts to
+  lower, tpu_v6e() is no longer needed.)"""
+  with pytest.raises(ValueError, match="Unsupported TPU device kind: cpu"):
+    lower("tpu", 16, 16, 16, jnp.float32, False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_kernels_lower_full_product(backend):
+  """Every (chunk, K, V, dtype, packed) combination (450 lowerings per backend)."""
+  with tpu_v6e() if backend == "tpu" else contextlib.nullcontext():
+    for C, K, V, dt, packed in itertools.product(SUPPORTED_CHUNKS, SUPPORTED_DIMS,
+                                                 SUPPORTED_DIMS, DTYPES, (False, True)):
+      _check(lower(backend, C, K, V, dt, packed), backend, packed, True)
