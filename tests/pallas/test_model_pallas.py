@@ -10,7 +10,7 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx")  # pallas_kernels alone needs jax only; the model, flax
 
-from hybridmoe_jax.config import KDAConfig, ModelConfig, MoEConfig  # noqa: E402
+from hybridmoe_jax.config import ComputeConfig, KDAConfig, ModelConfig, MoEConfig  # noqa: E402
 from hybridmoe_jax.model import HybridLM  # noqa: E402
 from hybridmoe_jax.train.step import next_token_targets, token_nll  # noqa: E402
 from tests.pallas.test_kda_kernels import assert_close  # noqa: E402
@@ -19,13 +19,12 @@ from tests.pallas.test_kda_kernels import assert_close  # noqa: E402
 def _model(impl: str) -> HybridLM:
   """A tiny HybridLM (KDA then MLA, grouped KDA heads) whose KDA layers use `impl`; the
   parameters do not depend on impl."""
-  kda = KDAConfig(num_heads=1, num_v_heads=2, head_dim=16, v_head_dim=16, chunk_size=16,
-                  impl=impl)
+  kda = KDAConfig(num_heads=1, num_v_heads=2, head_dim=16, v_head_dim=16)
   moe = MoEConfig(num_experts=4, expert_intermediate=32, shared_intermediate=32,
                   dense_intermediate=64)
   cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, layer_kinds=("kda", "mla"),
                     kda=kda, moe=moe)
-  return HybridLM(cfg, rngs=nnx.Rngs(0))
+  return HybridLM(cfg, rngs=nnx.Rngs(0), compute=ComputeConfig(kda_impl=impl, kda_chunk_size=16))
 
 
 def _packed_batch():
