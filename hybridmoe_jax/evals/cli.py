@@ -11,6 +11,7 @@ from hybridmoe_jax.config import ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals import niah
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import EvalOptions, resolve_tasks, run_evals
+from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.train.config import load_config_file
 
 
@@ -70,6 +71,8 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   where = f"step {info['step']} of {workdir}" if "step" in info else params
   kinds = "".join(k[0] for k in model.cfg.layer_kinds)
   echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds})")
+  for line in describe_impls(model.cfg, model.compute):
+    echo(f"implementation: {line}")
   results = run_evals(model, tasks, opts, output_dir, info=info,
                       data_cfg=data, echo=echo)
   echo(f"results in {output_dir}")

@@ -27,11 +27,43 @@ Impl = Literal["auto", "recurrent", "chunked", "pallas"]
 def _kda_pallas(q, k, v, g, beta, **kwargs):
   """The Pallas kernels (pallas_kernels/kda; interpreted on CPU), packed sequences
   (segment_ids) included. Inputs outside their domain (unbounded gate, head dims, chunk
-  size) raise NotImplementedError before any work, which makes "auto" fall through to the
-  chunked XLA path."""
+  size) raise NotImplementedError before any work; "auto" never sends them here
+  (`resolve_impl` checks the same domain first)."""
   from pallas_kernels.kda import kda_pallas  # lazy: Pallas only when used
 
   return kda_pallas(q, k, v, g, beta, **kwargs)
+
+
+PALLAS_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def resolve_impl(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
+                 lower_bound: float | None, backend: str | None = None) -> tuple[str, str]:
+  """Which implementation `kda(..., impl=impl)` runs for these static properties, and why.
+
+  Args:
+    impl: the requested implementation ("auto" picks).
+    head_dim, v_head_dim: K and V; chunk_size: C; lower_bound: the bounded gate's lb, or
+      None for an unbounded gate.
+    backend: a jax backend name; default `jax.default_backend()`.
+  Returns:
+    (name, reason): name in ("recurrent", "chunked", "pallas"); reason a short sentence
+    (for "auto" falling back to "chunked": the Pallas domain error).
+  """
+  if impl not in get_args(Impl):
+    raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
+  if impl != "auto":
+    return impl, "requested"
+  backend = backend or jax.default_backend()
+  if backend not in PALLAS_BACKENDS:
+    return "chunked", f"the Pallas kernels target GPU/TPU, this backend is {backend!r}"
+  from pallas_kernels.kda import check_domain_dims  # lazy: Pallas only when used
+
+  try:
+    check_domain_dims(head_dim, v_head_dim, lower_bound=lower_bound, chunk_size=chunk_size)
+  except NotImplementedError as e:
+    return "chunked", str(e)
+  return "pallas", f"Pallas kernel on {backend}"
 
 
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
@@ -110,11 +142,8 @@ def kda(
   if impl == "recurrent":
     return kda_recurrent(q, k, v, g, beta, **common)
   chunked = dict(common, chunk_size=chunk_size, lower_bound=lower_bound)
+  impl, _ = resolve_impl(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                         chunk_size=chunk_size, lower_bound=lower_bound)
   if impl == "pallas":
     return _kda_pallas(q, k, v, g, beta, **chunked)
-  if impl == "auto" and jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"):
-    try:
-      return _kda_pallas(q, k, v, g, beta, **chunked)
-    except NotImplementedError:
-      pass  # fall back by exception to the XLA path
   return kda_chunked(q, k, v, g, beta, **chunked)

@@ -26,6 +26,7 @@ from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import pipeline as data_pipeline
 from hybridmoe_jax.data import vlm_pipeline
+from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -258,6 +259,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   ckpt_lib.write_workdir_config(workdir, model_dict)
   start = int(state.step)
   _log_sizes(state)
+  for line in describe_impls(cfg, config.compute, moe_dispatch=rt.moe_dispatch):
+    logging.info("implementation: %s", line)
   meta = {"model_config": model_dict, "signature": signature,
           "config": json.dumps(dataclasses.asdict(config))}
   eval_step = step_lib.make_eval_step(graphdef, **rt.step_kwargs(train=False))

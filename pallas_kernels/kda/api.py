@@ -51,13 +51,18 @@ def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
 def check_domain(q, v, *, lower_bound, chunk_size) -> None:
   """Raises NotImplementedError for inputs the kernels do not cover (valid arguments
   that another implementation handles)."""
+  check_domain_dims(q.shape[-1], v.shape[-1], lower_bound=lower_bound, chunk_size=chunk_size)
+
+
+def check_domain_dims(K: int, V: int, *, lower_bound, chunk_size) -> None:
+  """`check_domain` from the static properties alone (head dims K, V; no arrays), so a
+  caller can say which implementation a layer will run before tracing it."""
   if lower_bound is None:
     raise NotImplementedError(
         "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
         "16-token diagonal blocks are one matmul with factors up to e^(7.5 |lb|), which "
         "unbounded gates overflow; use impl='chunked' for unbounded gates"
     )
-  K, V = q.shape[-1], v.shape[-1]
   if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
     raise NotImplementedError(
         f"the KDA Pallas kernel supports head dims K, V in {SUPPORTED_DIMS} (powers of "

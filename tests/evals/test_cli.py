@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.evals.cli import main
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, export_params
@@ -69,3 +70,12 @@ def test_cli_bad_input(export, tmp_path):
              f"--output_dir={tmp_path}")
   assert err.startswith("error: prompt of 41 tokens does not fit") and "max_len=16" in err
   assert "error: --workdir" in _run(f"--workdir={tmp_path}", "--task=ppl")
+
+
+def test_eval_log_names_the_implementations(export, tmp_path):
+  lines = []
+  main(task="generate", workdir=None, params=export, output_dir=str(tmp_path), config=None,
+       option_values={"prompt": "ab", "max_new_tokens": 2}, echo=lines.append)
+  impl = [l for l in lines if l.startswith("implementation: ")]
+  assert len(impl) == 3, lines   # kda, mla, moe: once each
+  assert "(kda): chunked" in impl[0] and "(mla):" in impl[1] and "(moe):" in impl[2]

@@ -157,7 +157,7 @@ def test_schedules(schedule):
   config = default_config()
   config.train.update(dict(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1, schedule=schedule,
                            decay_fraction=0.2))
-  f = optim.make_schedule(config.train)
+  f = build_plan(run_config_from_dict(config)).schedule()   # a plain run: one piece
   assert float(f(0)) == 0.0 and abs(float(f(10)) - 1.0) < 1e-6
   end = {"cosine": 0.1, "wsd": 0.1, "constant": 1.0}[schedule]
   assert abs(float(f(100)) - end) < 1e-6
