@@ -43,8 +43,8 @@ REMAT_POLICIES = {
 class DecoderLayer(nnx.Module):
   """Pre-norm mixer (KDA or MLA) then pre-norm FFN (dense or MoE), each fed by AttnRes."""
 
-  def __init__(self, cfg: ModelConfig, index: int, *, compute: ComputeConfig, rngs: nnx.Rngs,
-               moe_dispatch=None):
+  def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs,
+               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None):
     d, eps, dtype = cfg.d_model, cfg.norm_eps, compute.dtype
     self.index = index
     self.kind = cfg.layer_kinds[index]

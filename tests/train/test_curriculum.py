@@ -26,6 +26,7 @@ def _config(steps=(3, 2, 2), lens=(16, 32, 64), tps=512, train_steps=None, **tra
   """Tiny-model config with a 3-stage curriculum (batches divide over 8 test devices)."""
   config = default_config()
   set_tiny_model(config)          # byte vocabulary (259) of the default config; chunk 16
+  config.model.layer_kinds = ("kda", "mla")   # a KDA layer: its chunk rules the stage lengths
   c = config.curriculum
   c.tokens_per_step = tps
   c.sources = {"pydoc": {"kind": "bundled"}}
