@@ -28,7 +28,7 @@ from .kda_recurrent import check_kda_inputs, segment_starts
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _SUB = 16  # block length: diagonal blocks are 16 x 16
-_GROUP_TOKENS = 128  # tokens per scan step (whole chunks): amortises the step overhead
+_GROUP_TOKENS = 256  # tokens per scan step (whole chunks): amortises the step overhead
 _f32 = jnp.float32
 
 
@@ -80,13 +80,24 @@ def _decays(g: jax.Array, lower_bound: float | None) -> _Decays:
   # The bounded gate centres each diagonal block's factor pair (rows, cols_diag) on the
   # block middle; `between` takes the same shift so that products are unchanged.
   shift = 0.0 if lower_bound is None else 0.5 * (_SUB - 1) * lower_bound
+  rows = jnp.exp(Gl - first[..., None, :] - shift)
+  # exp(G_i) = rows_i exp(P_r + first_r + shift): a per-block factor, not a second exp per
+  # token. Both factors are normal floats; an underflowing block factor means a product
+  # below e^-50 (bounded) or 0 (unbounded), as exp(G_i) itself.
+  from_start = rows * jnp.exp(_mm(before, tot) + first + shift)[..., None, :]
+  if lower_bound is None:
+    cols_diag, to_end = None, jnp.exp(tot[..., None, :] - Gl)
+  else:
+    cols_diag = jnp.exp(first[..., None, :] + shift - Gl)
+    # The same trick: both exponents within +-37.5, the product <= 1.
+    to_end = cols_diag * jnp.exp(tot - first - shift)[..., None, :]
   return _Decays(
       gl=Gl,
-      rows=jnp.exp(Gl - first[..., None, :] - shift),
-      cols_diag=None if lower_bound is None else jnp.exp(first[..., None, :] + shift - Gl),
-      to_end=jnp.exp(tot[..., None, :] - Gl),
+      rows=rows,
+      cols_diag=cols_diag,
+      to_end=to_end,
       between=jnp.exp(first[..., :, None, :] + gap + shift) * before[:, :, None],
-      from_start=jnp.exp(_mm(before, tot)[..., None, :] + Gl),
+      from_start=from_start,
       block_to_end=jnp.exp(_mm(before.T, tot)),
       total=jnp.exp(jnp.sum(tot, axis=-2)),
   )
@@ -111,15 +122,18 @@ def _scores(q, k, dec: _Decays, keep_qk, keep_kk):
     cols = cols + eye * (ks * dec.cols_diag)[..., None, :, :, :]
   cols = jnp.swapaxes(cols.reshape(*lead, nb, c, k.shape[-1]), -1, -2)  # [..., nb, K, C]
 
-  def scores(x, keep):
+  diags = (None, None)
+  if dec.cols_diag is None:  # q and k rows share one pairwise decay tensor
+    diags = diag_block_pairwise(jnp.stack([_sub(q), ks]), ks, dec.gl)  # [2, ..., nb, 16, 16]
+
+  def scores(x, diag, keep):
     a = _mm(_sub(x) * dec.rows, cols)  # [..., nb, 16, C]
-    if dec.cols_diag is None:
-      diag = diag_block_pairwise(_sub(x), ks, dec.gl)  # [..., nb, 16, 16]
+    if diag is not None:
       eye = jnp.eye(nb, dtype=_f32)[:, None, :, None]
       a = a.reshape(*a.shape[:-1], nb, _SUB) + diag[..., :, :, None, :] * eye
     return jnp.where(keep, a.reshape(*lead, c, c), 0.0)
 
-  return scores(q, keep_qk), scores(k, keep_kk)
+  return scores(q, diags[0], keep_qk), scores(k, diags[1], keep_kk)
 
 
 def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
@@ -227,12 +241,13 @@ def _group_step(s, xs, *, c, rep, scale, lower_bound):
   w, u = per_chunk(wu[..., :K]), per_chunk(wu[..., K:])
   q_in, k_out, a_qk = per_chunk(scale * qc * decay_in), per_chunk(k_out), per_chunk(scale * a_qk)
   state_decay = per_chunk(state_decay)
-  outs = []
-  for j in range(ng):  # the sequential part, chunk by chunk
-    v_new = u[:, :, j] - _mm(w[:, :, j], s)
-    outs.append(_mm(q_in[:, :, j], s) + _mm(a_qk[:, :, j], v_new))
-    s = state_decay[:, :, j] * s + _mm(jnp.swapaxes(k_out[:, :, j], -1, -2), v_new)
-  o = jnp.stack(outs, axis=2)  # [B, HV, G, C, V]
+  # Only W S and the state update are sequential; outputs are batched over the group.
+  s_in, v_new = [], []
+  for j in range(ng):
+    s_in.append(s)
+    v_new.append(u[:, :, j] - _mm(w[:, :, j], s))
+    s = state_decay[:, :, j] * s + _mm(jnp.swapaxes(k_out[:, :, j], -1, -2), v_new[-1])
+  o = _mm(q_in, jnp.stack(s_in, axis=2)) + _mm(a_qk, jnp.stack(v_new, axis=2))  # [B,HV,G,C,V]
   return s, jnp.moveaxis(o, 1, 3).reshape(B, gc, HV, V)
 
 
@@ -303,6 +318,8 @@ def kda_chunked(
   def step(s, x):
     return _group_step(s, x, c=c, rep=HV // H, scale=scale, lower_bound=lower_bound)
 
-  s_final, o = jax.lax.scan(step, s0, xs)
+  # The backward recomputes each step's chunk-local quantities from its inputs and entering
+  # state instead of storing them all (on CPU ~2x faster fwd+bwd, and far less memory).
+  s_final, o = jax.lax.scan(jax.checkpoint(step), s0, xs)
   o = jnp.moveaxis(o, 0, 1).reshape(B, tp, HV, V)[:, :T].astype(v.dtype)
   return o, (s_final if output_final_state else None)
