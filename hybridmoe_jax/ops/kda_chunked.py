@@ -28,7 +28,7 @@ from .kda_recurrent import check_kda_inputs, segment_starts
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _SUB = 16  # block length: diagonal blocks are 16 x 16
-_GROUP_TOKENS = 256  # tokens per scan step (whole chunks): amortises the step overhead
+_GROUP_TOKENS = 128  # tokens per scan step (whole chunks): amortises the step overhead
 _f32 = jnp.float32
 
 
@@ -192,7 +192,7 @@ def _intra_chunk_scores(q, k, g, G, sidx, lower_bound):
   return _scores(q, k, _decays(g, lower_bound), keep, keep)
 
 
-def _group_step(s, xs, *, c, rep, scale, lower_bound):
+def _group_step(s, xs, *, c, scale, lower_bound):
   """One scan step: a group of G chunks. s: [B, HV, K, V] state entering the group.
 
   xs: q, k [B, G*C, H, K]; v [B, G*C, HV, V]; g [B, G*C, HV, K]; beta [B, G*C, HV];
@@ -287,7 +287,7 @@ def kda_chunked(
   check_chunk_size(chunk_size)
   if lower_bound is not None:
     check_lower_bound(lower_bound)
-  B, T, H, K = q.shape
+  B, T, _, K = q.shape
   HV, V = v.shape[2], v.shape[3]
   scale = K**-0.5 if scale is None else scale
   c = chunk_size
@@ -316,7 +316,7 @@ def kda_chunked(
     s0 = initial_state.astype(_f32)
 
   def step(s, x):
-    return _group_step(s, x, c=c, rep=HV // H, scale=scale, lower_bound=lower_bound)
+    return _group_step(s, x, c=c, scale=scale, lower_bound=lower_bound)
 
   # The backward recomputes each step's chunk-local quantities from its inputs and entering
   # state instead of storing them all (on CPU ~2x faster fwd+bwd, and far less memory).
