@@ -86,8 +86,8 @@ def random_segments(seed, B, T, p=0.04):
 
 
 # (T, chunk, H, HV, initial state, lower_bound, segments): every listed T, chunk size, head
-# layout and gate path appears, without the full cartesian product; T > 256 spans several
-# scan steps (kda_chunked groups 256 tokens per step).
+# layout and gate path appears, without the full cartesian product; most T span several
+# scan steps (kda_chunked runs max(64 tokens, 2 chunks) per step).
 CASES = [
     (1, 16, 2, 2, False, None, False),
     (15, 32, 1, 2, True, -5.0, False),
@@ -98,7 +98,7 @@ CASES = [
     (200, 16, 1, 2, True, None, True),
     (500, 64, 1, 2, True, -3.0, False),
     (500, 32, 2, 4, False, -5.0, True),
-    (600, 16, 1, 2, True, None, True),  # 3 scan steps of 16 chunks, segments across them
+    (600, 16, 1, 2, True, None, True),  # 10 scan steps, segments across them
 ]
 
 
