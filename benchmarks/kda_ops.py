@@ -1,22 +1,26 @@
-"""Times KDA impl="chunked" vs impl="recurrent": forward and forward+backward.
+"""Times KDA impl="chunked" against impl="recurrent" (the token scan): fwd and fwd+bwd.
 
-Usage: python benchmarks/kda_ops.py --T 1024 4096 16384 [--repeats 3] [--lower-bound -5]
-Prints a table, then one JSON line per row (machine-readable, prefixed "JSON ").
-Times are the median of --repeats runs after one warm-up (compile excluded), jitted,
-with block_until_ready. FLOP/s uses DESIGN s1.3b's forward cost model for the chunked form.
+Usage: python benchmarks/kda_ops.py [--T 1024 4096 16384] [--repeats 7] [--lower-bound -5]
+                                    [--chunk 32 64] [--modes fwd fwd+bwd]
+Every implementation is jitted and compiled first; then the timed calls are interleaved
+(round r runs each implementation once, in a rotating order), so load from other processes
+hits all of them alike. Reports medians and the ratio chunked / recurrent (< 1: chunked is
+faster) per row, then one JSON line per row (prefixed "JSON ").
+No outside KDA implementation is importable here (tokamax 0.0.17 ships no KDA op; MaxText
+is not installed), so none is timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hybridmoe_jax.ops import kda
-from hybridmoe_jax.timing import time_fn
 
 
 def make_inputs(B, T, H, K, V, lower_bound, seed=0):
@@ -47,11 +51,20 @@ def build(impl, chunk_size, lower_bound, backward):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-
-
-def chunked_fwd_flops(B, T, H, K, V, C):
-  """DESIGN s1.3b: ~6CK + 4CV + 6KV FLOP per token per head (inverse not counted)."""
-  return B * T * H * (6 * C * K + 4 * C * V + 6 * K * V)
+def time_interleaved(fns: dict, args: tuple, repeats: int) -> tuple[dict, dict]:
+  """-> (compile + first-call seconds, median seconds) per name; calls interleaved."""
+  first, times = {}, {name: [] for name in fns}
+  for name, fn in fns.items():
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first[name] = time.perf_counter() - t0
+  names = list(fns)
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[: r % len(names)]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(fns[name](*args))
+      times[name].append(time.perf_counter() - t0)
+  return first, {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main():
@@ -61,40 +74,41 @@ def main():
   p.add_argument("--H", type=int, default=4)
   p.add_argument("--K", type=int, default=64)
   p.add_argument("--V", type=int, default=64)
-  p.add_argument("--chunk", type=int, default=64)
+  p.add_argument("--chunk", type=int, nargs="+", default=[64],
+                 help="chunk sizes of the chunked path (each timed in the same rounds)")
   p.add_argument("--lower-bound", type=float, default=None,
-                 help="use the bounded-gate (dense diagonal block) chunked path")
-  p.add_argument("--repeats", type=int, default=3)
+                 help="bounded gate in [lb, 0]: the chunked path's anchored diagonal blocks")
+  p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
   args = p.parse_args()
 
   print(f"backend={jax.default_backend()} devices={jax.devices()} jax={jax.__version__}")
-  header = f"{'T':>6} {'mode':>8} {'recurrent ms':>13} {'chunked ms':>11} {'rec/chunk':>9} " \
-           f"{'chunk GFLOP/s':>13} {'1st call s (rec, chunk)':>23}"
+  chunk_cols = " ".join(f"{f'C{c} ms':>9} {f'C{c}/rec':>8}" for c in args.chunk)
+  header = f"{'T':>6} {'mode':>8} {'rec ms':>9} {chunk_cols}"
   print(header)
   print("-" * len(header))
   rows = []
   for T in args.T:
     inputs = make_inputs(args.B, T, args.H, args.K, args.V, args.lower_bound)
     for mode in args.modes:
-      res = {}
-      for impl in ("recurrent", "chunked"):
-        fn = build(impl, args.chunk, args.lower_bound, mode == "fwd+bwd")
-        res[impl] = time_fn(fn, inputs, args.repeats)
-      rec, chk = res["recurrent"][1], res["chunked"][1]
-      flops = chunked_fwd_flops(args.B, T, args.H, args.K, args.V, args.chunk)
-      gflops = flops / chk / 1e9 if mode == "fwd" else float("nan")
-      row = dict(op="kda", T=T, B=args.B, H=args.H, K=args.K, V=args.V, chunk=args.chunk,
-                 lower_bound=args.lower_bound, mode=mode, recurrent_ms=rec * 1e3,
-                 chunked_ms=chk * 1e3, ratio_recurrent_over_chunked=rec / chk,
-                 chunked_fwd_gflops=None if np.isnan(gflops) else gflops,
-                 first_call_s_recurrent=res["recurrent"][0],
-                 first_call_s_chunked=res["chunked"][0],
-                 backend=jax.default_backend())
-      rows.append(row)
-      print(f"{T:>6} {mode:>8} {rec * 1e3:>13.1f} {chk * 1e3:>11.1f} {rec / chk:>9.2f} "
-            f"{gflops:>13.2f} {res['recurrent'][0]:>11.1f} {res['chunked'][0]:>11.1f}",
-            flush=True)
+      backward = mode == "fwd+bwd"
+      fns = {"recurrent": build("recurrent", 64, None, backward)}
+      for c in args.chunk:
+        fns[f"chunked_c{c}"] = build("chunked", c, args.lower_bound, backward)
+      first, med = time_interleaved(fns, inputs, args.repeats)
+      rec = med["recurrent"]
+      cells = []
+      for c in args.chunk:
+        chk = med[f"chunked_c{c}"]
+        cells.append(f"{chk * 1e3:>9.1f} {chk / rec:>8.2f}")
+        rows.append(dict(op="kda", T=T, B=args.B, H=args.H, K=args.K, V=args.V, chunk=c,
+                         lower_bound=args.lower_bound, mode=mode, repeats=args.repeats,
+                         recurrent_ms=rec * 1e3, chunked_ms=chk * 1e3,
+                         ratio_chunked_over_recurrent=chk / rec,
+                         first_call_s_recurrent=first["recurrent"],
+                         first_call_s_chunked=first[f"chunked_c{c}"],
+                         backend=jax.default_backend()))
+      print(f"{T:>6} {mode:>8} {rec * 1e3:>9.1f} {' '.join(cells)}", flush=True)
   for row in rows:
     print("JSON " + json.dumps(row))
 

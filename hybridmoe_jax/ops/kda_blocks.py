@@ -1,15 +1,16 @@
-"""Decay-weighted score blocks of the chunked KDA form (DESIGN s1.1-1.3).
+"""Small-block pieces of the chunked KDA form (DESIGN s1.1-1.3).
 
-Conventions: one block of n (= 16) tokens, with any leading batch dims `...`:
-a, b: [..., n, K] row/column features (q or k); G: [..., n, K] float32 cumulative log decay
-over the block (any constant offset per channel); result A: [..., n, n] float32 with
+Conventions: one block of n (<= 16) tokens, with any leading batch dims `...`.
+diag_block_pairwise: a, b: [..., n, K] row/column features (q or k); G: [..., n, K] float32
+cumulative log decay over the block (any constant offset per channel); result [..., n, n]
+float32 with
 
     A[i, j] = sum_c a_i[c] b_j[c] exp(G_i[c] - G_j[c])   for i >= j, and 0 above the diagonal.
 
-The decay is per channel, so it cannot leave the channel sum: either form the [n, n, K]
-pairwise tensor (safe for any gate) or split exp(G_i - G_j) = exp(G_i - x) exp(x - G_j) with a
-shared anchor x and use one matmul. One factor of the split has a positive exponent; with the
-bounded gate (|g| <= |lb| <= 5) and n = 16 it is at most e^(7.5 |lb|) <= e^37.5.
+The decay is per channel, so it cannot leave the channel sum: the pairwise form builds the
+[n, n, K] decay tensor and is safe for any gate. (The bounded gate's alternative, one matmul
+of anchored factor pairs, lives in kda_chunked._decays / _scores.)
+invert_unit_lower: (I + L)^-1 of strictly lower 16 x 16 blocks, from matmuls only.
 """
 
 from __future__ import annotations
@@ -25,21 +26,17 @@ def causal_mask(n: int) -> jax.Array:
   return jnp.tril(jnp.ones((n, n), bool))
 
 
-def diag_block_pairwise(
-    a: jax.Array, b: jax.Array, G: jax.Array, mask: jax.Array | None = None
-) -> jax.Array:
+def diag_block_pairwise(a: jax.Array, b: jax.Array, G: jax.Array) -> jax.Array:
   """Lower-triangular block via the [..., n, n, K] pairwise decay tensor; any gate <= 0.
 
   Args:
     a, b: [..., n, K] row and column features (leading dims broadcast together).
     G: [..., n, K] float32 cumulative log decay.
-    mask: optional [..., n, n] bool of allowed pairs (e.g. same segment), and-ed with i >= j.
 
   Returns:
-    A: [..., n, n] float32, zero where masked.
+    A: [..., n, n] float32, zero above the diagonal.
   """
-  n = G.shape[-2]
-  keep = causal_mask(n) if mask is None else causal_mask(n) & mask
+  keep = causal_mask(G.shape[-2])
   diff = G[..., :, None, :] - G[..., None, :, :]  # [..., n, n, K]
   # Mask the exponent, not the exp: above the diagonal diff > 0 and may overflow, and
   # where(mask, exp(diff), 0) would turn that inf into a NaN gradient.
@@ -49,40 +46,6 @@ def diag_block_pairwise(
   # product-and-sum) XLA CPU stays fast when `a` carries an extra broadcast dim, as in
   # kda_chunked, where q and k rows share one decay tensor.
   return jnp.einsum("...ic,...ijc->...ij", a.astype(jnp.float32), weighted, precision=_HIGHEST)
-
-
-def diag_block_anchored(
-    a: jax.Array,
-    b: jax.Array,
-    G: jax.Array,
-    lower_bound: float,
-    mask: jax.Array | None = None,
-) -> jax.Array:
-  """Lower-triangular block as one matmul exp(G_i - x) @ exp(x - G_j); bounded gates only.
-
-  The anchor x = G_0 + 0.5 * (n - 1) * lb depends on row 0 only, so it is causal: a later
-  token's gate never changes an earlier row. For gates in [lb, 0] it centres both factors'
-  exponents in [-(n-1)/2 |lb|, (n-1)/2 |lb|]. Unbounded gates overflow here (by design:
-  this is the path that needs the bound).
-
-  Args:
-    a, b: [..., n, K] row and column features (leading dims broadcast together).
-    G: [..., n, K] float32 cumulative log decay of gates in [lower_bound, 0].
-    lower_bound: the gate's lower bound lb < 0.
-    mask: optional [..., n, n] bool of allowed pairs, and-ed with i >= j.
-
-  Returns:
-    A: [..., n, n] float32, zero where masked.
-  """
-  n = G.shape[-2]
-  keep = causal_mask(n) if mask is None else causal_mask(n) & mask
-  G = G.astype(jnp.float32)
-  anchor = G[..., :1, :] + 0.5 * (n - 1) * lower_bound
-  rows = a.astype(jnp.float32) * jnp.exp(G - anchor)
-  cols = b.astype(jnp.float32) * jnp.exp(anchor - G)
-  full = jnp.einsum("...ic,...jc->...ij", rows, cols, precision=_HIGHEST)
-  # The masked entries are finite (bounded factors), so masking the product is safe here.
-  return jnp.where(keep, full, 0.0)
 
 
 def invert_unit_lower(L: jax.Array) -> jax.Array:

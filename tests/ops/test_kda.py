@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.ops import kda, kda_chunked, kda_recurrent
-from hybridmoe_jax.ops.kda_blocks import diag_block_anchored, diag_block_pairwise
+from hybridmoe_jax.ops.kda_blocks import diag_block_pairwise
+from hybridmoe_jax.ops.kda_chunked import _intra_chunk_scores
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "data" / "kda_reference.npz"
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -85,7 +86,8 @@ def random_segments(seed, B, T, p=0.04):
 
 
 # (T, chunk, H, HV, initial state, lower_bound, segments): every listed T, chunk size, head
-# layout and gate path appears, without the full cartesian product.
+# layout and gate path appears, without the full cartesian product; most T span several
+# scan steps (kda_chunked runs max(64 tokens, 2 chunks) per step).
 CASES = [
     (1, 16, 2, 2, False, None, False),
     (15, 32, 1, 2, True, -5.0, False),
@@ -96,6 +98,7 @@ CASES = [
     (200, 16, 1, 2, True, None, True),
     (500, 64, 1, 2, True, -3.0, False),
     (500, 32, 2, 4, False, -5.0, True),
+    (600, 16, 1, 2, True, None, True),  # 10 scan steps, segments across them
 ]
 
 
@@ -235,30 +238,48 @@ def separate_documents():
 # --- why the gate must be bounded ---------------------------------------------------------
 
 
-def block_inputs(seed, gate):
+def block_inputs(seed, gate, n=16):
+  """a, b [4, n, 32] unit rows, G [4, n, 32] their cumulative gate, g the gates."""
   rng = np.random.default_rng(seed)
-  a = l2norm(rng.normal(size=(4, 16, 32))).astype(np.float32)
-  b = l2norm(rng.normal(size=(4, 16, 32))).astype(np.float32)
-  x = rng.normal(size=(4, 16, 32)) * 2.0
+  a = l2norm(rng.normal(size=(4, n, 32))).astype(np.float32)
+  b = l2norm(rng.normal(size=(4, n, 32))).astype(np.float32)
+  x = rng.normal(size=(4, n, 32)) * 2.0
   if gate == "bounded":
     g = -5.0 / (1.0 + np.exp(-x))
   else:  # unbounded, A_log = log(10): per-token log decays reach -20 .. -50
     g = -10.0 * np.logaddexp(0.0, x)
-  return a, b, np.cumsum(g, axis=-2).astype(np.float32), g
+  return a, b, np.cumsum(g, axis=-2).astype(np.float32), g.astype(np.float32)
+
+
+def scores_f64(a, b, g):
+  """Causal decay-weighted scores sum_c a_i b_j exp(G_i - G_j), float64 loops."""
+  G = np.cumsum(g.astype(np.float64), axis=-2)
+  n = a.shape[-2]
+  out = np.zeros(a.shape[:-2] + (n, n))
+  for i in range(n):
+    for j in range(i + 1):
+      out[..., i, j] = np.sum(a[..., i, :] * b[..., j, :] * np.exp(G[..., i, :] - G[..., j, :]), -1)
+  return out
 
 
 def test_anchored_block_overflows_unbounded_but_not_bounded():
-  a, b, G, g = block_inputs(0, "unbounded")
+  """The chunk scores of both gate paths (48 tokens: diagonal, neighbouring and distant
+  16-blocks) against float64; the anchored path needs the bound, the pairwise one not."""
+  a, b, _, g = block_inputs(0, "unbounded", n=48)
   assert g.min() < -20.0
-  anchored = np.asarray(diag_block_anchored(a, b, G, -5.0))
-  assert not np.isfinite(anchored).all()  # e^(G_0 - G_j) overflows fp32
-  assert np.isfinite(np.asarray(diag_block_pairwise(a, b, G))).all()
+  anchored = np.asarray(_intra_chunk_scores(a, b, g, None, None, -5.0)[0])
+  assert not np.isfinite(anchored).all()  # e^(+-anchored exponent) overflows fp32
+  pairwise = np.asarray(_intra_chunk_scores(a, b, g, None, None, None)[0])
+  assert np.isfinite(pairwise).all()
+  assert rel_rms(pairwise, scores_f64(a, b, g)) < 1e-5
 
-  a, b, G, g = block_inputs(1, "bounded")
-  anchored = np.asarray(diag_block_anchored(a, b, G, -5.0))
-  pairwise = np.asarray(diag_block_pairwise(a, b, G))
-  assert np.isfinite(anchored).all() and np.isfinite(pairwise).all()
-  assert rel_rms(anchored, pairwise) < 1e-5
+  a, b, _, g = block_inputs(1, "bounded", n=48)
+  ref = scores_f64(a, b, g)
+  for lb in (-5.0, None):
+    a_qk, a_kk = (np.asarray(x) for x in _intra_chunk_scores(a, b, g, None, None, lb))
+    assert np.isfinite(a_qk).all()
+    assert rel_rms(a_qk, ref) < 1e-5, lb
+    assert rel_rms(a_kk, scores_f64(b, b, g)) < 1e-5, lb
 
 
 def test_pairwise_block_gradients_finite_for_unbounded_gates():
@@ -268,15 +289,14 @@ def test_pairwise_block_gradients_finite_for_unbounded_gates():
   assert all(np.isfinite(np.asarray(x)).all() for x in grads)
 
 
-def test_anchor_is_causal():
-  """Changing token m's gate leaves rows 0..m-1 of the anchored block bit-identical."""
-  a, b, _, g = block_inputs(3, "bounded")
-  m = 9
+@pytest.mark.parametrize("m", [9, 21, 40])
+def test_anchor_is_causal(m):
+  """Changing token m's gate leaves score rows 0..m-1 bit-identical (the anchors are the
+  blocks' first rows; later block sums only reach masked entries)."""
+  a, b, _, g = block_inputs(3, "bounded", n=48)
   g2 = g.copy()
   g2[:, m] = -4.9
-  G1, G2 = (np.cumsum(x, axis=-2).astype(np.float32) for x in (g, g2))
-  A1 = np.asarray(diag_block_anchored(a, b, G1, -5.0))
-  A2 = np.asarray(diag_block_anchored(a, b, G2, -5.0))
+  A1, A2 = (np.asarray(_intra_chunk_scores(a, b, x, None, None, -5.0)[0]) for x in (g, g2))
   np.testing.assert_array_equal(A1[:, :m], A2[:, :m])
   assert not np.array_equal(A1[:, m:], A2[:, m:])
 
