@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hybridmoe_jax.config import ModelConfig, model_config_from_dict
+from hybridmoe_jax.config import ComputeConfig, ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals.mqar import accuracy, make_mqar, token_ranges
 from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.train.config import load_config_file
@@ -52,7 +52,7 @@ def _tiny_model_dict() -> dict:
   return load_config_file(_ROOT / "configs" / "tiny.py").model.to_dict()
 
 
-def arch_config(arch: str, *, vocab: int, kda_impl: str, d_model: int = 64) -> ModelConfig:
+def arch_config(arch: str, *, vocab: int, d_model: int = 64) -> ModelConfig:
   kinds, gate = ARCHS[arch]
   m = _tiny_model_dict()
   m["vocab_size"] = vocab
@@ -60,7 +60,6 @@ def arch_config(arch: str, *, vocab: int, kda_impl: str, d_model: int = 64) -> M
   m["num_layers"] = len(kinds)
   m["layer_kinds"] = list(kinds)
   m["kda"]["gate"] = gate
-  m["kda"]["impl"] = kda_impl
   m["moe"]["first_dense_layers"] = len(kinds)   # dense FFN everywhere: no MoE
   m["moe"]["dense_intermediate"] = 2 * d_model
   return model_config_from_dict(m)
@@ -103,8 +102,8 @@ def cells(lengths, pairs):
 
 def run_arch(arch: str, args) -> tuple[list[dict], float, list[float]]:
   t0 = time.perf_counter()
-  cfg = arch_config(arch, vocab=args.vocab, kda_impl=args.kda_impl, d_model=args.d_model)
-  model = HybridLM(cfg, rngs=nnx.Rngs(args.seed))
+  cfg = arch_config(arch, vocab=args.vocab, d_model=args.d_model)
+  model = HybridLM(cfg, rngs=nnx.Rngs(args.seed), compute=ComputeConfig(kda_impl=args.kda_impl))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20),
                                              args.steps, args.lr * 0.05)

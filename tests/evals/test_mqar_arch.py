@@ -18,12 +18,12 @@ def _load():
 
 def test_arch_configs():
   mod = _load()
-  hybrid = mod.arch_config("hybrid", vocab=48, kda_impl="chunked")
+  hybrid = mod.arch_config("hybrid", vocab=48)
   assert hybrid.layer_kinds == ("kda", "kda", "kda", "mla")
   assert not any(hybrid.is_moe_layer(i) for i in range(hybrid.num_layers))
-  unb = mod.arch_config("kda_unbounded", vocab=48, kda_impl="recurrent")
+  unb = mod.arch_config("kda_unbounded", vocab=48)
   assert unb.layer_kinds == ("kda",) * 4 and unb.kda.gate == "unbounded"
-  assert mod.arch_config("kda", vocab=48, kda_impl="chunked").kda.gate == "bounded"
+  assert mod.arch_config("kda", vocab=48).kda.gate == "bounded"
 
 
 def test_smoke_run(tmp_path):

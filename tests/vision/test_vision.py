@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import ConfigError, model_config_from_dict
+from hybridmoe_jax.config import ConfigError, from_dict, model_config_from_dict
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
-from hybridmoe_jax.data import vlm_pipeline
+from hybridmoe_jax.run_config import VisionDataConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_PAD_ID, ByteTokenizer
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.layers import vision as V
@@ -272,7 +272,7 @@ def test_vision_config_errors_name_the_field():
     vc = load_config("tiny_vlm").data.vision
     vc[field] = value
     with pytest.raises(ConfigError, match=f"data.vision.{field}"):
-      vlm_pipeline.validate_vision_data_config(vc, cfg.vision)
+      from_dict(VisionDataConfig, vc, "data.vision").check_against(cfg.vision)
 
 
 def test_engine_rejects_images_for_a_text_model():
