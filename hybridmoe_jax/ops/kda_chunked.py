@@ -163,7 +163,7 @@ def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
 
 
 # The per-chunk interface that pallas_kernels/kda/reference.py builds on: chunk layout
-# [B*HV, N, C, F], no segments (the kernels take none).
+# [B*HV, N, C, F]; segments as a per-token index whose equal values may interact.
 
 
 def _to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
@@ -187,12 +187,14 @@ def _chunk_cumsum(g: jax.Array, seg: None) -> jax.Array:
 def _intra_chunk_scores(q, k, g, G, sidx, lower_bound):
   """A_qk, A_kk [..., C, C], zero above the diagonal, of chunks q, k, g [..., C, K].
 
-  G (the chunk cumsum) is not needed: the factors come from 16-block cumsums; sidx must be
-  None."""
+  G (the chunk cumsum) is not needed: the factors come from 16-block cumsums. sidx
+  [..., C] (any dtype) or None: tokens pair only with equal sidx (packed segments; the
+  decays come from plain cumsums, right for every pair inside a segment, so a mask is all
+  segments need)."""
   del G
-  if sidx is not None:
-    raise NotImplementedError("_intra_chunk_scores: no segments (kda_chunked masks them)")
   keep = causal_mask(q.shape[-2])
+  if sidx is not None:
+    keep = keep & (sidx[..., :, None] == sidx[..., None, :])
   return _scores(q, k, _decays(g, lower_bound), keep, keep)
 
 

@@ -127,10 +127,16 @@ def test_kernel_matches_recurrent(T, K, V, H, HV, use_h0, dtype, backend, chunk,
   ref = fwd_bwd(recurrent, use_h0)(*ref_in)
   assert out[0].dtype == dtype and out[0].shape == (2, T, HV, V)
   assert out[1].dtype == jnp.float32 and out[1].shape == (2, HV, K, V)
+  _assert_fwd_bwd_close(out, ref, dtype, (q, k, v, g, beta, h0))
+
+
+def _assert_fwd_bwd_close(out, ref, dtype, inputs) -> None:
+  """Kernel (o, ht, grads) vs the fp32 token scan's, at the dtype's tolerances; every
+  gradient keeps its input's dtype."""
   tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
   assert_close(_f32(out[0]), ref[0], tol["o"], "o")
   assert_close(out[1], ref[1], tol["ht"], "ht")
-  for name, d, d_ref, x in zip(GRAD_NAMES, out[2], ref[2], (q, k, v, g, beta, h0)):
+  for name, d, d_ref, x in zip(GRAD_NAMES, out[2], ref[2], inputs):
     assert d.dtype == x.dtype, name
     assert_close(_f32(d), d_ref, tol[name], name)
 
@@ -198,12 +204,7 @@ def test_packed_kernel_matches_recurrent(T, K, V, H, HV, use_h0, dtype, backend,
   ref_in = [_f32(x) for x in (q, k, v, g, beta, h0, do, dht)]
   ref = fwd_bwd(recurrent_packed(seg), use_h0)(*ref_in)
   assert out[0].dtype == dtype and out[0].shape == (B, T, HV, V)
-  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
-  assert_close(_f32(out[0]), ref[0], tol["o"], "o")
-  assert_close(out[1], ref[1], tol["ht"], "ht")
-  for name, d, d_ref, x in zip(GRAD_NAMES, out[2], ref[2], (q, k, v, g, beta, h0)):
-    assert d.dtype == x.dtype, name
-    assert_close(_f32(d), d_ref, tol[name], name)
+  _assert_fwd_bwd_close(out, ref, dtype, (q, k, v, g, beta, h0))
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
