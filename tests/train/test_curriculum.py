@@ -223,6 +223,7 @@ def test_plain_run_schedule_equals_the_optax_schedule(preset, train):
   np.testing.assert_array_equal(got, want)  # the same float32 values
 
 
+@pytest.mark.slow  # ~150 s on 2 cores: four training runs (the data-level resume is fast-tested)
 def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeypatch):
   config = _config(steps=(2, 2), lens=(16, 32))
   calls = []

@@ -86,6 +86,7 @@ def test_curriculum_with_images_refuses_several_hosts(tmp_path):
     _build(config, shard_index=0, shard_count=2)
 
 
+@pytest.mark.slow  # ~40 s on 2 cores; the staged VLM iterator itself is fast-tested above
 def test_train_loop_runs_a_curriculum_with_images(tmp_path):
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.train.loop import train_and_evaluate
