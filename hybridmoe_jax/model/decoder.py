@@ -180,7 +180,8 @@ class HybridLM(nnx.Module):
     valid = segment_ids > 0
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
-    moe_stats, new_caches = {}, []   # layer index -> stats, at the position of that layer's ffn.bias
+    # moe_stats: layer index -> stats, at the position of that layer's ffn.bias.
+    moe_stats, new_caches = {}, []
     call = DecoderLayer.__call__
     # Only training needs remat (it saves backward memory; a cached forward has no backward).
     if self.compute.remat != "none" and cache is None:

@@ -126,8 +126,8 @@ def kda(
     NotImplementedError: impl="pallas" where no kernel can take the input.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
-  if impl not in get_args(Impl):
-    raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
+  resolved, _ = resolve_impl(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                             chunk_size=chunk_size, lower_bound=lower_bound)
   check_chunk_size(chunk_size)
   if lower_bound is not None:
     check_lower_bound(lower_bound)
@@ -139,11 +139,9 @@ def kda(
       output_final_state=output_final_state,
       segment_ids=segment_ids,
   )
-  if impl == "recurrent":
+  if resolved == "recurrent":
     return kda_recurrent(q, k, v, g, beta, **common)
   chunked = dict(common, chunk_size=chunk_size, lower_bound=lower_bound)
-  impl, _ = resolve_impl(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
-                         chunk_size=chunk_size, lower_bound=lower_bound)
-  if impl == "pallas":
+  if resolved == "pallas":
     return _kda_pallas(q, k, v, g, beta, **chunked)
   return kda_chunked(q, k, v, g, beta, **chunked)

@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from hybridmoe_jax.config import ConfigError, ModelConfig, migrate_legacy
+from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 from hybridmoe_jax.sharding import path_string
 
@@ -89,23 +89,13 @@ def _jsonify(d):
 
 
 # ------------------------------------------------------------------------------- model config
-def _fill_absent(saved: dict, defaults: dict) -> dict:
-  """`saved` with the fields it lacks (added to the config after it was written) defaulted."""
-  out = dict(saved)
-  for key, value in defaults.items():
-    if key not in out:
-      out[key] = value
-    elif isinstance(out[key], dict) and isinstance(value, dict):
-      out[key] = _fill_absent(out[key], value)
-  return out
-
-
 def _legacy_model_dict(d: dict[str, Any]) -> dict[str, Any]:
   """A stored model config (JSON dict) in today's layout: without the fields older code kept
   there that are runtime settings now, and with fields added since it was written at their
   defaults (a run saved before `vision` existed had no vision tower)."""
   migrated = migrate_legacy({"model": _jsonify(d)})["model"]
-  return _fill_absent(migrated, _jsonify(dataclasses.asdict(ModelConfig())))
+  # The typed round trip is the one checker: it fills absent fields with their defaults.
+  return _jsonify(dataclasses.asdict(model_config_from_dict(migrated)))
 
 
 def _config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,
