@@ -8,9 +8,14 @@
 
 The run resumes from the newest good checkpoint in --workdir. All logic lives in
 `hybridmoe_jax.train`; this file only parses flags.
+
+Exit status: 0 finished; 1 an error, told in one line (bad config or data, a workdir in use
+by another run, training diverged); 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM)
+after a clean checkpoint: rerun to resume.
 """
 
 import os
+import signal
 import sys
 
 from absl import app
@@ -18,34 +23,12 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from hybridmoe_jax import cli_flags
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
-def _exit_if_moved():
-  """An override of a field that moved (e.g. --config.model.dtype) names its new place."""
-  from hybridmoe_jax.config import MOVED  # pylint: disable=g-import-not-at-top
-  for arg in sys.argv[1:]:
-    name = arg.split("=", 1)[0][len("--config."):] if arg.startswith("--config.") else ""
-    if name in MOVED:
-      sys.exit(f"error: bad --config flag {arg}: config field `{name}` moved to "
-               f"`{MOVED[name]}` (use --config.{MOVED[name]}=...)")
-
-
-def _define_config_flag():
-  """--config plus --config.<field> overrides; a bad file or field name exits with one line."""
-  try:
-    return config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config file.")
-  except Exception as e:  # pylint: disable=broad-except  (raised while reading sys.argv)
-    _exit_if_moved()
-    msg = str(e.args[0] if e.args else e).strip("'\"").replace("\\n", " ").replace("\n", " ")
-    msg = msg.replace("\\'", "'")
-    key = msg.split("'")[1] if msg.count("'") >= 2 else msg.split()[0] if msg else ""
-    bad = [a for a in sys.argv[1:] if a.startswith("--config") and f".{key}" in a]
-    where = f" in {bad[0]}" if bad else ""
-    sys.exit(f"error: bad --config flag{where}: {type(e).__name__}: {msg}")
-
-
-_CONFIG = _define_config_flag()
+_CONFIG = cli_flags.define_config_flag(_DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default",
                                "Checkpoints, TensorBoard events, metrics and heatmaps.")
 _EXPORT = flags.DEFINE_string(
@@ -74,7 +57,7 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   from hybridmoe_jax.run_config import run_config_from_dict
-  from hybridmoe_jax.train import dry_run, loop
+  from hybridmoe_jax.train import checkpoint, dry_run, loop
   try:
     config = _CONFIG.value
     config.keys()  # a lazy proxy: raises here if the file failed to load
@@ -87,10 +70,12 @@ def main(argv):
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)
-    loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
-  except (ConfigError, loop.InputError) as e:
+    summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
+  except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState) as e:
     sys.exit(f"error: {e}")
+  if summary["stopped_by"]:  # a clean stop, checkpoint saved: the shell's 128 + signal code
+    sys.exit(128 + signal.Signals[summary["stopped_by"]].value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli_flags.parse_flags)

@@ -4,13 +4,12 @@
 """
 
 from absl import app
-from absl import flags
-from ml_collections import config_flags
 
-from hybridmoe_jax.config import ModelConfig, model_config_from_dict
+from hybridmoe_jax import cli_flags
+from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, vision_breakdown
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config file.")
+_CONFIG = cli_flags.define_config_flag("configs/tiny.py", "Model config file.")
 
 
 def _human(n: float) -> str:
@@ -52,7 +51,10 @@ def vision_table(cfg: ModelConfig) -> str:
 
 def main(argv):
   del argv
-  cfg = model_config_from_dict(_CONFIG.value.model)
+  try:
+    cfg = model_config_from_dict(_CONFIG.value.model)
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   kinds = "".join("K" if k == "kda" else "M" for k in cfg.layer_kinds)
   print(f"layers ({cfg.num_layers}): {kinds}   K=KDA M=MLA")
   print("text model:")
@@ -62,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli_flags.parse_flags)

@@ -75,12 +75,18 @@ class TrainConfig:
   maxvio_alert_steps: int = 50
   loss_spike_factor: float = 1.5  # alert when the loss exceeds this x its running mean
   heatmap_every: int = 50       # expert-load heatmap PNG every N steps (and at the end); 0: off
+  # A run whose updates are skipped (non-finite loss, gradient or update) this many steps in
+  # a row has diverged: it stops with an error and saves nothing (the last good checkpoint
+  # stays the newest).
+  max_consecutive_skips: int = 10
+  lock_stale_s: float = 600.0   # another host's workdir lock without a heartbeat this long: stale
 
   def __post_init__(self):
     p = "train"
     _ints(p, 1, steps=self.steps, batch_size=self.batch_size, grad_accum=self.grad_accum,
           log_every=self.log_every, keep_checkpoints=self.keep_checkpoints,
-          eval_batches=self.eval_batches, maxvio_alert_steps=self.maxvio_alert_steps)
+          eval_batches=self.eval_batches, maxvio_alert_steps=self.maxvio_alert_steps,
+          max_consecutive_skips=self.max_consecutive_skips)
     _ints(p, 2, seq_len=self.seq_len)
     _ints(p, 0, warmup=self.warmup, eval_every=self.eval_every,
           checkpoint_every=self.checkpoint_every, heatmap_every=self.heatmap_every,
@@ -96,6 +102,8 @@ class TrainConfig:
     _range(f"{p}.clip", self.clip, 0.0, math.inf, "a float >= 0 (0 disables clipping)")
     _range(f"{p}.maxvio_alert_threshold", self.maxvio_alert_threshold, 0.0, math.inf,
            "a float >= 0")
+    _range(f"{p}.lock_stale_s", self.lock_stale_s, 60.0, math.inf,
+           "a number of seconds >= 60 (two missed heartbeats at the least)")
     _range(f"{p}.loss_spike_factor", self.loss_spike_factor, 1.0, math.inf, "a float >= 1")
     require(self.schedule in SCHEDULES, f"{p}.schedule", self.schedule, f"one of {SCHEDULES}")
     require(self.optimizer in OPTIMIZERS, f"{p}.optimizer", self.optimizer,

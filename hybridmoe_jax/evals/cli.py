@@ -62,6 +62,11 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   opts = options_from_flags(option_values)
   if "generate" in tasks and not opts.prompt:
     raise ValueError("--prompt is empty: give some text to continue")
+  try:  # a command line with bytes that are not UTF-8 arrives as lone surrogates
+    opts.prompt.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"--prompt holds bytes that are not UTF-8 (at character {e.start}: "
+                     f"{opts.prompt[e.start:e.end]!r}); pass UTF-8 text") from None
   expected = load_model_config(config) if config else None
   model, info = load_model(workdir=workdir, params=params, expected=expected)
   if task == "all" and model.cfg.vision.enabled:

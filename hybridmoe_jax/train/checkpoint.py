@@ -84,6 +84,12 @@ def structure_signature(abstract_state) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _one_line(e: BaseException, limit: int = 240) -> str:
+  """An exception as one short line (tensorstore errors span dozens of lines)."""
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
 def _jsonify(d):
   return json.loads(json.dumps(d, default=list))
 
@@ -127,22 +133,53 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], *, what: 
     raise ConfigError(f"{what}: " + "; ".join(diff) + (f". {remedy}" if remedy else ""))
 
 
+class CorruptConfigFile(ConfigError):
+  """A stored model_config.json that cannot be read or parsed."""
+
+
 def read_model_config(path: str) -> dict[str, Any] | None:
   """The model config stored in directory `path` (a workdir or an export), migrated to
-  today's layout (`_legacy_model_dict`); None if it has no CONFIG_FILE."""
+  today's layout (`_legacy_model_dict`); None if it has no CONFIG_FILE.
+
+  Raises:
+    CorruptConfigFile: the file exists but is truncated, not JSON or not a config (named).
+  """
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file):
     return None
-  with open(file, encoding="utf-8") as f:
-    return _legacy_model_dict(json.load(f))
+  try:
+    with open(file, encoding="utf-8") as f:
+      stored = json.load(f)
+    if not isinstance(stored, dict):
+      raise ValueError(f"a JSON {type(stored).__name__}, not an object")
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise CorruptConfigFile(f"the stored model config {file} is unreadable "
+                            f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+  return _legacy_model_dict(stored)
 
 
 def check_workdir_config(workdir: str, model_dict: dict[str, Any], *, source: str | None = None,
-                         saved: dict | None = None) -> None:
+                         saved: dict | None = None, repair: bool = False) -> None:
   """Raise ConfigError if the workdir's stored model config (or `saved`, the copy in a
-  checkpoint's meta named by `source`) differs from `model_dict` in any field."""
+  checkpoint's meta named by `source`) differs from `model_dict` in any field.
+
+  repair: a training run's call. A corrupt workdir model_config.json (a crash while it was
+    first written, a disk error) is moved aside to `model_config.json.corrupt-<ms>` with a
+    warning instead of stopping the run: every checkpoint's meta holds its own copy of the
+    config, which `restore_latest` checks, and the run writes the file anew.
+  """
   if saved is None:
-    saved = read_model_config(workdir)
+    try:
+      saved = read_model_config(workdir)
+    except CorruptConfigFile as e:
+      if not repair:
+        raise
+      file = os.path.join(workdir, CONFIG_FILE)
+      aside = f"{file}.corrupt-{int(time.time() * 1000)}"
+      os.replace(file, aside)
+      logging.warning("%s; moved it to %s (each checkpoint holds its own copy of the config, "
+                      "which is checked on restore; the file is written anew)", e, aside)
+      return
     if saved is None:
       return
     source = os.path.join(workdir, CONFIG_FILE)
@@ -162,6 +199,10 @@ def write_workdir_config(workdir: str, model_dict: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------- checkpoints
+class NonFiniteState(ValueError):
+  """A save of a state holding NaN or Inf was refused."""
+
+
 class Restored(NamedTuple):
   """What `Checkpointer.restore_latest` returns."""
 
@@ -203,12 +244,18 @@ class Checkpointer:
     if self.read_only:
       raise RuntimeError(f"Checkpointer({self.workdir}) is read-only: it cannot save")
     if step in self.manager.all_steps():
+      logging.error("checkpoint step %d already exists in %s: not overwritten (was it written "
+                    "by another run on this workdir?)", step, self.directory)
       return False
     if jax.default_backend() == "cpu":
       # On CPU orbax's "host copy" may alias the device buffers, which the next (donating)
       # train step reuses while the background write still reads them: save a copy.
       state = jax.tree.map(jnp.copy, state)
-    meta = {**meta, "step": step, "fingerprint": fingerprint(state), "time": time.time()}
+    sums = fingerprint(state)
+    if not all(np.isfinite(sums)):
+      raise NonFiniteState(f"refusing to checkpoint step {step}: the state holds non-finite "
+                           "values (a checkpoint must never be worse than the one before it)")
+    meta = {**meta, "step": step, "fingerprint": sums, "time": time.time()}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(gather_host_states(data_state or {})),
                               meta=ocp.args.JsonSave(_jsonify(meta)))
@@ -251,7 +298,7 @@ class Checkpointer:
       try:
         meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, f"unreadable metadata ({type(e).__name__}: {str(e)[:300]})")
+        self._skip(step, f"unreadable metadata ({_one_line(e)})")
         continue
       check_workdir_config(self.workdir, model_dict, saved=meta["model_config"],
                            source=f"checkpoint step {step}")
@@ -265,7 +312,7 @@ class Checkpointer:
         r = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, f"{type(e).__name__}: {str(e)[:300]}")
+        self._skip(step, _one_line(e))
         continue
       if not _same_fingerprint(meta.get("fingerprint", []), fingerprint(r.state)):
         self._skip(step, "restored values do not match the fingerprint saved with them")

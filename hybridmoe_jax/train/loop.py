@@ -8,6 +8,7 @@ SIGINT/SIGTERM -> optional params-only export.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -33,6 +34,7 @@ from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
+from hybridmoe_jax.train import workdir_lock
 from hybridmoe_jax.train.monitor import Monitor
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
@@ -41,6 +43,11 @@ _BYTE_IDS = 256  # ByteTokenizer: ids below this are UTF-8 bytes
 
 class InputError(ValueError):
   """Bad training input (data path, dataset, token ids, batch shapes): stops the run."""
+
+
+class TrainingDiverged(RuntimeError):
+  """`train.max_consecutive_skips` updates in a row were non-finite: the run stopped and
+  saved nothing after the last good checkpoint."""
 
 
 def build_data(run: RunConfig, plan: plan_lib.Plan):
@@ -163,7 +170,8 @@ def _log_sizes(state) -> None:
 
 def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dict,
                      rt: parallel_runtime.Runtime):
-  """-> graphdef, state, state-layout signature, whether a checkpoint was restored."""
+  """-> graphdef, state, state-layout signature, the restored checkpoint's meta (None when
+  training starts afresh)."""
   t, compute = run.train, run.compute
   graphdef, abstract = abstract_train_state(cfg, compute, tx, t.seed,
                                             moe_dispatch=rt.moe_dispatch)
@@ -171,13 +179,47 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
   # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
   restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict)
   if restored is None:
+    if ckpt.skipped:
+      logging.warning("no usable checkpoint in %s (%d set aside: %s): training starts again "
+                      "at step 0", ckpt.directory, len(ckpt.skipped),
+                      "; ".join(f"step {s}: {why}" for s, why in ckpt.skipped))
     state = rt.init_state(lambda: create_train_state(cfg, compute, tx, t.seed,
                                                      moe_dispatch=rt.moe_dispatch)[1],
                           abstract)
-    return graphdef, state, signature, False
-  state, data_state, _ = restored
+    return graphdef, state, signature, None
+  state, data_state, meta = restored
   data.train.set_state(data_state)
-  return graphdef, state, signature, True
+  return graphdef, state, signature, meta
+
+
+# Settings that change what the run's numbers mean: a resume with other values is allowed,
+# but its losses and evals are no longer comparable with those before it.
+_DATA_FIELDS = (("train", "batch_size"), ("train", "seq_len"), ("train", "grad_accum"),
+                ("train", "eval_batches"), ("train", "seed"), ("data", None),
+                ("curriculum", None))
+
+
+def _warn_changed_data(saved_json: str | None, run: RunConfig, step: int) -> None:
+  """Log one warning listing the data settings that differ from the restored run's."""
+  if not saved_json:
+    return
+  try:
+    saved = json.loads(saved_json)
+  except ValueError:
+    return
+  now = json.loads(json.dumps(dataclasses.asdict(run), default=list))
+  diffs = []
+  for section, field in _DATA_FIELDS:
+    a, b = saved.get(section, {}), now.get(section, {})
+    if field is not None:
+      a, b = {field: a.get(field)}, {field: b.get(field)}
+    for key in sorted(set(a) | set(b)):
+      if a.get(key) != b.get(key):
+        diffs.append(f"{section}.{key} {a.get(key)!r} -> {b.get(key)!r}")
+  if diffs:
+    logging.warning("resuming at step %d with other data settings than the checkpoint's run: "
+                    "%s; losses and evals before and after step %d are not comparable",
+                    step, "; ".join(diffs), step)
 
 
 def _stage_info(it, step: int, tokens_per_step: int) -> dict[str, int]:
@@ -195,20 +237,35 @@ def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, d
   Returns:
     (state, step, saved_at: the last checkpointed step, stopped_by: signal name or None).
   """
+  streak = 0  # updates skipped in a row (non-finite loss, gradient or update)
   with _StopFlag() as stop:
     while step < t.steps:
       batch = _next_batch(data.train, t, cfg.vocab_size, step)
       state, metrics = train_step(state,
                                   step_lib.model_inputs(batch, step_lib.TRAIN_INPUT_KEYS))
       step += 1
-      monitor.step(step, {**jax.device_get(metrics),
-                          **_stage_info(data.train, step, tokens_per_step)})
+      metrics = jax.device_get(metrics)
+      streak = 0 if bool(metrics["finite"]) else streak + 1
+      monitor.step(step, {**metrics, **_stage_info(data.train, step, tokens_per_step)})
+      if streak >= t.max_consecutive_skips:
+        last = ckpt.latest_step()
+        raise TrainingDiverged(
+            f"training diverged: the last {streak} updates (steps {step - streak + 1}.."
+            f"{step}) were skipped for a non-finite loss, gradient or update "
+            f"(train.max_consecutive_skips = {t.max_consecutive_skips}); nothing was saved "
+            f"after it; the newest checkpoint is " +
+            (f"step {last}" if last is not None else "none") +
+            ". Lower train.lr, raise train.warmup or set train.clip > 0, then rerun")
       # A curriculum also evaluates (at the longest length) at the end of every stage.
       if ((t.eval_every and step % t.eval_every == 0) or step in getattr(data, "eval_at", ())
           ) and step < t.steps:
         monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches),
                          _stage_info(data.train, step, tokens_per_step))
-      if (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.signum:
+      due = t.checkpoint_every and step % t.checkpoint_every == 0
+      if due and streak:  # the state may be a dead end: keep the older checkpoints newest
+        logging.warning("step %d: checkpoint deferred (the last %d updates were skipped)",
+                        step, streak)
+      elif due or stop.signum:
         ckpt.save(step, state, data.train.get_state(), meta)
         saved_at = step
       if stop.signum:
@@ -240,13 +297,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   _dump_stacks_on_sigusr1()
   workdir = os.path.abspath(workdir)  # orbax wants absolute paths
   plan = plan_lib.build_plan(config)  # once per run: stages, batches, the LR schedule
+  t = config.train
+  if export_params_to and os.path.exists(export_params_to):
+    raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
+  _make_writable_workdir(workdir)
+  # One run per workdir, taken before anything in it is read or moved: a second run must not
+  # set aside the first one's save in progress as "partial".
+  lock = (workdir_lock.WorkdirLock(workdir, stale_after_s=t.lock_stale_s)
+          if jax.process_index() == 0 else contextlib.nullcontext())
+  try:
+    with lock:
+      return _train_locked(config, workdir, plan, export_params_to, data, wall0)
+  except workdir_lock.WorkdirBusy as e:
+    raise InputError(str(e)) from None
+
+
+def _make_writable_workdir(workdir: str) -> None:
+  """Create `workdir` if needed; InputError naming it if it cannot be created or written."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise InputError(f"cannot create --workdir={workdir}: {e.strerror or e}") from None
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise InputError(f"--workdir={workdir} is not writable (checkpoints, logs and the run "
+                     "lock go there); fix its permissions or choose another --workdir")
+
+
+def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
+                  export_params_to: str | None, data, wall0: float) -> dict[str, Any]:
+  """train_and_evaluate's body, run while holding the workdir lock."""
   cfg, t = config.model, config.train
   model_dict = dataclasses.asdict(cfg)
   schedule = plan.schedule()
-  if export_params_to and os.path.exists(export_params_to):
-    raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
-  os.makedirs(workdir, exist_ok=True)
-  ckpt_lib.check_workdir_config(workdir, model_dict)
+  ckpt_lib.check_workdir_config(workdir, model_dict, repair=True)
   # Mesh from config.mesh; bad sizes stop here.
   rt = parallel_runtime.setup(dataclasses.asdict(config.mesh), cfg, config.compute,
                               batch_size=t.batch_size, grad_accum=t.grad_accum,
@@ -256,8 +339,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
   graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, config, tx, data,
                                                           model_dict, rt)
-  ckpt_lib.write_workdir_config(workdir, model_dict)
   start = int(state.step)
+  if restored is not None:
+    if t.steps < start:
+      ckpt.close()
+      raise ConfigError(
+          f"config field `train.steps` = {t.steps} is below the step of the restored "
+          f"checkpoint ({start}, in {ckpt.directory}); allowed: >= {start} (raise it to "
+          "train on, or use a fresh --workdir)")
+    _warn_changed_data(restored.get("config"), config, start)
+  ckpt_lib.write_workdir_config(workdir, model_dict)
   _log_sizes(state)
   for line in describe_impls(cfg, config.compute, moe_dispatch=rt.moe_dispatch):
     logging.info("implementation: %s", line)
@@ -270,7 +361,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   os.makedirs(logdir, exist_ok=True)
   monitor = Monitor(logdir, t, start_step=start, total_steps=t.steps,
                     tokens_per_step=plan.tokens_per_step)
-  monitor.write_jsonl({"event": "resume" if restored else "start", "step": start})
+  monitor.write_jsonl({"event": "resume" if restored is not None else "start", "step": start})
   logging.info("training steps %d..%d in %s", start, t.steps, workdir)
   eval_metrics = {}
   try:
@@ -280,7 +371,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
         train_step=step_lib.make_train_step(graphdef, cfg, tx, grad_accum=t.grad_accum,
                                             schedule=schedule, **rt.step_kwargs()),
         ckpt=ckpt, meta=meta,
-        saved_at=start if restored else -1)
+        saved_at=start if restored is not None else -1)
     if stopped is None:
       eval_metrics = evaluate(eval_step, state, data.eval_batches)
       monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, plan.tokens_per_step))

@@ -149,9 +149,11 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     loss = nll / denom
     grads = jax.tree.map(lambda g: g / denom, grads)
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # A finite gradient can still give a non-finite update (moments overflowing at a huge
+    # lr), and a state that took one never recovers: such a step is skipped too.
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
     biases, moe_metrics = update_routing_biases(state.biases, stats, cfg.moe)
     applied = state.step - state.skipped
     new_rng, _ = jax.random.split(state.rng)

@@ -1,0 +1,59 @@
+"""The `--config` flag of the CLIs, with one-line errors for a bad file or override.
+
+ml_collections reads `--config=<file>` and every `--config.a.b=v` override while absl parses
+the command line: at flag definition for the default file, inside `app.run` otherwise. Both
+places raise raw exceptions (a 50-line traceback for `--config.train.stepz=5`). The CLIs
+define the flag with `define_config_flag` and pass `parse_flags` to `app.run`, so either way
+the user reads one line naming the flag and, for a misspelt field, the likely intended one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+
+def config_flag_error(error: BaseException, argv: list[str]) -> str:
+  """One line for an exception raised while reading --config / --config.* flags."""
+  from hybridmoe_jax.config import MOVED  # pylint: disable=g-import-not-at-top
+  for arg in argv[1:]:
+    name = arg.split("=", 1)[0][len("--config."):] if arg.startswith("--config.") else ""
+    if name in MOVED:
+      return (f"error: bad --config flag {arg}: config field `{name}` moved to "
+              f"`{MOVED[name]}` (use --config.{MOVED[name]}=...)")
+  inner = error.args[0] if error.args else error
+  while isinstance(inner, BaseException) and inner.args:  # KeyError inside AttributeError
+    inner = inner.args[0]
+  msg = str(inner)
+  for _ in range(2):  # repr()-quoted text, possibly twice
+    msg = msg.replace("\\n", "\n").replace("\\'", "'").strip()
+    if len(msg) > 1 and msg[0] == msg[-1] == "'":
+      msg = msg[1:-1]
+  key = msg.split("'")[1] if msg.count("'") >= 2 else msg.split()[0] if msg else ""
+  msg = "; ".join(line.strip() for line in msg.splitlines() if line.strip())
+  if msg.startswith(f"'{key}';"):  # ml_collections' unknown field: the name, then a hint
+    msg = f"no config field {key!r}." + msg[len(key) + 3:]
+  bad = [a for a in argv[1:] if a.startswith("--config") and key and f".{key}" in a]
+  where = f" {bad[0]}" if bad else ""
+  kind = "" if isinstance(error, flags.Error) else f"{type(error).__name__}: "
+  return f"error: bad --config flag{where}: {kind}{msg}"
+
+
+def define_config_flag(default: str, help_text: str = "Run config file."):
+  """DEFINE_config_file("config", default); a bad default-file override exits with one line."""
+  try:
+    return config_flags.DEFINE_config_file("config", default, help_text)
+  except Exception as e:  # pylint: disable=broad-except  (raised while reading sys.argv)
+    sys.exit(config_flag_error(e, sys.argv))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """`app.run(main, flags_parser=parse_flags)`: absl's parsing, one line on any flag error."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, flags.Error) and "config" not in str(e):  # another flag's error
+      sys.exit(f"error: {' '.join(str(e).split())} (see --help)")
+    sys.exit(config_flag_error(e, argv))
