@@ -8,12 +8,14 @@ line naming the holder. A lock left behind by a run that died is stale and is ta
     recorded process start time differs); on the same host the PID alone decides, or
   - it comes from another host and its heartbeat (the file's mtime, touched every `heartbeat_s` by a daemon thread of the
     holder) is older than `stale_after_s`: the only evidence available for another host.
-Taking over renames the stale file first (one rename wins), then creates a fresh lock, so two
-runs racing for one stale lock cannot both win.
+Taking over renames the stale file aside (its record is kept), then creates a fresh lock; the
+judge-and-replace step runs under flock on `run.lock.guard`, so two runs racing for one stale
+lock cannot both win.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -110,6 +112,25 @@ class WorkdirLock:
     return None
 
   def acquire(self) -> None:
+    # Judging a lock stale and replacing it must be one step: else a run could judge the old
+    # record, another replace it meanwhile, and the first move the fresh lock aside. flock on
+    # a guard file serialises that step between processes of one host (on file systems
+    # without flock the O_EXCL create still keeps two fresh starts apart).
+    guard = os.open(self.path + ".guard", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+      try:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+      except OSError:
+        pass
+      self._acquire()
+    finally:
+      os.close(guard)  # releases the flock
+    self._held = True
+    self._thread = threading.Thread(target=self._heartbeat, name="workdir-lock-heartbeat",
+                                    daemon=True)
+    self._thread.start()
+
+  def _acquire(self) -> None:
     for _ in range(5):
       if self._try_create():
         break
@@ -133,10 +154,6 @@ class WorkdirLock:
                       holder.get("host", "?"), why, aside)
     else:
       raise WorkdirBusy(f"could not take the lock {self.path}: other runs keep taking it")
-    self._held = True
-    self._thread = threading.Thread(target=self._heartbeat, name="workdir-lock-heartbeat",
-                                    daemon=True)
-    self._thread.start()
 
   def _heartbeat(self) -> None:
     while not self._stop.wait(self.heartbeat_s):

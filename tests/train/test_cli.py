@@ -56,6 +56,16 @@ def test_bad_flags_stop_with_one_message(tmp_path, flag, needles):
   assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("cmd", [RUN, [sys.executable, "-m", "hybridmoe_jax.describe"]])
+def test_misspelt_override_of_a_named_config_file_is_one_line(tmp_path, cmd):
+  """With --config given, ml_collections reads overrides inside app.run (a raw traceback
+  before cli_flags.parse_flags)."""
+  p = subprocess.run(cmd + ["--config=configs/tiny.py", "--config.train.stepz=5",
+                            f"--workdir={tmp_path}"][:3 if "describe" in cmd[-1] else 4],
+                     capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert "no config field 'stepz'" in _one_error(p, "--config.train.stepz=5", '"steps"')
+
+
 def test_missing_and_empty_data(tmp_path):
   _one_error(_run("--config.data.source=text", f"--config.data.paths={tmp_path}/nope.txt",
                   f"--workdir={tmp_path}/w1"), "nope.txt")
@@ -138,7 +148,7 @@ def test_sigint_checkpoints_and_exits(tmp_path):
   _wait_for_step(str(tmp_path), 3, proc)
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=300)
-  assert proc.returncode == 0, err[-3000:]
+  assert proc.returncode == 128 + signal.SIGINT, err[-3000:]  # scripts tell it from a finish
   assert "received SIGINT" in err
   steps = [int(s) for s in os.listdir(tmp_path / "checkpoints")]
   assert len(steps) == 1 and 3 <= steps[0] < 24
