@@ -52,6 +52,7 @@ def _is_pow2(n: int) -> bool:
 
 
 MOE_IMPLS = ("ragged", "dense")
+MLA_IMPLS = ("auto", "dense", "blockwise")
 REMAT_POLICIES = ("none", "full", "dots")
 
 
@@ -72,6 +73,11 @@ class ComputeConfig:
   # Expert-parallel receive buffer: 0 -> dropless (worst-case buffers); c > 0 -> each
   # expert shard receives at most ceil(c * m k) rows per step, the excess dropped, counted.
   moe_capacity_factor: float = 0.0
+  # MLA training attention: "dense" holds [B, H, T, T] scores; "blockwise" holds one
+  # [B, H, mla_block, mla_block] block at a time (forward and backward); "auto": dense up to
+  # T = 4 * mla_block (a few blocks: the loop costs more than the small matrix), else blockwise.
+  mla_impl: str = "auto"
+  mla_block: int = 128
 
   def __post_init__(self):
     p = "compute"
@@ -83,6 +89,9 @@ class ComputeConfig:
             and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
             "a power of two >= 16")
     require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
+    require(self.mla_impl in MLA_IMPLS, f"{p}.mla_impl", self.mla_impl, f"one of {MLA_IMPLS}")
+    require(isinstance(self.mla_block, int) and not isinstance(self.mla_block, bool)
+            and self.mla_block >= 8, f"{p}.mla_block", self.mla_block, "an integer >= 8")
     require(isinstance(self.moe_capacity_factor, (int, float))
             and not isinstance(self.moe_capacity_factor, bool)
             and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",

@@ -4,7 +4,8 @@ Conventions: B batch, T tokens, d width, H heads, d_c latent (kv_lora_rank), Dn/
 nope/rope-slot/value head dims, N cache capacity. The rope slot is a shared key part that is
 never rotated.
 
-Training runs the expanded form over whole (packed) sequences. Decoding continues from an
+Training runs the expanded form over whole (packed) sequences, with dense [T, T] scores or
+blockwise (`ops.blockwise_attention`, O(T x block) memory) by `compute.mla_impl`. Decoding continues from an
 `MLACache` (per token only the latent c and the rope key k_r) in the absorbed form. With
 W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
     q~_h = W_uk_h q_nope_h                 [d_c]
@@ -23,6 +24,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.linear import linear
 from hybridmoe_jax.layers.norms import RMSNorm
+from hybridmoe_jax.ops import blockwise_attention as blockwise
 from hybridmoe_jax.ops.attention import causal_attention
 
 _F32 = jnp.float32
@@ -105,6 +107,7 @@ class MLALayer(nnx.Module):
                compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs):
     self.cfg = cfg
     self.dtype = jnp.dtype(compute.dtype)
+    self.impl, self.block = compute.mla_impl, compute.mla_block
     h = cfg.num_heads
     lin = lambda i, o: linear(i, o, dtype=compute.dtype, rngs=rngs)
     if cfg.q_lora_rank:
@@ -203,7 +206,12 @@ class MLALayer(nnx.Module):
         k_r = jnp.broadcast_to(k_r[:, :, None, :], (b, t, cfg.num_heads, cfg.qk_rope_head_dim))
         k = jnp.concatenate([k, k_r], axis=-1)
       v = self.v_up(c).reshape(b, t, cfg.num_heads, cfg.v_head_dim)
-      o = causal_attention(q, k, v, segment_ids=segment_ids, scale=cfg.qk_head_dim ** -0.5)
+      scale = cfg.qk_head_dim ** -0.5
+      if blockwise.resolve_impl(self.impl, t, self.block)[0] == "dense":
+        o = causal_attention(q, k, v, segment_ids=segment_ids, scale=scale)
+      else:  # O(T x block) memory; its custom_vjp recomputes the blocks backward
+        o = blockwise.blockwise_attention(q, k, v, segment_ids=segment_ids, scale=scale,
+                                          block_q=self.block, block_kv=self.block)
     else:
       if length is None:
         raise ValueError("MLALayer with a cache needs length: int32 [B] tokens already cached")

@@ -37,8 +37,12 @@ def describe_impls(cfg: ModelConfig, compute: ComputeConfig, *, moe_dispatch=Non
                  f"compute.kda_impl={compute.kda_impl!r}: {why}); one-token decode: recurrent")
   mla_layers = [i for i, k in enumerate(kinds) if k == "mla"]
   if mla_layers:
-    lines.append(f"{_layer_list(mla_layers)} (mla): expanded softmax attention in XLA "
-                 "(the only MLA training core so far: T x T scores per head); cached "
+    rule = {"auto": f"dense [T, T] scores up to T = {4 * compute.mla_block}, blockwise "
+                    f"(block {compute.mla_block}, O(T x block) memory) beyond",
+            "dense": "dense [T, T] scores at every T",
+            "blockwise": f"blockwise at every T (block {compute.mla_block})"}
+    lines.append(f"{_layer_list(mla_layers)} (mla): expanded attention in XLA, "
+                 f"compute.mla_impl={compute.mla_impl!r}: {rule[compute.mla_impl]}; cached "
                  "decode: absorbed latent attention, blockwise online softmax")
   moe_layers = list(cfg.moe_layers)
   if moe_layers:

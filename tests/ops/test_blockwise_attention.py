@@ -1,0 +1,156 @@
+"""Blockwise causal attention == the dense reference, forward and gradients; O(T x block)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybridmoe_jax.config import ComputeConfig, MLAConfig
+from hybridmoe_jax.layers.mla import MLALayer
+from hybridmoe_jax.ops.attention import causal_attention
+from hybridmoe_jax.ops.blockwise_attention import (attention_reference, blockwise_attention,
+                                                   resolve_impl)
+from tests.conftest import rel_rms
+
+
+def _inputs(seed, b, tq, tk, h, hk, d, dv, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, tq, h, d)), dtype)
+  k = jnp.asarray(rng.standard_normal((b, tk, hk, d)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, tk, hk, dv)), dtype)
+  w = jnp.asarray(rng.standard_normal((b, tq, h, dv)), jnp.float32)  # a random cotangent
+  return q, k, v, w
+
+
+def _packed(seed, b, t):
+  """Sorted document ids 1..3 per row with a padding (0) suffix: packed rows."""
+  seg = np.sort(np.random.default_rng(seed).integers(1, 4, (b, t)), axis=1).astype(np.int32)
+  seg[:, t - 2:] = 0
+  return jnp.asarray(seg)
+
+
+def _value_and_grads(fn, q, k, v, w):
+  out = fn(q, k, v)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(
+      q, k, v)
+  return (out,) + grads
+
+
+def _max_rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+@pytest.mark.parametrize("b,t,h,hk,d,dv,bq,bk,packed", [
+    (2, 37, 4, 2, 8, 6, 8, 16, True),     # odd T, grouped heads, blocks not dividing T
+    (1, 64, 2, 1, 8, 8, 16, 16, False),   # MQA (the absorbed MLA form), exact blocks
+    (2, 50, 4, 1, 16, 8, 7, 5, True),     # odd block sizes, packed
+    (1, 33, 2, 2, 8, 8, 64, 64, True),    # one block larger than T
+])
+def test_matches_dense_reference_fp32(b, t, h, hk, d, dv, bq, bk, packed):
+  q, k, v, w = _inputs(t, b, t, t, h, hk, d, dv)
+  seg = _packed(t, b, t) if packed else None
+  got = _value_and_grads(lambda *a: blockwise_attention(*a, segment_ids=seg, block_q=bq,
+                                                        block_kv=bk), q, k, v, w)
+  kw = dict(q_segment_ids=seg, kv_segment_ids=seg) if packed else {}
+  ref = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, w)
+  for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
+    assert a.shape == r.shape and a.dtype == r.dtype
+    assert _max_rel(a, r) < 1e-5, name
+
+
+def test_reference_equals_the_dense_mla_core():
+  """The reference's semantics are those of ops.attention.causal_attention (same heads)."""
+  q, k, v, _ = _inputs(0, 2, 29, 29, 2, 2, 8, 8)
+  seg = _packed(1, 2, 29)
+  np.testing.assert_allclose(
+      attention_reference(q, k, v, q_segment_ids=seg, kv_segment_ids=seg),
+      causal_attention(q, k, v, segment_ids=seg), rtol=1e-6, atol=1e-6)
+
+
+def test_query_shard_against_gathered_keys_and_fully_masked_rows():
+  """Queries at positions 30..42 of 45 keys (a context-parallel shard); some queries hold a
+  segment id no key has: output 0 and zero gradient, as in the reference."""
+  b, tk, tq, off = 2, 45, 13, 30
+  q, k, v, w = _inputs(3, b, tq, tk, 4, 2, 8, 8)
+  kv_seg = _packed(4, b, tk)
+  q_seg = kv_seg[:, off:off + tq].at[:, 3:6].set(9)       # 9: no key has it
+  kw = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off)
+  got = _value_and_grads(lambda *a: blockwise_attention(*a, block_q=4, block_kv=8, **kw),
+                         q, k, v, w)
+  ref = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, w)
+  assert np.all(np.asarray(got[0])[:, 3:6] == 0) and np.all(np.asarray(got[1])[:, 3:6] == 0)
+  for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert _max_rel(a, r) < 1e-5, name
+
+
+def test_bf16_within_flash_tolerance():
+  """bf16 inputs (fp32 softmax statistics) against the fp32 reference: fla's bf16
+  tolerance (relative RMS error <= 1e-2), forward and gradients."""
+  q, k, v, w = _inputs(5, 2, 70, 70, 4, 2, 16, 16)
+  seg = _packed(6, 2, 70)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  got = _value_and_grads(lambda *a: blockwise_attention(*a, segment_ids=seg, block_q=16,
+                                                        block_kv=16), bf(q), bf(k), bf(v), w)
+  ref = _value_and_grads(lambda *a: attention_reference(*a, q_segment_ids=seg,
+                                                        kv_segment_ids=seg), q, k, v, w)
+  for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
+    assert a.dtype == jnp.bfloat16
+    assert rel_rms(r, a) < 1e-2, name
+
+
+def _temp_bytes(fn, t):
+  q, k, v, w = (jax.ShapeDtypeStruct(s.shape, s.dtype) for s in _inputs(0, 1, t, t, 1, 1, 8, 8))
+  loss = lambda q, k, v, w: jnp.sum(fn(q, k, v) * w)
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, w).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_memory_grows_linearly_not_quadratically():
+  """XLA's own buffer accounting for forward + backward: doubling T doubles the blockwise
+  temporaries (O(T x block)); the dense core's grow 4x and exceed a [T, T] fp32 matrix."""
+  blockwise = lambda q, k, v: blockwise_attention(q, k, v, block_q=64, block_kv=64)
+  dense = lambda q, k, v: causal_attention(q, k, v)
+  small, large = _temp_bytes(blockwise, 1024), _temp_bytes(blockwise, 2048)
+  assert large < 2.5 * small, (small, large)
+  assert large < 2048 * 2048 * 4 / 8, large        # far below one [T, T] fp32 matrix
+  d_small, d_large = _temp_bytes(dense, 1024), _temp_bytes(dense, 2048)
+  assert d_large > 3.5 * d_small and d_large >= 2048 * 2048 * 4, (d_small, d_large)
+
+
+def test_auto_rule_and_bad_input():
+  assert resolve_impl("auto", 512, 128)[0] == "dense"
+  assert resolve_impl("auto", 513, 128)[0] == "blockwise"
+  assert resolve_impl("blockwise", 16, 128)[0] == "blockwise"
+  q, k, v, _ = _inputs(0, 1, 8, 8, 3, 2, 8, 8)
+  with pytest.raises(ValueError, match="multiple of key/value heads"):
+    blockwise_attention(q, k, v)
+  q, k, v, _ = _inputs(0, 1, 8, 8, 2, 2, 8, 8)
+  with pytest.raises(ValueError, match="q_offset=4"):
+    blockwise_attention(q, k, v, q_offset=4)
+  with pytest.raises(ValueError, match="segment ids must be"):
+    blockwise_attention(q, k, v, segment_ids=jnp.ones((1, 7), jnp.int32))
+
+
+def test_mla_layer_blockwise_equals_dense():
+  """The MLA training forward and its parameter gradients agree between the two cores."""
+  cfg = MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                  v_head_dim=8)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 45, 32)), jnp.float32)
+  seg = _packed(7, 2, 45)
+  outs = {}
+  for impl in ("dense", "blockwise"):
+    layer = MLALayer(32, cfg, norm_eps=1e-6, rngs=nnx.Rngs(0),
+                     compute=ComputeConfig(mla_impl=impl, mla_block=8))
+
+    def loss(layer):
+      return jnp.sum(jnp.sin(layer(x, segment_ids=seg)[0]))
+
+    outs[impl] = (layer(x, segment_ids=seg)[0], nnx.grad(loss)(layer))
+  assert _max_rel(outs["blockwise"][0], outs["dense"][0]) < 1e-5
+  g_block, g_dense = (jax.tree.leaves(nnx.to_pure_dict(outs[i][1]))
+                      for i in ("blockwise", "dense"))
+  for a, r in zip(g_block, g_dense):
+    assert _max_rel(a, r) < 1e-4
