@@ -156,7 +156,7 @@ def parse_jsonl_line(line: bytes, field: str) -> tuple[str | None, Problem | Non
     record = json.loads(s.lstrip("\ufeff"), strict=False)
   except ValueError as e:
     cut = "" if line.endswith(b"\n") else "; the file's last line has no newline: truncated?"
-    return None, ("malformed JSON", f"malformed JSON ({getattr(e, 'msg', e)} at column "
+    return None, ("malformed JSON", f"malformed JSON ({getattr(e, 'msg', e)}, column "
                   f"{getattr(e, 'colno', '?')}){cut}")
   except RecursionError:
     return None, ("malformed JSON", "malformed JSON (nested too deeply to parse)")
