@@ -264,7 +264,7 @@ def _run_train(path, workdir, *flags):
        f"--workdir={workdir}", *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_run_train_error_stops_with_one_line_and_skip_trains(tmp_path):
+def test_run_train_error_stops_before_training_with_one_line(tmp_path):
   path, n = _jsonl(tmp_path, JSONL_BAD["lone_surrogate"][0])
   p = _run_train(path, tmp_path / "w_error", "--config.data.bad_records=error")
   assert p.returncode == 1, p.stderr
@@ -272,6 +272,11 @@ def test_run_train_error_stops_with_one_line_and_skip_trains(tmp_path):
   last = p.stderr.strip().splitlines()[-1]
   assert last == (f"error: data: {path} line {n}: {JSONL_BAD['lone_surrogate'][1]}{HINT}"), last
   assert not (tmp_path / "w_error" / "checkpoints").exists()
+
+
+def test_run_train_skip_trains_past_the_bad_record(tmp_path):
+  """The reported failure: this crashed in a grain worker at the step reaching line 3."""
+  path, n = _jsonl(tmp_path, JSONL_BAD["lone_surrogate"][0])
   p = _run_train(path, tmp_path / "w_skip")
   assert p.returncode == 0, p.stderr[-3000:]
   assert "Traceback" not in p.stderr, p.stderr[-3000:]
