@@ -87,18 +87,25 @@ def _list_files(paths: Sequence[pathlib.Path],
   return files
 
 
+def _unreadable(path: PathLike, e: OSError) -> ValueError:
+  return ValueError(f"{path}: cannot read the file ({e.strerror or e}); fix its permissions "
+                    "or leave it out of data.paths")
+
+
 def _open(path: PathLike):
   """open(path, "rb"); an unreadable file raises a one-line ValueError naming it (any mode)."""
   try:
     return open(path, "rb")
   except OSError as e:
-    raise ValueError(f"{path}: cannot read the file ({e.strerror or e}); fix its permissions "
-                     "or leave it out of data.paths") from e
+    raise _unreadable(path, e) from e
 
 
 def _read_bytes(path: PathLike) -> bytes:
   with _open(path) as f:
-    return f.read()
+    try:
+      return f.read()
+    except OSError as e:  # e.g. EIO, or EISDIR for a directory named like a file
+      raise _unreadable(path, e) from e
 
 
 def _check_index(i, n: int) -> int:

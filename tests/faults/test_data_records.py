@@ -2,7 +2,8 @@
 "error" (one line naming file and line, before any batch), for every kind of bad record.
 
 Self-contained: builds its own files under tmp_path; the two run_train.py subprocesses are the
-only slow part (~5 s for "error", which stops before compiling; ~30 s for a 3-step "skip" run).
+only slow part (~5 s for "error", which stops before compiling; a 3-step "skip" run of a
+one-layer tiny model, ~20 s on 2 idle cores, more under load).
 """
 
 import json
@@ -255,7 +256,7 @@ def test_worker_skips_a_document_that_fails_to_load_and_resumes_identically(tmp_
 # ----------------------------------------------------------------------- run_train.py
 _TINY = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.seq_len=64",
          "--config.train.batch_size=2", "--config.train.eval_batches=1",
-         "--config.train.heatmap_every=0", "--config.model.num_layers=2",
+         "--config.train.heatmap_every=0", "--config.model.num_layers=1",
          "--config.model.moe.first_dense_layers=0", "--config.data.source=jsonl"]
 
 
