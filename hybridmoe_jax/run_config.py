@@ -22,6 +22,7 @@ from hybridmoe_jax.sharding import MESH_AXES
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("bundled", "text", "jsonl")
+BAD_RECORD_MODES = ("skip", "error")  # data.bad_records (data/sources.py: BadRecords)
 VISION_SOURCES = ("synthetic", "jsonl")
 CURRICULUM_SOURCES = ("bundled", "stdlib_long", "text", "jsonl")
 STAGE_SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -176,6 +177,10 @@ class DataConfig:
   heldout_seed: int = 0
   shuffle: bool = True          # shuffle documents (every epoch anew); False: source order
   num_packing_bins: int = 16    # rows the first-fit packer fills at once
+  # A bad record (JSONL line that is not a JSON object with a non-empty, UTF-8-encodable
+  # string text; a text file that is not UTF-8 or empty): "skip" leaves it out with one
+  # counted warning per file, "error" stops before training naming file and line.
+  bad_records: str = "skip"
   vision: VisionDataConfig = VisionDataConfig()
 
   def __post_init__(self):
@@ -190,6 +195,8 @@ class DataConfig:
             self.heldout_fraction, "a number in (0, 0.5]")
     _ints(p, 0, heldout_seed=self.heldout_seed)
     _ints(p, 1, num_packing_bins=self.num_packing_bins)
+    require(self.bad_records in BAD_RECORD_MODES, f"{p}.bad_records", self.bad_records,
+            f"one of {BAD_RECORD_MODES}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,8 @@ def _split_sources(names, curriculum: CurriculumConfig, data: DataConfig, shard_
   for name in names:
     spec = curriculum.sources[name]
     try:
-      src = data_config.make_source(spec.kind, spec.paths, spec.field)
+      src = data_config.make_source(spec.kind, spec.paths, spec.field,
+                                    data.bad_records)
     except ValueError as e:
       raise ValueError(f"curriculum source {name!r} ({spec.kind}): {e}") from e
     if len(src) < 2:

@@ -1,10 +1,30 @@
 """Document sources: random-access sequences of str for `grain.MapDataset.source`.
 
 A source has `__len__` and `__getitem__(i) -> str`, one document per index. Sources index
-their input once on construction and keep only small metadata (paths, byte offsets), so they
-pickle cheaply into grain worker processes and read each document on demand. Unusable input
-(bad UTF-8, malformed JSONL lines, empty documents) is skipped with one counted warning per
-file; input that leaves nothing usable raises before training starts.
+their input once on construction and keep only small metadata (paths, byte offsets, line
+numbers), so they pickle cheaply into grain worker processes and read each document on demand.
+
+Bad records are judged in one place, `BadRecords` (with `parse_jsonl_line` / `text_problem`),
+at indexing time, i.e. before training starts, as `data.bad_records` says:
+  "skip"  (default) a bad record is left out of the index and counted: one warning line per
+          file (JSONL) or per text source, with counts per reason and the first locations;
+  "error" the first bad record raises `BadRecordError`, one line naming the file, the line
+          (JSONL) and what is wrong.
+Bad records: JSONL lines that are not valid UTF-8, not JSON (also a truncated last line, or
+nesting too deep to parse), not an object, without a string `field` (missing, number, list,
+null), text files that are not valid UTF-8 (e.g. binary files named *.txt), and any document
+whose text is empty / whitespace only or holds a lone surrogate (a JSON "\\ud800" escape: valid
+JSON, but not encodable as UTF-8, so the byte tokenizer could not take it). NUL and other
+control characters are legal text for a byte tokenizer and are kept (also raw ones inside
+JSON strings). Blank JSONL lines are no records and are ignored.
+
+Because a skipped record never enters the index, the document order, the shuffle, the
+held-out split and every iterator state are those of a file without it: a resumed run sees
+the batches an uninterrupted run sees. A file that cannot be read at all (permission denied)
+raises in both modes: whether it is readable depends on the machine, not on the data, and
+skipping it would make the document set differ between a run and its resumption. A record
+that turns bad after indexing (the file was edited) is skipped by `SafeSource` in the
+pipelines (or raises in "error" mode), never a crash inside a grain worker for "skip".
 """
 
 from __future__ import annotations
@@ -19,8 +39,17 @@ from typing import Union
 from absl import logging
 import numpy as np
 
+from hybridmoe_jax.run_config import BAD_RECORD_MODES
+
 PathLike = Union[str, os.PathLike]
 TEXT_SUFFIXES = (".txt", ".md")
+_MAX_LOCATIONS = 3  # bad-record locations quoted in a skip warning
+_HINT = "set data.bad_records=skip to skip bad records"
+Problem = tuple[str, str]  # (reason counted in warnings, one-line detail)
+
+
+class BadRecordError(ValueError):
+  """A bad input record with data.bad_records = "error"; the message is one line."""
 
 
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[pathlib.Path]:
@@ -58,6 +87,27 @@ def _list_files(paths: Sequence[pathlib.Path],
   return files
 
 
+def _unreadable(path: PathLike, e: OSError) -> ValueError:
+  return ValueError(f"{path}: cannot read the file ({e.strerror or e}); fix its permissions "
+                    "or leave it out of data.paths")
+
+
+def _open(path: PathLike):
+  """open(path, "rb"); an unreadable file raises a one-line ValueError naming it (any mode)."""
+  try:
+    return open(path, "rb")
+  except OSError as e:
+    raise _unreadable(path, e) from e
+
+
+def _read_bytes(path: PathLike) -> bytes:
+  with _open(path) as f:
+    try:
+      return f.read()
+    except OSError as e:  # e.g. EIO, or EISDIR for a directory named like a file
+      raise _unreadable(path, e) from e
+
+
 def _check_index(i, n: int) -> int:
   i = int(i)  # grain may pass numpy integers
   if i < 0:
@@ -67,11 +117,105 @@ def _check_index(i, n: int) -> int:
   return i
 
 
-def _warn_skipped(kind: str, where: str, skipped: collections.Counter, total: int) -> None:
-  if skipped:
-    detail = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
-    logging.warning("%s: skipped %d of %d %s (%s)", kind, sum(skipped.values()), total, where,
-                    detail)
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def _json_type(value) -> str:
+  return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def text_problem(text) -> Problem | None:
+  """Why `text` cannot be a document (not a str, empty, not encodable as UTF-8), or None."""
+  if not isinstance(text, str):
+    return "text not a string", f"text is {_json_type(text)}, not a string"
+  if not text.strip():
+    return "empty text", "text is empty or whitespace only"
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    return ("lone surrogate", f"text holds a lone surrogate U+{ord(text[e.start]):04X} at "
+            f"character {e.start} (not encodable as UTF-8)")
+  return None
+
+
+def decode_utf8(data: bytes) -> tuple[str | None, Problem | None]:
+  """(text, None), or (None, problem) naming the first byte that is not valid UTF-8."""
+  try:
+    return data.decode("utf-8"), None
+  except UnicodeDecodeError as e:
+    return None, ("not valid UTF-8", f"not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                  f"{e.start})")
+
+
+def parse_jsonl_line(line: bytes, field: str) -> tuple[str | None, Problem | None]:
+  """One JSONL line -> (its document text, None), or (None, why it is a bad record).
+
+  Args:
+    line: the raw line, with or without its newline.
+    field: the key holding the text.
+  """
+  s, problem = decode_utf8(line)
+  if problem:
+    return None, problem
+  try:
+    # strict=False: raw control characters inside strings (tabs, NUL) are legal text here.
+    record = json.loads(s.lstrip("\ufeff"), strict=False)
+  except ValueError as e:
+    cut = "" if line.endswith(b"\n") else "; the file's last line has no newline: truncated?"
+    return None, ("malformed JSON", f"malformed JSON ({getattr(e, 'msg', e)}, column "
+                  f"{getattr(e, 'colno', '?')}){cut}")
+  except RecursionError:
+    return None, ("malformed JSON", "malformed JSON (nested too deeply to parse)")
+  if not isinstance(record, dict):
+    return None, ("not a JSON object", f"the line holds {_json_type(record)}, not a JSON object")
+  if field not in record:
+    return None, (f"no {field!r} field", f"the object has no {field!r} field")
+  text = record[field]
+  if not isinstance(text, str):
+    return None, (f"{field!r} not a string", f"{field!r} is {_json_type(text)}, not a string")
+  problem = text_problem(text)
+  return (None, problem) if problem else (text, None)
+
+
+class BadRecords:
+  """The one place bad records are handled: counted and warned about, or raised.
+
+  Args:
+    what: the input, for the warning ("/x/y.jsonl", "['/x/texts']").
+    mode: "skip" or "error" (data.bad_records).
+    unit: what a record is ("lines", "text files"), for the warning.
+  """
+
+  def __init__(self, what: str, mode: str, unit: str):
+    if mode not in BAD_RECORD_MODES:
+      raise ValueError(f"bad_records must be one of {BAD_RECORD_MODES}, got {mode!r}")
+    self.what, self.mode, self.unit = what, mode, unit
+    self.counts: collections.Counter[str] = collections.Counter()
+    self.locations: list[str] = []
+
+  def add(self, where: str, problem: Problem) -> None:
+    """Records one bad record at `where` ("/x/y.jsonl line 7", "/x/a.txt").
+
+    Raises:
+      BadRecordError: in "error" mode, one line: where, what is wrong, how to skip instead.
+    """
+    reason, detail = problem
+    if self.mode == "error":
+      raise BadRecordError(f"{where}: {detail}; {_HINT}")
+    self.counts[reason] += 1
+    if len(self.locations) < _MAX_LOCATIONS:
+      self.locations.append(f"{where} ({detail})")
+
+  def warn(self, total: int) -> None:
+    """Logs one warning line (if anything was skipped): counts per reason, first locations."""
+    if not self.counts:
+      return
+    n = sum(self.counts.values())
+    detail = ", ".join(f"{k} {reason}" for reason, k in sorted(self.counts.items()))
+    more = ", ..." if n > len(self.locations) else ""
+    logging.warning("data: skipped %d of %d %s in %s (%s); first: %s%s", n, total, self.unit,
+                    self.what, detail, "; ".join(self.locations), more)
 
 
 class BundledTextSource:
@@ -109,114 +253,154 @@ class BundledTextSource:
 class TextFileSource:
   """One document per text file.
 
+  Construction reads and decodes every file once (see the module docstring for bad files).
+
   Args:
     paths: files (taken whatever their name) and/or directories (searched recursively).
     suffixes: file-name endings taken inside directories; None takes every file.
+    bad_records: "skip" (count and warn) or "error" (raise at the first bad file).
 
   Raises:
     FileNotFoundError: a path does not exist.
-    ValueError: no files, or every file is empty or not valid UTF-8.
+    BadRecordError: with bad_records="error", a file is not valid UTF-8 or is empty.
+    ValueError: no files, a file cannot be read, or every file is bad.
   """
 
   def __init__(self, paths: PathLike | Iterable[PathLike], *,
-               suffixes: tuple[str, ...] | None = TEXT_SUFFIXES):
+               suffixes: tuple[str, ...] | None = TEXT_SUFFIXES, bad_records: str = "skip"):
     roots = _as_paths(paths)
     files = _list_files(roots, suffixes)
-    kept, skipped = [], collections.Counter()
+    bad = BadRecords(str([str(r) for r in roots]), bad_records, "text files")
+    kept = []
     # Decoding every file once here is what lets bad input fail (or be counted) before
     # training instead of crashing a grain worker mid-run.
     for f in files:
-      try:
-        text = f.read_bytes().decode("utf-8")
-      except UnicodeDecodeError:
-        skipped["not valid UTF-8"] += 1
-        continue
-      if not text.strip():
-        skipped["empty"] += 1
-        continue
-      kept.append(str(f))
-    _warn_skipped("TextFileSource", f"files under {[str(r) for r in roots]}", skipped,
-                  len(files))
+      text, problem = decode_utf8(_read_bytes(f))
+      problem = problem or text_problem(text)
+      if problem:
+        bad.add(str(f), problem)
+      else:
+        kept.append(str(f))
+    bad.warn(len(files))
     if not kept:
       raise ValueError(f"no usable text in {[str(r) for r in roots]}: all {len(files)} files "
-                       f"were skipped ({dict(skipped)})")
+                       f"were skipped ({dict(bad.counts)})")
     self.files = tuple(kept)
-    self.skipped = dict(skipped)
+    self.skipped = dict(bad.counts)
 
   def __len__(self) -> int:
     return len(self.files)
 
   def __getitem__(self, i) -> str:
-    return pathlib.Path(self.files[_check_index(i, len(self.files))]).read_text("utf-8")
+    path = self.files[_check_index(i, len(self.files))]
+    text, problem = decode_utf8(_read_bytes(path))
+    problem = problem or text_problem(text)
+    if problem:  # the file changed after indexing
+      raise BadRecordError(f"{path}: {problem[1]} (the file changed after it was indexed)")
+    return text
 
 
 class JsonlSource:
   """One document per JSON line: the string in `field` of each object.
 
-  Construction reads every line once and keeps (file, byte offset, length) of the good ones;
-  blank lines are ignored, and lines that are not JSON objects, are not valid UTF-8, lack a
-  string `field`, or hold only whitespace are skipped and counted.
+  Construction reads every line once and keeps (file, byte offset, length, line number) of
+  the good ones; blank lines are ignored, bad ones are skipped or raise (module docstring).
 
   Args:
     paths: .jsonl files (any name) and/or directories (searched for *.jsonl).
     field: the key holding the document text.
+    bad_records: "skip" (count and warn per file) or "error" (raise at the first bad line).
 
   Raises:
     FileNotFoundError: a path does not exist.
-    ValueError: no files, or no usable line in any of them.
+    BadRecordError: with bad_records="error", the first bad line (file and line number).
+    ValueError: no files, a file cannot be read, or no usable line in any of them.
   """
 
-  def __init__(self, paths: PathLike | Iterable[PathLike], *, field: str = "text"):
+  def __init__(self, paths: PathLike | Iterable[PathLike], *, field: str = "text",
+               bad_records: str = "skip"):
     roots = _as_paths(paths)
     self.files = tuple(str(f) for f in _list_files(roots, (".jsonl",)))
     self.field = field
-    file_ids, offsets, lengths = [], [], []
+    index = []  # (file id, byte offset, byte length, 1-based line number) per good line
     totals = collections.Counter()
     for k, path in enumerate(self.files):
-      skipped, n_lines = self._index_file(path, k, file_ids, offsets, lengths)
-      _warn_skipped("JsonlSource", f"lines in {path}", skipped, n_lines)
-      totals.update(skipped)
-    if not offsets:
+      bad = BadRecords(path, bad_records, "lines")
+      bad.warn(self._index_file(k, path, bad, index))
+      totals.update(bad.counts)
+    if not index:
       raise ValueError(f"no usable JSONL records with a non-empty string {field!r} field in "
                        f"{list(self.files)} (skipped: {dict(totals)})")
     self.skipped = dict(totals)
-    self._file_ids = np.asarray(file_ids, np.int32)
-    self._offsets = np.asarray(offsets, np.int64)
-    self._lengths = np.asarray(lengths, np.int64)
+    cols = np.asarray(index, np.int64).T
+    self._file_ids = cols[0].astype(np.int32)
+    self._offsets, self._lengths, self._line_numbers = cols[1], cols[2], cols[3]
 
-  def _index_file(self, path, k, file_ids, offsets, lengths) -> tuple[collections.Counter, int]:
-    skipped = collections.Counter()
-    offset = n_lines = 0
-    with open(path, "rb") as f:
-      for line in f:
+  def _index_file(self, k: int, path: str, bad: BadRecords, index: list) -> int:
+    """Appends the good lines of file `k` to `index`; returns the number of non-blank lines."""
+    offset = n_records = 0
+    with _open(path) as f:
+      # Streams: only one line (however long) is in memory at a time. Lines end at b"\n"
+      # only, as in JSONL; a stray b"\r" is JSON whitespace or, inside a string, text.
+      for line_number, line in enumerate(f, 1):
         start, offset = offset, offset + len(line)
         if not line.strip():
           continue
-        n_lines += 1
-        try:
-          record = json.loads(line)  # bytes: invalid UTF-8 raises UnicodeDecodeError
-        except ValueError:
-          skipped["malformed (bad JSON or UTF-8)"] += 1
-          continue
-        text = record.get(self.field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-          skipped[f"without a string {self.field!r} field"] += 1
-        elif not text.strip():
-          skipped["empty text"] += 1
+        n_records += 1
+        _, problem = parse_jsonl_line(line, self.field)
+        if problem:
+          bad.add(f"{path} line {line_number}", problem)
         else:
-          file_ids.append(k)
-          offsets.append(start)
-          lengths.append(len(line))
-    return skipped, n_lines
+          index.append((k, start, len(line), line_number))
+    return n_records
 
   def __len__(self) -> int:
     return len(self._offsets)
 
   def __getitem__(self, i) -> str:
     i = _check_index(i, len(self._offsets))
-    with open(self.files[self._file_ids[i]], "rb") as f:
+    path = self.files[self._file_ids[i]]
+    with _open(path) as f:
       f.seek(int(self._offsets[i]))
-      return json.loads(f.read(int(self._lengths[i])))[self.field]
+      text, problem = parse_jsonl_line(f.read(int(self._lengths[i])), self.field)
+    if problem:  # the file changed after indexing
+      raise BadRecordError(f"{path} line {self._line_numbers[i]}: {problem[1]} (the file "
+                           "changed after it was indexed)")
+    return text
+
+
+class SafeSource:
+  """Wraps a source for a pipeline: a document that fails to load gives None (filtered).
+
+  Covers files that vanish, become unreadable or are edited after the source was indexed,
+  and text no tokenizer can take (`text_problem`, e.g. a lone surrogate from a Python-built
+  source), so a bad document never crashes a grain worker: it is skipped with a counted
+  warning (counts are per process; each grain worker counts its own) in either
+  data.bad_records mode; "error" acts at indexing, before training. The outcome depends only
+  on the document, so a resumed run skips exactly what the uninterrupted run skipped (and
+  grain's filter keeps its parent's iterator state).
+  """
+
+  def __init__(self, source: Sequence[str], name: str = "source"):
+    self.source, self.name = source, name
+    self.failures: collections.Counter[str] = collections.Counter()
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, i) -> str | None:
+    try:
+      text = self.source[i]
+    except (OSError, UnicodeError, ValueError, KeyError, TypeError) as e:
+      problem = (type(e).__name__, f"{type(e).__name__}: {str(e)[:300]}")
+    else:
+      problem = text_problem(text)
+    if problem is None:
+      return text
+    self.failures[problem[0]] += 1
+    logging.warning("data source %r: skipped document %d (%s); %d skipped so far", self.name,
+                    int(i), problem[1], sum(self.failures.values()))
+    return None
 
 
 class SubsetSource:

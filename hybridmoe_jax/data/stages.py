@@ -17,7 +17,6 @@ workers (grain slices documents per worker), so resume with the same num_workers
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import os
@@ -37,30 +36,8 @@ Batch = dict[str, np.ndarray]
 
 
 # --------------------------------------------------------------------------- sources
-class SafeSource:
-  """Wraps a source: a document that fails to load gives None (filtered), with a counted warning.
-
-  Covers files that vanish, become unreadable, hold bad UTF-8 or malformed JSON after the
-  source was indexed, so one bad file never crashes a long run. Counts are per process (each
-  grain worker counts its own).
-  """
-
-  def __init__(self, source: Sequence[str], name: str = "source"):
-    self.source, self.name = source, name
-    self.failures: collections.Counter[str] = collections.Counter()
-
-  def __len__(self) -> int:
-    return len(self.source)
-
-  def __getitem__(self, i) -> str | None:
-    try:
-      text = self.source[i]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-      self.failures[type(e).__name__] += 1
-      logging.warning("data source %r: skipped document %s (%s: %s); %d skipped so far",
-                      self.name, i, type(e).__name__, str(e)[:200], sum(self.failures.values()))
-      return None
-    return text if isinstance(text, str) and text else None
+# Kept under this name for callers of stages.SafeSource; bad records are handled in sources.py.
+SafeSource = sources_lib.SafeSource
 
 
 class _IndexedSource:

@@ -126,7 +126,7 @@ def test_text_files_and_directories(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     src = TextFileSource(tmp_path)
   assert [src[i] for i in range(len(src))] == ["alpha", "beta ✓"]
-  assert src.skipped == {"empty": 1, "not valid UTF-8": 1}
+  assert src.skipped == {"empty text": 1, "not valid UTF-8": 1}
   assert "skipped 2 of 4" in caplog.text
   assert len(TextFileSource([tmp_path / "sub" / "c.json"])) == 1  # a named file is always taken
 
@@ -155,7 +155,8 @@ def test_jsonl_skips_and_counts_bad_lines(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     src = JsonlSource(path)
   assert [src[i] for i in range(len(src))] == ["first ✓", "second"]
-  assert sum(src.skipped.values()) == 6 and src.skipped["malformed (bad JSON or UTF-8)"] == 2
+  assert src.skipped == {"malformed JSON": 1, "not valid UTF-8": 1, "not a JSON object": 1,
+                         "no 'text' field": 1, "'text' not a string": 1, "empty text": 1}
   assert "skipped 6 of 8" in caplog.text
   (tmp_path / "bad.jsonl").write_text("{oops\n[1]\n")
   with pytest.raises(ValueError, match="no usable JSONL"):
