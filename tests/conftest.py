@@ -8,7 +8,12 @@ the train loop's mesh uses only the first device and CLI subprocesses get one de
 import os
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+# The user's XLA_FLAGS from before this file added the device count, kept in the environment:
+# pytest-xdist workers inherit the controller's already extended XLA_FLAGS.
+_SAVED = "HYBRIDMOE_TESTS_USER_XLA_FLAGS"
+if _SAVED not in os.environ:
+  os.environ[_SAVED] = os.environ.get("XLA_FLAGS", "<unset>")
+_USER_XLA_FLAGS = None if os.environ[_SAVED] == "<unset>" else os.environ[_SAVED]
 if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
   os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_DEVICE_FLAG}=8".strip()
 

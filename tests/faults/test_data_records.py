@@ -8,7 +8,6 @@ one-layer tiny model, ~20 s on 2 idle cores, more under load).
 
 import json
 import logging
-import os
 import subprocess
 import sys
 
@@ -261,13 +260,10 @@ _TINY = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.s
 
 
 def _run_train(path, workdir, *flags):
-  # One CPU device: under pytest-xdist the workers inherit conftest's 8-device XLA_FLAGS.
-  xla = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count"))
+  # One CPU device (conftest's autouse fixture restores the user's XLA_FLAGS, xdist or not).
   return subprocess.run(
       [sys.executable, str(ROOT / "run_train.py"), *_TINY, f"--config.data.paths=('{path}',)",
-       f"--workdir={workdir}", *flags], capture_output=True, text=True, timeout=180, cwd=ROOT,
-      env=dict(os.environ, XLA_FLAGS=xla))
+       f"--workdir={workdir}", *flags], capture_output=True, text=True, timeout=180, cwd=ROOT)
 
 
 def test_run_train_error_stops_before_training_with_one_line(tmp_path):
