@@ -38,7 +38,6 @@ class _Spec(NamedTuple):
   scale: float
   block_q: int
   block_kv: int
-  q_offset: int
   tq: int          # real (unpadded) lengths
   tk: int
 
@@ -100,6 +99,8 @@ def _check(q, k, v, q_seg, kv_seg, q_offset) -> None:
   if q_seg is not None and (q_seg.shape != (b, tq) or kv_seg.shape != (b, k.shape[1])):
     raise ValueError(f"segment ids must be [B, Tq] and [B, Tk]: got {q_seg.shape}, "
                      f"{kv_seg.shape} for Tq={tq}, Tk={k.shape[1]}")
+  if isinstance(q_offset, jax.core.Tracer):  # a shard's offset inside shard_map: unchecked
+    return
   if not 0 <= q_offset or q_offset + tq > k.shape[1]:
     raise ValueError(f"q_offset={q_offset}: queries [q_offset, q_offset + Tq) = "
                      f"[{q_offset}, {q_offset + tq}) must lie within the {k.shape[1]} keys")
@@ -120,7 +121,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     segment_ids: [B, T] int32 packed document ids for self-attention (Tq == Tk); or give
       q_segment_ids [B, Tq] and kv_segment_ids [B, Tk] separately (a query shard against
       gathered keys). Tokens attend within their own id only.
-    q_offset: position of query 0 among the keys (queries are keys q_offset..q_offset+Tq-1).
+    q_offset: position of query 0 among the keys (queries are keys q_offset..q_offset+Tq-1);
+      an int, or a traced int32 scalar (e.g. a context-parallel shard's start).
     scale: logit scale, default D**-0.5.
     block_q, block_kv: tokens per block (any T: the last block is padded and masked).
   Returns:
@@ -139,9 +141,9 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     q_segment_ids = jnp.zeros((b, tq), jnp.int32)
     kv_segment_ids = jnp.zeros((b, tk), jnp.int32)
   spec = _Spec(float(d ** -0.5 if scale is None else scale), min(block_q, tq),
-               min(block_kv, tk), int(q_offset), tq, tk)
+               min(block_kv, tk), tq, tk)
   return _attention(spec, q, k, v, q_segment_ids.astype(jnp.int32),
-                    kv_segment_ids.astype(jnp.int32))
+                    kv_segment_ids.astype(jnp.int32), jnp.asarray(q_offset, jnp.int32))
 
 
 # ------------------------------------------------------------------------------ blocking
@@ -170,11 +172,12 @@ class _Blocked(NamedTuple):
   kv_seg: jax.Array     # [B, nk*bk]
   q_rng: tuple          # per query block (min, max) segment id
   kv_rng: tuple
+  q_offset: jax.Array   # int32 []
   nq: int
   nk: int
 
 
-def _blocked(spec: _Spec, q, k, v, q_seg, kv_seg) -> _Blocked:
+def _blocked(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset) -> _Blocked:
   b, _, h, d = q.shape
   hk = k.shape[2]
   bq, bk = spec.block_q, spec.block_kv
@@ -184,13 +187,13 @@ def _blocked(spec: _Spec, q, k, v, q_seg, kv_seg) -> _Blocked:
   q_seg = _pad_to(q_seg, nq * bq, jnp.iinfo(jnp.int32).min)
   kv_seg = _pad_to(kv_seg, nk * bk, jnp.iinfo(jnp.int32).max)
   return _Blocked(q, _pad_to(k, nk * bk), _pad_to(v, nk * bk), q_seg, kv_seg,
-                  _seg_ranges(q_seg, bq), _seg_ranges(kv_seg, bk), nq, nk)
+                  _seg_ranges(q_seg, bq), _seg_ranges(kv_seg, bk), q_offset, nq, nk)
 
 
 def _visible(spec: _Spec, blk: _Blocked, i, j) -> jax.Array:
   """[B, 1, 1, bq, bk] bool: key block j is visible to query block i, per pair."""
   bq, bk = spec.block_q, spec.block_kv
-  qpos = spec.q_offset + i * bq + jnp.arange(bq)
+  qpos = blk.q_offset + i * bq + jnp.arange(bq)
   kpos = j * bk + jnp.arange(bk)
   causal = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < spec.tk)
   same = _slice(blk.q_seg, i, bq)[:, :, None] == _slice(blk.kv_seg, j, bk)[:, None, :]
@@ -208,21 +211,21 @@ def _scores(spec: _Spec, qi, kj) -> jax.Array:
   return jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=_F32) * spec.scale
 
 
-def _kv_blocks_for(spec: _Spec, i, nk: int):
+def _kv_blocks_for(spec: _Spec, blk: _Blocked, i):
   """One past the last key block that query block i can see (causality)."""
-  last_q = spec.q_offset + (i + 1) * spec.block_q - 1
-  return jnp.minimum(nk, last_q // spec.block_kv + 1)
+  last_q = blk.q_offset + (i + 1) * spec.block_q - 1
+  return jnp.minimum(blk.nk, last_q // spec.block_kv + 1)
 
 
-def _q_blocks_from(spec: _Spec, j):
+def _q_blocks_from(spec: _Spec, blk: _Blocked, j):
   """The first query block that can see key block j (causality)."""
-  return jnp.maximum(0, (j * spec.block_kv - spec.q_offset) // spec.block_q)
+  return jnp.clip((j * spec.block_kv - blk.q_offset) // spec.block_q, 0, blk.nq)
 
 
 # ------------------------------------------------------------------------------ forward
-def _forward(spec: _Spec, q, k, v, q_seg, kv_seg):
+def _forward(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset):
   """-> out [B, Tq, H, Dv] (v's dtype), lse [B, Hk, G, nq*bq] fp32 (+inf: no visible key)."""
-  blk = _blocked(spec, q, k, v, q_seg, kv_seg)
+  blk = _blocked(spec, q, k, v, q_seg, kv_seg, q_offset)
   b, _, hk, g, _ = blk.q.shape
   dv = v.shape[-1]
   bq, bk = spec.block_q, spec.block_kv
@@ -247,7 +250,7 @@ def _forward(spec: _Spec, q, k, v, q_seg, kv_seg):
 
     init = (jnp.full((b, hk, g, bq), _NEG, _F32), jnp.zeros((b, hk, g, bq), _F32),
             jnp.zeros((b, hk, g, bq, dv), _F32))
-    m, l, acc = jax.lax.fori_loop(0, _kv_blocks_for(spec, i, blk.nk), kv_step, init)
+    m, l, acc = jax.lax.fori_loop(0, _kv_blocks_for(spec, blk, i), kv_step, init)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
@@ -262,8 +265,8 @@ def _forward(spec: _Spec, q, k, v, q_seg, kv_seg):
 
 # ------------------------------------------------------------------------------ backward
 def _backward(spec: _Spec, res, d_out):
-  q, k, v, q_seg, kv_seg, out, lse = res
-  blk = _blocked(spec, q, k, v, q_seg, kv_seg)
+  q, k, v, q_seg, kv_seg, q_offset, out, lse = res
+  blk = _blocked(spec, q, k, v, q_seg, kv_seg, q_offset)
   b, tqp, hk, g, d = blk.q.shape
   bq, bk = spec.block_q, spec.block_kv
   do = _pad_to(d_out, tqp).reshape(b, tqp, hk, g, -1)
@@ -295,24 +298,24 @@ def _backward(spec: _Spec, res, d_out):
       return jax.lax.cond(_overlap(blk, i, j), update, lambda c: c, carry)
 
     init = (dq, jnp.zeros(kj.shape, _F32), jnp.zeros(vj.shape, _F32))
-    dq, dk, dv = jax.lax.fori_loop(_q_blocks_from(spec, j), blk.nq, q_step, init)
+    dq, dk, dv = jax.lax.fori_loop(_q_blocks_from(spec, blk, j), blk.nq, q_step, init)
     return dq, (dk, dv)
 
   dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(blk.q.shape, _F32), jnp.arange(blk.nk))
   dk = jnp.moveaxis(dk, 0, 1).reshape(b, blk.nk * bk, hk, d)[:, :spec.tk]
   dv = jnp.moveaxis(dv, 0, 1).reshape(b, blk.nk * bk, hk, -1)[:, :spec.tk]
   dq = dq.reshape(b, tqp, hk * g, d)[:, :spec.tq]
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec: _Spec, q, k, v, q_seg, kv_seg):
-  return _forward(spec, q, k, v, q_seg, kv_seg)[0]
+def _attention(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset):
+  return _forward(spec, q, k, v, q_seg, kv_seg, q_offset)[0]
 
 
-def _attention_fwd(spec: _Spec, q, k, v, q_seg, kv_seg):
-  out, lse = _forward(spec, q, k, v, q_seg, kv_seg)
-  return out, (q, k, v, q_seg, kv_seg, out, lse)
+def _attention_fwd(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset):
+  out, lse = _forward(spec, q, k, v, q_seg, kv_seg, q_offset)
+  return out, (q, k, v, q_seg, kv_seg, q_offset, out, lse)
 
 
 _attention.defvjp(_attention_fwd, _backward)

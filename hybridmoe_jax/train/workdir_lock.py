@@ -6,8 +6,9 @@ line naming the holder. A lock left behind by a run that died is stale and is ta
 (with a warning) when
   - its host is this host and its PID is no longer alive (or is a different process: the
     recorded process start time differs); on the same host the PID alone decides, or
-  - it comes from another host and its heartbeat (the file's mtime, touched every `heartbeat_s` by a daemon thread of the
-    holder) is older than `stale_after_s`: the only evidence available for another host.
+  - it comes from another host and its heartbeat (the file's mtime, touched every
+    `heartbeat_s` by a daemon thread of the holder) is older than `stale_after_s`: the only
+    evidence available for another host.
 Taking over renames the stale file aside (its record is kept), then creates a fresh lock; the
 judge-and-replace step runs under flock on `run.lock.guard`, so two runs racing for one stale
 lock cannot both win.
