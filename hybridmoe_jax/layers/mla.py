@@ -6,8 +6,8 @@ never rotated.
 
 Training runs the expanded form over whole (packed) sequences, with dense [T, T] scores or
 blockwise (`ops.blockwise_attention`, O(T x block) memory) by `compute.mla_impl`. Decoding
-continues from an `MLACache` (per token only the latent c and the rope key k_r) in the absorbed form. With
-W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
+continues from an `MLACache` (per token only the latent c and the rope key k_r) in the
+absorbed form. With W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
     q~_h = W_uk_h q_nope_h                 [d_c]
     s_j  = (q~_h . c_j + q_rope_h . k_r_j) / sqrt(Dn + Dr)
     o_h  = W_uv_h^T sum_j softmax(s)_j c_j
