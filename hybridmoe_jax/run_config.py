@@ -202,12 +202,14 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """`mesh`: axis sizes; -1 takes the remaining devices; the product must equal the number
-  of devices of all processes. Batch over data x fsdp, experts over expert (parallel/rules)."""
+  of devices of all processes. Batch over data x fsdp, experts over expert (parallel/rules),
+  each sequence over context (parallel/context.py)."""
 
   data: int = 1
   fsdp: int = -1
   expert: int = 1
   tensor: int = 1
+  context: int = 1
 
   def __post_init__(self):
     sizes = dataclasses.asdict(self)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")             # sequences of a batch
 TOKEN_AXES = ("data", "fsdp", "expert")   # tokens inside the MoE dispatch
 
@@ -26,7 +26,7 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # activations
     ("batch", ("data", "fsdp")),
     ("tokens", ("data", "fsdp", "expert")),
-    ("length", None),
+    ("length", "context"),       # a sequence over context shards (parallel/context.py)
     ("act_embed", None),
     # parameters
     ("embed", "fsdp"),           # the model width d of every weight: ZeRO-3 style

@@ -54,8 +54,11 @@ class KDALayer(nnx.Module):
   """Short convs -> L2-normalised q, k -> gated delta rule -> per-head norm -> gated output."""
 
   def __init__(self, d_model: int, cfg: KDAConfig, *, norm_eps: float,
-               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs):
+               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None):
+    """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
+    the training forward then runs the recurrence shard by shard over the sequence."""
     self.cfg = cfg
+    self.context = context
     self.dtype = jnp.dtype(compute.dtype)
     self.impl, self.chunk_size = compute.kda_impl, compute.kda_chunk_size
     self.norm_eps = norm_eps
@@ -123,7 +126,11 @@ class KDALayer(nnx.Module):
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     g = self.log_decay(x)
     lower_bound = cfg.lower_bound if cfg.gate == "bounded" else None
-    if cache is None:
+    if cache is None and self.context is not None:
+      o = self.context.kda(q, k, v, g, beta, segment_ids=segment_ids,
+                           chunk_size=self.chunk_size, impl=self.impl, lower_bound=lower_bound)
+      new_cache = None
+    elif cache is None:
       o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=self.chunk_size,
                  impl=self.impl, lower_bound=lower_bound)
       new_cache = None

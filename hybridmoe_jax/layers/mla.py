@@ -104,8 +104,12 @@ class MLALayer(nnx.Module):
   """q (optionally via q_lora), latent c = RMSNorm(W_dkv x), k = [W_uk c ; W_kr x], v = W_uv c."""
 
   def __init__(self, d_model: int, cfg: MLAConfig, *, norm_eps: float,
-               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs):
+               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None):
+    """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
+    the training forward then attends in the absorbed form over latents gathered across the
+    sequence shards (one shared [c ; k_r] head instead of H expanded ones)."""
     self.cfg = cfg
+    self.context = context
     self.dtype = jnp.dtype(compute.dtype)
     self.impl, self.block = compute.mla_impl, compute.mla_block
     h = cfg.num_heads
@@ -200,7 +204,17 @@ class MLALayer(nnx.Module):
     x = x.astype(self.dtype)
     q = self.queries(x)
     c, k_r = self.latents(x)
-    if cache is None:
+    if cache is None and self.context is not None:
+      w_uk, w_uv = self._up_kernels()
+      dn = cfg.qk_nope_head_dim
+      q_c = jnp.einsum("bthn,chn->bthc", q[..., :dn], w_uk,
+                       preferred_element_type=_F32).astype(q.dtype)
+      k_r = jnp.zeros((b, t, 0), c.dtype) if k_r is None else k_r
+      o_c = self.context.latent_attention(jnp.concatenate([q_c, q[..., dn:]], axis=-1), c,
+                                          k_r, segment_ids=segment_ids,
+                                          scale=cfg.qk_head_dim ** -0.5)
+      o = jnp.einsum("bthc,chv->bthv", o_c, w_uv, preferred_element_type=_F32).astype(x.dtype)
+    elif cache is None:
       k = self.k_up(c).reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim)
       if k_r is not None:
         k_r = jnp.broadcast_to(k_r[:, :, None, :], (b, t, cfg.num_heads, cfg.qk_rope_head_dim))

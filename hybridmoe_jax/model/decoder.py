@@ -44,14 +44,15 @@ class DecoderLayer(nnx.Module):
   """Pre-norm mixer (KDA or MLA) then pre-norm FFN (dense or MoE), each fed by AttnRes."""
 
   def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs,
-               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None):
+               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None, context=None):
     d, eps, dtype = cfg.d_model, cfg.norm_eps, compute.dtype
     self.index = index
     self.kind = cfg.layer_kinds[index]
     self.block = index // cfg.attnres.block_size + 1
     self.mixer_norm = RMSNorm(d, eps=eps)
     mixer_cls, mixer_cfg = (KDALayer, cfg.kda) if self.kind == "kda" else (MLALayer, cfg.mla)
-    self.mixer = mixer_cls(d, mixer_cfg, norm_eps=eps, compute=compute, rngs=rngs)
+    self.mixer = mixer_cls(d, mixer_cfg, norm_eps=eps, compute=compute, rngs=rngs,
+                           context=context)
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
@@ -98,14 +99,17 @@ class HybridLM(nnx.Module):
   """Decoder-only hybrid KDA/MLA sparse-MoE language model."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
-               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None):
+               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None, context=None):
+    """moe_dispatch: the routed experts' dispatch (None: local; `parallel.ep_moe`);
+    context: sequence-sharded mixers for the training forward (None: whole sequences on each
+    device; `parallel.context.ContextParallel`)."""
     self.cfg = cfg
     self.compute = compute
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(compute.dtype),
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, i, compute=compute, rngs=rngs,
-                                         moe_dispatch=moe_dispatch)
+                                         moe_dispatch=moe_dispatch, context=context)
                             for i in range(cfg.num_layers)])
     if cfg.vision.enabled:
       self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=compute.dtype,

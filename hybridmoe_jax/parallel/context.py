@@ -16,17 +16,27 @@ Per-shard bodies, called inside `jax.shard_map` with the sequence axis split ove
 - `previous_tokens`: the last `width` tokens of the previous shard (zeros on shard 0), for
   the short convolutions' left context (a halo exchange with `ppermute`).
 
+`ContextParallel(mesh)` is what a model is built with (`HybridLM(..., context=...)`, like the
+MoE dispatch): its `kda` / `latent_attention` take global arrays (batch over data x fsdp,
+sequence over `context`) and run the shard bodies in one shard_map each. Everything else in
+the model is token-wise and left to XLA's partitioner (the short convolutions included: it
+inserts their halo itself).
+
 Conventions as in `ops.kda` / `ops.blockwise_attention`; T here is the local (per-shard)
 length, n the number of shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention
 from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.sharding import BATCH_AXES
 
 CONTEXT_AXIS = "context"
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -113,3 +123,41 @@ def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
   return blockwise_attention(q, keys_all[:, :, None], values_all[:, :, None],
                              q_segment_ids=seg, kv_segment_ids=seg_all, q_offset=r * t,
                              scale=scale, block_q=block, block_kv=block)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """The sequence-sharded mixers of a model on `mesh` (axis `context`, size > 1).
+
+  Global arrays come in laid out [B over (data, fsdp), T over context, ...]; each method is
+  one shard_map over that layout.
+  """
+
+  mesh: Mesh
+  block: int = 128          # tokens per block of the MLA attention
+
+  @property
+  def size(self) -> int:
+    return self.mesh.shape[CONTEXT_AXIS]
+
+  def _map(self, body, n_args: int):
+    spec = P(BATCH_AXES, CONTEXT_AXIS)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=(spec,) * n_args, out_specs=spec,
+                         check_vma=False)
+
+  def _segments(self, segment_ids, shape):
+    return jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids
+
+  def kda(self, q, k, v, g, beta, *, segment_ids=None, **opts) -> jax.Array:
+    """`ops.kda.kda(...)[0]` over the whole sequence (opts: scale, chunk_size, lower_bound,
+    impl), computed shard by shard (`kda_shard`)."""
+    seg = self._segments(segment_ids, q.shape[:2])
+    body = lambda q, k, v, g, b, s: kda_shard(q, k, v, g, b, segment_ids=s, **opts)
+    return self._map(body, 6)(q, k, v, g, beta, seg)
+
+  def latent_attention(self, q, c, k_r, *, segment_ids=None, scale: float) -> jax.Array:
+    """Absorbed MLA attention over the whole sequence (`latent_attention_shard`)."""
+    seg = self._segments(segment_ids, c.shape[:2])
+    body = lambda q, c, k_r, s: latent_attention_shard(q, c, k_r, segment_ids=s, scale=scale,
+                                                       block=self.block)
+    return self._map(body, 4)(q, c, k_r, seg)

@@ -88,9 +88,10 @@ def axis_size(mesh: Mesh, axes: Sequence[str]) -> int:
   return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """[B, ...] arrays: batch dimension over (data, fsdp), the rest replicated."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
+  """[B, ...] arrays: batch dimension over (data, fsdp), the rest replicated; with
+  `sequence`, [B, T, ...] arrays also split T over `context`."""
+  return NamedSharding(mesh, P(BATCH_AXES, "context") if sequence else P(BATCH_AXES))
 
 
 def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum: int,
@@ -114,6 +115,11 @@ def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum
         f"grad_accum x mesh.data x mesh.fsdp = {grad_accum} x {mesh.shape['data']} x "
         f"{mesh.shape['fsdp']} = {grad_accum * dp} (every data shard needs whole sequences "
         "in each microbatch)")
+  cp = mesh.shape["context"]
+  if seq_len % cp:
+    raise ConfigError(f"config field `train.seq_len` = {seq_len} is invalid: allowed a "
+                      f"multiple of mesh.context={cp} (each context shard holds seq_len / "
+                      f"{cp} tokens of every sequence)")
   tokens = micro * seq_len
   if tokens % (dp * ep):
     raise ConfigError(
@@ -127,7 +133,7 @@ def host_batch_to_global(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Arr
   Each process holds batch_size / process_count sequences (its grain shard); the global
   array is their concatenation in process order, split over (data, fsdp).
   """
-  rows = np.shape(batch["tokens"])[0]
+  rows, length = np.shape(batch["tokens"])[:2]
   dp = axis_size(mesh, BATCH_AXES)
   if (rows * jax.process_count()) % dp:  # e.g. a curriculum stage with a smaller batch
     raise ConfigError(f"a batch of {rows * jax.process_count()} sequences does not split over "
@@ -139,7 +145,9 @@ def host_batch_to_global(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Arr
     # Per-sequence arrays split with the batch; anything else (e.g. a shared image table)
     # is replicated.
     per_row = value.ndim > 0 and value.shape[0] == rows
-    sharding = batch_sharding(mesh) if per_row else NamedSharding(mesh, P())
+    per_token = per_row and value.ndim > 1 and value.shape[1] == length  # tokens, segments
+    sharding = (batch_sharding(mesh, sequence=per_token) if per_row
+                else NamedSharding(mesh, P()))
     if jax.process_count() == 1:
       out[key] = jax.device_put(value, sharding)
     else:

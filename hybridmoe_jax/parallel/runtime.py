@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.parallel import shard_state
+from hybridmoe_jax.parallel.context import ContextParallel
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 
 
@@ -29,6 +30,7 @@ class Runtime:
 
   mesh: Mesh | None
   moe_dispatch: ExpertParallelDispatch | None = None
+  context: ContextParallel | None = None     # mesh.context > 1: sequence-sharded mixers
   process_index: int = 0
   process_count: int = 1
   state_shardings: Any = None
@@ -84,5 +86,7 @@ def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfi
     return Runtime(mesh=None)
   dispatch = (ExpertParallelDispatch(mesh, capacity_factor=compute.moe_capacity_factor)
               if compute.moe_impl == "ragged" else None)
-  return Runtime(mesh=mesh, moe_dispatch=dispatch, process_index=jax.process_index(),
-                 process_count=count)
+  context = (ContextParallel(mesh, block=compute.mla_block) if mesh.shape["context"] > 1
+             else None)
+  return Runtime(mesh=mesh, moe_dispatch=dispatch, context=context,
+                 process_index=jax.process_index(), process_count=count)

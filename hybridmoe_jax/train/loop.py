@@ -174,7 +174,7 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
   training starts afresh)."""
   t, compute = run.train, run.compute
   graphdef, abstract = abstract_train_state(cfg, compute, tx, t.seed,
-                                            moe_dispatch=rt.moe_dispatch)
+                                            moe_dispatch=rt.moe_dispatch, context=rt.context)
   signature = ckpt_lib.structure_signature(abstract)
   # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
   restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict)
@@ -184,7 +184,8 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
                       "at step 0", ckpt.directory, len(ckpt.skipped),
                       "; ".join(f"step {s}: {why}" for s, why in ckpt.skipped))
     state = rt.init_state(lambda: create_train_state(cfg, compute, tx, t.seed,
-                                                     moe_dispatch=rt.moe_dispatch)[1],
+                                                     moe_dispatch=rt.moe_dispatch,
+                                                     context=rt.context)[1],
                           abstract)
     return graphdef, state, signature, None
   state, data_state, meta = restored

@@ -37,7 +37,7 @@ def split_model(model: nnx.Module):
 
 def create_train_state(cfg: ModelConfig, compute: ComputeConfig,
                        tx: optax.GradientTransformation, seed: int, *,
-                       moe_dispatch: ExpertDispatch | None = None
+                       moe_dispatch: ExpertDispatch | None = None, context=None
                        ) -> tuple[nnx.GraphDef, TrainState]:
   """Build the model and its state (allocates; see `abstract_train_state` for shapes only).
 
@@ -47,8 +47,10 @@ def create_train_state(cfg: ModelConfig, compute: ComputeConfig,
     seed: model init seed (nnx.Rngs(seed)); the training RNG is PRNGKey(seed + 1).
     moe_dispatch: where the MoE layers run their experts (`parallel.runtime.Runtime
       .moe_dispatch`; None: on this device). Static: it lives in the graphdef.
+    context: the sequence-sharded mixers (`Runtime.context`; None: whole sequences).
   """
-  model = HybridLM(cfg, rngs=nnx.Rngs(seed), compute=compute, moe_dispatch=moe_dispatch)
+  model = HybridLM(cfg, rngs=nnx.Rngs(seed), compute=compute, moe_dispatch=moe_dispatch,
+                   context=context)
   graphdef, params, biases, rest = split_model(model)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                      biases=biases, rest=rest, rng=jax.random.PRNGKey(seed + 1),
@@ -58,14 +60,15 @@ def create_train_state(cfg: ModelConfig, compute: ComputeConfig,
 
 def abstract_train_state(cfg: ModelConfig, compute: ComputeConfig,
                          tx: optax.GradientTransformation, seed: int, *,
-                         moe_dispatch: ExpertDispatch | None = None
+                         moe_dispatch: ExpertDispatch | None = None, context=None
                          ) -> tuple[nnx.GraphDef, TrainState]:
   """`create_train_state`'s graphdef and state shapes (jax.ShapeDtypeStruct leaves);
   allocates nothing."""
   out = {}
 
   def build():
-    graphdef, state = create_train_state(cfg, compute, tx, seed, moe_dispatch=moe_dispatch)
+    graphdef, state = create_train_state(cfg, compute, tx, seed, moe_dispatch=moe_dispatch,
+                                         context=context)
     out["graphdef"] = graphdef
     return state
 

@@ -1,18 +1,26 @@
 """Context parallelism on 4 simulated CPU devices: each sharded op == the single-device op,
 forward and gradients; KDA's cross-shard bytes do not grow with T."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
+from hybridmoe_jax.config import ComputeConfig
+from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, kda_shard, latent_attention_shard,
-                                            previous_tokens)
+from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, kda_shard,
+                                            latent_attention_shard, previous_tokens)
+from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
+from hybridmoe_jax.parallel.mesh import batch_sharding
+from tests.parallel.helpers import make_mesh
+from tests.train.train_fakes import tiny_model_config
 
 N = 4                                   # context shards
 SEQ = P(None, CONTEXT_AXIS)             # [B, T, ...] split along T
@@ -143,3 +151,48 @@ def test_kda_cross_shard_bytes_do_not_grow_with_length(mesh):
   assert short == long, (short, long)
   # The maps: N shards x [1, 1, 16, 16 + 16] fp32, far below one shard's activations.
   assert short["all-gather"] < 4 * 1 * 16 * 32 * 4 * 2, short
+
+
+# --------------------------------------------------------------------------- whole model
+def _hybrid_config():
+  """KDA then MLA, each followed by the MoE (experts exercised), packed documents."""
+  cfg = tiny_model_config(num_experts=4, experts_per_token=2)
+  return dataclasses.replace(cfg, layer_kinds=("kda", "mla"),
+                             moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
+
+
+def _tokens_and_segments():
+  rng = np.random.default_rng(2)
+  return jnp.asarray(rng.integers(0, 64, (B, T)), jnp.int32), _segments()
+
+
+def _logits_and_grads(model, tokens, seg):
+  def loss(model):
+    logits, _ = model(tokens, segment_ids=seg)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * (seg > 0)), logits
+
+  (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+  return logits, nnx.to_pure_dict(grads)
+
+
+@pytest.mark.parametrize("sizes", [dict(data=2, context=4), dict(expert=2, context=4)])
+def test_whole_model_logits_and_gradients_equal_one_device(sizes):
+  """HybridLM with its KDA and MLA layers sequence-sharded (and, in the second case, its
+  experts over `expert`): logits and every parameter gradient == the plain model's."""
+  cfg = _hybrid_config()
+  compute = ComputeConfig(kda_chunk_size=16)
+  tokens, seg = _tokens_and_segments()
+  want = _logits_and_grads(HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute), tokens, seg)
+  mesh = make_mesh(**sizes)
+  dispatch = ExpertParallelDispatch(mesh) if sizes.get("expert", 1) > 1 else None
+  model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute, moe_dispatch=dispatch,
+                   context=ContextParallel(mesh, block=8))
+  placed = [jax.device_put(x, batch_sharding(mesh, sequence=True)) for x in (tokens, seg)]
+  with jax.set_mesh(mesh):
+    got = nnx.jit(_logits_and_grads)(model, *placed)
+  assert _max_rel(got[0], want[0]) < 1e-5
+  flat_got = dict(jax.tree_util.tree_flatten_with_path(got[1])[0])
+  flat_want = jax.tree_util.tree_flatten_with_path(want[1])[0]
+  assert len(flat_got) == len(flat_want)
+  for path, w in flat_want:
+    assert _max_rel(flat_got[path], w) < 1e-5, jax.tree_util.keystr(path)

@@ -59,17 +59,21 @@ def _batches(n, vocab):
   return out
 
 
-def test_sharded_train_step_equals_unsharded():
+@pytest.mark.parametrize("sizes", [dict(data=2, expert=4), dict(data=2, expert=2, context=2)])
+def test_sharded_train_step_equals_unsharded(sizes):
+  """The production step on a mesh; with `context`, each sequence is split over 2 shards
+  (the MLA layers attend over gathered latents, parallel/context.py)."""
   c = _config()
   cfg = tiny_model_config(num_experts=8, experts_per_token=2, qb_num_bins=128)
   run = run_config_from_dict(c)
   schedule = build_plan(run).schedule()
   tx = optim.make_optimizer(run.train, schedule)
-  rt = _setup(c, dict(data=2, expert=4))
+  rt = _setup(c, sizes)
   assert isinstance(rt.moe_dispatch, ExpertParallelDispatch) and rt.moe_dispatch.mesh is rt.mesh
-  graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0, moe_dispatch=rt.moe_dispatch)
-  state = rt.init_state(lambda: create_train_state(cfg, COMPUTE, tx, 0,
-                                                   moe_dispatch=rt.moe_dispatch)[1], abstract)
+  assert (rt.context is not None) == ("context" in sizes)
+  kw = dict(moe_dispatch=rt.moe_dispatch, context=rt.context)
+  graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0, **kw)
+  state = rt.init_state(lambda: create_train_state(cfg, COMPUTE, tx, 0, **kw)[1], abstract)
   # The reference: the same values on one device, the plain (local experts, unsharded) step.
   ref_graphdef, _ = abstract_train_state(cfg, COMPUTE, tx, 0)
   ref = jax.device_put(jax.device_get(state), jax.devices()[0])
@@ -162,6 +166,7 @@ class _Untouchable:
     (dict(data=1, fsdp=1, expert=8), {"num_experts": 12}, {}, "model.moe.num_experts"),
     (dict(data=8, fsdp=1), {}, {"batch_size": 4}, "train.batch_size"),
     (dict(data=2, fsdp=4), {}, {"batch_size": 8, "grad_accum": 4}, "train.batch_size"),
+    (dict(data=1, fsdp=1, context=8), {}, {"seq_len": 12}, "train.seq_len.*mesh.context"),
 ])
 def test_bad_mesh_input_fails_before_compile(tmp_path, mesh, model, train, match):
   c = _config()
@@ -186,7 +191,8 @@ def test_dense_moe_impl_stays_local_on_a_mesh():
 
 
 def test_mesh_shape_resolves_and_names_bad_fields():
-  assert mesh_shape({"fsdp": -1}, 8) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+  assert mesh_shape({"fsdp": -1}, 8) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1,
+                                           "context": 1}
   assert mesh_shape(dict(data=1, fsdp=-1, expert=4, tensor=1), 8)["fsdp"] == 2
   for sizes, match in (({"pipe": 2}, "`mesh`.*axes among"), ({"data": 0}, "mesh.data"),
                        ({"data": -1, "fsdp": -1}, "at most one"),

@@ -32,7 +32,8 @@ def test_presets_set_runtime_knobs_in_compute():
 def test_sections_present():
   c = default_config()
   assert set(c.keys()) == {"model", "compute", "train", "data", "mesh", "curriculum"}
-  assert c.mesh.to_dict() == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1}
+  assert c.mesh.to_dict() == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1,
+                                "context": 1}
   assert c.compute.to_dict() == dataclasses.asdict(ComputeConfig())
   assert c.model.layer_kinds == ()  # the default pattern follows num_layers
   c.model.num_layers = 8
@@ -141,9 +142,10 @@ def test_typed_sections_are_frozen():
 
 def test_mesh():
   shape = lambda m, n: mesh_shape(dataclasses.asdict(m), n)
-  assert shape(MeshConfig(), 1) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+  assert shape(MeshConfig(), 1) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "context": 1}
   assert shape(MeshConfig(), 8)["fsdp"] == 8
-  assert shape(MeshConfig(expert=4), 8) == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
+  assert shape(MeshConfig(expert=4), 8) == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1,
+                                             "context": 1}
   with pytest.raises(ConfigError, match="mesh.fsdp"):
     shape(MeshConfig(expert=3), 8)
   with pytest.raises(ConfigError, match="product"):
