@@ -22,6 +22,7 @@ from flax import nnx
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
+from hybridmoe_jax.ops.blockwise_attention import resolve_impl as blockwise_resolve
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.run_config import MeshConfig, RunConfig, run_config_from_dict
 from hybridmoe_jax.sharding import MESH_AXES
@@ -122,8 +123,11 @@ def activation_bytes_per_token(cfg, seq_len: int, dtype: str) -> dict[str, float
   expert hidden states at k experts/token, norms and residual adds) in the compute `dtype`;
   "dots" keeps about half (matmul outputs only); "full" keeps each layer's input plus the
   AttnRes block buffer and recomputes one layer at a time. `attention_scores` is the
-  [H, T] softmax row per query token that the XLA MLA core materialises (fp32 logits +
-  probabilities): quadratic in T per sequence, it is what a flash-style kernel removes.
+  [H, T] softmax row per query token that the dense MLA core materialises (fp32 logits +
+  probabilities): quadratic in T per sequence. The blockwise core (`compute.mla_impl`,
+  picked by "auto" beyond 4 blocks) keeps a log-sum-exp per head and query (4 H bytes per
+  token) instead: `attention_scores_blockwise`; its [H, block, block] workspace is
+  per layer, not per token (`blockwise_workspace_bytes`).
   """
   b = 2 if dtype in ("bfloat16", "float16") else 4
   d, k, m, moe = cfg.d_model, cfg.kda, cfg.mla, cfg.moe
@@ -135,20 +139,27 @@ def activation_bytes_per_token(cfg, seq_len: int, dtype: str) -> dict[str, float
                                                                 + 2 * width))
   shared = 3 * moe.num_shared_experts * moe.shared_intermediate
   dense = 3 * moe.dense_intermediate + 4 * d
-  layers, scores = 0.0, 0.0
+  layers, scores, lse = 0.0, 0.0, 0.0
   for i, kind in enumerate(cfg.layer_kinds):
     layers += kda if kind == "kda" else mla
     layers += (routed + shared + 4 * d) if cfg.is_moe_layer(i) else dense
     if kind != "kda":
       scores += 8.0 * m.num_heads * seq_len  # fp32 logits + probabilities, per query token
+      lse += 4.0 * m.num_heads
   per_layer_max = max(kda, mla) + max(routed + shared + 4 * d, dense)
   blocks = math.ceil(cfg.num_layers / cfg.attnres.block_size) if cfg.attnres.enabled else 0
   n = max(cfg.num_layers, 1)
   return {
       "none": layers * b, "dots": 0.5 * layers * b,
       "full": (n * d * (1 + blocks) + per_layer_max) * b,
-      "attention_scores": scores,
+      "attention_scores": scores, "attention_scores_blockwise": lse,
   }
+
+
+def blockwise_workspace_bytes(cfg, block: int, rows: float) -> float:
+  """fp32 [rows, H, block, block] logits, probabilities and their gradient: one MLA layer's
+  blockwise attention in flight (the backward's peak), whatever T."""
+  return 3.0 * 4 * max(rows, 1.0) * cfg.mla.num_heads * block * block
 
 
 def curriculum_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
@@ -160,28 +171,37 @@ def curriculum_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
   lines = [plan_lib.describe(plan),
            f"activation memory per device (estimate; params + grads + optimizer "
            f"{_fmt_bytes(static)}; budget {DEVICE_MEMORY_GIB:g} GiB per device):"]
+  context = e["mesh"].get("context", 1)   # each sequence split over this many devices
+  compute = run.compute
   for s in plan.stages:
-    per_tok = activation_bytes_per_token(cfg, s.seq_len, run.compute.dtype)
+    per_tok = activation_bytes_per_token(cfg, s.seq_len, compute.dtype)
     rows = s.batch_size / rows_split
-    tokens = rows * s.seq_len
+    tokens = max(rows, 1.0) * s.seq_len / context  # at least its share of one sequence
     mb = run.train.grad_accum
     acts = {p: per_tok[p] * tokens / mb for p in ("none", "dots", "full")}
-    scores = per_tok["attention_scores"] * s.seq_len * max(rows, 1.0) / mb
+    core = blockwise_resolve(compute.mla_impl, s.seq_len, compute.mla_block)[0]
+    if core == "dense":
+      scores = per_tok["attention_scores"] * s.seq_len * max(rows, 1.0) / context / mb
+    else:
+      scores = (per_tok["attention_scores_blockwise"] * tokens / mb
+                + blockwise_workspace_bytes(cfg, compute.mla_block, rows / mb))
     fits = [p for p in ("none", "dots", "full") if static + acts[p] + scores <= budget]
     fits_flash = [p for p in ("none", "dots", "full") if static + acts[p] <= budget]
     if fits:
-      need = f"remat needed: compute.remat='{fits[0]}'"
+      need = f"fits with compute.remat='{fits[0]}'"
     elif fits_flash:
-      need = (f"does not fit with the XLA attention core; with a flash-attention kernel: "
-              f"compute.remat='{fits_flash[0]}'")
+      need = (f"does not fit: the {core} MLA core's scores alone; with a fused attention "
+              f"kernel: compute.remat='{fits_flash[0]}'")
     else:
-      need = "does not fit even with remat='full': raise train.grad_accum or add devices"
-    cp = (f"; {rows:.2f} rows per device: needs context parallelism over "
-          f"{math.ceil(1 / rows)} devices" if rows < 1 else "")
+      need = ("does not fit even with remat='full': raise train.grad_accum, mesh.context or "
+              "add devices")
+    cp = (f"; {rows:.2f} rows per data shard: needs mesh.context >= {math.ceil(1 / rows)}"
+          if rows * context < 1 else "")
     lines.append(
-        f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/device | activations none "
-        f"{_fmt_bytes(acts['none'])}, dots {_fmt_bytes(acts['dots'])}, full "
-        f"{_fmt_bytes(acts['full'])} + MLA score matrices {_fmt_bytes(scores)} | {need}{cp}")
+        f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/data shard, context {context} | "
+        f"activations none {_fmt_bytes(acts['none'])}, dots {_fmt_bytes(acts['dots'])}, "
+        f"full {_fmt_bytes(acts['full'])} + MLA attention ({core}) {_fmt_bytes(scores)} | "
+        f"{need}{cp}")
   return "\n".join(lines)
 
 

@@ -255,9 +255,15 @@ def test_dry_run_prints_plan_and_memory(capsys):
   out = capsys.readouterr().out
   assert e["total"] > 50e6
   for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "compute.remat=",
-               "context parallelism over 4 devices", "T=262,144", "MLA score matrices"):
+               "needs mesh.context >= 4", "T=262,144", "MLA attention (blockwise)"):
     assert want in out
-  assert out.count("rows/device") == 4
+  assert out.count("rows/data shard") == 4
+  # Split over 4 context shards, the 1M stage holds a quarter sequence per device.
+  config = load_config("curriculum_1m")
+  config.mesh.update(data=1, fsdp=4, context=4)
+  out = (dry_run.dry_run(config), capsys.readouterr().out)[1]
+  last = [line for line in out.splitlines() if "T=1,048,576" in line][0]
+  assert "context 4" in last and "fits with" in last and "needs mesh.context" not in last
 
 
 @pytest.mark.slow
