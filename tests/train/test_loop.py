@@ -14,7 +14,6 @@ import pytest
 from hybridmoe_jax.config import ConfigError, migrate_legacy
 from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import heatmap
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config
@@ -83,8 +82,7 @@ def test_end_to_end_outputs(tmp_path):
   assert s["alerts"]["maxvio"] >= 1          # threshold 0 -> the alert fires
   assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [3, 6, 8]
   assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
-  png = heatmap.decode_png(open(tmp_path / "expert_load.png", "rb").read())
-  assert png.shape == (16, 4 * 16, 3)        # 1 MoE layer x 4 experts, 16 px cells
+  assert (tmp_path / "expert_load.png").stat().st_size > 5000   # a labelled figure
   assert len(_train_losses(tmp_path)) == 8
   assert json.load(open(tmp_path / "model_config.json"))["d_model"] == 16
   exported = ckpt_lib.load_exported_params(tmp_path / "export")
