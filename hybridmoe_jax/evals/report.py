@@ -48,7 +48,7 @@ def _num(x: Any) -> str:
     return _e(x)
   if isinstance(x, int):
     return f"{x:,}"
-  return f"{x:.4g}"
+  return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def _table(header: Sequence[str] | None, rows: Iterable[Sequence[Any]]) -> str:
@@ -109,7 +109,7 @@ def _model(run: RunData) -> str:
 
 
 def _hardware(run: RunData, train: list[dict]) -> str:
-  events = [r for r in run.records if r.get("event") in ("start", "resume")]
+  events = [r for r in run.records if r.get("event") in ("start", "resume") and "backend" in r]
   hw = events[-1] if events else {}
   keys = ("backend", "device_kind", "devices", "local_devices", "processes", "jax_version")
   rows = [(k, hw[k]) for k in keys if k in hw]
