@@ -160,7 +160,7 @@ def _eval_task(task: str, r: dict[str, Any]) -> str:
                   [(c["length"], c["pairs"], c["accuracy"]) for c in r["cells"]])
   if task == "vqa":
     return _img(plots.vqa_figure(r), "VQA accuracy per question type")
-  return f"<pre>{_e(r.get('prompt'))} -> {_e(r.get('text'))}</pre>"
+  return _table(("prompt", "continuation"), [(repr(r["prompt"]), repr(r["text"]))])
 
 
 def _expert_load(run: RunData, train: list[dict]) -> str:

@@ -45,8 +45,18 @@ def _make_run(w: pathlib.Path) -> None:
     (w / d).mkdir(parents=True)
   niah = {"lengths": [256, 512], "depths": [0.0, 1.0], "accuracy": [[1.0, 0.5], [0.0, 0.25]],
           "samples": 4, "chance": 1e-5, "mean_accuracy": 0.4375}
-  (w / "eval" / "niah.json").write_text(json.dumps({"task": "niah", "model": {"step": 40},
-                                                    "result": niah}))
+  vqa = {"per_type": {"count": {"questions": 8, "accuracy": 0.5, "blank_image_accuracy": 0.25,
+                                "chance": 0.25, "majority": 0.375}},
+         "images": 8, "questions": 8}
+  ppl = {"buckets": [{"context_from": 0, "context_to": None, "tokens": 90, "ppl": 7.5,
+                      "bits_per_byte": 2.9}], "overall": {"tokens": 90, "ppl": 7.5,
+                                                          "bits_per_byte": 2.9}}
+  mqar = {"cells": [{"length": 64, "pairs": 4, "accuracy": 0.125}]}
+  gen = {"prompt": "The sky is", "text": " blue <&>"}
+  for task, result in [("niah", niah), ("vqa", vqa), ("ppl", ppl), ("mqar", mqar),
+                       ("generate", gen)]:
+    (w / "eval" / f"{task}.json").write_text(json.dumps({"task": task, "model": {"step": 40},
+                                                         "result": result}))
 
 
 def _snapshot(w: pathlib.Path) -> dict[str, tuple[float, int]]:
@@ -74,8 +84,11 @@ def test_report_content(run_report):
   for section in ("Curves", "Expert load", "Alerts", "Evaluations", "Hardware and throughput",
                   "Checkpoints and resumes", "Model and config"):
     assert f"<h2>{section}</h2>" in page
-  # Loss curves, expert-load heatmap, MaxVio over steps, NIAH grid.
-  assert page.count("<img ") == 4
+  # Loss curves, expert-load heatmap, MaxVio over steps, NIAH grid, VQA bars.
+  assert page.count("<img ") == 5
+  assert re.search(r"all\s*</td><td[^>]*>90</td><td[^>]*>7.5<", page)        # ppl
+  assert re.search(r"64\s*</td><td[^>]*>4</td><td[^>]*>0.125<", page)        # mqar
+  assert "&#x27; blue &lt;&amp;&gt;&#x27;" in page                           # escaped
   assert re.search(r"checkpoint step\s*</th>.*?>20<.*?>40<", page)
   assert "10-1700000000000" in text and "50.orbax-checkpoint-tmp-1" in text
   assert re.search(r"resume\s*</td><td[^>]*>20<", page)
