@@ -24,10 +24,9 @@ import time
 from typing import Any
 
 from absl import logging
+import jax
 import numpy as np
 import tensorboardX
-
-import jax
 
 from hybridmoe_jax import plots
 
