@@ -4,11 +4,12 @@
   python run_eval.py --params=runs/x/export --task=generate --prompt="The sky is"
   python run_eval.py --workdir=runs/x --task=niah --niah_lengths=512,2048 --niah_samples=8
   python run_eval.py --workdir=runs/vlm --task=vqa                # vision models
+  python run_eval.py --workdir=runs/x --task=report   # runs/x/report.html (no model loaded)
   python run_eval.py --workdir=runs/vlm --task=generate --image=scene.ppm \
       --prompt=$'Q: colour at top left?\n<image>\nA:'   # image at <image>, else before
 
 Results go to --output_dir (default <workdir or params>/eval) as <task>.json, results.json
-and niah_heatmap.png, with a short table on stdout. The logic lives in `hybridmoe_jax.evals`.
+and niah_heatmap.png (a labelled figure), with a short table on stdout. The logic lives in `hybridmoe_jax.evals`.
 """
 
 import sys
@@ -25,7 +26,8 @@ _PARAMS = flags.DEFINE_string("params", None,
                               "A params-only export (run_train.py --export_params_to).")
 _OUTPUT = flags.DEFINE_string("output_dir", None, "Where results go (default <source>/eval).")
 _CONFIG = flags.DEFINE_string("config", None, "Optional configs/*.py: must match the stored one.")
-_TASK = flags.DEFINE_enum("task", "all", list(TASKS) + ["all"], "Which evaluation to run.")
+_TASK = flags.DEFINE_enum("task", "all", list(TASKS) + ["all", "report"],
+                          "Which evaluation to run; report: an HTML page about the run.")
 flags.DEFINE_string("prompt", _D.prompt, "generate: text to continue.")
 flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens, "generate: tokens to sample.")
 flags.DEFINE_integer("max_len", _D.max_len, "generate: cache capacity (prompt + new tokens).")

@@ -33,6 +33,22 @@ QUESTION_TYPES = ("count", "where", "colour")
 QA_WEIGHTS = {"count": 1.0, "where": 2.0, "colour": 1.0}
 
 
+def parse_profile_steps(spec: str) -> tuple[int, int] | None:
+  """`train.profile_steps`: "" -> None (off); "A:B" -> (A, B) with 1 <= A <= B.
+
+  Raises:
+    ConfigError: any other string.
+  """
+  if spec == "":
+    return None
+  parts = spec.split(":") if isinstance(spec, str) else []
+  ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+  first, last = (int(parts[0]), int(parts[1])) if ok else (0, 0)
+  require(ok and 1 <= first <= last, "train.profile_steps", spec,
+          "'' (off) or 'A:B': steps A..B to trace, integers with 1 <= A <= B")
+  return first, last
+
+
 def _ints(prefix: str, lo: int, **fields: int) -> None:
   for name, v in fields.items():
     require(v >= lo, f"{prefix}.{name}", v, f"an integer >= {lo}")
@@ -81,6 +97,7 @@ class TrainConfig:
   # stays the newest).
   max_consecutive_skips: int = 10
   lock_stale_s: float = 600.0   # another host's workdir lock without a heartbeat this long: stale
+  profile_steps: str = ""       # "A:B": jax.profiler trace of steps A..B in workdir/profile
 
   def __post_init__(self):
     p = "train"
@@ -107,6 +124,7 @@ class TrainConfig:
            "a number of seconds >= 60 (two missed heartbeats at the least)")
     _range(f"{p}.loss_spike_factor", self.loss_spike_factor, 1.0, math.inf, "a float >= 1")
     require(self.schedule in SCHEDULES, f"{p}.schedule", self.schedule, f"one of {SCHEDULES}")
+    parse_profile_steps(self.profile_steps)
     require(self.optimizer in OPTIMIZERS, f"{p}.optimizer", self.optimizer,
             f"one of {OPTIMIZERS}")
 

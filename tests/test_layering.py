@@ -1,7 +1,8 @@
 """Import layering of hybridmoe_jax (and pallas_kernels), checked from the source with `ast`.
 
 Ranks (a module may import modules of its own group or of a lower rank only):
-  0 config, run_config, sharding, cli_flags (the CLIs' --config flag)      1 ops, pallas_kernels (external, importable with jax alone)
+  0 config, run_config, sharding, cli_flags (the CLIs' --config flag), plots (figures:
+    numpy + matplotlib only)      1 ops, pallas_kernels (external, importable with jax alone)
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals
   7 top-level tools (describe.py, timing.py, ...: any other hybridmoe_jax/<name>.py);
     they may import everything, and no package module may import them.
@@ -21,8 +22,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
-RANKS = {"config": 0, "run_config": 0, "sharding": 0, "cli_flags": 0, "ops": 1,
-         "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5, "infer": 5, "evals": 6}
+RANKS = {"config": 0, "run_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "ops": 1,
+         "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5, "infer": 5,
+         "evals": 6}
 TOOLS_RANK = 7
 DATA_IMPORTS = {"config", "run_config", "sharding", "data"}
 DATA_IMPORTERS_MIN_RANK = 5
@@ -166,6 +168,14 @@ def test_import_ranks_and_no_cycles():
               if (why := _violation(src, dst))]
   problems += [f"import cycle: {' <-> '.join(c)}" for c in _cycles(graph)]
   assert not problems, f"{len(problems)} layering violation(s):\n" + "\n".join(problems)
+
+
+def test_plots_import_no_other_package_module():
+  """plots draws plain numbers: it must not pull jax or the model in through rank 0."""
+  graph = _graph()
+  outside = {f"{src} -> {dst}" for src in graph if _group(src) == "plots"
+             for dst in graph[src] if _group(dst) != "plots"}
+  assert not outside, outside
 
 
 def test_the_checker_sees_every_kind_of_import(tmp_path):

@@ -8,7 +8,7 @@ from typing import Any
 
 
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
-from hybridmoe_jax.evals import niah
+from hybridmoe_jax.evals import niah, report
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import EvalOptions, resolve_tasks, run_evals
 from hybridmoe_jax.model.impls import describe_impls
@@ -57,7 +57,16 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
 
 def main(*, task: str, workdir: str | None, params: str | None, output_dir: str | None,
          config: str | None, option_values: dict[str, Any], echo=print) -> dict[str, Any]:
-  """Load the model, run `task` ("all" for every task), write results under output_dir."""
+  """Load the model, run `task` ("all" for every task), write results under output_dir.
+
+  task "report" loads no model: it writes <output_dir or workdir>/report.html for a run.
+  """
+  if task == "report":
+    if not workdir:
+      raise ValueError("--task=report needs --workdir (a training run), not --params")
+    path = report.write_report(workdir, output_dir)
+    echo(f"report: {path}")
+    return {"report": path}
   tasks = resolve_tasks(task)
   opts = options_from_flags(option_values)
   if "generate" in tasks and not opts.prompt:

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hybridmoe_jax import plots
 from hybridmoe_jax.data.tokenizer import BOS_ID, ByteTokenizer
 from hybridmoe_jax.infer import Engine
 
@@ -67,9 +68,8 @@ def exact_match(predictions: Sequence[str], answers: Sequence[str]) -> float:
 def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float], *,
                   samples: int = 4, num_digits: int = 5, seed: int = 0,
                   output_dir: str | None = None) -> dict:
-  """Accuracy over the grid; writes niah_heatmap.png (rows: depths, cols: lengths)."""
-  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.train.heatmap import write_heatmap
+  """Accuracy over the grid [depths, lengths]; with `output_dir`, also niah_heatmap.png
+  (`plots.niah_figure`: labelled axes, the accuracy written in each cell)."""
   rng = np.random.default_rng(seed)
   tok = ByteTokenizer()
   acc = np.zeros((len(depths), len(lengths)))
@@ -86,7 +86,6 @@ def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float
             "num_digits": num_digits, "chance": 10.0 ** -num_digits,
             "accuracy": acc.tolist(), "mean_accuracy": float(acc.mean())}
   if output_dir:
-    path = os.path.join(output_dir, "niah_heatmap.png")
-    write_heatmap(path, acc, cell=24, vmin=0.0, vmax=1.0)
-    result["heatmap"] = path
+    result["heatmap"] = plots.save(plots.niah_figure(result),
+                                   os.path.join(output_dir, "niah_heatmap.png"))
   return result

@@ -43,11 +43,22 @@ from hybridmoe_jax.sharding import path_string
 CONFIG_FILE = "model_config.json"
 
 
+# Warnings orbax prints for every read-only CheckpointManager (each eval): they restate the
+# read_only=True we asked for, so a user has nothing to act on.
+_READ_ONLY_NOISE = ("CheckpointManagerOptions.read_only=True, setting ",
+                    "Given directory is read only=")
+
+
 class _QuietOrbax(std_logging.Filter):
-  """Drop orbax's INFO chatter (dozens of lines per save); keep its warnings and errors."""
+  """Drop orbax's INFO chatter (dozens of lines per save) and its read-only notices; keep
+  its other warnings and errors."""
 
   def filter(self, record) -> bool:
-    return record.levelno >= 30 or "orbax" not in record.pathname
+    if "orbax" not in record.pathname:
+      return True
+    if record.levelno >= 30:
+      return not str(record.msg).startswith(_READ_ONLY_NOISE)
+    return False
 
 
 def _quiet_orbax_logs() -> None:

@@ -35,7 +35,8 @@ from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train import workdir_lock
-from hybridmoe_jax.train.monitor import Monitor
+from hybridmoe_jax.train.monitor import Monitor, hardware
+from hybridmoe_jax.train.profile import StepProfiler
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
 _BYTE_IDS = 256  # ByteTokenizer: ids below this are UTF-8 bytes
@@ -362,15 +363,18 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
   os.makedirs(logdir, exist_ok=True)
   monitor = Monitor(logdir, t, start_step=start, total_steps=t.steps,
                     tokens_per_step=plan.tokens_per_step)
-  monitor.write_jsonl({"event": "resume" if restored is not None else "start", "step": start})
+  monitor.write_jsonl({"event": "resume" if restored is not None else "start", "step": start,
+                       **hardware()})
+  profiler = StepProfiler(t.profile_steps, logdir, start)
   logging.info("training steps %d..%d in %s", start, t.steps, workdir)
   eval_metrics = {}
   try:
     state, step, saved_at, stopped = _run_steps(
         state, start, t=t, tokens_per_step=plan.tokens_per_step, cfg=cfg, data=data,
         eval_step=eval_step, monitor=monitor,
-        train_step=step_lib.make_train_step(graphdef, cfg, tx, grad_accum=t.grad_accum,
-                                            schedule=schedule, **rt.step_kwargs()),
+        train_step=profiler.wrap(step_lib.make_train_step(
+            graphdef, cfg, tx, grad_accum=t.grad_accum, schedule=schedule,
+            **rt.step_kwargs())),
         ckpt=ckpt, meta=meta,
         saved_at=start if restored is not None else -1)
     if stopped is None:
@@ -383,6 +387,7 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
       path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict)
       logging.info("exported parameters and routing biases to %s", path)
   finally:
+    profiler.close()
     ckpt.close()
     monitor.close()
     if isinstance(data, data_curriculum.CurriculumData):  # its stage's grain workers

@@ -4,7 +4,14 @@ Every step's (host) metrics go through `Monitor.step`, which keeps the alert sta
 streaks per MoE layer, loss spikes against a running mean); every `log_every` steps it prints
 one progress line and writes TensorBoard scalars / histograms (`train/`, `moe/<layer>/`, the
 layer named by its MoE module path, e.g. "layers/1/ffn") and one JSON line to
-`workdir/metrics.jsonl`.
+`workdir/metrics.jsonl`. Every `heatmap_every` steps the expert load summed since the last
+heatmap goes to `expert_load.png`, `heatmaps/expert_load_<step>.png` and TensorBoard
+(`moe/expert_load`, an image next to the scalars), drawn by `hybridmoe_jax.plots`.
+
+tokens/s is measured between log steps (wall time once each step's metrics reached the host),
+from the end of the run's first step, so compilation is not counted; a log right after that
+first step (log_every = 1) times it from the Monitor's creation instead, compilation
+included, and says so ("incl. compile" in the line, `tokens_per_sec_incl_compile` in JSONL).
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ import time
 from typing import Any
 
 from absl import logging
+import jax
 import numpy as np
 import tensorboardX
 
-from hybridmoe_jax.train import heatmap
+from hybridmoe_jax import plots
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -46,6 +54,14 @@ def _jsonable(x):
   return v if not isinstance(v, float) or math.isfinite(v) else str(v)
 
 
+def hardware() -> dict[str, Any]:
+  """Where the run executes: jax backend, device kind and counts (for the run report)."""
+  devices = jax.devices()
+  return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+          "devices": len(devices), "local_devices": jax.local_device_count(),
+          "processes": jax.process_count(), "jax_version": jax.__version__}
+
+
 class Monitor:
   """Progress line, TensorBoard events, JSONL metrics, alerts and expert-load heatmaps."""
 
@@ -61,6 +77,9 @@ class Monitor:
     self._loss_mean: float | None = None
     self._loss_seen = 0
     self._heat_load: dict[str, np.ndarray] = {}
+    self._heat_from = start_step + 1     # first step summed into the next heatmap
+    self._last_vio: dict[str, float] = {}
+    self._built = time.perf_counter()    # ~the first step's start (for log_every = 1)
     self._t0: float | None = None        # timer start: after the first (compiling) step
     self._t0_step = start_step
     self._last_log_time: float | None = None
@@ -91,6 +110,7 @@ class Monitor:
     for name, layer in m["moe"].items():
       load = np.asarray(layer["load"], np.float64)
       self._heat_load[name] = self._heat_load.get(name, 0.0) + load
+      self._last_vio[name] = float(layer["max_vio"])
     if step % self.t.log_every == 0 or step == self.total_steps:
       self._log(step, m, now)
     if self.t.heatmap_every and (step % self.t.heatmap_every == 0 or step == self.total_steps):
@@ -122,6 +142,11 @@ class Monitor:
   def _log(self, step: int, m: dict[str, Any], now: float) -> None:
     dt = now - self._last_log_time
     steps = step - self._last_log_step
+    # A log right after the run's first step has no compile-free interval yet: that one step,
+    # timed from the Monitor's creation, compilation included, and said so.
+    with_compile = steps == 0 and step == self._t0_step
+    if with_compile:
+      dt, steps = now - self._built, 1
     if steps > 0 and dt > 0:
       self.tokens_per_sec = steps * self.tokens_per_step / dt
     self._last_log_time, self._last_log_step = now, step
@@ -133,10 +158,10 @@ class Monitor:
     # Curriculum runs add the stage, its sequence length and the tokens seen so far.
     stage = (f" | stage {int(m['stage'])} T={int(m['seq_len'])} | "
              f"{_fmt_rate(float(m['tokens_seen']))} tok seen") if "stage" in m else ""
-    logging.info("step %*d/%d | loss %.4f | %s tok/s | ETA %s | gnorm %.3f%s | lr %.2e%s",
+    logging.info("step %*d/%d | loss %.4f | %s tok/s%s | ETA %s | gnorm %.3f%s | lr %.2e%s",
                  len(str(self.total_steps)), step, self.total_steps, float(m["loss"]),
-                 _fmt_rate(self.tokens_per_sec), _fmt_duration(eta), float(m["grad_norm"]),
-                 vio, float(m["lr"]), stage)
+                 _fmt_rate(self.tokens_per_sec), " (incl. compile)" if with_compile else "",
+                 _fmt_duration(eta), float(m["grad_norm"]), vio, float(m["lr"]), stage)
     w = self.writer
     scalars = {"train/loss": m["loss"], "train/learning_rate": m["lr"],
                "train/grad_norm": m["grad_norm"], "train/tokens_per_sec": self.tokens_per_sec,
@@ -153,6 +178,7 @@ class Monitor:
           w.add_scalar(f"moe/{name}/{key}", float(layer[key]), step)
       self._load_histogram(f"moe/{name}/load", np.asarray(layer["load"], np.float64), step)
     record = {"step": step, "split": "train", "tokens_per_sec": self.tokens_per_sec,
+              **({"tokens_per_sec_incl_compile": True} if with_compile else {}),
               "alerts": dict(self.alerts), **{k: v for k, v in m.items() if k != "moe"},
               "moe": {n: {k: v for k, v in layer.items()} for n, layer in moe.items()}}
     self.write_jsonl(record)
@@ -180,20 +206,22 @@ class Monitor:
     self.jsonl.flush()
 
   def write_heatmap(self, step: int) -> str | None:
-    """Expert load (layers x experts, load / mean load since the last heatmap) as a PNG."""
+    """Expert load (layers x experts, summed since the last heatmap, / the layer mean) as
+    expert_load.png, heatmaps/expert_load_<step>.png and a TensorBoard image."""
     if not self._heat_load:
       return None
-    rows = []
-    for name in sorted(self._heat_load, key=lambda s: (len(s), s)):
-      load = self._heat_load[name]
-      rows.append(load / max(load.mean(), 1e-9))
-    self._heat_load = {}
-    path = os.path.join(self.workdir, "expert_load.png")
-    heatmap.write_heatmap(path, np.stack(rows), vmin=0.0, vmax=2.0)
+    names = sorted(self._heat_load, key=lambda s: (len(s), s))
+    fig = plots.expert_load_figure(
+        np.stack([self._heat_load[n] for n in names]), names, step=step,
+        max_vio=[self._last_vio[n] for n in names],
+        overload=1.0 + self.t.maxvio_alert_threshold,
+        window=f"load summed over steps {self._heat_from}-{step}; MaxVio of step {step}")
+    self._heat_load, self._heat_from = {}, step + 1
+    path = plots.save(fig, os.path.join(self.workdir, "expert_load.png"))
     hist_dir = os.path.join(self.workdir, "heatmaps")
     os.makedirs(hist_dir, exist_ok=True)
-    heatmap.write_heatmap(os.path.join(hist_dir, f"expert_load_{step:07d}.png"),
-                          np.stack(rows), vmin=0.0, vmax=2.0)
+    plots.save(fig, os.path.join(hist_dir, f"expert_load_{step:07d}.png"))
+    self.writer.add_image("moe/expert_load", plots.rgb_array(fig), step, dataformats="HWC")
     return path
 
   def close(self) -> None:

@@ -1,12 +1,11 @@
-"""Monitor alerts / outputs and the PNG writer."""
+"""Monitor alerts / outputs, its heatmap figures and the tokens/s of the first log."""
 
+import glob
 import json
-import zlib
 
+from matplotlib import image as mpimg
 import numpy as np
-import pytest
 
-from hybridmoe_jax.train import heatmap
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.monitor import Monitor
 
@@ -37,26 +36,47 @@ def test_alerts_and_outputs(tmp_path, caplog):
   recs = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in recs] == [5, 10, 15, 20, 25, 30]
   assert recs[-1]["moe"]["layers/1/ffn"]["load"] == [3, 1, 2, 2]
-  img = heatmap.decode_png(open(tmp_path / "expert_load.png", "rb").read())
-  assert img.shape == (2 * 16, 4 * 16, 3)
-  assert len(list((tmp_path / "heatmaps").iterdir())) == 3
+  img = mpimg.imread(tmp_path / "expert_load.png")
+  assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400   # a real figure
+  assert sorted(p.name for p in (tmp_path / "heatmaps").iterdir()) == [
+      "expert_load_0000010.png", "expert_load_0000020.png", "expert_load_0000030.png"]
+  # The same figure went to TensorBoard as an image summary (a PNG inside the event file).
+  events = open(glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))[0],
+                "rb").read()
+  assert events.count(b"moe/expert_load") == 3 and b"\x89PNG" in events
 
 
-def test_png_roundtrip_and_crc():
-  values = np.arange(12, dtype=np.float32).reshape(3, 4)
-  rgb = heatmap.colorize(values)
-  assert rgb.dtype == np.uint8 and rgb.shape == (3, 4, 3)
-  assert tuple(rgb[0, 0]) == (68, 1, 84) and tuple(rgb[-1, -1]) == (253, 231, 37)
-  data = heatmap.encode_png(rgb)
-  np.testing.assert_array_equal(heatmap.decode_png(data), rgb)
-  assert data[12:16] == b"IHDR"
-  # Flip one compressed byte: the CRC check catches it.
-  bad = bytearray(data)
-  bad[45] ^= 1
-  with pytest.raises((AssertionError, zlib.error)):
-    heatmap.decode_png(bytes(bad))
+def test_heatmap_title_and_window(tmp_path, monkeypatch):
+  """The Monitor's heatmap: load summed since the last one, MaxVio of the step in the title,
+  overload marks at 1 + the alert threshold."""
+  t = default_config().train
+  t.update(dict(log_every=100, heatmap_every=2, maxvio_alert_threshold=0.4))
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=4, tokens_per_step=64)
+  figs = []
+  monkeypatch.setattr("hybridmoe_jax.plots.save", lambda fig, path: figs.append(fig) or path)
+  for step in range(1, 5):
+    mon.step(step, _metrics(2.0, 0.25 * step))
+  mon.close()
+  assert len(figs) == 4                            # expert_load.png + heatmaps/, twice
+  title = figs[-1].axes[0].get_title()
+  assert "step 4" in title and "steps 3-4" in title
+  assert "layer 1 1.000" in title and "layer 2 0.000" in title
+  # Summed load of layer 1 over 2 steps: [6, 2, 4, 4] / 4 -> expert 0 at 1.5 > 1.4.
+  marks = figs[-1].axes[0].collections[0].get_offsets()
+  assert np.asarray(marks).tolist() == [[0.0, 0.0]]
 
 
-def test_constant_heatmap_does_not_divide_by_zero(tmp_path):
-  heatmap.write_heatmap(str(tmp_path / "x.png"), np.ones((2, 3)))
-  assert heatmap.decode_png((tmp_path / "x.png").read_bytes()).shape == (32, 48, 3)
+def test_first_log_tokens_per_sec_is_a_number(tmp_path):
+  """log_every = 1: the first log times step 1 from the Monitor's creation (compile
+  included, flagged); later logs time the interval between logs."""
+  t = default_config().train
+  t.update(dict(log_every=1, heatmap_every=0))
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=3, tokens_per_step=64)
+  for step in range(1, 4):
+    mon.step(step, _metrics(2.0, 0.1))
+  mon.close()
+  recs = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  rates = [r["tokens_per_sec"] for r in recs]
+  assert all(isinstance(x, float) and x > 0 for x in rates), rates
+  assert recs[0]["tokens_per_sec_incl_compile"] is True
+  assert "tokens_per_sec_incl_compile" not in recs[1]

@@ -1,0 +1,142 @@
+"""run_eval --task=report on a hand-made workdir: content, self-contained, read-only, errors;
+and the page opened in a real headless browser (Chromium; skipped when absent)."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+from matplotlib import image as mpimg
+import numpy as np
+import pytest
+
+from hybridmoe_jax.config import model_config_from_dict
+from hybridmoe_jax.evals import cli, report
+from tests.conftest import ROOT, load_config
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _load(step):
+  return {"max_vio": 0.1 * step / 10, "bias_min": -0.05, "bias_max": 0.07, "drop_frac": 0.0,
+          "load": [10 + step, 10, 10, 10 - step // 10]}
+
+
+def _make_run(w: pathlib.Path) -> None:
+  """A run as train_and_evaluate leaves it (no weights), with a half-written last line."""
+  model = dataclasses.asdict(model_config_from_dict(load_config("tiny").model))
+  (w / "model_config.json").write_text(json.dumps(model))
+  lines = [{"event": "start", "step": 0, "backend": "cpu", "device_kind": "cpu",
+            "devices": 1, "local_devices": 1, "processes": 1, "jax_version": "0.x"}]
+  for step in (10, 20, 30, 40):
+    lines.append({"step": step, "split": "train", "loss": 6.0 - step / 10,
+                  "tokens_per_sec": 1000.0 + step, "alerts": {"maxvio": int(step >= 30)},
+                  "moe": {"layers/1/ffn": _load(step), "layers/2/ffn": _load(step // 2)}})
+  lines += [{"step": 20, "split": "eval", "loss": 4.1, "bits_per_byte": 5.5, "tokens": 99.0},
+            {"event": "resume", "step": 20}]
+  text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 50, "split": "tr'
+  (w / "metrics.jsonl").write_text(text)
+  for d in ("checkpoints/20", "checkpoints/40", "checkpoints/50.orbax-checkpoint-tmp-1",
+            "checkpoints_corrupt/10-1700000000000", "eval"):
+    (w / d).mkdir(parents=True)
+  niah = {"lengths": [256, 512], "depths": [0.0, 1.0], "accuracy": [[1.0, 0.5], [0.0, 0.25]],
+          "samples": 4, "chance": 1e-5, "mean_accuracy": 0.4375}
+  vqa = {"per_type": {"count": {"questions": 8, "accuracy": 0.5, "blank_image_accuracy": 0.25,
+                                "chance": 0.25, "majority": 0.375}},
+         "images": 8, "questions": 8}
+  ppl = {"buckets": [{"context_from": 0, "context_to": None, "tokens": 90, "ppl": 7.5,
+                      "bits_per_byte": 2.9}], "overall": {"tokens": 90, "ppl": 7.5,
+                                                          "bits_per_byte": 2.9}}
+  mqar = {"cells": [{"length": 64, "pairs": 4, "accuracy": 0.125}]}
+  gen = {"prompt": "The sky is", "text": " blue <&>"}
+  for task, result in [("niah", niah), ("vqa", vqa), ("ppl", ppl), ("mqar", mqar),
+                       ("generate", gen)]:
+    (w / "eval" / f"{task}.json").write_text(json.dumps({"task": task, "model": {"step": 40},
+                                                         "result": result}))
+
+
+def _snapshot(w: pathlib.Path) -> dict[str, tuple[float, int]]:
+  return {str(p.relative_to(w)): (p.stat().st_mtime, p.stat().st_size)
+          for p in sorted(w.rglob("*")) if p.name != report.REPORT_FILE}
+
+
+@pytest.fixture(scope="module")
+def run_report(tmp_path_factory):
+  w = tmp_path_factory.mktemp("run")
+  _make_run(w)
+  before = _snapshot(w)
+  lines = []
+  out = cli.main(task="report", workdir=str(w), params=None, output_dir=None, config=None,
+                 option_values={}, echo=lines.append)
+  assert _snapshot(w) == before                       # read-only: nothing moved or touched
+  assert lines == [f"report: {w / 'report.html'}"]
+  return w, pathlib.Path(out["report"]).read_text()
+
+
+def test_report_content(run_report):
+  _, page = run_report
+  text = re.sub(r"<[^>]+>", " ", page)
+  assert "metrics.jsonl line 8 is not valid JSON" in text      # the truncated line: a note
+  for section in ("Curves", "Expert load", "Alerts", "Evaluations", "Hardware and throughput",
+                  "Checkpoints and resumes", "Model and config"):
+    assert f"<h2>{section}</h2>" in page
+  # Loss curves, expert-load heatmap, MaxVio over steps, NIAH grid, VQA bars.
+  assert page.count("<img ") == 5
+  assert re.search(r"all\s*</td><td[^>]*>90</td><td[^>]*>7.5<", page)        # ppl
+  assert re.search(r"64\s*</td><td[^>]*>4</td><td[^>]*>0.125<", page)        # mqar
+  assert "&#x27; blue &lt;&amp;&gt;&#x27;" in page                           # escaped
+  assert re.search(r"checkpoint step\s*</th>.*?>20<.*?>40<", page)
+  assert "10-1700000000000" in text and "50.orbax-checkpoint-tmp-1" in text
+  assert re.search(r"resume\s*</td><td[^>]*>20<", page)
+  assert re.search(r"maxvio\s*</td><td[^>]*>1</td><td[^>]*>30<", page)  # count, first step
+  assert re.search(r"median over logs\s*</td><td[^>]*>1,025<", page)
+  assert "device_kind" in text and "jax_version" in text
+  assert re.search(r"total\s*</td><td[^>]*>345,638<", page)     # configs/tiny.py's count
+
+
+def test_report_is_self_contained(run_report):
+  _, page = run_report
+  assert "http://" not in page and "https://" not in page and "<script" not in page.lower()
+  assert "url(" not in page and "@import" not in page and "<link" not in page
+  srcs = re.findall(r'src="([^"]*)"', page)
+  assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
+
+
+def test_report_errors_are_one_line(tmp_path):
+  for workdir, why in [(tmp_path / "missing", "does not exist"),
+                       (tmp_path, "holds no training run")]:
+    with pytest.raises(ValueError, match=why):
+      report.write_report(str(workdir))
+  with pytest.raises(ValueError, match="needs --workdir"):
+    cli.main(task="report", workdir=None, params=str(tmp_path), output_dir=None, config=None,
+             option_values={})
+  r = subprocess.run([sys.executable, str(ROOT / "run_eval.py"), f"--workdir={tmp_path}",
+                      "--task=report"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert r.returncode != 0
+  assert r.stderr.strip().splitlines()[-1] == (
+      f"error: --workdir {tmp_path} holds no training run (no metrics.jsonl and no "
+      "model_config.json)")
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                    reason=f"{CHROMIUM} not installed (apt-get install -y chromium)")
+def test_report_renders_in_a_headless_browser(run_report, tmp_path):
+  w, _ = run_report
+  shot = tmp_path / "shot.png"
+  cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",
+         "--window-size=1200,2400", f"file://{w / report.REPORT_FILE}"]
+  subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+  assert shot.exists(), "chromium wrote no screenshot"
+  img = (mpimg.imread(shot)[..., :3] * 255).astype(np.uint8)
+  assert img.shape[:2] == (2400, 1200)
+  colours = np.unique(img.reshape(-1, 3), axis=0)
+  ink = np.mean(img.min(axis=-1) < 200)
+  # Text alone gives a few grey levels; the figures bring hundreds of colours and lots of ink.
+  assert len(colours) > 500 and ink > 0.05, (len(colours), ink)
+  shutil.rmtree(tmp_path / "profile", ignore_errors=True)
