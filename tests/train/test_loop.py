@@ -17,7 +17,7 @@ from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import heatmap
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
-from tests.conftest import ROOT, load_config
+from tests.conftest import ROOT, load_config, one_device
 from tests.train.train_fakes import FakeIterator, set_tiny_model
 
 OLD_RUN = ROOT / "tests" / "testdata" / "run_928f724"  # see its README.md
@@ -74,31 +74,49 @@ def _train_losses(workdir):
   return out
 
 
-def test_end_to_end_outputs(tmp_path):
-  config = _config()
-  s = _run(config, tmp_path, export_params_to=str(tmp_path / "export"))
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+  """The default 8-step run, exported: checked end to end, and the reference that the
+  crash-and-resume tests must reproduce (each run compiles its own steps)."""
+  workdir = tmp_path_factory.mktemp("ref")
+  with one_device():
+    return workdir, _run(_config(), workdir, export_params_to=str(workdir / "export"))
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+  """A finished 3-step run, copied by the tests that resume or refuse it."""
+  workdir = tmp_path_factory.mktemp("three_steps")
+  with one_device():
+    _run(_config(steps=3), workdir)
+  return workdir
+
+
+def test_end_to_end_outputs(ref, tmp_path):
+  workdir, s = ref
   assert s["end_step"] == 8 and s["stopped_by"] is None
   assert s["last_loss"] < s["first_loss"]
   assert s["eval"]["bits_per_byte"] > 0 and s["eval"]["tokens"] > 0
   assert s["alerts"]["maxvio"] >= 1          # threshold 0 -> the alert fires
-  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [3, 6, 8]
-  assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
-  png = heatmap.decode_png(open(tmp_path / "expert_load.png", "rb").read())
+  assert sorted(int(d) for d in os.listdir(workdir / "checkpoints")) == [3, 6, 8]
+  assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+  png = heatmap.decode_png(open(workdir / "expert_load.png", "rb").read())
   assert png.shape == (16, 4 * 16, 3)        # 1 MoE layer x 4 experts, 16 px cells
-  assert len(_train_losses(tmp_path)) == 8
-  assert json.load(open(tmp_path / "model_config.json"))["d_model"] == 16
-  exported = ckpt_lib.load_exported_params(tmp_path / "export")
+  assert len(_train_losses(workdir)) == 8
+  assert json.load(open(workdir / "model_config.json"))["d_model"] == 16
+  exported = ckpt_lib.load_exported_params(workdir / "export")
   emb = exported["params"]["embed"]["embedding"]
   np.testing.assert_array_equal(emb, s["state"].params["embed"]["embedding"][...])
   assert "routing_biases" in exported
-  # Rerunning a finished run restores and does nothing more.
-  s2 = _run(config, tmp_path)
+  # Rerunning a finished run restores and does nothing more (on a copy: `ref` is shared).
+  shutil.copytree(workdir, tmp_path / "w")
+  s2 = _run(_config(), tmp_path / "w")
   assert s2["start_step"] == 8 and s2["end_step"] == 8
 
 
-def test_resume_after_crash_is_exact(tmp_path):
+def test_resume_after_crash_is_exact(ref, tmp_path):
   config = _config()
-  ref = _run(config, tmp_path / "ref")
+  ref_dir, ref = ref
 
   def crash():
     raise Crash()
@@ -108,14 +126,14 @@ def test_resume_after_crash_is_exact(tmp_path):
   assert sorted(int(d) for d in os.listdir(tmp_path / "run" / "checkpoints")) == [3]
   res = _run(config, tmp_path / "run")
   assert res["start_step"] == 3 and res["end_step"] == 8
-  assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "ref")
+  assert _train_losses(tmp_path / "run") == _train_losses(ref_dir)
   for a, b in zip(jax.tree.leaves(ref["state"]), jax.tree.leaves(res["state"])):
     np.testing.assert_array_equal(a, b)
 
 
-def test_corrupt_latest_checkpoint_falls_back(tmp_path):
+def test_corrupt_latest_checkpoint_falls_back(ref, tmp_path):
   config = _config()
-  ref = _run(config, tmp_path / "ref")
+  ref = ref[1]
 
   def crash():
     raise Crash()
@@ -145,8 +163,8 @@ def test_sigint_saves_and_exits(tmp_path):
   assert s2["start_step"] == 5 and s2["end_step"] == 8
 
 
-def test_incompatible_workdir_is_refused(tmp_path):
-  _run(_config(steps=3), tmp_path)
+def test_incompatible_workdir_is_refused(three_steps, tmp_path):
+  shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
   config = _config(steps=6)
   config.model.d_model = 32
   with pytest.raises(ConfigError, match="d_model"):
@@ -159,8 +177,8 @@ def test_incompatible_workdir_is_refused(tmp_path):
     _run(config, tmp_path)
 
 
-def test_run_saved_before_a_new_config_field_still_resumes(tmp_path):
-  _run(_config(steps=3), tmp_path)
+def test_run_saved_before_a_new_config_field_still_resumes(three_steps, tmp_path):
+  shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
   path = tmp_path / "model_config.json"
   saved = json.loads(path.read_text())
   del saved["vision"]                              # written before vision existed
