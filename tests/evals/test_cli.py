@@ -17,12 +17,12 @@ from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, export_params
 from tests.conftest import ROOT
-from tests.infer.helpers import tiny_cfg, tiny_model
+from tests.infer.helpers import tiny_cfg, two_layer_model
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-  model = tiny_model()
+  model = two_layer_model()
   _, params, biases, _ = nnx.split(model, nnx.Param, RoutingBias, ...)
   path = tmp_path_factory.mktemp("export") / "params"
   return export_params(str(path), params, biases, dataclasses.asdict(model.cfg))
@@ -38,7 +38,7 @@ def _run(*args):
 def test_export_round_trip(export):
   model, info = load_model(params=export)
   assert info == {"source": "params", "path": export}
-  want = nnx.to_pure_dict(nnx.state(tiny_model()))
+  want = nnx.to_pure_dict(nnx.state(two_layer_model()))
   got = nnx.to_pure_dict(nnx.state(model))
   jax.tree.map(np.testing.assert_array_equal, want, got)
 

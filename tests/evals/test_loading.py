@@ -17,10 +17,15 @@ from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.conftest import load_config, one_device
+from tests.train.train_fakes import set_tiny_model
 
 
 def _config(steps):
   config = load_config("tiny")
+  # The 2-layer MLA model of the train tests: what is checked here (the reader, skipping,
+  # legacy configs) does not depend on the mixers, and each run compiles its own steps.
+  set_tiny_model(config)
+  config.model.moe.latent_dim = 8   # below d_model 16
   config.train.update(dict(steps=steps, batch_size=2, seq_len=32, warmup=1, log_every=1,
                            eval_every=0, eval_batches=1, checkpoint_every=1, keep_checkpoints=5,
                            heatmap_every=0, async_checkpoints=False))
@@ -29,7 +34,7 @@ def _config(steps):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A real tiny-model run with checkpoints at steps 1 and 2; its final train state."""
+  """A real (shrunk) tiny-model run with checkpoints at steps 1 and 2; its final train state."""
   workdir = tmp_path_factory.mktemp("run") / "w"
   with one_device():
     state = train_and_evaluate(_config(2), str(workdir))["state"]

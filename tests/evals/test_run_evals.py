@@ -7,7 +7,7 @@ import numpy as np
 
 from hybridmoe_jax.evals import EvalOptions, run_evals
 from matplotlib import image as mpimg
-from tests.infer.helpers import tiny_model
+from tests.infer.helpers import two_layer_model
 
 # Every engine gets capacity 128 and batch 1, so the tasks share their compilations.
 FAST = EvalOptions(prefill_chunk=32, kv_block=32, ppl_max_len=128, ppl_max_docs=2,
@@ -18,8 +18,8 @@ FAST = EvalOptions(prefill_chunk=32, kv_block=32, ppl_max_len=128, ppl_max_docs=
 
 def test_all_tasks_in_memory(tmp_path):
   lines = []
-  results = run_evals(tiny_model(), ["ppl", "niah", "mqar", "generate"], FAST, str(tmp_path),
-                      info={"source": "memory"}, echo=lines.append)
+  results = run_evals(two_layer_model(), ["ppl", "niah", "mqar", "generate"], FAST,
+                      str(tmp_path), info={"source": "memory"}, echo=lines.append)
   assert sorted(os.listdir(tmp_path)) == ["generate.json", "mqar.json", "niah.json",
                                           "niah_heatmap.png", "ppl.json", "results.json"]
   p = results["ppl"]

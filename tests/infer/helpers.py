@@ -22,6 +22,14 @@ def tiny_model(seed: int = 0) -> HybridLM:
   return HybridLM(tiny_cfg(), rngs=nnx.Rngs(seed))
 
 
+@functools.lru_cache(maxsize=None)
+def two_layer_model(seed: int = 0) -> HybridLM:
+  """The tiny hybrid cut to one KDA layer (dense FFN) and one MLA layer (MoE), AttnRes on:
+  every kind of layer at half the compile and init time, for tests whose claim does not
+  depend on the depth."""
+  return HybridLM(tiny_cfg(num_layers=2, layer_kinds=("kda", "mla")), rngs=nnx.Rngs(seed))
+
+
 def full_logits(model, tokens):
   """Reference: the training forward over the whole sequence, jitted."""
   return nnx.jit(lambda m, t: m(t)[0])(model, tokens)

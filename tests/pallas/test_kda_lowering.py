@@ -35,11 +35,15 @@ _sd = jax.ShapeDtypeStruct
 
 
 def _grid():
-  """Every (chunk, K, V); dtype and packing cycle along the (K, V) index j = 5 ki + vi, so
-  each chunk meets every (dtype, packed) pair and each K and each V meets every dtype."""
-  for C in SUPPORTED_CHUNKS:
-    for j, (K, V) in enumerate(itertools.product(SUPPORTED_DIMS, SUPPORTED_DIMS)):
-      yield C, K, V, DTYPES[j % 3], (j // 3) % 2 == 1
+  """A rotating subset of the product (test_kernels_lower_full_product, slow, has all of it):
+  6 cases per chunk, case j with dtype j % 3 and packed iff j >= 3, so each chunk meets every
+  (dtype, packed) pair; K and V rotate the other way per chunk, so each chunk meets every K
+  and every V, and across the chunks each K and each V meets every dtype and both packings."""
+  n = len(SUPPORTED_DIMS)
+  for ci, C in enumerate(SUPPORTED_CHUNKS):
+    for j in range(6):
+      yield (C, SUPPORTED_DIMS[(j + ci) % n], SUPPORTED_DIMS[(j - ci + 2) % n], DTYPES[j % 3],
+             j >= 3)
 
 
 GRID = list(_grid())

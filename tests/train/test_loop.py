@@ -18,7 +18,7 @@ from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
-from tests.conftest import ROOT, load_config
+from tests.conftest import ROOT, load_config, one_device
 from tests.train.train_fakes import FakeIterator, set_tiny_model
 
 OLD_RUN = ROOT / "tests" / "testdata" / "run_928f724"  # see its README.md
@@ -75,38 +75,57 @@ def _train_losses(workdir):
   return out
 
 
-def test_end_to_end_outputs(tmp_path):
-  config = _config(profile_steps="2:3")
-  s = _run(config, tmp_path, export_params_to=str(tmp_path / "export"))
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+  """The default 8-step run, exported: checked end to end, and the reference that the
+  crash-and-resume tests must reproduce (each run compiles its own steps)."""
+  workdir = tmp_path_factory.mktemp("ref")
+  with one_device():
+    return workdir, _run(_config(profile_steps="2:3"), workdir,
+                         export_params_to=str(workdir / "export"))
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+  """A finished 3-step run, copied by the tests that resume or refuse it."""
+  workdir = tmp_path_factory.mktemp("three_steps")
+  with one_device():
+    _run(_config(steps=3), workdir)
+  return workdir
+
+
+def test_end_to_end_outputs(ref, tmp_path):
+  workdir, s = ref
   assert s["end_step"] == 8 and s["stopped_by"] is None
   assert s["last_loss"] < s["first_loss"]
   assert s["eval"]["bits_per_byte"] > 0 and s["eval"]["tokens"] > 0
   assert s["alerts"]["maxvio"] >= 1          # threshold 0 -> the alert fires
-  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [3, 6, 8]
-  assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
-  assert (tmp_path / "expert_load.png").stat().st_size > 5000   # a labelled figure
+  assert sorted(int(d) for d in os.listdir(workdir / "checkpoints")) == [3, 6, 8]
+  assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents.*"))
+  assert (workdir / "expert_load.png").stat().st_size > 5000   # a labelled figure
   # train.profile_steps="2:3": one jax.profiler trace (TensorBoard xplane + Perfetto JSON).
-  traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*"))
+  traces = glob.glob(str(workdir / "profile" / "plugins" / "profile" / "*" / "*"))
   assert any(t.endswith(".xplane.pb") for t in traces), traces
   assert any(t.endswith("trace.json.gz") for t in traces), traces
   # The run report reads this real run: config from the checkpoint, counts, hardware.
-  page = open(report.write_report(str(tmp_path), str(tmp_path / "report"))).read()
+  page = open(report.write_report(str(workdir), str(workdir / "report"))).read()
   assert "train.profile_steps" in page and "checkpoints_corrupt" not in page
   assert re.search(r"backend\s*</td><td[^>]*>cpu<", page) and 'class="note"' not in page
-  assert len(_train_losses(tmp_path)) == 8
-  assert json.load(open(tmp_path / "model_config.json"))["d_model"] == 16
-  exported = ckpt_lib.load_exported_params(tmp_path / "export")
+  assert len(_train_losses(workdir)) == 8
+  assert json.load(open(workdir / "model_config.json"))["d_model"] == 16
+  exported = ckpt_lib.load_exported_params(workdir / "export")
   emb = exported["params"]["embed"]["embedding"]
   np.testing.assert_array_equal(emb, s["state"].params["embed"]["embedding"][...])
   assert "routing_biases" in exported
-  # Rerunning a finished run restores and does nothing more.
-  s2 = _run(config, tmp_path)
+  # Rerunning a finished run restores and does nothing more (on a copy: `ref` is shared).
+  shutil.copytree(workdir, tmp_path / "w")
+  s2 = _run(_config(), tmp_path / "w")
   assert s2["start_step"] == 8 and s2["end_step"] == 8
 
 
-def test_resume_after_crash_is_exact(tmp_path):
+def test_resume_after_crash_is_exact(ref, tmp_path):
   config = _config()
-  ref = _run(config, tmp_path / "ref")
+  ref_dir, ref = ref
 
   def crash():
     raise Crash()
@@ -116,14 +135,14 @@ def test_resume_after_crash_is_exact(tmp_path):
   assert sorted(int(d) for d in os.listdir(tmp_path / "run" / "checkpoints")) == [3]
   res = _run(config, tmp_path / "run")
   assert res["start_step"] == 3 and res["end_step"] == 8
-  assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "ref")
+  assert _train_losses(tmp_path / "run") == _train_losses(ref_dir)
   for a, b in zip(jax.tree.leaves(ref["state"]), jax.tree.leaves(res["state"])):
     np.testing.assert_array_equal(a, b)
 
 
-def test_corrupt_latest_checkpoint_falls_back(tmp_path):
+def test_corrupt_latest_checkpoint_falls_back(ref, tmp_path):
   config = _config()
-  ref = _run(config, tmp_path / "ref")
+  ref = ref[1]
 
   def crash():
     raise Crash()
@@ -153,8 +172,8 @@ def test_sigint_saves_and_exits(tmp_path):
   assert s2["start_step"] == 5 and s2["end_step"] == 8
 
 
-def test_incompatible_workdir_is_refused(tmp_path):
-  _run(_config(steps=3), tmp_path)
+def test_incompatible_workdir_is_refused(three_steps, tmp_path):
+  shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
   config = _config(steps=6)
   config.model.d_model = 32
   with pytest.raises(ConfigError, match="d_model"):
@@ -167,8 +186,8 @@ def test_incompatible_workdir_is_refused(tmp_path):
     _run(config, tmp_path)
 
 
-def test_run_saved_before_a_new_config_field_still_resumes(tmp_path):
-  _run(_config(steps=3), tmp_path)
+def test_run_saved_before_a_new_config_field_still_resumes(three_steps, tmp_path):
+  shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
   path = tmp_path / "model_config.json"
   saved = json.loads(path.read_text())
   del saved["vision"]                              # written before vision existed

@@ -18,6 +18,10 @@ from tests.conftest import load_config
 
 def _small(**train):
   config = load_config("tiny")
+  # One KDA layer (dense FFN) and one MLA layer (MoE) of the tiny model, 16-token KDA chunks:
+  # every kind of layer at a fraction of the 4-layer compile (the claims are per layer kind).
+  config.model.update(dict(num_layers=2, layer_kinds=("kda", "mla")))
+  config.compute.kda_chunk_size = 16
   config.train.update({**dict(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1,
                               eval_every=0, eval_batches=1, checkpoint_every=0,
                               heatmap_every=0), **train})
