@@ -20,12 +20,15 @@ A params export (`export_params`) holds parameters and routing biases only, plus
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging as std_logging
 import os
 import shutil
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -82,6 +85,37 @@ def structure_signature(abstract_state) -> str:
   leaves = [f"{tuple(x.shape)}:{x.dtype}" for x in jax.tree.leaves(abstract_state)]
   text = f"{jax.tree.structure(abstract_state)}|{','.join(leaves)}"
   return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _AbandonedReads(std_logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports (one multi-line ERROR per array)."""
+
+  def filter(self, record) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+  """Around a restore that may fail. orbax reads every array concurrently; when one read
+  fails it raises that error and abandons the other reads, whose own (same) errors asyncio
+  logs when they are garbage-collected: a flood of tensorstore specs, or "Event loop is
+  closed" errors once orbax's loop is gone. The first error is reported by the caller; the
+  abandoned ones are reclaimed here (gc.collect) while their reports are dropped."""
+  flt, log = _AbandonedReads(), std_logging.getLogger("asyncio")
+  old_hook = sys.unraisablehook
+
+  def hook(u):
+    if not (isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)):
+      old_hook(u)
+
+  log.addFilter(flt)
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook = old_hook
+    log.removeFilter(flt)
 
 
 def _one_line(e: BaseException, limit: int = 240) -> str:
@@ -308,11 +342,16 @@ class Checkpointer:
             f"checkpoint step {step} in {self.directory} has a different train-state layout "
             "(model, optimizer or clipping changed: train.optimizer / train.clip). "
             "Use a fresh --workdir or the original config.")
-      try:
-        r = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-      except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, _one_line(e))
+      failed = None
+      # The error (and its traceback, which holds the abandoned reads) is dropped inside.
+      with _quiet_abandoned_reads():
+        try:
+          r = self.manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        except Exception as e:  # pylint: disable=broad-except
+          failed = _one_line(e)
+      if failed:
+        self._skip(step, failed)
         continue
       if not _same_fingerprint(meta.get("fingerprint", []), fingerprint(r.state)):
         self._skip(step, "restored values do not match the fingerprint saved with them")

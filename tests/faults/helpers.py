@@ -13,7 +13,6 @@ import subprocess
 import sys
 import types
 
-from absl import logging
 
 from tests.conftest import ROOT
 from tests.train.test_loop import _config, _train_losses
@@ -67,7 +66,8 @@ def assert_kept(workdir, before: dict[int, dict[str, str]]) -> None:
 
 
 class LogLines(std_logging.Handler):
-  """Collects absl log records at WARNING and above (a handler: absl does not propagate)."""
+  """Collects every log record at WARNING and above (absl's and other libraries', e.g.
+  asyncio's), on the root logger."""
 
   def __init__(self):
     super().__init__(std_logging.WARNING)
@@ -80,11 +80,11 @@ class LogLines(std_logging.Handler):
     return [r.getMessage() for r in self.records]
 
   def __enter__(self):
-    logging.get_absl_logger().addHandler(self)
+    std_logging.getLogger().addHandler(self)
     return self
 
   def __exit__(self, *exc):
-    logging.get_absl_logger().removeHandler(self)
+    std_logging.getLogger().removeHandler(self)
 
 
 class Unraisable:
