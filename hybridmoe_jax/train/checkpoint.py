@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import hashlib
 import json
@@ -237,6 +238,22 @@ class NonFiniteState(ValueError):
   """A save of a state holding NaN or Inf was refused."""
 
 
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (disk full, quota, I/O error): the run stops; the
+  checkpoints before it are intact and the unfinished one is set aside on the next start."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+  """The OSError behind `e` (orbax re-raises background-thread errors wrapped), if any."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, OSError) and e.errno is not None:
+      return e
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
+
+
 class Restored(NamedTuple):
   """What `Checkpointer.restore_latest` returns."""
 
@@ -259,6 +276,8 @@ class Checkpointer:
     self.corrupt_dir = os.path.join(self.workdir, "checkpoints_corrupt")
     self.read_only = read_only
     self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
+    self._pending: int | None = None   # the step of the last save started
+    self._failed = False               # a write failed (reported as CheckpointWriteError)
     _quiet_orbax_logs()
     if read_only:
       if not os.path.isdir(self.directory):
@@ -293,15 +312,49 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(gather_host_states(data_state or {})),
                               meta=ocp.args.JsonSave(_jsonify(meta)))
-    self.manager.save(step, args=args, force=True)
+    with self._write_errors():  # the previous (async) save's error surfaces here
+      self.manager.save(step, args=args, force=True)
+    self._pending = step
     return True
 
+  @contextlib.contextmanager
+  def _write_errors(self):
+    """A failed write (ENOSPC, EDQUOT, EIO...: also one raised in orbax's background thread
+    and re-raised at the next save or wait) -> one CheckpointWriteError line."""
+    try:
+      yield
+    except CheckpointWriteError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      err = _os_error(e)
+      if err is None:
+        raise
+      self._failed = True
+      what = "no space left on device" if err.errno == errno.ENOSPC else (
+          err.strerror or _one_line(err))
+      good = [s for s in self.manager.all_steps() if s != self._pending]
+      raise CheckpointWriteError(
+          f"cannot write checkpoint step {self._pending} to {self.directory}: {what} "
+          f"({err.filename or self.workdir}); the checkpoints before it are intact (newest: "
+          f"{f'step {max(good)}' if good else 'none'}). Free space in {self.workdir}, then "
+          "rerun to resume") from None
+
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    with self._write_errors():
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Wait for the last save and release orbax's threads (after a failed write: quietly,
+    the error has been raised already)."""
+    try:
+      if not self._failed:
+        self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if not self._failed:
+          raise
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
