@@ -11,6 +11,7 @@ import logging as std_logging
 import os
 import subprocess
 import sys
+import time
 import types
 
 
@@ -88,8 +89,10 @@ class LogLines(std_logging.Handler):
 
 
 class Unraisable:
-  """Collects exceptions raised where nobody can catch them (finalisers, callbacks of a
-  closed event loop) while inside, after a garbage collection at the end."""
+  """Collects exceptions raised where nobody can catch them (finalisers, callbacks into a
+  closed event loop) while inside; at the end it lets late callbacks arrive (a second) and
+  collects the garbage. Whatever hooks the code under test adds on top (its filters) see
+  them first."""
 
   def __init__(self):
     self.seen: list[str] = []
@@ -102,6 +105,7 @@ class Unraisable:
     return self
 
   def __exit__(self, *exc):
+    time.sleep(1.0)
     gc.collect()
     sys.unraisablehook = self._old
 

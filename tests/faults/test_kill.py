@@ -44,16 +44,19 @@ def _first_train_record(workdir, proc, timeout=300.0) -> bool:
   return False
 
 
-def _kill_in_save(workdir, proc, timeout=300.0) -> bool:
-  """SIGKILL as soon as a checkpoint's temporary directory appears; False if none did."""
+def _kill_in_save(workdir, proc, nth: int, timeout=300.0) -> bool:
+  """SIGKILL as soon as the temporary directory of the `nth` (0-based) checkpoint save
+  appears; False if the run ended before."""
   ckpts = os.path.join(workdir, "checkpoints")
+  seen = set()
   end = time.time() + timeout
   while time.time() < end and proc.poll() is None:
     try:
       names = os.listdir(ckpts)
     except FileNotFoundError:
       names = []
-    if any(".orbax-checkpoint-tmp" in n for n in names):
+    seen.update(n.split(".")[0] for n in names if ".orbax-checkpoint-tmp" in n)
+    if len(seen) > nth:
       proc.send_signal(signal.SIGKILL)
       return True
   return False
@@ -69,14 +72,15 @@ def _resume_and_check(workdir, cache_dir, reference, committed) -> None:
 
 @pytest.mark.parametrize("seed", SOAK_SEEDS)
 def test_sigkill_then_resume(tmp_path, cache_dir, reference, seed):
-  """Seed s: odd seeds kill when a checkpoint's tmp dir appears (inside a save); even seeds
-  kill at a uniform random time in the first 2 s of training (8 steps take ~1-3 s)."""
+  """Odd seeds kill inside a save: when the temporary directory of a seeded one of the 4
+  saves (steps 2, 4, 6, 8) appears. Even seeds kill at a seeded uniform time in the first
+  2 s of training (its 8 steps take ~1-3 s)."""
   rng = random.Random(seed)
   workdir = tmp_path / "run"
   with open(tmp_path / "killed.log", "w") as log:
     proc = helpers.start_train(workdir, cache_dir=cache_dir, log=log)
     if seed % 2:
-      hit = _kill_in_save(workdir, proc)
+      hit = _kill_in_save(workdir, proc, nth=rng.randrange(4))
     else:
       hit = _first_train_record(workdir, proc)
       time.sleep(rng.uniform(0.0, 2.0))
