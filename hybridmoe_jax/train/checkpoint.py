@@ -47,10 +47,20 @@ CONFIG_FILE = "model_config.json"
 
 
 class _QuietOrbax(std_logging.Filter):
-  """Drop orbax's INFO chatter (dozens of lines per save); keep its warnings and errors."""
+  """Drop orbax's INFO chatter (dozens of lines per save); keep its warnings and errors.
+
+  A failed background write (disk full) is logged by orbax's save thread with a traceback
+  through tensorstore; `Checkpointer` reports it as one CheckpointWriteError line, so that
+  record is shortened to one line too.
+  """
 
   def filter(self, record) -> bool:
-    return record.levelno >= 30 or "orbax" not in record.pathname
+    if "orbax" not in record.pathname:
+      return True
+    if record.exc_info and _os_error(record.exc_info[1]) is not None:
+      record.msg, record.args = "a checkpoint write failed: %s", (_one_line(record.exc_info[1]),)
+      record.exc_info = record.exc_text = None
+    return record.levelno >= 30
 
 
 def _quiet_orbax_logs() -> None:
@@ -252,11 +262,14 @@ class CheckpointWriteError(RuntimeError):
 
 
 def _os_error(e: BaseException) -> OSError | None:
-  """The OSError behind `e` (orbax re-raises background-thread errors wrapped), if any."""
+  """The OSError behind `e` (orbax re-raises background-thread errors wrapped; tensorstore
+  raises ValueErrors that only name the OS error), if any."""
   seen = set()
   while e is not None and id(e) not in seen:
     if isinstance(e, OSError) and e.errno is not None:
       return e
+    if "No space left on device" in str(e):
+      return OSError(errno.ENOSPC, "No space left on device")
     seen.add(id(e))
     e = e.__cause__ or e.__context__
   return None

@@ -7,6 +7,7 @@ resume (with space again) must continue exactly.
 """
 
 import errno
+import subprocess
 
 import jax
 import numpy as np
@@ -60,3 +61,33 @@ def test_disk_full_during_save_stops_cleanly_and_resumes_exactly(reference, tmp_
   assert helpers.train_losses(workdir) == reference["losses"]
   for a, b in zip(jax.tree.leaves(reference["summary"]["state"]), jax.tree.leaves(s["state"])):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_real_full_disk_through_run_train(tmp_path):
+  """run_train.py on a 1000 KiB tmpfs (two of the tiny run's ~380 KiB checkpoints fit),
+  then on the same tmpfs grown to 16 MiB: one error line, then an exact resume."""
+  mnt = tmp_path / "small_disk"
+  mnt.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1000k", "tmpfs", str(mnt)],
+                    capture_output=True, check=False).returncode:
+    pytest.skip("cannot mount a tmpfs here (needs root)")
+  try:
+    ref = helpers.run_train(tmp_path / "ref", cache_dir=tmp_path / "cache")
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    workdir = mnt / "run"
+    r = helpers.run_train(workdir, cache_dir=tmp_path / "cache")
+    errors = helpers.error_lines(r.stdout)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert len(errors) == 1 and "no space left on device" in errors[0], r.stdout[-3000:]
+    assert str(workdir) in errors[0] and "Traceback" not in r.stdout
+    kept = helpers.all_hashes(workdir)
+    assert kept, "no checkpoint fit: the trial needs a larger tmpfs"
+    subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)
+    r = helpers.run_train(workdir, cache_dir=tmp_path / "cache")
+    assert r.returncode == 0, r.stdout[-3000:]
+    helpers.assert_kept(workdir, kept)
+    assert helpers.train_losses(workdir) == helpers.train_losses(tmp_path / "ref")
+    print(f"full disk: kept {sorted(kept)}, resumed to {helpers.committed_steps(workdir)}")
+  finally:
+    subprocess.run(["umount", str(mnt)], check=False)
