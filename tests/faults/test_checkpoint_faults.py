@@ -9,6 +9,7 @@ byte-identical.
 import dataclasses
 import errno
 import glob
+import json
 import os
 import shutil
 
@@ -180,9 +181,9 @@ def test_garbage_checkpoint_metadata_is_harmless(reference, tmp_path):
 
 
 def test_undetected_bit_flip_is_caught_by_the_fingerprint(reference, tmp_path):
-  """A flip that orbax reads without complaint (an uncompressed float) must still be
-  caught: rewrite one parameter of step 8 through orbax itself, so every orbax-level check
-  passes, and keep the old meta."""
+  """A changed value that orbax reads without complaint must still be caught: rewrite step 8
+  through orbax itself with one element changed (so every orbax-level check passes) under
+  the meta, and fingerprint, of the good state."""
   workdir = _copy(reference, tmp_path / "run")
   model_dict = dataclasses.asdict(run_config_from_dict(reference["config"]).model)
   ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000)
@@ -193,13 +194,11 @@ def test_undetected_bit_flip_is_caught_by_the_fingerprint(reference, tmp_path):
   finally:
     ckpt.close()
   # Move step 8 aside and save a state that differs in one element under the same step.
-  state = good.state
-  flipped = jax.tree.map(lambda x: x, state)
-  emb = flipped.params["embed"]["embedding"]
-  bad = np.array(emb[...])
-  bad[0, 0] = -bad[0, 0] + 1.0
-  flipped.params["embed"]["embedding"] = type(emb)(jax.numpy.asarray(bad)) if hasattr(
-      emb, "value") else jax.numpy.asarray(bad)
+  leaves, treedef = jax.tree.flatten(good.state)
+  big = max(range(len(leaves)), key=lambda i: leaves[i].size)  # the largest: a float matrix
+  corner = (0,) * leaves[big].ndim
+  leaves[big] = leaves[big].at[corner].set(1.0 - leaves[big][corner])
+  flipped = jax.tree.unflatten(treedef, leaves)
   shutil.rmtree(workdir / "checkpoints" / "8")
   ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000, async_save=False)
   try:
@@ -210,7 +209,6 @@ def test_undetected_bit_flip_is_caught_by_the_fingerprint(reference, tmp_path):
     ckpt.close()
   # Put back the fingerprint of the good state: the arrays on disk no longer match it.
   meta_file = workdir / "checkpoints" / "8" / "meta" / "metadata"
-  import json  # pylint: disable=g-import-not-at-top
   stored = json.loads(meta_file.read_text())
   assert stored["fingerprint"] != meta["fingerprint"]
   stored["fingerprint"] = meta["fingerprint"]
