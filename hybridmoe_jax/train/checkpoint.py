@@ -105,11 +105,12 @@ class _AbandonedReads(std_logging.Filter):
 
 
 def _drop_abandoned_read_reports() -> None:
-  """Silence the reports of reads a failed restore abandoned (idempotent; before each one).
+  """Silence the reports of reads (or writes) a failed restore (or save) abandoned
+  (idempotent: called by every Checkpointer and before each restore).
 
   orbax reads a step's arrays concurrently on an event loop of its own; when one read fails
   it raises that error (reported by the caller, one line) and closes the loop while the
-  other reads are still in flight. Each of those later reports the same failure: asyncio logs
+  other reads are still in flight (a save that hits a full disk does the same with writes). Each of those later reports the same failure: asyncio logs
   "Future exception was never retrieved" with the whole tensorstore spec when its future is
   garbage-collected; tensorstore's completion callback, finding the loop closed, raises
   "Event loop is closed" where nothing can catch it (sys.unraisablehook); an unfinished read
@@ -300,6 +301,7 @@ class Checkpointer:
     self._pending: int | None = None   # the step of the last save started
     self._failed = False               # a write failed (reported as CheckpointWriteError)
     _quiet_orbax_logs()
+    _drop_abandoned_read_reports()  # also after a failed write, until the process exits
     if read_only:
       if not os.path.isdir(self.directory):
         raise ValueError(f"{workdir} has no checkpoints/ directory")
@@ -351,13 +353,15 @@ class Checkpointer:
       if err is None:
         raise
       self._failed = True
+      full = err.errno in (errno.ENOSPC, errno.EDQUOT)
       what = "no space left on device" if err.errno == errno.ENOSPC else (
           err.strerror or _one_line(err))
       good = [s for s in self.manager.all_steps() if s != self._pending]
       raise CheckpointWriteError(
           f"cannot write checkpoint step {self._pending} to {self.directory}: {what} "
           f"({err.filename or self.workdir}); the checkpoints before it are intact (newest: "
-          f"{f'step {max(good)}' if good else 'none'}). Free space in {self.workdir}, then "
+          f"{f'step {max(good)}' if good else 'none'}). "
+          f"{'Free space in' if full else 'Check the file system of'} {self.workdir}, then "
           "rerun to resume") from None
 
   def wait(self) -> None:
