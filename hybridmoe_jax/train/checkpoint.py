@@ -127,11 +127,13 @@ def _drop_abandoned_read_reports() -> None:
   def hook(u):
     closed_loop = (isinstance(u.exc_value, RuntimeError)
                    and str(u.exc_value) == "Event loop is closed")
-    # orbax's read coroutine turns the GeneratorExit of its own garbage collection into an
-    # Exception naming the array ("Encountered error while reading array index ...").
-    collected_read = (isinstance(getattr(u.exc_value, "__cause__", None), GeneratorExit)
-                      and "_read_array_index_and_device_put" in repr(u.object))
-    if not (closed_loop or collected_read):
+    # An unfinished orbax read or write coroutine, finalised by the garbage collector or at
+    # interpreter exit, raises from its cleanup (orbax's read turns the GeneratorExit into
+    # "Encountered error while reading array index ..."; a write's byte-limit release fails
+    # once Python is shutting down).
+    abandoned_io = any(name in repr(u.object)
+                       for name in ("_read_array_index_and_device_put", "write_fragment"))
+    if not (closed_loop or abandoned_io):
       previous(u)
 
   hook.drops_closed_loop = True

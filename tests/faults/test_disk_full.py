@@ -77,9 +77,11 @@ def test_real_full_disk_through_run_train(tmp_path):
     assert ref.returncode == 0, ref.stdout[-3000:]
     workdir = mnt / "run"
     r = helpers.run_train(workdir, cache_dir=tmp_path / "cache")
+    (tmp_path / "full_disk.log").write_text(r.stdout)   # for a post-mortem
     errors = helpers.error_lines(r.stdout)
     assert r.returncode == 1, r.stdout[-3000:]
-    assert len(errors) == 1 and "no space left on device" in errors[0], r.stdout[-3000:]
+    assert len(errors) == 1 and "no space left on device" in errors[0], (
+        [l for l in r.stdout.splitlines() if "rror" in l][:5])
     assert str(workdir) in errors[0] and "Traceback" not in r.stdout
     kept = helpers.all_hashes(workdir)
     assert kept, "no checkpoint fit: the trial needs a larger tmpfs"
