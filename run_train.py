@@ -14,6 +14,7 @@ by another run, training diverged, a checkpoint that cannot be written: disk ful
 stopped by signal N (130 SIGINT, 143 SIGTERM) after a clean checkpoint: rerun to resume.
 """
 
+import errno
 import os
 import signal
 import sys
@@ -74,6 +75,11 @@ def main(argv):
   except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState,
           checkpoint.CheckpointWriteError) as e:
     sys.exit(f"error: {e}")
+  except OSError as e:  # a full disk hit a log write (metrics, TensorBoard) before a save did
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+      raise
+    sys.exit(f"error: cannot write {e.filename or _WORKDIR.value}: {e.strerror}; the "
+             f"checkpoints in {_WORKDIR.value} are intact. Free space, then rerun to resume")
   if summary["stopped_by"]:  # a clean stop, checkpoint saved: the shell's 128 + signal code
     sys.exit(128 + signal.Signals[summary["stopped_by"]].value)
 

@@ -80,7 +80,7 @@ def test_real_full_disk_through_run_train(tmp_path):
     (tmp_path / "full_disk.log").write_text(r.stdout)   # for a post-mortem
     errors = helpers.error_lines(r.stdout)
     assert r.returncode == 1, r.stdout[-3000:]
-    assert len(errors) == 1 and "no space left on device" in errors[0], (
+    assert len(errors) == 1 and "no space left on device" in errors[0].lower(), (
         [l for l in r.stdout.splitlines() if "rror" in l][:5])
     assert str(workdir) in errors[0] and "Traceback" not in r.stdout
     kept = helpers.all_hashes(workdir)
