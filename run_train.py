@@ -10,10 +10,11 @@ The run resumes from the newest good checkpoint in --workdir. All logic lives in
 `hybridmoe_jax.train`; this file only parses flags.
 
 Exit status: 0 finished; 1 an error, told in one line (bad config or data, a workdir in use
-by another run, training diverged); 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM)
-after a clean checkpoint: rerun to resume.
+by another run, training diverged, a checkpoint that cannot be written: disk full); 128 + N
+stopped by signal N (130 SIGINT, 143 SIGTERM) after a clean checkpoint: rerun to resume.
 """
 
+import errno
 import os
 import signal
 import sys
@@ -71,8 +72,14 @@ def main(argv):
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)
     summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
-  except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState) as e:
+  except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState,
+          checkpoint.CheckpointWriteError) as e:
     sys.exit(f"error: {e}")
+  except OSError as e:  # a full disk hit a log write (metrics, TensorBoard) before a save did
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+      raise
+    sys.exit(f"error: cannot write {e.filename or _WORKDIR.value}: {e.strerror}; the "
+             f"checkpoints in {_WORKDIR.value} are intact. Free space, then rerun to resume")
   if summary["stopped_by"]:  # a clean stop, checkpoint saved: the shell's 128 + signal code
     sys.exit(128 + signal.Signals[summary["stopped_by"]].value)
 

@@ -20,12 +20,15 @@ A params export (`export_params`) holds parameters and routing biases only, plus
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging as std_logging
 import os
 import shutil
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -51,11 +54,19 @@ _READ_ONLY_NOISE = ("CheckpointManagerOptions.read_only=True, setting ",
 
 class _QuietOrbax(std_logging.Filter):
   """Drop orbax's INFO chatter (dozens of lines per save) and its read-only notices; keep
-  its other warnings and errors."""
+  its other warnings and errors.
+
+  A failed background write (disk full) is logged by orbax's save thread with a traceback
+  through tensorstore; `Checkpointer` reports it as one CheckpointWriteError line, so that
+  record is shortened to one line too.
+  """
 
   def filter(self, record) -> bool:
     if "orbax" not in record.pathname:
       return True
+    if record.exc_info and _os_error(record.exc_info[1]) is not None:
+      record.msg, record.args = "a checkpoint write failed: %s", (_one_line(record.exc_info[1]),)
+      record.exc_info = record.exc_text = None
     if record.levelno >= 30:
       return not str(record.msg).startswith(_READ_ONLY_NOISE)
     return False
@@ -93,6 +104,49 @@ def structure_signature(abstract_state) -> str:
   leaves = [f"{tuple(x.shape)}:{x.dtype}" for x in jax.tree.leaves(abstract_state)]
   text = f"{jax.tree.structure(abstract_state)}|{','.join(leaves)}"
   return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _AbandonedReads(std_logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports (one multi-line ERROR per array)."""
+
+  def filter(self, record) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _drop_abandoned_read_reports() -> None:
+  """Silence the reports of reads (or writes) a failed restore (or save) abandoned
+  (idempotent: called by every Checkpointer and before each restore).
+
+  orbax reads a step's arrays concurrently on an event loop of its own; when one read fails
+  it raises that error (reported by the caller, one line) and closes the loop while the
+  other reads are still in flight (a save that hits a full disk does the same with writes). Each of those later reports the same failure: asyncio logs
+  "Future exception was never retrieved" with the whole tensorstore spec when its future is
+  garbage-collected; tensorstore's completion callback, finding the loop closed, raises
+  "Event loop is closed" where nothing can catch it (sys.unraisablehook); an unfinished read
+  coroutine, when collected, raises from its GeneratorExit (unraisable too). Their results
+  are discarded anyway, so exactly these three reports are dropped; anything else passes.
+  """
+  log = std_logging.getLogger("asyncio")
+  if not any(isinstance(f, _AbandonedReads) for f in log.filters):
+    log.addFilter(_AbandonedReads())
+  if getattr(sys.unraisablehook, "drops_closed_loop", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(u):
+    closed_loop = (isinstance(u.exc_value, RuntimeError)
+                   and str(u.exc_value) == "Event loop is closed")
+    # An unfinished orbax read or write coroutine, finalised by the garbage collector or at
+    # interpreter exit, raises from its cleanup (orbax's read turns the GeneratorExit into
+    # "Encountered error while reading array index ..."; a write's byte-limit release fails
+    # once Python is shutting down).
+    abandoned_io = any(name in repr(u.object)
+                       for name in ("_read_array_index_and_device_put", "write_fragment"))
+    if not (closed_loop or abandoned_io):
+      previous(u)
+
+  hook.drops_closed_loop = True
+  sys.unraisablehook = hook
 
 
 def _one_line(e: BaseException, limit: int = 240) -> str:
@@ -214,6 +268,25 @@ class NonFiniteState(ValueError):
   """A save of a state holding NaN or Inf was refused."""
 
 
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (disk full, quota, I/O error): the run stops; the
+  checkpoints before it are intact and the unfinished one is set aside on the next start."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+  """The OSError behind `e` (orbax re-raises background-thread errors wrapped; tensorstore
+  raises ValueErrors that only name the OS error), if any."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, OSError) and e.errno is not None:
+      return e
+    if "No space left on device" in str(e):
+      return OSError(errno.ENOSPC, "No space left on device")
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
+
+
 class Restored(NamedTuple):
   """What `Checkpointer.restore_latest` returns."""
 
@@ -236,7 +309,10 @@ class Checkpointer:
     self.corrupt_dir = os.path.join(self.workdir, "checkpoints_corrupt")
     self.read_only = read_only
     self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
+    self._pending: int | None = None   # the step of the last save started
+    self._failed = False               # a write failed (reported as CheckpointWriteError)
     _quiet_orbax_logs()
+    _drop_abandoned_read_reports()  # also after a failed write, until the process exits
     if read_only:
       if not os.path.isdir(self.directory):
         raise ValueError(f"{workdir} has no checkpoints/ directory")
@@ -270,15 +346,51 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(gather_host_states(data_state or {})),
                               meta=ocp.args.JsonSave(_jsonify(meta)))
-    self.manager.save(step, args=args, force=True)
+    with self._write_errors():  # the previous (async) save's error surfaces here
+      self.manager.save(step, args=args, force=True)
+    self._pending = step
     return True
 
+  @contextlib.contextmanager
+  def _write_errors(self):
+    """A failed write (ENOSPC, EDQUOT, EIO...: also one raised in orbax's background thread
+    and re-raised at the next save or wait) -> one CheckpointWriteError line."""
+    try:
+      yield
+    except CheckpointWriteError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      err = _os_error(e)
+      if err is None:
+        raise
+      self._failed = True
+      full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+      what = "no space left on device" if err.errno == errno.ENOSPC else (
+          err.strerror or _one_line(err))
+      good = [s for s in self.manager.all_steps() if s != self._pending]
+      raise CheckpointWriteError(
+          f"cannot write checkpoint step {self._pending} to {self.directory}: {what} "
+          f"({err.filename or self.workdir}); the checkpoints before it are intact (newest: "
+          f"{f'step {max(good)}' if good else 'none'}). "
+          f"{'Free space in' if full else 'Check the file system of'} {self.workdir}, then "
+          "rerun to resume") from None
+
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    with self._write_errors():
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Wait for the last save and release orbax's threads (after a failed write: quietly,
+    the error has been raised already)."""
+    try:
+      if not self._failed:
+        self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if not self._failed:
+          raise
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -319,6 +431,7 @@ class Checkpointer:
             f"checkpoint step {step} in {self.directory} has a different train-state layout "
             "(model, optimizer or clipping changed: train.optimizer / train.clip). "
             "Use a fresh --workdir or the original config.")
+      _drop_abandoned_read_reports()  # pytest, for one, resets the hook between tests
       try:
         r = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))

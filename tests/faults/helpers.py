@@ -1,0 +1,155 @@
+"""Shared pieces of the fault trials: the tiny in-process run, checkpoint fingerprints on
+disk, metrics and log checks, and `run_train.py` subprocesses."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import hashlib
+import json
+import logging as std_logging
+import os
+import subprocess
+import sys
+import time
+import types
+
+
+from tests.conftest import ROOT
+from tests.train.test_loop import _config, _train_losses
+from tests.train.train_fakes import FakeIterator
+
+FAULT_CONFIG = ROOT / "tests" / "faults" / "fault_config.py"
+train_losses = _train_losses  # {step: loss}, the last record of a step wins
+
+
+def tiny_config(**train):
+  """tests/train/test_loop.py's tiny run, checkpoints every 2 steps, none rotated away."""
+  return _config(**{**dict(checkpoint_every=2, keep_checkpoints=1000, heatmap_every=0,
+                           eval_every=0), **train})
+
+
+def fake_data(config, iterator=None):
+  t = config.train
+  evals = list(FakeIterator(t.batch_size, t.seq_len, seed=99, length=2))
+  return types.SimpleNamespace(train=iterator or FakeIterator(t.batch_size, t.seq_len),
+                               eval_batches=evals)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def committed_steps(workdir) -> list[int]:
+  """Steps under workdir/checkpoints whose save finished (orbax renamed the tmp dir)."""
+  d = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(d):
+    return []
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+
+def step_hashes(workdir, step: int) -> dict[str, str]:
+  """{relative path: sha256} of every file of checkpoint `step`."""
+  root = os.path.join(workdir, "checkpoints", str(step))
+  out = {}
+  for f in sorted(glob.glob(os.path.join(root, "**"), recursive=True)):
+    if os.path.isfile(f):
+      with open(f, "rb") as fh:
+        out[os.path.relpath(f, root)] = hashlib.sha256(fh.read()).hexdigest()
+  return out
+
+
+def all_hashes(workdir) -> dict[int, dict[str, str]]:
+  return {s: step_hashes(workdir, s) for s in committed_steps(workdir)}
+
+
+def assert_kept(workdir, before: dict[int, dict[str, str]]) -> None:
+  """Every checkpoint recorded in `before` is still in checkpoints/, byte-identical."""
+  for step, files in before.items():
+    assert step_hashes(workdir, step) == files, f"checkpoint {step} changed or vanished"
+
+
+class LogLines(std_logging.Handler):
+  """Collects every log record at WARNING and above (absl's and other libraries', e.g.
+  asyncio's), on the root logger."""
+
+  def __init__(self):
+    super().__init__(std_logging.WARNING)
+    self.records = []
+
+  def emit(self, record):
+    self.records.append(record)
+
+  def messages(self) -> list[str]:
+    return [r.getMessage() for r in self.records]
+
+  def __enter__(self):
+    std_logging.getLogger().addHandler(self)
+    return self
+
+  def __exit__(self, *exc):
+    std_logging.getLogger().removeHandler(self)
+
+
+class Unraisable:
+  """Collects exceptions raised where nobody can catch them (finalisers, callbacks into a
+  closed event loop) while inside; at the end it lets late callbacks arrive (a second) and
+  collects the garbage. Whatever hooks the code under test adds on top (its filters) see
+  them first."""
+
+  def __init__(self):
+    self.seen: list[str] = []
+
+  def _hook(self, u):
+    self.seen.append(f"{u.exc_type.__name__}: {u.exc_value} ({u.err_msg})")
+
+  def __enter__(self):
+    self._old, sys.unraisablehook = sys.unraisablehook, self._hook
+    return self
+
+  def __exit__(self, *exc):
+    time.sleep(1.0)
+    gc.collect()
+    sys.unraisablehook = self._old
+
+
+# ------------------------------------------------------------------------------ subprocesses
+def subprocess_env(cache_dir=None) -> dict[str, str]:
+  """The repo on PYTHONPATH (this worktree's code), one CPU device, and a persistent compile
+  cache shared by a trial's runs (a resume then skips the ~20 s compile; same executables,
+  so the numbers stay bitwise equal)."""
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  if cache_dir:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return env
+
+
+def train_cmd(workdir, *overrides: str) -> list[str]:
+  return [sys.executable, str(ROOT / "run_train.py"), f"--config={FAULT_CONFIG}",
+          f"--workdir={workdir}", *overrides]
+
+
+def start_train(workdir, *overrides: str, cache_dir=None, log=None) -> subprocess.Popen:
+  return subprocess.Popen(train_cmd(workdir, *overrides), cwd=ROOT, env=subprocess_env(cache_dir),
+                          stdout=subprocess.PIPE if log is None else log,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def run_train(workdir, *overrides: str, cache_dir=None, timeout=600):
+  """-> CompletedProcess (stdout and stderr together in .stdout)."""
+  return subprocess.run(train_cmd(workdir, *overrides), cwd=ROOT, env=subprocess_env(cache_dir),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        timeout=timeout, check=False)
+
+
+def error_lines(output: str) -> list[str]:
+  """The user-facing `error: ...` lines of a run's output."""
+  return [l for l in output.splitlines() if l.startswith("error:")]
+
+
+def metrics_events(workdir) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(l) for l in f if l.strip()]
