@@ -25,10 +25,8 @@ import dataclasses
 import errno
 import hashlib
 import json
-import logging as std_logging
 import os
 import shutil
-import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -42,40 +40,9 @@ from flax import nnx
 from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 from hybridmoe_jax.sharding import path_string
+from hybridmoe_jax.train import io_noise
 
 CONFIG_FILE = "model_config.json"
-
-
-# Warnings orbax prints for every read-only CheckpointManager (each eval): they restate the
-# read_only=True we asked for, so a user has nothing to act on.
-_READ_ONLY_NOISE = ("CheckpointManagerOptions.read_only=True, setting ",
-                    "Given directory is read only=")
-
-
-class _QuietOrbax(std_logging.Filter):
-  """Drop orbax's INFO chatter (dozens of lines per save) and its read-only notices; keep
-  its other warnings and errors.
-
-  A failed background write (disk full) is logged by orbax's save thread with a traceback
-  through tensorstore; `Checkpointer` reports it as one CheckpointWriteError line, so that
-  record is shortened to one line too.
-  """
-
-  def filter(self, record) -> bool:
-    if "orbax" not in record.pathname:
-      return True
-    if record.exc_info and _os_error(record.exc_info[1]) is not None:
-      record.msg, record.args = "a checkpoint write failed: %s", (_one_line(record.exc_info[1]),)
-      record.exc_info = record.exc_text = None
-    if record.levelno >= 30:
-      return not str(record.msg).startswith(_READ_ONLY_NOISE)
-    return False
-
-
-def _quiet_orbax_logs() -> None:
-  absl_logger = logging.get_absl_logger()
-  if not any(isinstance(f, _QuietOrbax) for f in absl_logger.filters):
-    absl_logger.addFilter(_QuietOrbax())
 
 
 @jax.jit
@@ -104,55 +71,6 @@ def structure_signature(abstract_state) -> str:
   leaves = [f"{tuple(x.shape)}:{x.dtype}" for x in jax.tree.leaves(abstract_state)]
   text = f"{jax.tree.structure(abstract_state)}|{','.join(leaves)}"
   return hashlib.sha256(text.encode()).hexdigest()
-
-
-class _AbandonedReads(std_logging.Filter):
-  """Drops asyncio's "exception was never retrieved" reports (one multi-line ERROR per array)."""
-
-  def filter(self, record) -> bool:
-    return "exception was never retrieved" not in str(record.msg)
-
-
-def _drop_abandoned_read_reports() -> None:
-  """Silence the reports of reads (or writes) a failed restore (or save) abandoned
-  (idempotent: called by every Checkpointer and before each restore).
-
-  orbax reads a step's arrays concurrently on an event loop of its own; when one read fails
-  it raises that error (reported by the caller, one line) and closes the loop while the
-  other reads are still in flight (a save that hits a full disk does the same with writes). Each of those later reports the same failure: asyncio logs
-  "Future exception was never retrieved" with the whole tensorstore spec when its future is
-  garbage-collected; tensorstore's completion callback, finding the loop closed, raises
-  "Event loop is closed" where nothing can catch it (sys.unraisablehook); an unfinished read
-  coroutine, when collected, raises from its GeneratorExit (unraisable too). Their results
-  are discarded anyway, so exactly these three reports are dropped; anything else passes.
-  """
-  log = std_logging.getLogger("asyncio")
-  if not any(isinstance(f, _AbandonedReads) for f in log.filters):
-    log.addFilter(_AbandonedReads())
-  if getattr(sys.unraisablehook, "drops_closed_loop", False):
-    return
-  previous = sys.unraisablehook
-
-  def hook(u):
-    closed_loop = (isinstance(u.exc_value, RuntimeError)
-                   and str(u.exc_value) == "Event loop is closed")
-    # An unfinished orbax read or write coroutine, finalised by the garbage collector or at
-    # interpreter exit, raises from its cleanup (orbax's read turns the GeneratorExit into
-    # "Encountered error while reading array index ..."; a write's byte-limit release fails
-    # once Python is shutting down).
-    abandoned_io = any(name in repr(u.object)
-                       for name in ("_read_array_index_and_device_put", "write_fragment"))
-    if not (closed_loop or abandoned_io):
-      previous(u)
-
-  hook.drops_closed_loop = True
-  sys.unraisablehook = hook
-
-
-def _one_line(e: BaseException, limit: int = 240) -> str:
-  """An exception as one short line (tensorstore errors span dozens of lines)."""
-  text = " ".join(str(e).split())
-  return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
 
 
 def _jsonify(d):
@@ -273,20 +191,6 @@ class CheckpointWriteError(RuntimeError):
   checkpoints before it are intact and the unfinished one is set aside on the next start."""
 
 
-def _os_error(e: BaseException) -> OSError | None:
-  """The OSError behind `e` (orbax re-raises background-thread errors wrapped; tensorstore
-  raises ValueErrors that only name the OS error), if any."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    if isinstance(e, OSError) and e.errno is not None:
-      return e
-    if "No space left on device" in str(e):
-      return OSError(errno.ENOSPC, "No space left on device")
-    seen.add(id(e))
-    e = e.__cause__ or e.__context__
-  return None
-
-
 class Restored(NamedTuple):
   """What `Checkpointer.restore_latest` returns."""
 
@@ -311,8 +215,7 @@ class Checkpointer:
     self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
     self._pending: int | None = None   # the step of the last save started
     self._failed = False               # a write failed (reported as CheckpointWriteError)
-    _quiet_orbax_logs()
-    _drop_abandoned_read_reports()  # also after a failed write, until the process exits
+    io_noise.install()  # also after a failed write, until the process exits
     if read_only:
       if not os.path.isdir(self.directory):
         raise ValueError(f"{workdir} has no checkpoints/ directory")
@@ -360,13 +263,13 @@ class Checkpointer:
     except CheckpointWriteError:
       raise
     except Exception as e:  # pylint: disable=broad-except
-      err = _os_error(e)
+      err = io_noise.os_error(e)
       if err is None:
         raise
       self._failed = True
       full = err.errno in (errno.ENOSPC, errno.EDQUOT)
       what = "no space left on device" if err.errno == errno.ENOSPC else (
-          err.strerror or _one_line(err))
+          err.strerror or io_noise.one_line(err))
       good = [s for s in self.manager.all_steps() if s != self._pending]
       raise CheckpointWriteError(
           f"cannot write checkpoint step {self._pending} to {self.directory}: {what} "
@@ -421,7 +324,7 @@ class Checkpointer:
       try:
         meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, f"unreadable metadata ({_one_line(e)})")
+        self._skip(step, f"unreadable metadata ({io_noise.one_line(e)})")
         continue
       check_workdir_config(self.workdir, model_dict, saved=meta["model_config"],
                            source=f"checkpoint step {step}")
@@ -431,12 +334,12 @@ class Checkpointer:
             f"checkpoint step {step} in {self.directory} has a different train-state layout "
             "(model, optimizer or clipping changed: train.optimizer / train.clip). "
             "Use a fresh --workdir or the original config.")
-      _drop_abandoned_read_reports()  # pytest, for one, resets the hook between tests
+      io_noise.install()  # pytest, for one, resets the hook between tests
       try:
         r = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, _one_line(e))
+        self._skip(step, io_noise.one_line(e))
         continue
       if not _same_fingerprint(meta.get("fingerprint", []), fingerprint(r.state)):
         self._skip(step, "restored values do not match the fingerprint saved with them")

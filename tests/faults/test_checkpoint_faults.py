@@ -7,7 +7,6 @@ byte-identical.
 """
 
 import dataclasses
-import errno
 import glob
 import json
 import os
@@ -19,7 +18,7 @@ import pytest
 
 from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train.loop import InputError, train_and_evaluate
+from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.conftest import one_device
 from tests.faults import helpers
 

@@ -1,0 +1,118 @@
+"""Checkpoint I/O noise that a user cannot act on, made quiet or one line.
+
+orbax logs dozens of INFO lines per save, read-only notices on every eval's restore and, when
+a background write fails (disk full), a traceback through tensorstore; a failed restore
+leaves concurrent reads behind whose reports flood the log. `install()` (idempotent, called
+by every `Checkpointer` and before each restore) filters exactly those records; the errors
+themselves reach the user once, as one line (`one_line`, `os_error`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging as std_logging
+import sys
+
+from absl import logging
+
+
+def one_line(e: BaseException, limit: int = 240) -> str:
+  """An exception as one short line (tensorstore errors span dozens of lines)."""
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
+def os_error(e: BaseException) -> OSError | None:
+  """The OSError behind `e` (orbax re-raises background-thread errors wrapped; tensorstore
+  raises ValueErrors that only name the OS error), if any."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, OSError) and e.errno is not None:
+      return e
+    if "No space left on device" in str(e):
+      return OSError(errno.ENOSPC, "No space left on device")
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
+
+
+# Warnings orbax prints for every read-only CheckpointManager (each eval): they restate the
+# read_only=True we asked for, so a user has nothing to act on.
+_READ_ONLY_NOISE = ("CheckpointManagerOptions.read_only=True, setting ",
+                    "Given directory is read only=")
+
+
+class _QuietOrbax(std_logging.Filter):
+  """Drop orbax's INFO chatter (dozens of lines per save) and its read-only notices; keep
+  its other warnings and errors.
+
+  A failed background write (disk full) is logged by orbax's save thread with a traceback
+  through tensorstore; `Checkpointer` reports it as one CheckpointWriteError line, so that
+  record is shortened to one line too.
+  """
+
+  def filter(self, record) -> bool:
+    if "orbax" not in record.pathname:
+      return True
+    if record.exc_info and os_error(record.exc_info[1]) is not None:
+      record.msg, record.args = "a checkpoint write failed: %s", (one_line(record.exc_info[1]),)
+      record.exc_info = record.exc_text = None
+    if record.levelno >= 30:
+      return not str(record.msg).startswith(_READ_ONLY_NOISE)
+    return False
+
+
+def _quiet_orbax_logs() -> None:
+  absl_logger = logging.get_absl_logger()
+  if not any(isinstance(f, _QuietOrbax) for f in absl_logger.filters):
+    absl_logger.addFilter(_QuietOrbax())
+
+
+class _AbandonedReads(std_logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports (one multi-line ERROR per array)."""
+
+  def filter(self, record) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _drop_abandoned_read_reports() -> None:
+  """Silence the reports of reads (or writes) a failed restore (or save) abandoned
+  (idempotent: called by every Checkpointer and before each restore).
+
+  orbax reads a step's arrays concurrently on an event loop of its own; when one read fails
+  it raises that error (reported by the caller, one line) and closes the loop while the
+  other reads are still in flight (a save that hits a full disk does the same with
+  writes). Each of those later reports the same failure: asyncio logs
+  "Future exception was never retrieved" with the whole tensorstore spec when its future is
+  garbage-collected; tensorstore's completion callback, finding the loop closed, raises
+  "Event loop is closed" where nothing can catch it (sys.unraisablehook); an unfinished read
+  coroutine, when collected, raises from its GeneratorExit (unraisable too). Their results
+  are discarded anyway, so exactly these three reports are dropped; anything else passes.
+  """
+  log = std_logging.getLogger("asyncio")
+  if not any(isinstance(f, _AbandonedReads) for f in log.filters):
+    log.addFilter(_AbandonedReads())
+  if getattr(sys.unraisablehook, "drops_closed_loop", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(u):
+    closed_loop = (isinstance(u.exc_value, RuntimeError)
+                   and str(u.exc_value) == "Event loop is closed")
+    # An unfinished orbax read or write coroutine, finalised by the garbage collector or at
+    # interpreter exit, raises from its cleanup (orbax's read turns the GeneratorExit into
+    # "Encountered error while reading array index ..."; a write's byte-limit release fails
+    # once Python is shutting down).
+    abandoned_io = any(name in repr(u.object)
+                       for name in ("_read_array_index_and_device_put", "write_fragment"))
+    if not (closed_loop or abandoned_io):
+      previous(u)
+
+  hook.drops_closed_loop = True
+  sys.unraisablehook = hook
+
+
+def install() -> None:
+  """Both filters; safe to call any number of times."""
+  _quiet_orbax_logs()
+  _drop_abandoned_read_reports()
