@@ -106,7 +106,9 @@ def _check_one_warning(log: helpers.LogLines, step: int) -> None:
   assert not any("Event loop is closed" in l for l in lines), lines
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+# Deleted data files are also the fault of test_loop.py's corrupt-checkpoint test: slow here.
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f == "deleted_all_data"
+                                   else f for f in sorted(FAULTS)])
 def test_damaged_newest_checkpoint_falls_back(reference, tmp_path, fault):
   workdir = _copy(reference, tmp_path / "run")
   FAULTS[fault](os.path.join(workdir, "checkpoints", "8"))
@@ -223,6 +225,7 @@ def test_undetected_bit_flip_is_caught_by_the_fingerprint(reference, tmp_path):
   _check_one_warning(log, 8)
 
 
+@pytest.mark.slow  # fast: the fallback trials above and test_loop's exact resume after a crash
 def test_resume_after_bit_flip_is_exact(reference, tmp_path):
   workdir = _copy(reference, tmp_path / "run")
   _bit_flip(os.path.join(workdir, "checkpoints", "8"))

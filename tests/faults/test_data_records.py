@@ -276,6 +276,7 @@ def test_run_train_error_stops_before_training_with_one_line(tmp_path):
   assert not (tmp_path / "w_error" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # fast: the in-process skip cases above and the error-mode run_train test
 def test_run_train_skip_trains_past_the_bad_record(tmp_path):
   """The reported failure: this crashed in a grain worker at the step reaching line 3."""
   path, n = _jsonl(tmp_path, JSONL_BAD["lone_surrogate"][0])

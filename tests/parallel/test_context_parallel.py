@@ -77,7 +77,8 @@ def _check_value_and_grads(single, sharded, args, w):
     assert _max_rel(a, r) < 1e-5, f"gradient of argument {i}"
 
 
-@pytest.mark.parametrize("packed", [True, False])
+# Unpacked: the packed case covers it (one document per row is a special case); slow.
+@pytest.mark.parametrize("packed", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_kda_shards_equal_one_device(mesh, packed):
   *args, w = _kda_inputs(0)
   seg = _segments() if packed else None
@@ -175,7 +176,9 @@ def _logits_and_grads(model, tokens, seg):
   return logits, nnx.to_pure_dict(grads)
 
 
-@pytest.mark.parametrize("sizes", [dict(data=2, context=4), dict(expert=2, context=4)])
+# data x context is slow: expert x context runs the same sharded mixers plus the EP MoE.
+@pytest.mark.parametrize("sizes", [pytest.param(dict(data=2, context=4), marks=pytest.mark.slow),
+                                   dict(expert=2, context=4)])
 def test_whole_model_logits_and_gradients_equal_one_device(sizes):
   """HybridLM with its KDA and MLA layers sequence-sharded (and, in the second case, its
   experts over `expert`): logits and every parameter gradient == the plain model's."""
