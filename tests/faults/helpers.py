@@ -14,8 +14,8 @@ import sys
 import time
 import types
 
-
-from tests.conftest import ROOT
+from hybridmoe_jax.train.loop import train_and_evaluate
+from tests.conftest import ROOT, one_device
 from tests.train.test_loop import _config, _train_losses
 from tests.train.train_fakes import FakeIterator
 
@@ -37,6 +37,17 @@ def fake_data(config, iterator=None):
 
 
 # ------------------------------------------------------------------------------ checkpoints
+def reference_run(workdir) -> dict:
+  """The uninterrupted tiny run the trials compare with: workdir, config, summary, losses
+  and every committed checkpoint's file hashes (a module fixture: one device forced, as
+  module fixtures run before conftest's one-device fixture)."""
+  config = tiny_config()
+  with one_device():
+    summary = train_and_evaluate(config, str(workdir), data=fake_data(config))
+  return dict(workdir=workdir, config=config, summary=summary, losses=train_losses(workdir),
+              hashes=all_hashes(workdir))
+
+
 def committed_steps(workdir) -> list[int]:
   """Steps under workdir/checkpoints whose save finished (orbax renamed the tmp dir)."""
   d = os.path.join(workdir, "checkpoints")

@@ -19,19 +19,14 @@ import pytest
 from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
-from tests.conftest import one_device
 from tests.faults import helpers
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("ref")
-  config = helpers.tiny_config()
-  with one_device():  # module fixtures run before conftest's one-device fixture
-    summary = train_and_evaluate(config, str(workdir), data=helpers.fake_data(config))
-  assert helpers.committed_steps(workdir) == [2, 4, 6, 8]
-  return dict(workdir=workdir, config=config, summary=summary,
-              losses=helpers.train_losses(workdir), hashes=helpers.all_hashes(workdir))
+  ref = helpers.reference_run(tmp_path_factory.mktemp("ref"))
+  assert helpers.committed_steps(ref["workdir"]) == [2, 4, 6, 8]
+  return ref
 
 
 def _copy(reference, dst):
@@ -98,6 +93,16 @@ def _abstract(summary):
                       summary["state"])
 
 
+def _restore(reference, workdir):
+  """restore_latest on `workdir` as training does -> (restored, checkpointer)."""
+  model_dict = dataclasses.asdict(run_config_from_dict(reference["config"]).model)
+  ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000)
+  try:
+    return ckpt.restore_latest(_abstract(reference["summary"]), model_dict), ckpt
+  finally:
+    ckpt.close()
+
+
 def _check_one_warning(log: helpers.LogLines, step: int) -> None:
   lines = log.messages()
   about = [l for l in lines if f"checkpoint step {step} is corrupt" in l]
@@ -112,13 +117,8 @@ def _check_one_warning(log: helpers.LogLines, step: int) -> None:
 def test_damaged_newest_checkpoint_falls_back(reference, tmp_path, fault):
   workdir = _copy(reference, tmp_path / "run")
   FAULTS[fault](os.path.join(workdir, "checkpoints", "8"))
-  model_dict = dataclasses.asdict(run_config_from_dict(reference["config"]).model)
   with helpers.LogLines() as log, helpers.Unraisable() as unraisable:
-    ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000)
-    try:
-      restored = ckpt.restore_latest(_abstract(reference["summary"]), model_dict)
-    finally:
-      ckpt.close()
+    restored, ckpt = _restore(reference, workdir)
   # An aborted orbax read once left "Event loop is closed" errors for the garbage collector.
   assert not unraisable.seen, unraisable.seen
   assert restored is not None and restored.meta["step"] == 6
@@ -142,13 +142,8 @@ def test_damage_to_one_data_file_never_restores_wrong_values(reference, tmp_path
   exactly the values that were saved. Never a silently different state."""
   workdir = _copy(reference, tmp_path / "run")
   damage(_largest_data_file(os.path.join(workdir, "checkpoints", "8")))
-  model_dict = dataclasses.asdict(run_config_from_dict(reference["config"]).model)
   with helpers.LogLines() as log:
-    ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000)
-    try:
-      restored = ckpt.restore_latest(_abstract(reference["summary"]), model_dict)
-    finally:
-      ckpt.close()
+    restored, ckpt = _restore(reference, workdir)
   if restored.meta["step"] == 8:
     assert not ckpt.skipped and not log.messages()
     for a, b in zip(jax.tree.leaves(reference["summary"]["state"]),
@@ -166,13 +161,8 @@ def test_garbage_checkpoint_metadata_is_harmless(reference, tmp_path):
   is restored (no progress lost) and orbax's complaint is one log line."""
   workdir = _copy(reference, tmp_path / "run")
   _garbage_checkpoint_metadata(os.path.join(workdir, "checkpoints", "8"))
-  model_dict = dataclasses.asdict(run_config_from_dict(reference["config"]).model)
   with helpers.LogLines() as log:
-    ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000)
-    try:
-      restored = ckpt.restore_latest(_abstract(reference["summary"]), model_dict)
-    finally:
-      ckpt.close()
+    restored, ckpt = _restore(reference, workdir)
   assert restored.meta["step"] == 8 and not ckpt.skipped
   for a, b in zip(jax.tree.leaves(reference["summary"]["state"]),
                   jax.tree.leaves(restored.state)):
@@ -215,11 +205,7 @@ def test_undetected_bit_flip_is_caught_by_the_fingerprint(reference, tmp_path):
   stored["fingerprint"] = meta["fingerprint"]
   meta_file.write_text(json.dumps(stored))
   with helpers.LogLines() as log:
-    ckpt = ckpt_lib.Checkpointer(str(workdir), keep=1000)
-    try:
-      restored = ckpt.restore_latest(_abstract(reference["summary"]), model_dict)
-    finally:
-      ckpt.close()
+    restored, ckpt = _restore(reference, workdir)
   assert restored.meta["step"] == 6
   assert ckpt.skipped == [(8, "restored values do not match the fingerprint saved with them")]
   _check_one_warning(log, 8)

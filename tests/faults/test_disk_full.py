@@ -16,7 +16,6 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
-from tests.conftest import one_device
 from tests.faults import helpers
 
 FULL_AT = 6  # the save of this step hits the full disk
@@ -24,11 +23,7 @@ FULL_AT = 6  # the save of this step hits the full disk
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("ref")
-  config = helpers.tiny_config()
-  with one_device():  # module fixtures run before conftest's one-device fixture
-    summary = train_and_evaluate(config, str(workdir), data=helpers.fake_data(config))
-  return dict(config=config, summary=summary, losses=helpers.train_losses(workdir))
+  return helpers.reference_run(tmp_path_factory.mktemp("ref"))
 
 
 def test_disk_full_during_save_stops_cleanly_and_resumes_exactly(reference, tmp_path,
