@@ -87,14 +87,14 @@ def _legacy_model_dict(d: dict[str, Any]) -> dict[str, Any]:
   return _jsonify(dataclasses.asdict(model_config_from_dict(migrated)))
 
 
-def _config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,
+def config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,
                  prefix: str = "model") -> list[str]:
   """Human-readable differences between two (nested) config dicts, as stored (no migration)."""
   out = []
   for key in sorted(set(saved) | set(current)):
     a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _config_diff(a, b, saved_as=saved_as, current_as=current_as,
+      out += config_diff(a, b, saved_as=saved_as, current_as=current_as,
                           prefix=f"{prefix}.{key}")
     elif a != b:
       out.append(f"{prefix}.{key}: {a!r} {saved_as} vs {b!r} {current_as}")
@@ -110,7 +110,7 @@ def check_model_config(saved: dict[str, Any], current: dict[str, Any], *, what: 
   Both go through the legacy migration, so a config written by older code compares equal to
   the same architecture written today. `what` opens the message; `remedy` ends it.
   """
-  diff = _config_diff(_legacy_model_dict(saved), _legacy_model_dict(current),
+  diff = config_diff(_legacy_model_dict(saved), _legacy_model_dict(current),
                       saved_as=saved_as, current_as=current_as)
   if diff:
     raise ConfigError(f"{what}: " + "; ".join(diff) + (f". {remedy}" if remedy else ""))

@@ -196,9 +196,8 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
 
 # Settings that change what the run's numbers mean: a resume with other values is allowed,
 # but its losses and evals are no longer comparable with those before it.
-_DATA_FIELDS = (("train", "batch_size"), ("train", "seq_len"), ("train", "grad_accum"),
-                ("train", "eval_batches"), ("train", "seed"), ("data", None),
-                ("curriculum", None))
+_DATA_FIELDS = {"train": ("batch_size", "seq_len", "grad_accum", "eval_batches", "seed"),
+                "data": None, "curriculum": None}  # None: the whole section
 
 
 def _warn_changed_data(saved_json: str | None, run: RunConfig, step: int) -> None:
@@ -210,14 +209,12 @@ def _warn_changed_data(saved_json: str | None, run: RunConfig, step: int) -> Non
   except ValueError:
     return
   now = json.loads(json.dumps(dataclasses.asdict(run), default=list))
+  pick = lambda d, keys: d if keys is None else {k: d.get(k) for k in keys}
   diffs = []
-  for section, field in _DATA_FIELDS:
-    a, b = saved.get(section, {}), now.get(section, {})
-    if field is not None:
-      a, b = {field: a.get(field)}, {field: b.get(field)}
-    for key in sorted(set(a) | set(b)):
-      if a.get(key) != b.get(key):
-        diffs.append(f"{section}.{key} {a.get(key)!r} -> {b.get(key)!r}")
+  for section, keys in _DATA_FIELDS.items():
+    diffs += ckpt_lib.config_diff(pick(saved.get(section, {}), keys),
+                                  pick(now.get(section, {}), keys), saved_as="before",
+                                  current_as="now", prefix=section)
   if diffs:
     logging.warning("resuming at step %d with other data settings than the checkpoint's run: "
                     "%s; losses and evals before and after step %d are not comparable",

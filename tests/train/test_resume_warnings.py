@@ -1,0 +1,30 @@
+"""A resume with other data settings says which, in one warning (no training needed)."""
+
+import dataclasses
+import json
+
+from absl import logging as absl_logging
+
+from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.train import loop
+from hybridmoe_jax.train.config import default_config
+
+
+def _saved(run):
+  return json.dumps(dataclasses.asdict(run), default=list)
+
+
+def test_changed_batch_and_seq_len_are_listed(monkeypatch):
+  before = run_config_from_dict(default_config())
+  config = default_config()
+  config.train.update(batch_size=4, seq_len=128, lr=1e-3)  # lr is not a data setting
+  now = run_config_from_dict(config)
+  seen = []
+  monkeypatch.setattr(absl_logging, "warning", lambda msg, *a: seen.append(msg % a))
+  loop._warn_changed_data(_saved(before), now, 30)
+  assert len(seen) == 1
+  assert "train.batch_size: 8 before vs 4 now" in seen[0]
+  assert "train.seq_len: 256 before vs 128 now" in seen[0] and "lr" not in seen[0]
+  seen.clear()
+  loop._warn_changed_data(_saved(now), now, 30)   # same settings: silent
+  assert not seen
