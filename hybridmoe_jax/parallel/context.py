@@ -51,8 +51,8 @@ def previous_tokens(x: jax.Array, width: int, axis_name: str = CONTEXT_AXIS) -> 
   tokens (zeros on shard 0)."""
   n = jax.lax.axis_size(axis_name)
   tail = x[:, x.shape[1] - width:]
-  sent = jax.lax.ppermute(tail, axis_name, [(i, i + 1) for i in range(n - 1)])
-  return sent  # ppermute leaves shard 0 (no source) with zeros
+  # ppermute leaves shard 0 (no source) with zeros.
+  return jax.lax.ppermute(tail, axis_name, [(i, i + 1) for i in range(n - 1)])
 
 
 def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
@@ -112,14 +112,13 @@ def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
   Returns:
     [B, T, H, d_c] float32-accumulated sum_j softmax_j c_j in c's dtype (apply W_uv after).
   """
-  r, n = _shard_index_and_count(axis_name)
+  r = jax.lax.axis_index(axis_name)
   t = c.shape[1]
   keys = jnp.concatenate([c, k_r.astype(c.dtype)], axis=-1)
   keys_all = jax.lax.all_gather(keys, axis_name, axis=1, tiled=True)   # [B, n T, d_c + Dr]
   values_all = keys_all[..., :c.shape[-1]]
   seg = segment_ids if segment_ids is not None else jnp.zeros(c.shape[:2], jnp.int32)
   seg_all = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)
-  del n
   return blockwise_attention(q, keys_all[:, :, None], values_all[:, :, None],
                              q_segment_ids=seg, kv_segment_ids=seg_all, q_offset=r * t,
                              scale=scale, block_q=block, block_kv=block)
