@@ -5,6 +5,9 @@ help texts to long standard-library packages (upsampled) with a small share of s
 retrieval documents; each longer stage re-warms to a lower constant learning rate and decays.
 
   python run_train.py --config=configs/curriculum_1m.py --dry_run   # plan + memory per stage
+
+Target hardware: 16 x H200 (141 GB each), mesh fsdp=4 x context=4; the dry run checks every
+stage against 85% of the device memory.
 """
 
 import pathlib
@@ -42,6 +45,11 @@ def get_config():
   t.eval_every = 0
   t.eval_batches = 1
   t.checkpoint_every = 500
+  # Target: 16 H200s (two 8-GPU hosts). Every stage holds 4M tokens per step, 256K per
+  # device; the 1M stage has 4 sequences for 16 devices, so each sequence is split over 4
+  # context shards (KDA state fold, gathered MLA latents), and fsdp takes the rest.
   m = config.mesh
-  m.data, m.fsdp, m.expert, m.tensor = 1, 16, 1, 1
+  m.data, m.fsdp, m.expert, m.tensor, m.context = 1, 4, 1, 1, 4
+  config.hardware.device = "h200"
+  config.hardware.margin = 0.15
   return config

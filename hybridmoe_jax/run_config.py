@@ -312,6 +312,49 @@ class CurriculumConfig:
                 f"at least one path for kind {s.kind!r}")
 
 
+# Memory per device (GiB = 2**30 bytes) of the accelerators a plan may name in
+# `hardware.device`; vendors quote decimal GB: H100 80 GB, H200 141 GB, B200 180 GB,
+# TPU v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e (Trillium) 32 GiB.
+DEVICE_MEMORY_GIB = {
+    "h100": 80e9 / 2 ** 30, "h200": 141e9 / 2 ** 30, "b200": 180e9 / 2 ** 30,
+    "tpu_v4": 32.0, "tpu_v5e": 16.0, "tpu_v5p": 95.0, "tpu_v6e": 32.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareConfig:
+  """`hardware`: the accelerator a plan targets; only the dry run's memory check reads it.
+
+  device "" leaves the target unnamed and checks against `memory_gib` (64 GiB when that is
+  0 too); a named device takes its memory from DEVICE_MEMORY_GIB unless memory_gib is set.
+  `margin` is the share of that memory kept free for XLA's scratch buffers, fragmentation
+  and the runtime (the plan must fit in (1 - margin) x memory).
+  """
+
+  device: str = ""
+  memory_gib: float = 0.0
+  margin: float = 0.1
+
+  def __post_init__(self):
+    p = "hardware"
+    require(self.device == "" or self.device in DEVICE_MEMORY_GIB, f"{p}.device", self.device,
+            f"'' (unnamed) or one of {tuple(DEVICE_MEMORY_GIB)}")
+    _range(f"{p}.memory_gib", self.memory_gib, 0.0, 1e6, "a number of GiB >= 0 (0: the "
+           "device's own)")
+    _range(f"{p}.margin", self.margin, 0.0, 0.9, "a fraction in [0, 0.9]")
+
+  @property
+  def usable_bytes(self) -> float:
+    """Bytes a plan may use per device: (1 - margin) x the device memory."""
+    gib = self.memory_gib or DEVICE_MEMORY_GIB.get(self.device, 64.0)
+    return (1.0 - self.margin) * gib * 2 ** 30
+
+  def describe(self) -> str:
+    gib = self.memory_gib or DEVICE_MEMORY_GIB.get(self.device, 64.0)
+    name = self.device or "unnamed device (set hardware.device)"
+    return f"{name}, {gib:.1f} GiB per device, {self.margin:.0%} kept free"
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """The whole run: what the model is, how it computes, and how it is trained and fed."""
@@ -322,6 +365,7 @@ class RunConfig:
   data: DataConfig = DataConfig()
   mesh: MeshConfig = MeshConfig()
   curriculum: CurriculumConfig = CurriculumConfig()
+  hardware: HardwareConfig = HardwareConfig()
 
   def __post_init__(self):
     if self.model.vision.enabled:

@@ -1,8 +1,12 @@
 """`--dry_run`: parameter counts and per-device parameter + optimizer memory, nothing allocated.
 
-With a context curriculum (`config.curriculum.stages`) it also prints the stage plan and, per
-stage, an analytic estimate of the activation memory per device under each remat policy and
-the least remat that fits (`activation_bytes_per_token`; an estimate, good to about 2x).
+With a context curriculum (`config.curriculum.stages`) it also prints the stage plan. For
+every stage (a plain run is one) it prints the per-device memory of one training step by
+component (`stage_memory`: params, gradients, optimizer, activations under the remat
+policy, KDA scan states, gathered MLA latents, attention scores / workspace, logits) against
+the target device (`hardware`: device, memory, margin), and whether it fits.
+`benchmarks/memory_model.py` checks the model against XLA's own count
+(`compiled.memory_analysis()`) and BENCHMARKS.md keeps the ratios.
 
 Everything comes from abstract shapes (`nnx.eval_shape` / `jax.eval_shape`). Per-device
 memory assumes the usual layout of the planned sharding: dense weights split over
@@ -111,11 +115,6 @@ def report(e: dict) -> str:
   ])
 
 
-# Memory one accelerator offers for params + optimizer + gradients + activations (H100/H200
-# class, minus headroom for XLA scratch and fragmentation).
-DEVICE_MEMORY_GIB = 64.0
-
-
 def activation_bytes_per_token(cfg, seq_len: int, dtype: str) -> dict[str, float]:
   """Bytes of activations kept for the backward pass, per token of one sequence.
 
@@ -127,7 +126,8 @@ def activation_bytes_per_token(cfg, seq_len: int, dtype: str) -> dict[str, float
   probabilities): quadratic in T per sequence. The blockwise core (`compute.mla_impl`,
   picked by "auto" beyond 4 blocks) keeps a log-sum-exp per head and query (4 H bytes per
   token) instead: `attention_scores_blockwise`; its [H, block, block] workspace is
-  per layer, not per token (`blockwise_workspace_bytes`).
+  per layer, not per token (`blockwise_workspace_bytes`). KDA states, gathered MLA latents
+  and the LM head's logits are counted apart (`stage_memory`).
   """
   b = 2 if dtype in ("bfloat16", "float16") else 4
   d, k, m, moe = cfg.d_model, cfg.kda, cfg.mla, cfg.moe
@@ -162,47 +162,121 @@ def blockwise_workspace_bytes(cfg, block: int, rows: float) -> float:
   return 3.0 * 4 * max(rows, 1.0) * cfg.mla.num_heads * block * block
 
 
-def curriculum_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
-  """Plan and per-stage activation memory per device, with the least remat that fits."""
-  cfg = run.model
-  rows_split = e["mesh"]["data"] * e["mesh"]["fsdp"]  # batch rows are split over these axes
-  static = e["per_device_param_bytes"] * 2 + e["per_device_opt_bytes"]  # + fp32 gradients
-  budget = DEVICE_MEMORY_GIB * GiB
-  lines = [plan_lib.describe(plan),
-           f"activation memory per device (estimate; params + grads + optimizer "
-           f"{_fmt_bytes(static)}; budget {DEVICE_MEMORY_GIB:g} GiB per device):"]
-  context = e["mesh"].get("context", 1)   # each sequence split over this many devices
-  compute = run.compute
+REMATS = ("none", "dots", "full")
+
+
+def kda_scan_tokens(chunk_size: int) -> int:
+  """Tokens per step of the chunked KDA's scan (ops/kda_chunked.py: at least 64 and two
+  chunks): the scan keeps one fp32 state per step for the backward."""
+  return chunk_size * max(2, 64 // chunk_size)
+
+
+def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
+                 ) -> dict[str, dict[str, float]]:
+  """Per-device bytes of one training step, by component, for each remat policy.
+
+  Args:
+    run: the run (model, compute, train.grad_accum); e: `estimate(run, plan)`.
+    seq_len, batch_size: the stage's sequence length and global batch (sequences).
+  Returns:
+    {remat: {component: bytes}} with components
+      params, gradients (fp32, like the master weights), optimizer: split as `estimate` says;
+      activations: `activation_bytes_per_token` x the microbatch's tokens on this device;
+      kda_states: the chunked KDA scan's fp32 [HV, K, V] state per scan step and KDA layer
+        (all KDA layers without remat, one layer's under "full");
+      mla_latents: with mesh.context > 1, each MLA layer's all-gathered latents [T, d_c +
+        d_r] of the whole sequence and their gradient (per layer in flight as above);
+      attention: the MLA core's scores (dense) or log-sum-exp + block workspace (blockwise);
+      logits: the fp32 LM head output, its log-softmax and gradient ([tokens, vocab] x 3).
+    Rows of a batch split over data x fsdp; each sequence over mesh.context.
+  """
+  cfg, compute = run.model, run.compute
+  mesh = e["mesh"]
+  context = mesh.get("context", 1)
+  rows = batch_size / (mesh["data"] * mesh["fsdp"])
+  mb = run.train.grad_accum
+  rows_mb = max(rows, 1.0) / mb          # sequences in one microbatch on this device
+  tokens = rows_mb * seq_len / context   # ... and their tokens here
+  per_tok = activation_bytes_per_token(cfg, seq_len, compute.dtype)
+  act_bytes = 2 if compute.dtype in ("bfloat16", "float16") else 4
+  n_kda = sum(k == "kda" for k in cfg.layer_kinds)
+  n_mla = len(cfg.layer_kinds) - n_kda
+  k = cfg.kda
+  state = 4.0 * k.num_v_heads * k.head_dim * k.v_head_dim
+  kda_one = rows_mb * math.ceil(seq_len / context / kda_scan_tokens(compute.kda_chunk_size)
+                                ) * state
+  m = cfg.mla
+  latent_one = (rows_mb * seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * (act_bytes + 4)
+                if context > 1 else 0.0)
+  core = blockwise_resolve(compute.mla_impl, seq_len, compute.mla_block)[0]
+  if core == "dense":
+    attention = per_tok["attention_scores"] * tokens
+  else:
+    attention = (per_tok["attention_scores_blockwise"] * tokens
+                 + blockwise_workspace_bytes(cfg, compute.mla_block, rows_mb))
+  static = {"params": e["per_device_param_bytes"], "gradients": e["per_device_param_bytes"],
+            "optimizer": e["per_device_opt_bytes"]}
+  out = {}
+  for p in REMATS:
+    layers_kept = (1, 1) if p == "full" else (n_kda, n_mla)
+    out[p] = dict(static, activations=per_tok[p] * tokens,
+                  kda_states=kda_one * min(layers_kept[0], n_kda),
+                  mla_latents=latent_one * min(layers_kept[1], n_mla),
+                  attention=attention, logits=3.0 * 4 * cfg.vocab_size * tokens)
+  return out
+
+
+def _fit_line(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
+              context: int) -> str:
+  """The components under the configured remat, the total against the device, and a verdict:
+  fits (with the margin left), fits with another remat, or what is missing."""
+  usable = run.hardware.usable_bytes
+  totals = {p: sum(c.values()) for p, c in comps.items()}
+  chosen = run.compute.remat
+  parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in comps[chosen].items() if b)
+  if rows * context < 1:
+    return (f"{parts} | does not fit: {rows:.2f} rows per data shard, the batch cannot be "
+            f"split over the devices: needs mesh.context >= {math.ceil(1 / rows)}")
+  if totals[chosen] <= usable:
+    verdict = (f"fits with compute.remat='{chosen}': {_fmt_bytes(totals[chosen])} of "
+               f"{_fmt_bytes(usable)} usable, {_fmt_bytes(usable - totals[chosen])} to spare")
+  else:
+    better = [p for p in REMATS if totals[p] <= usable]
+    if better:
+      verdict = (f"does not fit with compute.remat='{chosen}' ({_fmt_bytes(totals[chosen])} > "
+                 f"{_fmt_bytes(usable)} usable); fits with compute.remat='{better[0]}' "
+                 f"({_fmt_bytes(totals[better[0]])})")
+    else:
+      top = max(comps["full"].items(), key=lambda kv: kv[1])
+      verdict = (f"does not fit even with remat='full' ({_fmt_bytes(totals['full'])} > "
+                 f"{_fmt_bytes(usable)} usable; largest: {top[0]} {_fmt_bytes(top[1])}): "
+                 "raise train.grad_accum or mesh.context, or add devices")
+  return f"{parts} | {verdict}"
+
+
+def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
+  """Per stage, per device: bytes by component under compute.remat and the fit verdict."""
+  lines = [f"memory per device, per stage (target: {run.hardware.describe()}):"]
+  mesh = e["mesh"]
+  context = mesh.get("context", 1)
   for s in plan.stages:
-    per_tok = activation_bytes_per_token(cfg, s.seq_len, compute.dtype)
-    rows = s.batch_size / rows_split
-    tokens = max(rows, 1.0) * s.seq_len / context  # at least its share of one sequence
-    mb = run.train.grad_accum
-    acts = {p: per_tok[p] * tokens / mb for p in ("none", "dots", "full")}
-    core = blockwise_resolve(compute.mla_impl, s.seq_len, compute.mla_block)[0]
-    if core == "dense":
-      scores = per_tok["attention_scores"] * s.seq_len * max(rows, 1.0) / context / mb
-    else:
-      scores = (per_tok["attention_scores_blockwise"] * tokens / mb
-                + blockwise_workspace_bytes(cfg, compute.mla_block, rows / mb))
-    fits = [p for p in ("none", "dots", "full") if static + acts[p] + scores <= budget]
-    fits_flash = [p for p in ("none", "dots", "full") if static + acts[p] <= budget]
-    if fits:
-      need = f"fits with compute.remat='{fits[0]}'"
-    elif fits_flash:
-      need = (f"does not fit: the {core} MLA core's scores alone; with a fused attention "
-              f"kernel: compute.remat='{fits_flash[0]}'")
-    else:
-      need = ("does not fit even with remat='full': raise train.grad_accum, mesh.context or "
-              "add devices")
-    cp = (f"; {rows:.2f} rows per data shard: needs mesh.context >= {math.ceil(1 / rows)}"
-          if rows * context < 1 else "")
-    lines.append(
-        f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/data shard, context {context} | "
-        f"activations none {_fmt_bytes(acts['none'])}, dots {_fmt_bytes(acts['dots'])}, "
-        f"full {_fmt_bytes(acts['full'])} + MLA attention ({core}) {_fmt_bytes(scores)} | "
-        f"{need}{cp}")
+    rows = s.batch_size / (mesh["data"] * mesh["fsdp"])
+    core = blockwise_resolve(run.compute.mla_impl, s.seq_len, run.compute.mla_block)[0]
+    comps = stage_memory(run, e, s.seq_len, s.batch_size)
+    lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/data shard, context "
+                 f"{context}, MLA attention ({core}) | "
+                 + _fit_line(run, comps, rows, context))
   return "\n".join(lines)
+
+
+def fits(run: RunConfig, plan: plan_lib.Plan, e: dict) -> list[bool]:
+  """Per stage: can the batch be split over the devices, and does the step fit the target
+  device under the configured remat?"""
+  split = e["mesh"]["data"] * e["mesh"]["fsdp"]
+  context = e["mesh"].get("context", 1)
+  return [s.batch_size * context >= split
+          and sum(stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat].values())
+          <= run.hardware.usable_bytes for s in plan.stages]
 
 
 def dry_run(config: ml_collections.ConfigDict | RunConfig) -> dict:
@@ -212,5 +286,7 @@ def dry_run(config: ml_collections.ConfigDict | RunConfig) -> dict:
   e = estimate(run, plan)
   print(report(e), flush=True)
   if plan.curriculum:
-    print(curriculum_report(run, plan, e), flush=True)
+    print(plan_lib.describe(plan), flush=True)
+  print(memory_report(run, plan, e), flush=True)
+  e["fits"] = fits(run, plan, e)
   return e

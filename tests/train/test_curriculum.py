@@ -251,19 +251,54 @@ def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeyp
 
 
 def test_dry_run_prints_plan_and_memory(capsys):
+  """The flagship plan names its hardware and fits every stage; without context
+  parallelism the 1M stage does not, and the report says what is missing."""
   e = dry_run.dry_run(load_config("curriculum_1m"))
   out = capsys.readouterr().out
-  assert e["total"] > 50e6
-  for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "compute.remat=",
-               "needs mesh.context >= 4", "T=262,144", "MLA attention (blockwise)"):
+  assert e["total"] > 50e6 and e["fits"] == [True] * 4
+  for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "target: h200",
+               "T=262,144", "MLA attention (blockwise)", "kda_states", "logits", "to spare"):
     assert want in out
-  assert out.count("rows/data shard") == 4
-  # Split over 4 context shards, the 1M stage holds a quarter sequence per device.
+  assert out.count("rows/data shard") == 4 and out.count("fits with compute.remat=") == 4
   config = load_config("curriculum_1m")
-  config.mesh.update(data=1, fsdp=4, context=4)
-  out = (dry_run.dry_run(config), capsys.readouterr().out)[1]
-  last = [line for line in out.splitlines() if "T=1,048,576" in line][0]
-  assert "context 4" in last and "fits with" in last and "needs mesh.context" not in last
+  config.mesh.update(data=1, fsdp=16, context=1)
+  e = dry_run.dry_run(config)
+  last = [line for line in capsys.readouterr().out.splitlines() if "T=1,048,576" in line][0]
+  assert e["fits"][3] is False
+  assert "context 1" in last and "does not fit" in last and "needs mesh.context >= 4" in last
+
+
+def test_stage_memory_components_scale():
+  """Activations, KDA states and logits grow linearly with the tokens on a device; the
+  context axis divides them and adds the gathered MLA latents; remat='full' keeps one
+  layer's KDA states."""
+  config = load_config("small")
+  config.mesh.update(data=1, fsdp=8, context=1)
+  run = run_config_from_dict(config)
+  e = dry_run.estimate(run, build_plan(run))
+  one = dry_run.stage_memory(run, e, 8192, 8)
+  two = dry_run.stage_memory(run, e, 16384, 8)
+  for part in ("activations", "kda_states", "logits"):
+    assert two["none"][part] == pytest.approx(2 * one["none"][part], rel=1e-6)
+  assert one["none"]["params"] == two["none"]["params"] > 0
+  assert one["none"]["mla_latents"] == 0
+  n_kda = sum(k == "kda" for k in run.model.layer_kinds)
+  assert one["none"]["kda_states"] == pytest.approx(n_kda * one["full"]["kda_states"])
+  config.mesh.update(data=1, fsdp=8, context=4)
+  run4 = run_config_from_dict(config)
+  e4 = dry_run.estimate(run4, build_plan(run4))
+  cp = dry_run.stage_memory(run4, e4, 16384, 8)
+  assert cp["none"]["activations"] == pytest.approx(two["none"]["activations"] / 4)
+  assert cp["none"]["mla_latents"] > 0
+
+
+def test_hardware_section_checks_its_fields():
+  config = load_config("tiny")
+  config.hardware.device = "h900"
+  with pytest.raises(ConfigError, match=r"hardware\.device.*h200"):
+    run_config_from_dict(config)
+  config.hardware.device = "tpu_v5p"
+  assert run_config_from_dict(config).hardware.usable_bytes == pytest.approx(0.9 * 95 * 2**30)
 
 
 @pytest.mark.slow
