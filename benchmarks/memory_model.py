@@ -5,7 +5,8 @@ For each preset, sequence length T and remat policy, the real jitted train step
 shapes and compiled; XLA's `compiled.memory_analysis()` gives its peak bytes as
   xla = arguments + outputs - aliased (the donated state) + temporaries.
 `train/dry_run.py: stage_memory` gives the model's bytes for the same step (params,
-gradients, optimizer, activations, KDA scan states, attention, logits). The ratio
+gradients, optimizer, the residuals JAX keeps for the backward, one layer's recompute under
+remat, attention workspace, logits). The ratio
 xla / model says how far the model is from the compiler on this backend, in the same run.
 
   python benchmarks/memory_model.py [--presets tiny,small] [--lengths 1024,4096]
@@ -72,7 +73,7 @@ def model_bytes(run) -> dict[str, float]:
   e = dry_run.estimate(run, plan)
   comps = dry_run.stage_memory(run, e, run.train.seq_len, run.train.batch_size)
   out = dict(comps[run.compute.remat])
-  out["total"] = sum(out.values())
+  out["total"] = dry_run.step_bytes(out)
   return out
 
 

@@ -1,8 +1,8 @@
 """The root ConfigDict every `configs/*.py` preset starts from, and preset loading.
 
 Sections: `model` (`hybridmoe_jax.config.ModelConfig`), `compute` (`ComputeConfig`: dtype,
-remat, kernels), `train`, `data` (with `vision`), `mesh` and `curriculum` (the dataclasses
-of `hybridmoe_jax.run_config`). The defaults are those dataclasses' defaults, so each is
+remat, kernels), `train`, `data` (with `vision`), `mesh`, `curriculum` and `hardware` (the
+dataclasses of `hybridmoe_jax.run_config`). The defaults are those dataclasses' defaults, so each is
 written once; `run_config_from_dict` checks a finished ConfigDict (presets plus
 `--config.x.y=` overrides) and builds the typed `RunConfig` the run takes.
 """
@@ -32,7 +32,7 @@ def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """Root config: `model`, `compute`, `train`, `data`, `mesh` and `curriculum` sections."""
+  """Root config: `model`, `compute`, `train`, `data`, `mesh`, `curriculum` and `hardware`."""
   fields = dataclasses.asdict(RunConfig())
   fields["model"]["layer_kinds"] = ()  # () -> the default pattern of whatever num_layers
   return ml_collections.ConfigDict(fields)

@@ -30,7 +30,7 @@ from hybridmoe_jax.ops.blockwise_attention import resolve_impl as blockwise_reso
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.run_config import MeshConfig, RunConfig, run_config_from_dict
 from hybridmoe_jax.sharding import MESH_AXES
-from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
 
 GiB = 1024 ** 3
@@ -88,7 +88,7 @@ def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
       "total": total, "active": active, "mesh": mesh,
       "devices": math.prod(mesh.values()), "param_bytes": param_bytes,
       "opt_bytes": opt_bytes, "per_device_param_bytes": param_bytes * per_param_split,
-      "per_device_opt_bytes": opt_bytes * per_param_split,
+      "per_device_opt_bytes": opt_bytes * per_param_split, "per_param_split": per_param_split,
       "optimizer": run.train.optimizer,
   }
 
@@ -113,47 +113,6 @@ def report(e: dict) -> str:
       f"{_fmt_bytes(e['per_device_opt_bytes'])} = {_fmt_bytes(dev_total)} "
       "(gradients and activations not included)",
   ])
-
-
-def activation_bytes_per_token(cfg, seq_len: int, dtype: str) -> dict[str, float]:
-  """Bytes of activations kept for the backward pass, per token of one sequence.
-
-  Counts the tensors each sublayer saves (projections, conv outputs, gates, router scores,
-  expert hidden states at k experts/token, norms and residual adds) in the compute `dtype`;
-  "dots" keeps about half (matmul outputs only); "full" keeps each layer's input plus the
-  AttnRes block buffer and recomputes one layer at a time. `attention_scores` is the
-  [H, T] softmax row per query token that the dense MLA core materialises (fp32 logits +
-  probabilities): quadratic in T per sequence. The blockwise core (`compute.mla_impl`,
-  picked by "auto" beyond 4 blocks) keeps a log-sum-exp per head and query (4 H bytes per
-  token) instead: `attention_scores_blockwise`; its [H, block, block] workspace is
-  per layer, not per token (`blockwise_workspace_bytes`). KDA states, gathered MLA latents
-  and the LM head's logits are counted apart (`stage_memory`).
-  """
-  b = 2 if dtype in ("bfloat16", "float16") else 4
-  d, k, m, moe = cfg.d_model, cfg.kda, cfg.mla, cfg.moe
-  kda = 6 * d + 5 * k.num_heads * k.head_dim + 4 * k.num_v_heads * k.v_head_dim + k.num_heads
-  mla = (6 * d + 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-         + 2 * m.kv_lora_rank + 3 * m.num_heads * m.v_head_dim)
-  width = moe.latent_dim or d
-  routed = (4 * moe.num_experts // b + moe.experts_per_token * (3 * moe.expert_intermediate
-                                                                + 2 * width))
-  shared = 3 * moe.num_shared_experts * moe.shared_intermediate
-  dense = 3 * moe.dense_intermediate + 4 * d
-  layers, scores, lse = 0.0, 0.0, 0.0
-  for i, kind in enumerate(cfg.layer_kinds):
-    layers += kda if kind == "kda" else mla
-    layers += (routed + shared + 4 * d) if cfg.is_moe_layer(i) else dense
-    if kind != "kda":
-      scores += 8.0 * m.num_heads * seq_len  # fp32 logits + probabilities, per query token
-      lse += 4.0 * m.num_heads
-  per_layer_max = max(kda, mla) + max(routed + shared + 4 * d, dense)
-  blocks = math.ceil(cfg.num_layers / cfg.attnres.block_size) if cfg.attnres.enabled else 0
-  n = max(cfg.num_layers, 1)
-  return {
-      "none": layers * b, "dots": 0.5 * layers * b,
-      "full": (n * d * (1 + blocks) + per_layer_max) * b,
-      "attention_scores": scores, "attention_scores_blockwise": lse,
-  }
 
 
 def blockwise_workspace_bytes(cfg, block: int, rows: float) -> float:
@@ -181,49 +140,59 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   Returns:
     {remat: {component: bytes}} with components
       params, gradients (fp32, like the master weights), optimizer: split as `estimate` says;
-      activations: `activation_bytes_per_token` x the microbatch's tokens on this device;
-      kda_states: the chunked KDA scan's fp32 [HV, K, V] state per scan step and KDA layer
-        (all KDA layers without remat, one layer's under "full");
+      activations: what the forward keeps for the backward, counted by JAX
+        (`memory_model.residual_bytes`: projections, conv outputs, gates, KDA scan states,
+        MLA latents, router and expert activations) x the microbatch's tokens here;
+      recompute: under "dots" / "full", one layer's residuals while the backward
+        recomputes it;
+      weight_copies: residuals that do not grow with T (compute-dtype copies of weights),
+        sharded like the parameters;
       mla_latents: with mesh.context > 1, each MLA layer's all-gathered latents [T, d_c +
-        d_r] of the whole sequence and their gradient (per layer in flight as above);
-      attention: the MLA core's scores (dense) or log-sum-exp + block workspace (blockwise);
+        d_r] of the whole sequence and their gradient (all MLA layers without remat, one
+        layer's otherwise); the traced residuals hold only the local shard's;
+      attention: the blockwise core's [H, block, block] fp32 workspace in flight (dense:
+        already in the activations);
       logits: the fp32 LM head output, its log-softmax and gradient ([tokens, vocab] x 3).
     Rows of a batch split over data x fsdp; each sequence over mesh.context.
+    `kda_states` (fp32 [HV, K, V] per chunked-scan step and KDA layer) is reported as a
+    part of activations, not added again.
   """
   cfg, compute = run.model, run.compute
   mesh = e["mesh"]
   context = mesh.get("context", 1)
   rows = batch_size / (mesh["data"] * mesh["fsdp"])
-  mb = run.train.grad_accum
-  rows_mb = max(rows, 1.0) / mb          # sequences in one microbatch on this device
-  tokens = rows_mb * seq_len / context   # ... and their tokens here
-  per_tok = activation_bytes_per_token(cfg, seq_len, compute.dtype)
+  rows_mb = max(rows, 1.0) / run.train.grad_accum  # sequences of one microbatch here
+  tokens = rows_mb * seq_len / context             # ... and their tokens on this device
+  per_tok = memory_model.residual_bytes(cfg, compute, seq_len)
   act_bytes = 2 if compute.dtype in ("bfloat16", "float16") else 4
   n_kda = sum(k == "kda" for k in cfg.layer_kinds)
   n_mla = len(cfg.layer_kinds) - n_kda
-  k = cfg.kda
-  state = 4.0 * k.num_v_heads * k.head_dim * k.v_head_dim
-  kda_one = rows_mb * math.ceil(seq_len / context / kda_scan_tokens(compute.kda_chunk_size)
-                                ) * state
-  m = cfg.mla
+  k, m = cfg.kda, cfg.mla
+  kda_one = (rows_mb * math.ceil(seq_len / context / kda_scan_tokens(compute.kda_chunk_size))
+             * 4.0 * k.num_v_heads * k.head_dim * k.v_head_dim)
   latent_one = (rows_mb * seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * (act_bytes + 4)
                 if context > 1 else 0.0)
   core = blockwise_resolve(compute.mla_impl, seq_len, compute.mla_block)[0]
-  if core == "dense":
-    attention = per_tok["attention_scores"] * tokens
-  else:
-    attention = (per_tok["attention_scores_blockwise"] * tokens
-                 + blockwise_workspace_bytes(cfg, compute.mla_block, rows_mb))
+  attention = (blockwise_workspace_bytes(cfg, compute.mla_block, rows_mb)
+               if core == "blockwise" and n_mla else 0.0)
   static = {"params": e["per_device_param_bytes"], "gradients": e["per_device_param_bytes"],
             "optimizer": e["per_device_opt_bytes"]}
   out = {}
   for p in REMATS:
-    layers_kept = (1, 1) if p == "full" else (n_kda, n_mla)
-    out[p] = dict(static, activations=per_tok[p] * tokens,
-                  kda_states=kda_one * min(layers_kept[0], n_kda),
-                  mla_latents=latent_one * min(layers_kept[1], n_mla),
+    kept = n_mla if p == "none" else min(1, n_mla)
+    out[p] = dict(static, activations=per_tok[p]["saved"] * tokens,
+                  recompute=per_tok[p]["peak"] * tokens,
+                  weight_copies=(per_tok[p]["saved_fixed"] + per_tok[p]["peak_fixed"])
+                  * e["per_param_split"],
+                  mla_latents=latent_one * kept,
                   attention=attention, logits=3.0 * 4 * cfg.vocab_size * tokens)
+    out[p]["kda_states"] = kda_one * (n_kda if p == "none" else min(1, n_kda))
   return out
+
+
+def step_bytes(components: dict[str, float]) -> float:
+  """The total of `stage_memory` components (kda_states is a part of activations)."""
+  return sum(b for name, b in components.items() if name != "kda_states")
 
 
 def _fit_line(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
@@ -231,9 +200,11 @@ def _fit_line(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
   """The components under the configured remat, the total against the device, and a verdict:
   fits (with the margin left), fits with another remat, or what is missing."""
   usable = run.hardware.usable_bytes
-  totals = {p: sum(c.values()) for p, c in comps.items()}
+  totals = {p: step_bytes(c) for p, c in comps.items()}
   chosen = run.compute.remat
-  parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in comps[chosen].items() if b)
+  parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in comps[chosen].items()
+                    if b and name != "kda_states")
+  parts += f" (of which KDA states {_fmt_bytes(comps[chosen]['kda_states'])})"
   if rows * context < 1:
     return (f"{parts} | does not fit: {rows:.2f} rows per data shard, the batch cannot be "
             f"split over the devices: needs mesh.context >= {math.ceil(1 / rows)}")
@@ -247,7 +218,8 @@ def _fit_line(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
                  f"{_fmt_bytes(usable)} usable); fits with compute.remat='{better[0]}' "
                  f"({_fmt_bytes(totals[better[0]])})")
     else:
-      top = max(comps["full"].items(), key=lambda kv: kv[1])
+      top = max(((n, b) for n, b in comps["full"].items() if n != "kda_states"),
+                key=lambda kv: kv[1])
       verdict = (f"does not fit even with remat='full' ({_fmt_bytes(totals['full'])} > "
                  f"{_fmt_bytes(usable)} usable; largest: {top[0]} {_fmt_bytes(top[1])}): "
                  "raise train.grad_accum or mesh.context, or add devices")
@@ -275,7 +247,7 @@ def fits(run: RunConfig, plan: plan_lib.Plan, e: dict) -> list[bool]:
   split = e["mesh"]["data"] * e["mesh"]["fsdp"]
   context = e["mesh"].get("context", 1)
   return [s.batch_size * context >= split
-          and sum(stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat].values())
+          and step_bytes(stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat])
           <= run.hardware.usable_bytes for s in plan.stages]
 
 
