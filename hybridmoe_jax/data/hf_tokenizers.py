@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import filecmp
+import importlib
 import json
 import os
 import re
@@ -33,8 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hybridmoe_jax.data.tokenizer import (CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES,
-                                          TokenizerError)
+from hybridmoe_jax.data.token_roles import (CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES,
+                                            TokenizerError)
 
 HF_FILE = "tokenizer.json"
 TIKTOKEN_FILE = "tiktoken.model"
@@ -82,9 +83,10 @@ CONFIG_ROLE_FIELDS = {"pad": "pad_token", "bos": "bos_token", "eos": "eos_token"
 _RESERVED = re.compile(r"^<\|reserved(_special)?_token_\d+\|>$")
 
 
-def _import(name: str):
+def import_optional(name: str):
+  """The `tokenizers` / `tiktoken` module; TokenizerError naming the extra when missing."""
   try:
-    return __import__(name)
+    return importlib.import_module(name)
   except ImportError:
     raise TokenizerError(f"this tokenizer file needs the `{name}` package, which is not "
                          f"installed: {EXTRA}") from None
@@ -321,7 +323,7 @@ class HFTokenizer(FileTokenizer):
   kind = "hf"
 
   def __init__(self, path: str, config_path: str | None = None, *, vision: bool = False):
-    lib = _import("tokenizers")
+    lib = import_optional("tokenizers")
     try:
       with open(path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -430,7 +432,7 @@ class TiktokenTokenizer(FileTokenizer):
   kind = "tiktoken"
 
   def __init__(self, path: str, config_path: str | None = None, *, vision: bool = False):
-    lib = _import("tiktoken")
+    lib = import_optional("tiktoken")
     ranks = read_tiktoken_ranks(path)
     base = len(ranks)
     config = _read_config(config_path)

@@ -25,6 +25,10 @@ from typing import Protocol
 
 import numpy as np
 
+# Role names and the error type live in token_roles (shared with hf_tokenizers).
+from hybridmoe_jax.data.token_roles import (  # noqa: F401 (re-exported)
+    CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError)
+
 PAD_ID = 256
 BOS_ID = 257
 EOS_ID = 258
@@ -34,18 +38,7 @@ IMAGE_PAD_ID = 261
 IMAGE_IDS = (IMAGE_START_ID, IMAGE_END_ID, IMAGE_PAD_ID)
 _NUM_BYTES = 256
 
-# Role names of the special tokens. Every tokenizer has the text roles; the image roles
-# only with vision; the chat / tool roles are reserved for the chat and tool-call format
-# (file tokenizers map or add them, the byte tokenizer does not carry them).
-TEXT_ROLES = ("pad", "bos", "eos")
-CHAT_ROLES = ("system", "user", "assistant", "tool_call", "tool_result", "answer", "end_turn")
-IMAGE_ROLES = ("image_start", "image_end", "image_pad")
 BYTE_SPEC = "byte"
-
-
-class TokenizerError(ValueError):
-  """A tokenizer that cannot be used: missing or corrupt file, unknown spec, a special
-  token it names but does not hold. The message is one line naming the file or field."""
 
 
 class Tokenizer(Protocol):

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import hf_tokenizers
 from hybridmoe_jax.data import sources as sources_lib
-from hybridmoe_jax.data.tokenizer import CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError
+from hybridmoe_jax.data.token_roles import CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError
 from hybridmoe_jax.run_config import DataConfig
 
 SPECIAL_TOKENS = tuple(hf_tokenizers.ROLE_TOKENS[r][0]
@@ -48,7 +48,7 @@ def train_bpe(documents, vocab_size: int, *, min_frequency: int = 2):
   if vocab_size < MIN_VOCAB:
     raise TokenizerError(f"--vocab_size {vocab_size} is too small: allowed >= {MIN_VOCAB} "
                          f"({len(SPECIAL_TOKENS)} special tokens + 256 bytes)")
-  lib = hf_tokenizers._import("tokenizers")  # pylint: disable=protected-access
+  lib = hf_tokenizers.import_optional("tokenizers")
   tok = lib.Tokenizer(lib.models.BPE())
   # No prefix space: the tokens of a text are exactly its bytes, so decode(encode(t)) == t.
   tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
