@@ -51,12 +51,13 @@ class TrainingDiverged(RuntimeError):
   saved nothing after the last good checkpoint."""
 
 
-def run_tokenizer(run: RunConfig) -> tokenizer_lib.Tokenizer:
+def run_tokenizer(run: RunConfig, *, check_vocab: bool = True) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `data.tokenizer` (image roles for a vision model), checked against
   model.vocab_size. Raises InputError (one line naming the file / field) before any compute."""
   try:
     tok = tokenizer_lib.make_tokenizer(run.data.tokenizer, vision=run.model.vision.enabled)
-    tokenizer_lib.check_vocab(tok, run.model.vocab_size)
+    if check_vocab:
+      tokenizer_lib.check_vocab(tok, run.model.vocab_size)
   except ValueError as e:
     raise InputError(f"data.tokenizer: {e}" if not str(e).startswith("data.tokenizer")
                      else str(e)) from None
@@ -322,7 +323,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   _dump_stacks_on_sigusr1()
   workdir = os.path.abspath(workdir)  # orbax wants absolute paths
   plan = plan_lib.build_plan(config)  # once per run: stages, batches, the LR schedule
-  tokenizer = run_tokenizer(config)  # a bad tokenizer file stops here, before the workdir
+  # A bad tokenizer file stops here, before the workdir. Data given by the caller brings its
+  # own ids (checked batch by batch) and may bring its tokenizer.
+  tokenizer = (getattr(data, "tokenizer", None) if data is not None else None
+               ) or run_tokenizer(config, check_vocab=data is None)
   t = config.train
   if export_params_to and os.path.exists(export_params_to):
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
@@ -374,7 +378,7 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
                               batch_size=t.batch_size, grad_accum=t.grad_accum,
                               seq_len=t.seq_len)
   data = data if data is not None else build_data(config, plan, tokenizer)
-  token_bytes = getattr(data, "tokenizer", tokenizer).token_bytes()
+  token_bytes = tokenizer.token_bytes()
   image_ids = tuple(i for i in (tokenizer.image_start_id, tokenizer.image_end_id,
                                 tokenizer.image_pad_id) if i is not None)
   tx = optim.make_optimizer(t, schedule)

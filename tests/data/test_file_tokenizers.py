@@ -256,3 +256,32 @@ def test_bundled_bpe_example():
   ids = tok.encode(text)
   assert tok.decode(ids) == text and tok.token_bytes()[ids].sum() == len(text.encode())
   assert len(ids) < len(text.encode()) / 2  # it compresses English and code
+
+
+def test_train_bpe_script(tmp_path, capsys):
+  from hybridmoe_jax.data import train_bpe
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  for i in range(4):
+    (docs / f"{i}.txt").write_text(" ".join(CORPUS[i:i + 3]))
+  out = tmp_path / "bpe"
+  args = ["--out", str(out), "--vocab_size", "300", "--source", "text", "--paths", str(docs)]
+  assert train_bpe.main(args) == 0
+  tok = make_tokenizer(str(out), vision=True)
+  assert [tok.special_ids[r] for r in TEXT_ROLES + CHAT_ROLES + IMAGE_ROLES] == list(range(13))
+  assert tok.decode(tok.encode(CORPUS[0])) == CORPUS[0]
+  before = (out / "tokenizer.json").read_bytes()
+  assert train_bpe.main(args) == 1  # never overwrites
+  assert "already holds tokenizer.json" in capsys.readouterr().err
+  assert (out / "tokenizer.json").read_bytes() == before
+  assert train_bpe.main(["--out", str(tmp_path / "small"), "--vocab_size", "100"]) == 1
+  assert "allowed >= 269" in capsys.readouterr().err
+
+
+def test_tiny_bpe_preset_fits_its_tokenizer():
+  from hybridmoe_jax.run_config import run_config_from_dict
+  from tests.conftest import load_config
+  run = run_config_from_dict(load_config("tiny_bpe"))
+  tok = make_tokenizer(run.data.tokenizer)
+  check_vocab(tok, run.model.vocab_size)
+  assert tok.vocab_size == run.model.vocab_size == 1024
