@@ -199,6 +199,10 @@ class DataConfig:
   # string text; a text file that is not UTF-8 or empty): "skip" leaves it out with one
   # counted warning per file, "error" stops before training naming file and line.
   bad_records: str = "skip"
+  # "byte" (UTF-8 bytes, 259 ids; 262 with vision), or a path to a Hugging Face
+  # tokenizer.json, a tiktoken BPE file (Kimi's tiktoken.model) or a directory holding one;
+  # the run copies it to <workdir>/tokenizer/ (data/tokenizer.py, data/hf_tokenizers.py).
+  tokenizer: str = "byte"
   vision: VisionDataConfig = VisionDataConfig()
 
   def __post_init__(self):
@@ -215,6 +219,11 @@ class DataConfig:
     _ints(p, 1, num_packing_bins=self.num_packing_bins)
     require(self.bad_records in BAD_RECORD_MODES, f"{p}.bad_records", self.bad_records,
             f"one of {BAD_RECORD_MODES}")
+    # The file itself is read (and checked) when the run builds its data: a saved config
+    # must stay valid where the file is gone.
+    require(isinstance(self.tokenizer, str) and self.tokenizer.strip() == self.tokenizer != "",
+            f"{p}.tokenizer", self.tokenizer, "'byte' or a path to a tokenizer.json, a "
+            "tiktoken model file, or a directory holding one")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Data: byte tokenizer, document sources, first-fit packing and grain pipelines.
+"""Data: tokenizers (byte, tokenizer.json, tiktoken), document sources, first-fit packing
+and grain pipelines.
 
 Nothing is imported eagerly: import the submodule you need (`from hybridmoe_jax.data import
 pipeline`); the names below also resolve lazily from the package.
@@ -18,7 +19,9 @@ _PUBLIC = {
     "TextFileSource": "sources", "split_source": "sources",
     "StageData": "stages", "StagedIterator": "stages", "make_stage_dataset": "stages",
     "BOS_ID": "tokenizer", "EOS_ID": "tokenizer", "PAD_ID": "tokenizer",
-    "ByteTokenizer": "tokenizer", "check_vocab": "tokenizer",
+    "ByteTokenizer": "tokenizer", "check_vocab": "tokenizer", "Tokenizer": "tokenizer",
+    "make_tokenizer": "tokenizer", "tokenizer_from_dir": "tokenizer",
+    "save_tokenizer": "tokenizer", "CHAT_ROLES": "tokenizer",
 }
 __all__ = sorted(_PUBLIC)
 

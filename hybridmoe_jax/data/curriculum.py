@@ -73,7 +73,7 @@ class CurriculumData:
 
   train: stages_lib.StagedIterator
   eval_batches: list  # held-out int32 [B_eval, T_eval] batches
-  tokenizer: tokenizer_lib.ByteTokenizer
+  tokenizer: tokenizer_lib.Tokenizer
   eval_at: frozenset  # global steps at which a stage ends (held-out eval there)
 
 
@@ -125,7 +125,8 @@ def _split_sources(names, curriculum: CurriculumConfig, data: DataConfig, shard_
 def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
                           data: DataConfig, *, vocab_size: int, seed: int, eval_batches: int,
                           vision: VisionConfig | None = None, shard_index: int | None = None,
-                          shard_count: int | None = None) -> CurriculumData:
+                          shard_count: int | None = None,
+                          tokenizer: tokenizer_lib.Tokenizer | None = None) -> CurriculumData:
   """Indexes every source the stages use (all bad input fails here), builds the iterator.
 
   Args:
@@ -137,6 +138,7 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
       (`data.vision`) in at the token share data.vision.share and the held-out batches add
       image-text rows at the evaluation length.
     shard_index, shard_count: this host's shard (default: the jax process).
+    tokenizer: default `make_tokenizer(data.tokenizer, vision=...)`.
 
   Raises:
     ConfigError: a stage batch that does not split over the hosts. ValueError / OSError: a
@@ -148,8 +150,9 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
   if with_images and shard_count > 1:
     raise NotImplementedError("a curriculum with images on several hosts: the image-text "
                               "pipeline has no host shard")
-  proc = vlm_pipeline.processor_from_config(data, vision, vocab_size) if with_images else None
-  tokenizer = proc.tokenizer if with_images else tokenizer_lib.ByteTokenizer()
+  tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data.tokenizer, vision=with_images)
+  proc = (vlm_pipeline.processor_from_config(data, vision, vocab_size, tokenizer)
+          if with_images else None)
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
   used = sorted({n for s in stages for n in s.weights})
   train_sources, heldout = _split_sources(used, curriculum, data, shard_count)

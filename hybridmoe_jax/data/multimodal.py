@@ -49,6 +49,8 @@ class Document:
   images: list          # float32 [h, w, C] each
   grids: list           # (h / p, w / p) each
   weights: np.ndarray | None = None  # float32 [n]; None = 1.0 everywhere
+  # (image_start, image_end) ids of the tokenizer that made `tokens`.
+  image_delims: tuple[int, int] = (tokenizer_lib.IMAGE_START_ID, tokenizer_lib.IMAGE_END_ID)
 
   def __post_init__(self):
     if self.weights is None:
@@ -56,8 +58,8 @@ class Document:
 
   def image_spans(self) -> list[tuple[int, int]]:
     """[start, end) token spans of each image, <image_start> .. <image_end> inclusive."""
-    starts = np.flatnonzero(self.tokens == tokenizer_lib.IMAGE_START_ID)
-    ends = np.flatnonzero(self.tokens == tokenizer_lib.IMAGE_END_ID)
+    starts = np.flatnonzero(self.tokens == self.image_delims[0])
+    ends = np.flatnonzero(self.tokens == self.image_delims[1])
     return [(int(a), int(b) + 1) for a, b in zip(starts, ends)]
 
 
@@ -72,24 +74,32 @@ class Processor:
   Loss weights: a document given `answer_spans` (character ranges of its text) is a prompt /
   answer document: text inside the spans weighs `answer_loss_weight` as a target, the rest
   `prompt_loss_weight` (data.vision.*_loss_weight); without spans every token weighs 1.
+  Text is tokenized in runs of equal weight, so every token lies in one span (with the byte
+  tokenizer this is the same as tokenizing the whole text).
 
   Args:
     vision: the model's VisionConfig (patch size, channels, largest bucket).
+    tokenizer: a tokenizer with image roles (default: the byte tokenizer with vision).
     pad_images: pad sides to a multiple of 2p instead of rejecting the image.
     prompt_loss_weight: target weight of text outside the answer spans, in [0, 1].
     answer_loss_weight: target weight of text inside the answer spans, in (0, 100].
   """
 
   def __init__(self, vision: VisionConfig, *, pad_images: bool = False,
-               prompt_loss_weight: float = 1.0, answer_loss_weight: float = 1.0):
+               prompt_loss_weight: float = 1.0, answer_loss_weight: float = 1.0,
+               tokenizer: tokenizer_lib.Tokenizer | None = None):
     if not vision.enabled:
       raise ConfigError("the image-text processor needs model.vision.enabled = True")
     check_loss_weights(prompt_loss_weight, answer_loss_weight)
+    tokenizer = tokenizer or tokenizer_lib.ByteTokenizer(vision=True)
+    if None in (tokenizer.image_start_id, tokenizer.image_end_id, tokenizer.image_pad_id):
+      raise ConfigError(f"tokenizer {getattr(tokenizer, 'name', tokenizer)} has no image "
+                        "tokens: build it with vision=True (make_tokenizer(spec, vision=True))")
     self.vision = vision
     self.pad_images = pad_images
     self.prompt_loss_weight = float(prompt_loss_weight)
     self.answer_loss_weight = float(answer_loss_weight)
-    self.tokenizer = tokenizer_lib.ByteTokenizer(vision=True)
+    self.tokenizer = tokenizer
 
   def image(self, image) -> np.ndarray:
     v = self.vision
@@ -112,12 +122,16 @@ class Processor:
     wts = [np.ones(1, np.float32)] if bos else []
     pix, grids, at = [], [], 0
     for k, part in enumerate(parts):
-      ids.append(tok.encode(part))
       if char_w is None:
+        ids.append(tok.encode(part))
         wts.append(np.ones(len(ids[-1]), np.float32))
-      else:  # each character's weight on each of its UTF-8 bytes
-        nbytes = [len(ch.encode("utf-8")) for ch in part]
-        wts.append(np.repeat(char_w[at:at + len(part)], nbytes).astype(np.float32))
+      else:  # each run of equal character weight tokenized alone, its tokens of that weight
+        w = char_w[at:at + len(part)]
+        cuts = [0] + [i for i in range(1, len(part)) if w[i] != w[i - 1]] + [len(part)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+          if a < b:
+            ids.append(tok.encode(part[a:b]))
+            wts.append(np.full(len(ids[-1]), w[a], np.float32))
       at += len(part) + len(IMAGE_MARKER)
       if k < len(images):
         a = self.image(images[k])
@@ -130,7 +144,8 @@ class Processor:
     if eos:
       ids.append(np.array([tok.eos_id], np.int32))
       wts.append(np.full(1, 1.0 if char_w is None else self.prompt_loss_weight, np.float32))
-    return Document(np.concatenate(ids).astype(np.int32), pix, grids, np.concatenate(wts))
+    return Document(np.concatenate(ids).astype(np.int32), pix, grids, np.concatenate(wts),
+                    (tok.image_start_id, tok.image_end_id))
 
   def _char_weights(self, text: str, spans) -> np.ndarray:
     w = np.full(len(text), self.prompt_loss_weight, np.float32)
@@ -190,16 +205,18 @@ def inference_batch(doc: Document, vision: VisionConfig) -> dict[str, np.ndarray
     raise ValueError(f"{len(doc.images)} images > model.vision.max_images_per_row = "
                      f"{vision.max_images_per_row}")
   n = len(doc.tokens)
-  row = _row_from_pieces([(doc, 0, n)], n)
+  row = _row_from_pieces([(doc, 0, n)], n, pad_id=0)  # one full row: nothing to pad
   return collate([row], vision, n)
 
 
 # ------------------------------------------------------------------------------- packing
 
 
-def _row_from_pieces(pieces: list[tuple[Document, int, int]], seq_len: int) -> dict:
-  """Pieces (doc, start, end) -> one packed row with local image indices."""
-  tokens = np.full(seq_len, tokenizer_lib.PAD_ID, np.int32)
+def _row_from_pieces(pieces: list[tuple[Document, int, int]], seq_len: int,
+                     pad_id: int) -> dict:
+  """Pieces (doc, start, end) -> one packed row with local image indices; the rest of the
+  row holds `pad_id` (segment 0)."""
+  tokens = np.full(seq_len, pad_id, np.int32)
   weights = np.zeros(seq_len, np.float32)
   seg = np.zeros(seq_len, np.int32)
   pos = np.zeros(seq_len, np.int32)
@@ -328,7 +345,8 @@ class VLMPackedIterator:
       self.doc, self.offset = (self.doc + 1, 0) if end == n else (self.doc, end)
       if used == self.seq_len:
         break
-    return _row_from_pieces(pieces, self.seq_len) if pieces else None
+    return (_row_from_pieces(pieces, self.seq_len, self.proc.tokenizer.pad_id) if pieces
+            else None)
 
   def __next__(self) -> dict[str, np.ndarray]:
     rows = []
@@ -340,5 +358,5 @@ class VLMPackedIterator:
     if not rows or (self.drop_remainder and len(rows) < self.batch_size):
       raise StopIteration
     while len(rows) < self.batch_size:  # padding rows (segment id 0) for a static shape
-      rows.append(_row_from_pieces([], self.seq_len))
+      rows.append(_row_from_pieces([], self.seq_len, self.proc.tokenizer.pad_id))
     return collate(rows, self.proc.vision, self.seq_len)

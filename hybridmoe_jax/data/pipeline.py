@@ -137,7 +137,7 @@ class TrainEvalData:
 
   train: grain.DatasetIterator  # batches int32 [B, T], forever
   eval_batches: list[Batch]  # held-out batches int32 [B_eval, T]
-  tokenizer: tokenizer_lib.ByteTokenizer
+  tokenizer: tokenizer_lib.Tokenizer
   train_source: sources_lib.SubsetSource
   heldout_source: sources_lib.SubsetSource
 
@@ -145,7 +145,8 @@ class TrainEvalData:
 def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
                          batch_size: int, seed: int, eval_batch_size: int | None = None,
                          max_eval_batches: int = 16, shard_index: int = 0,
-                         shard_count: int = 1) -> TrainEvalData:
+                         shard_count: int = 1,
+                         tokenizer: tokenizer_lib.Tokenizer | None = None) -> TrainEvalData:
   """Validates everything that can fail, then builds the train iterator and eval batches.
 
   Args:
@@ -155,12 +156,13 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
     eval_batch_size: rows per eval batch (default batch_size).
     max_eval_batches: cap on held-out batches.
     shard_index, shard_count: the training-data shard of this process.
+    tokenizer: default `make_tokenizer(data_cfg.tokenizer)`.
 
   Raises:
     ConfigError / ValueError / FileNotFoundError: bad config, missing path, no usable text,
       tokenizer ids beyond `vocab_size`; each names the offending field, path or value.
   """
-  tokenizer = tokenizer_lib.ByteTokenizer()
+  tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data_cfg.tokenizer)
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
   source = data_config.source_from_config(data_cfg)
   train, heldout = sources_lib.split_source(source, data_cfg.heldout_fraction,

@@ -8,13 +8,26 @@ NUL character indistinguishable from padding.
 Vision models (`ByteTokenizer(vision=True)`) add three more ids after EOS: IMAGE_START,
 IMAGE_END and IMAGE_PAD (the placeholder the model replaces with projected image tokens),
 for a vocabulary of 262; text-only models keep exactly 259.
+
+Every tokenizer (this one, and the trained BPEs of `hf_tokenizers`: a Hugging Face
+tokenizer.json or a tiktoken model file) meets one contract, `Tokenizer`: special tokens
+are looked up by ROLE (pad, bos, eos, the chat roles, the image roles), never by a module
+constant, and `token_bytes()` gives each id's UTF-8 byte count so bits per byte can be
+computed for any vocabulary. `make_tokenizer("byte" | path)` builds one from the
+`data.tokenizer` field; a run keeps a copy in `workdir/tokenizer/` (`save_tokenizer`) and the
+evals read it back with `tokenizer_from_dir`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import numpy as np
+
+# Role names and the error type live in token_roles (shared with hf_tokenizers).
+from hybridmoe_jax.data.token_roles import (  # noqa: F401 (re-exported)
+    CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError)
 
 PAD_ID = 256
 BOS_ID = 257
@@ -25,16 +38,34 @@ IMAGE_PAD_ID = 261
 IMAGE_IDS = (IMAGE_START_ID, IMAGE_END_ID, IMAGE_PAD_ID)
 _NUM_BYTES = 256
 
+BYTE_SPEC = "byte"
+
 
 class Tokenizer(Protocol):
-  """What the pipeline needs from a tokenizer."""
+  """What the pipelines, the train loop and the evals need from a tokenizer.
+
+  Special ids are reached by role; image ids are None for a tokenizer without vision
+  tokens. `special_ids` maps every role the tokenizer carries to its id.
+  """
 
   pad_id: int
+  bos_id: int
+  eos_id: int
+  image_start_id: int | None
+  image_end_id: int | None
+  image_pad_id: int | None
 
   @property
   def vocab_size(self) -> int: ...
 
+  @property
+  def special_ids(self) -> dict[str, int]: ...
+
   def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray: ...
+
+  def decode(self, ids) -> str: ...
+
+  def token_bytes(self) -> np.ndarray: ...
 
 
 class ByteTokenizer:
@@ -44,16 +75,30 @@ class ByteTokenizer:
   pad_id = PAD_ID
   bos_id = BOS_ID
   eos_id = EOS_ID
-  image_start_id = IMAGE_START_ID
-  image_end_id = IMAGE_END_ID
-  image_pad_id = IMAGE_PAD_ID
+  name = BYTE_SPEC
 
   def __init__(self, vision: bool = False):
     self.vision = bool(vision)
+    # The image ids exist only in the vision vocabulary (262 ids).
+    self.image_start_id = IMAGE_START_ID if self.vision else None
+    self.image_end_id = IMAGE_END_ID if self.vision else None
+    self.image_pad_id = IMAGE_PAD_ID if self.vision else None
 
   @property
   def vocab_size(self) -> int:
     return _NUM_BYTES + (6 if self.vision else 3)
+
+  @property
+  def special_ids(self) -> dict[str, int]:
+    """Role -> id: pad, bos, eos (and image_start, image_end, image_pad with vision)."""
+    out = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID}
+    if self.vision:
+      out.update(image_start=IMAGE_START_ID, image_end=IMAGE_END_ID, image_pad=IMAGE_PAD_ID)
+    return out
+
+  def token_bytes(self) -> np.ndarray:
+    """int32 [vocab_size]: 1 for the 256 byte ids, 0 for the special ids."""
+    return (np.arange(self.vocab_size) < _NUM_BYTES).astype(np.int32)
 
   def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
     """Encodes `text` as its UTF-8 bytes.
@@ -96,10 +141,74 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   """Fails before training if the tokenizer can emit ids the model cannot embed.
 
   Raises:
-    ValueError: tokenizer.vocab_size > model_vocab_size (both are named).
+    ValueError: tokenizer.vocab_size > model_vocab_size (both are named, and the file of a
+      file tokenizer).
   """
   if tokenizer.vocab_size > model_vocab_size:
+    name = getattr(tokenizer, "name", BYTE_SPEC)
+    where = "" if name == BYTE_SPEC else f"{name}: "
     raise ValueError(
-        f"tokenizer vocab_size {tokenizer.vocab_size} > model vocab_size {model_vocab_size}: "
+        f"{where}tokenizer vocab_size {tokenizer.vocab_size} > model vocab_size "
+        f"{model_vocab_size}: "
         f"token ids up to {tokenizer.vocab_size - 1} would index past the embedding table; "
         f"set model.vocab_size >= {tokenizer.vocab_size}")
+
+
+def make_tokenizer(spec: str, *, vision: bool = False) -> Tokenizer:
+  """The tokenizer of a `data.tokenizer` value.
+
+  Args:
+    spec: "byte", or a path: a Hugging Face tokenizer.json, a tiktoken BPE file (lines
+      `base64(token bytes) rank`, Kimi's tiktoken.model format) or a directory holding one
+      (tokenizer.json or tiktoken.model; a tokenizer_config.json beside it names special
+      tokens).
+    vision: also give the image roles ids (image_start, image_end, image_pad).
+
+  Raises:
+    TokenizerError: one line naming the path and what is wrong (missing, unreadable,
+      corrupt, a named special token it lacks), or the missing `tokenizers` / `tiktoken`
+      package and the extra that installs it.
+  """
+  if not isinstance(spec, str) or not spec:
+    raise TokenizerError(f"data.tokenizer = {spec!r}: allowed {BYTE_SPEC!r} or a path to a "
+                         "tokenizer.json, a tiktoken model file, or a directory holding one")
+  if spec == BYTE_SPEC:
+    return ByteTokenizer(vision=vision)
+  # Imported here: tokenizers / tiktoken load only when a file tokenizer is asked for.
+  from hybridmoe_jax.data import hf_tokenizers  # pylint: disable=g-import-not-at-top
+  return hf_tokenizers.load_tokenizer(spec, vision=vision)
+
+
+TOKENIZER_DIR = "tokenizer"  # a run's copy of its tokenizer: <workdir>/tokenizer/
+
+
+def tokenizer_from_dir(directory: str, *, vision: bool = False) -> Tokenizer:
+  """The tokenizer saved in `directory` (e.g. <workdir>/tokenizer), the byte tokenizer when
+  it holds none (runs from before file tokenizers, and byte-tokenizer runs).
+
+  Raises:
+    TokenizerError: the directory holds a tokenizer file that cannot be read.
+  """
+  from hybridmoe_jax.data import hf_tokenizers  # pylint: disable=g-import-not-at-top
+  if os.path.isdir(directory) and hf_tokenizers.find_tokenizer_file(directory):
+    return hf_tokenizers.load_tokenizer(directory, vision=vision)
+  return ByteTokenizer(vision=vision)
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str) -> list[str]:
+  """Copies a file tokenizer's files into `directory` so the run is self-contained.
+
+  Nothing is written for the byte tokenizer. Files already there are kept when identical;
+  a different tokenizer already saved there is an error (a workdir trains with one).
+
+  Returns:
+    The paths written or found identical.
+
+  Raises:
+    TokenizerError: `directory` already holds a different tokenizer file.
+  """
+  files = getattr(tokenizer, "files", None)
+  if not files:
+    return []
+  from hybridmoe_jax.data import hf_tokenizers  # pylint: disable=g-import-not-at-top
+  return hf_tokenizers.copy_files(files, directory)

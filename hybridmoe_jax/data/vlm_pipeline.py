@@ -31,7 +31,7 @@ class VLMData:
 
   train: VLMPackedIterator
   eval_batches: list
-  tokenizer: tokenizer_lib.ByteTokenizer
+  tokenizer: tokenizer_lib.Tokenizer
   train_source: Any
   heldout_source: Any
 
@@ -106,13 +106,17 @@ def image_text_sources(data_cfg: DataConfig, vision: VisionConfig):
                                   data_cfg.heldout_seed)
 
 
-def processor_from_config(data_cfg: DataConfig, vision: VisionConfig,
-                          vocab_size: int) -> Processor:
-  """Checks `data.vision` against the tower and the vocabulary; the processor it configures."""
+def processor_from_config(data_cfg: DataConfig, vision: VisionConfig, vocab_size: int,
+                          tokenizer: tokenizer_lib.Tokenizer | None = None) -> Processor:
+  """Checks `data.vision` against the tower and the vocabulary; the processor it configures.
+
+  tokenizer: one with image roles; default `make_tokenizer(data.tokenizer, vision=True)`.
+  """
   vc = data_cfg.vision
   vc.check_against(vision)
-  tokenizer_lib.check_vocab(tokenizer_lib.ByteTokenizer(vision=True), vocab_size)
-  return Processor(vision, pad_images=vc.pad_images,
+  tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data_cfg.tokenizer, vision=True)
+  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  return Processor(vision, tokenizer=tokenizer, pad_images=vc.pad_images,
                    prompt_loss_weight=float(vc.prompt_loss_weight),
                    answer_loss_weight=float(vc.answer_loss_weight))
 
@@ -120,13 +124,15 @@ def processor_from_config(data_cfg: DataConfig, vision: VisionConfig,
 def build_vlm_train_and_eval(data_cfg: DataConfig, vision: VisionConfig, *,
                              vocab_size: int, seq_len: int, batch_size: int, seed: int,
                              eval_batch_size: int | None = None,
-                             max_eval_batches: int = 8) -> VLMData:
+                             max_eval_batches: int = 8,
+                             tokenizer: tokenizer_lib.Tokenizer | None = None) -> VLMData:
   """Image-text documents mixed with text at `data.vision.share`, packed into VLM batches.
 
-  Raises ConfigError / ValueError / FileNotFoundError before any batch is built.
+  tokenizer: one with image roles (default from `data.tokenizer`). Raises ConfigError /
+  ValueError / FileNotFoundError before any batch is built.
   """
   vc = data_cfg.vision
-  proc = processor_from_config(data_cfg, vision, vocab_size)
+  proc = processor_from_config(data_cfg, vision, vocab_size, tokenizer)
   train_img, held_img = image_text_sources(data_cfg, vision)
   share = float(vc.share)
   img_ds = grain.MapDataset.source(train_img)

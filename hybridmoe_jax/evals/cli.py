@@ -8,6 +8,7 @@ from typing import Any
 
 
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.evals import niah, report
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import EvalOptions, resolve_tasks, run_evals
@@ -81,13 +82,18 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   if task == "all" and model.cfg.vision.enabled:
     tasks.append("vqa")
   data = info.pop("data_config", None)
+  # The run's own tokenizer (copied there by the train loop); bytes when there is none.
+  tok = tokenizer_lib.tokenizer_from_dir(
+      os.path.join(workdir or params, tokenizer_lib.TOKENIZER_DIR),
+      vision=model.cfg.vision.enabled)
   output_dir = output_dir or os.path.join(workdir or params, "eval")
   where = f"step {info['step']} of {workdir}" if "step" in info else params
   kinds = "".join(k[0] for k in model.cfg.layer_kinds)
-  echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds})")
+  echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds}); tokenizer "
+       f"{getattr(tok, 'name', 'byte')} ({tok.vocab_size} ids)")
   for line in describe_impls(model.cfg, model.compute):
     echo(f"implementation: {line}")
   results = run_evals(model, tasks, opts, output_dir, info=info,
-                      data_cfg=data, echo=echo)
+                      data_cfg=data, echo=echo, tokenizer=tok)
   echo(f"results in {output_dir}")
   return results

@@ -1,10 +1,12 @@
-"""Passkey needle-in-a-haystack (Mohtashami & Jaggi 2023, arXiv:2305.16300), byte tokens.
+"""Passkey needle-in-a-haystack (Mohtashami & Jaggi 2023, arXiv:2305.16300), any tokenizer.
 
 A prompt of exactly `context_len` tokens: BOS, repeated filler sentences with the needle
 "The pass key is 48213. Remember it." inserted at a sentence boundary nearest to
 depth * haystack, then "What is the pass key? The pass key is". The filler and the question
 hold no digits, so the key occurs exactly once. Scored by exact match of the greedy
-continuation's first `num_digits` characters.
+continuation's first `num_digits` characters. Each filler sentence, the needle and the
+question are tokenized alone and joined, so the haystack is counted (and cut) in tokens;
+with the byte tokenizer a token is a character.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridmoe_jax import plots
-from hybridmoe_jax.data.tokenizer import BOS_ID, ByteTokenizer
+from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from hybridmoe_jax.infer import Engine
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -24,9 +26,21 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
 QUESTION = "What is the pass key? The pass key is "
 
 
-def min_length(num_digits: int) -> int:
-  """Shortest prompt holding BOS, the needle and the question (no filler)."""
-  return 1 + len(f"The pass key is {'0' * num_digits}. Remember it. ") + len(QUESTION)
+def _needle(answer: str) -> str:
+  return f"The pass key is {answer}. Remember it. "
+
+
+def min_length(num_digits: int, tokenizer: Tokenizer | None = None) -> int:
+  """Shortest prompt holding BOS, the needle and the question (no filler); for a BPE the
+  needle's length may differ by a token or so with the digits."""
+  tok = tokenizer or ByteTokenizer()
+  return 1 + len(tok.encode(_needle("0" * num_digits))) + len(tok.encode(QUESTION))
+
+
+def _filler_sentences(tok: Tokenizer) -> list[np.ndarray]:
+  """FILLER split after each ". ", each sentence tokenized alone."""
+  parts = [s + ". " for s in FILLER.split(". ") if s]
+  return [tok.encode(p) for p in parts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +52,31 @@ class NiahExample:
 
 
 def make_example(rng: np.random.Generator, context_len: int, depth: float,
-                 num_digits: int = 5) -> NiahExample:
-  """One prompt of exactly `context_len` tokens with the needle at ~`depth`."""
+                 num_digits: int = 5, tokenizer: Tokenizer | None = None) -> NiahExample:
+  """One prompt of exactly `context_len` tokens with the needle at ~`depth` (default
+  tokenizer: bytes)."""
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"needle depth must be in [0, 1], got {depth}")
+  tok = tokenizer or ByteTokenizer()
   answer = "".join(str(d) for d in rng.integers(0, 10, num_digits))
-  needle = f"The pass key is {answer}. Remember it. "
-  budget = context_len - 1 - len(needle) - len(QUESTION)
+  needle, question = tok.encode(_needle(answer)), tok.encode(QUESTION)
+  budget = context_len - 1 - len(needle) - len(question)
   if budget < 0:
     raise ValueError(f"niah context length {context_len} is too short for the needle and "
-                     f"question (needs >= {min_length(num_digits)})")
-  hay = (FILLER * (budget // len(FILLER) + 1))[:budget]
-  # Sentence boundaries ("... . |") in the haystack, plus both ends.
-  cuts = np.array([0] + [i + 2 for i in range(len(hay) - 1) if hay[i:i + 2] == ". "] + [budget])
+                     f"question (needs >= {min_length(num_digits, tok)})")
+  sentences = _filler_sentences(tok)
+  pieces, cuts, n = [], [0], 0
+  while n < budget:  # whole sentences, the last one cut to fill the budget exactly
+    s = sentences[len(pieces) % len(sentences)][:budget - n]
+    pieces.append(s)
+    n += len(s)
+    cuts.append(n)
+  hay = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+  # Sentence boundaries of the haystack, plus both ends.
+  cuts = np.array(sorted(set(cuts + [budget])))
   cut = int(cuts[np.argmin(np.abs(cuts - depth * budget))])
-  text = hay[:cut] + needle + hay[cut:] + QUESTION
-  prompt = np.concatenate([[BOS_ID], ByteTokenizer().encode(text)]).astype(np.int32)
+  prompt = np.concatenate([[tok.bos_id], hay[:cut], needle, hay[cut:], question]
+                          ).astype(np.int32)
   assert len(prompt) == context_len
   return NiahExample(prompt, answer, 1 + cut, depth)
 
@@ -67,18 +90,19 @@ def exact_match(predictions: Sequence[str], answers: Sequence[str]) -> float:
 
 def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float], *,
                   samples: int = 4, num_digits: int = 5, seed: int = 0,
-                  output_dir: str | None = None) -> dict:
+                  output_dir: str | None = None, tokenizer: Tokenizer | None = None) -> dict:
   """Accuracy over the grid [depths, lengths]; with `output_dir`, also niah_heatmap.png
-  (`plots.niah_figure`: labelled axes, the accuracy written in each cell)."""
+  (`plots.niah_figure`: labelled axes, the accuracy written in each cell). tokenizer: the
+  model's (default bytes)."""
   rng = np.random.default_rng(seed)
-  tok = ByteTokenizer()
+  tok = tokenizer or ByteTokenizer()
   acc = np.zeros((len(depths), len(lengths)))
   for j, n in enumerate(lengths):
     if n + num_digits > engine.max_len:
       raise ValueError(f"niah length {n} + {num_digits} answer tokens exceeds max_len="
                        f"{engine.max_len}")
     for i, d in enumerate(depths):
-      exs = [make_example(rng, n, d, num_digits) for _ in range(samples)]
+      exs = [make_example(rng, n, d, num_digits, tok) for _ in range(samples)]
       out = engine.generate(np.stack([e.prompt for e in exs]), max_new_tokens=num_digits)
       preds = [tok.decode(row) for row in out.tokens]
       acc[i, j] = exact_match(preds, [e.answer for e in exs])

@@ -1,10 +1,11 @@
 """Perplexity and bits per byte on held-out text, per context-length bucket.
 
-Each document is tokenized as in training (BOS + UTF-8 bytes + EOS), truncated to `max_len`
+Each document is tokenized as in training (BOS + text tokens + EOS), truncated to `max_len`
 tokens and scored teacher-forced with chunked prefill (`Engine.score`), so long documents
 run in bounded memory. The NLL of the token at position t (predicted from t tokens of
 context) is charged to the bucket holding t: buckets [0, e_1), [e_1, e_2), ... from `edges`.
-bits/byte = sum NLL / ln 2 / byte targets (EOS NLL is charged to the bytes, as in training).
+bits/byte = sum NLL / ln 2 / UTF-8 bytes of the targets (`Tokenizer.token_bytes`; the EOS
+NLL is charged to the text, as in training).
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from hybridmoe_jax.run_config import DataConfig
 from hybridmoe_jax.infer import Engine
-
-_BYTES = 256
 
 
 def heldout_documents(data_cfg=None, text_files: Sequence[str] = ()) -> list[str]:
@@ -41,15 +40,19 @@ def bucket_edges(max_len: int, edges: Sequence[int] = (64, 256, 1024, 4096, 1638
   return [0] + sorted(e for e in set(edges) if 0 < e < max_len)
 
 
-def bucket_stats(nll: np.ndarray, targets: np.ndarray, edges: Sequence[int]
-                 ) -> list[dict[str, float]]:
-  """Per bucket: tokens, mean nll, ppl, bits/byte. nll/targets [n] for context 1..n."""
+def bucket_stats(nll: np.ndarray, targets: np.ndarray, edges: Sequence[int],
+                 token_bytes: np.ndarray | None = None) -> list[dict[str, float]]:
+  """Per bucket: tokens, mean nll, ppl, bits/byte. nll/targets [n] for context 1..n;
+  token_bytes int32 [vocab]: UTF-8 bytes per id (default: the byte tokenizer's)."""
+  if token_bytes is None:
+    token_bytes = ByteTokenizer(vision=True).token_bytes()
+  nb = np.asarray(token_bytes)[np.asarray(targets)]
   ctx = np.arange(1, len(nll) + 1)
   out = []
   bounds = list(edges) + [np.inf]
   for lo, hi in zip(bounds[:-1], bounds[1:]):
     sel = (ctx >= lo) & (ctx < hi)
-    n, nbytes = int(sel.sum()), int((targets[sel] < _BYTES).sum())
+    n, nbytes = int(sel.sum()), int(nb[sel].sum())
     total = float(nll[sel].sum())
     out.append({"context_from": int(lo), "context_to": None if hi == np.inf else int(hi),
                 "tokens": n, "nll_sum": total, "bytes": nbytes})
@@ -66,15 +69,18 @@ def _finish(row: dict) -> dict:
 
 def evaluate_ppl(engine: Engine, documents: Sequence[str], *, max_docs: int = 16,
                  max_tokens: int | None = None,
-                 edges: Sequence[int] = (64, 256, 1024, 4096, 16384, 65536)) -> dict:
+                 edges: Sequence[int] = (64, 256, 1024, 4096, 16384, 65536),
+                 tokenizer: Tokenizer | None = None) -> dict:
   """-> {"buckets": [...], "overall": {...}, "documents": n} (see module docstring).
 
   Each document is truncated to max_tokens (<= engine.max_len; default engine.max_len).
+  tokenizer: the model's (default bytes).
   """
   if not documents:
     raise ValueError("ppl: no held-out documents to evaluate")
   max_tokens = min(max_tokens or engine.max_len, engine.max_len)
-  tok = ByteTokenizer()
+  tok = tokenizer or ByteTokenizer()
+  token_bytes = tok.token_bytes()
   edges = bucket_edges(max_tokens, edges)
   rows = None
   used = 0
@@ -83,7 +89,7 @@ def evaluate_ppl(engine: Engine, documents: Sequence[str], *, max_docs: int = 16
     if len(ids) < 2:
       continue
     nll, _ = engine.score(ids[None])
-    stats = bucket_stats(nll[0], ids[1:], edges)
+    stats = bucket_stats(nll[0], ids[1:], edges, token_bytes)
     rows = stats if rows is None else [
         {**a, **{k: a[k] + b[k] for k in ("tokens", "nll_sum", "bytes")}}
         for a, b in zip(rows, stats)]

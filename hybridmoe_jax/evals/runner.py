@@ -3,7 +3,8 @@
 Tasks: ppl (perplexity / bits per byte by context bucket), niah (passkey grid + PNG
 heatmap), mqar (associative recall grid), generate (prompt [+ --image] -> text), vqa
 (vision models: question answering on held-out generated images), all (the text tasks, and
-vqa for a vision model).
+vqa for a vision model). Every task uses the run's tokenizer (`tokenizer_from_dir` of
+<workdir>/tokenizer; the byte tokenizer when there is none).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import time
 from typing import Any, Sequence
 
-from hybridmoe_jax.data.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.evals import mqar, niah, ppl, vqa
@@ -62,10 +63,17 @@ def resolve_tasks(task: str) -> list[str]:
   return [task]
 
 
-def check_model_for_bytes(model: HybridLM) -> None:
-  if model.cfg.vocab_size < ByteTokenizer().vocab_size:
-    raise ValueError(f"the evals use the byte tokenizer ({ByteTokenizer().vocab_size} ids); "
-                     f"this model's vocab_size is {model.cfg.vocab_size}")
+def default_tokenizer(model: HybridLM) -> tokenizer_lib.Tokenizer:
+  """The byte tokenizer (with image ids for a vision model): runs without a saved one."""
+  return tokenizer_lib.ByteTokenizer(vision=model.cfg.vision.enabled)
+
+
+def check_model_tokenizer(model: HybridLM, tok: tokenizer_lib.Tokenizer) -> None:
+  """ValueError (one line, both sizes) when the model cannot embed every tokenizer id."""
+  if model.cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"the evals' tokenizer ({getattr(tok, 'name', 'byte')}) has "
+                     f"{tok.vocab_size} ids; this model's vocab_size is "
+                     f"{model.cfg.vocab_size}: evaluate with the tokenizer it was trained with")
 
 
 def _engine(model, opts: EvalOptions, max_len: int) -> Engine:
@@ -75,17 +83,18 @@ def _engine(model, opts: EvalOptions, max_len: int) -> Engine:
   return Engine(model, max_len=cap, prefill_chunk=opts.prefill_chunk, kv_block=opts.kv_block)
 
 
-def run_generate(model: HybridLM, opts: EvalOptions) -> dict[str, Any]:
+def run_generate(model: HybridLM, opts: EvalOptions,
+                 tok: tokenizer_lib.Tokenizer | None = None) -> dict[str, Any]:
   if not opts.prompt:
     raise ValueError("--prompt is empty: give some text to continue")
-  tok = ByteTokenizer(vision=model.cfg.vision.enabled)
+  tok = tok or default_tokenizer(model)
   images = None
   if opts.image:
     if not model.cfg.vision.enabled:
       raise ValueError("--image needs a vision model (model.vision.enabled = True)")
     if not os.path.isfile(opts.image):
       raise ValueError(f"--image file {opts.image} does not exist")
-    proc = multimodal.Processor(model.cfg.vision, pad_images=opts.pad_image)
+    proc = multimodal.Processor(model.cfg.vision, pad_images=opts.pad_image, tokenizer=tok)
     # The image goes where the prompt has "<image>", else before the prompt.
     text = (opts.prompt if multimodal.IMAGE_MARKER in opts.prompt
             else multimodal.IMAGE_MARKER + "\n" + opts.prompt)
@@ -99,7 +108,7 @@ def run_generate(model: HybridLM, opts: EvalOptions) -> dict[str, Any]:
   t0 = time.perf_counter()
   out = engine.generate(ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
                         sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p),
-                        stop_tokens=[EOS_ID], pad_id=PAD_ID, images=images)
+                        stop_tokens=[tok.eos_id], pad_id=tok.pad_id, images=images)
   n = int(out.lengths[0])
   return {"prompt": opts.prompt, "image": opts.image or None,
           "text": tok.decode(out.tokens[0, :n]), "new_tokens": n,
@@ -107,7 +116,8 @@ def run_generate(model: HybridLM, opts: EvalOptions) -> dict[str, Any]:
           "top_k": opts.top_k, "top_p": opts.top_p}
 
 
-def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None) -> dict[str, Any]:
+def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None,
+            tok: tokenizer_lib.Tokenizer | None = None) -> dict[str, Any]:
   """VQA on held-out generated scenes; sides and seed from the run's data.vision section."""
   vis = data_cfg.vision if data_cfg is not None else None
   sides = tuple(vis.sides) if vis is not None else tuple(model.cfg.vision.image_buckets)
@@ -118,26 +128,31 @@ def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None) -> dict[str, Any]
                      "another so the images are held out")
   engine = _engine(model, opts, 512)
   return vqa.evaluate_vqa(engine, num_images=opts.vqa_images, seed=seed, sides=sides,
-                          channels=model.cfg.vision.num_channels)
+                          channels=model.cfg.vision.num_channels,
+                          tokenizer=tok or default_tokenizer(model))
 
 
 def run_task(task: str, model: HybridLM, opts: EvalOptions, output_dir: str,
-             data_cfg=None) -> dict[str, Any]:
+             data_cfg=None, tokenizer: tokenizer_lib.Tokenizer | None = None
+             ) -> dict[str, Any]:
+  """One task; tokenizer: the run's (default: bytes)."""
+  tok = tokenizer or default_tokenizer(model)
   if task == "ppl":
     docs = ppl.heldout_documents(data_cfg, opts.text_files)
     return ppl.evaluate_ppl(_engine(model, opts, opts.ppl_max_len), docs,
-                            max_docs=opts.ppl_max_docs, max_tokens=opts.ppl_max_len)
+                            max_docs=opts.ppl_max_docs, max_tokens=opts.ppl_max_len,
+                            tokenizer=tok)
   if task == "niah":
     engine = _engine(model, opts, max(opts.niah_lengths) + opts.niah_digits)
     return niah.evaluate_niah(engine, opts.niah_lengths, opts.niah_depths,
                               samples=opts.niah_samples, num_digits=opts.niah_digits,
-                              seed=opts.seed, output_dir=output_dir)
+                              seed=opts.seed, output_dir=output_dir, tokenizer=tok)
   if task == "mqar":
     return mqar.evaluate_mqar(_engine(model, opts, max(opts.mqar_lengths)), opts.mqar_lengths,
                               opts.mqar_pairs, samples=opts.mqar_samples, seed=opts.seed)
   if task == "vqa":
-    return run_vqa(model, opts, data_cfg)
-  return run_generate(model, opts)
+    return run_vqa(model, opts, data_cfg, tok)
+  return run_generate(model, opts, tok)
 
 
 def format_table(task: str, r: dict[str, Any]) -> str:
@@ -164,14 +179,19 @@ def format_table(task: str, r: dict[str, Any]) -> str:
 
 
 def run_evals(model: HybridLM, tasks: Sequence[str], opts: EvalOptions, output_dir: str, *,
-              info: dict[str, Any] | None = None, data_cfg=None, echo=print) -> dict[str, Any]:
-  """Run `tasks`, write <output_dir>/<task>.json (and results.json), echo a table each."""
-  check_model_for_bytes(model)
+              info: dict[str, Any] | None = None, data_cfg=None, echo=print,
+              tokenizer: tokenizer_lib.Tokenizer | None = None) -> dict[str, Any]:
+  """Run `tasks`, write <output_dir>/<task>.json (and results.json), echo a table each.
+
+  tokenizer: the run's (`tokenizer_from_dir`); default the byte tokenizer.
+  """
+  tokenizer = tokenizer or default_tokenizer(model)
+  check_model_tokenizer(model, tokenizer)
   os.makedirs(output_dir, exist_ok=True)
   results = {}
   for task in tasks:
     t0 = time.perf_counter()
-    r = run_task(task, model, opts, output_dir, data_cfg)
+    r = run_task(task, model, opts, output_dir, data_cfg, tokenizer)
     r["wall_s"] = time.perf_counter() - t0
     results[task] = r
     with open(os.path.join(output_dir, f"{task}.json"), "w", encoding="utf-8") as f:

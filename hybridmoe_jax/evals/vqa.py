@@ -23,22 +23,24 @@ import numpy as np
 
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
-from hybridmoe_jax.data.tokenizer import EOS_ID, PAD_ID, ByteTokenizer
+from hybridmoe_jax.data.tokenizer import Tokenizer
 from hybridmoe_jax.infer import Engine
 
-NEWLINE = ord("\n")
 CHANCE = {"count": 1 / 4, "where": 1 / 10, "colour": 1 / len(images_lib.COLOURS)}
 
 
 def answer(engine: Engine, processor: multimodal.Processor, image: np.ndarray,
            question: str, max_new_tokens: int = 8) -> str:
   """Greedy answer of the model to `question` about `image` (text up to the newline)."""
+  tok = processor.tokenizer
   doc = processor(images_lib.vqa_text(question), [image], eos=False)
   batch = multimodal.inference_batch(doc, processor.vision)
+  newline = tok.encode("\n")  # a stop token when "\n" is one token (always for bytes)
+  stops = [tok.eos_id] + ([int(newline[0])] if len(newline) == 1 else [])
   out = engine.generate(doc.tokens, max_new_tokens=max_new_tokens, images=batch,
-                        stop_tokens=[NEWLINE, EOS_ID], pad_id=PAD_ID)
+                        stop_tokens=stops, pad_id=tok.pad_id)
   n = int(out.lengths[0])
-  return ByteTokenizer(vision=True).decode(out.tokens[0, :n]).strip()
+  return tok.decode(out.tokens[0, :n]).split("\n")[0].strip()
 
 
 def swap_quadrants(image: np.ndarray, a: int, b: int) -> np.ndarray:
@@ -50,8 +52,8 @@ def swap_quadrants(image: np.ndarray, a: int, b: int) -> np.ndarray:
   return out
 
 
-def quadrant_swap(engine: Engine, *, num_images: int, seed: int, sides, channels: int
-                  ) -> dict[str, dict[str, Any]]:
+def quadrant_swap(engine: Engine, *, num_images: int, seed: int, sides, channels: int,
+                  tokenizer: Tokenizer | None = None) -> dict[str, dict[str, Any]]:
   """Does the model read 2-D position? Each position question type ("where": which digit,
   "colour") is asked about the top-left cell of scenes whose top-left and bottom-right cells
   hold different answers, before and after swapping those two quadrants.
@@ -59,7 +61,7 @@ def quadrant_swap(engine: Engine, *, num_images: int, seed: int, sides, channels
   Returns per type the scenes used, the fraction of answers that change, and the fraction
   correct before / after (after the swap the correct answer is the former bottom-right one).
   """
-  proc = multimodal.Processor(engine.cfg.vision)
+  proc = multimodal.Processor(engine.cfg.vision, tokenizer=tokenizer)
   src = images_lib.SyntheticVQASource(1 << 30, seed=seed, sides=sides, channels=channels)
   out = {}
   for kind in ("where", "colour"):
@@ -85,7 +87,8 @@ def quadrant_swap(engine: Engine, *, num_images: int, seed: int, sides, channels
 
 
 def evaluate_vqa(engine: Engine, *, num_images: int, seed: int, sides, channels: int,
-                 max_new_tokens: int = 8, keep_examples: int = 12) -> dict[str, Any]:
+                 max_new_tokens: int = 8, keep_examples: int = 12,
+                 tokenizer: Tokenizer | None = None) -> dict[str, Any]:
   """Exact-match accuracy per question type, with the blank-image baseline and chance.
 
   Args:
@@ -94,13 +97,14 @@ def evaluate_vqa(engine: Engine, *, num_images: int, seed: int, sides, channels:
     seed: scene seed (use one the model was not trained on).
     sides: image sides to draw (pixels).
     channels: image channels of the model.
+    tokenizer: the model's, with image roles (default: bytes with vision).
   """
   vision = engine.cfg.vision
   if not vision.enabled:
     raise ValueError("--task=vqa needs a vision model (model.vision.enabled = True)")
   if num_images < 1:
     raise ValueError(f"num_images must be >= 1, got {num_images}")
-  proc = multimodal.Processor(vision)
+  proc = multimodal.Processor(vision, tokenizer=tokenizer)
   src = images_lib.SyntheticVQASource(num_images, seed=seed, sides=sides, channels=channels)
   hits = collections.defaultdict(lambda: [0, 0, 0])  # type -> [correct, blank correct, n]
   answers = collections.defaultdict(collections.Counter)
@@ -134,7 +138,8 @@ def evaluate_vqa(engine: Engine, *, num_images: int, seed: int, sides, channels:
           "blank_image_accuracy": sum(h[1] for h in hits.values()) / total,
           "seed": seed, "sides": list(sides), "baseline": "same model, all-black image",
           "quadrant_swap": quadrant_swap(engine, num_images=min(num_images, 32), seed=seed,
-                                         sides=sides, channels=channels),
+                                         sides=sides, channels=channels,
+                                         tokenizer=tokenizer),
           "examples": examples}
 
 

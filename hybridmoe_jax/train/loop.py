@@ -1,7 +1,9 @@
 """`train_and_evaluate(config, workdir)`: the whole run, resumable at any step.
 
-Order: the typed run config and its plan (every bad field stops here) -> check the workdir's
-stored model config -> build data (every bad input stops here, before any allocation) -> restore the newest good checkpoint or initialise
+Order: the typed run config and its plan (every bad field stops here) -> the tokenizer of
+`data.tokenizer` (a missing / corrupt file or a vocabulary larger than the model's stops
+here) -> check the workdir's stored model config, copy the tokenizer into
+workdir/tokenizer/ -> build data (every bad input stops here, before any allocation) -> restore the newest good checkpoint or initialise
 -> steps, with periodic eval / checkpoint / heatmap and always a checkpoint at the end or on
 SIGINT/SIGTERM -> optional params-only export.
 """
@@ -26,6 +28,7 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import pipeline as data_pipeline
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
@@ -39,9 +42,6 @@ from hybridmoe_jax.train.monitor import Monitor, hardware
 from hybridmoe_jax.train.profile import StepProfiler
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
-_BYTE_IDS = 256  # ByteTokenizer: ids below this are UTF-8 bytes
-
-
 class InputError(ValueError):
   """Bad training input (data path, dataset, token ids, batch shapes): stops the run."""
 
@@ -51,25 +51,43 @@ class TrainingDiverged(RuntimeError):
   saved nothing after the last good checkpoint."""
 
 
-def build_data(run: RunConfig, plan: plan_lib.Plan):
+def run_tokenizer(run: RunConfig, *, check_vocab: bool = True) -> tokenizer_lib.Tokenizer:
+  """The tokenizer of `data.tokenizer` (image roles for a vision model), checked against
+  model.vocab_size. Raises InputError (one line naming the file / field) before any compute."""
+  try:
+    tok = tokenizer_lib.make_tokenizer(run.data.tokenizer, vision=run.model.vision.enabled)
+    if check_vocab:
+      tokenizer_lib.check_vocab(tok, run.model.vocab_size)
+  except ValueError as e:
+    raise InputError(f"data.tokenizer: {e}" if not str(e).startswith("data.tokenizer")
+                     else str(e)) from None
+  return tok
+
+
+def build_data(run: RunConfig, plan: plan_lib.Plan,
+               tokenizer: tokenizer_lib.Tokenizer | None = None):
   """Train iterator + held-out batches: the curriculum's stages, image-text + text for a
-  vision model, else the `data` section's text (`hybridmoe_jax.data.pipeline`)."""
+  vision model, else the `data` section's text (`hybridmoe_jax.data.pipeline`).
+
+  tokenizer: default `run_tokenizer(run)`; the data's `.tokenizer` is this one."""
   cfg, t = run.model, run.train
+  tokenizer = tokenizer or run_tokenizer(run)
   try:
     if plan.curriculum:  # staged context curriculum (data/curriculum.py)
       return data_curriculum.build_curriculum_data(
           plan.stages, run.curriculum, run.data, vocab_size=cfg.vocab_size, seed=t.seed,
-          eval_batches=t.eval_batches, vision=cfg.vision)
+          eval_batches=t.eval_batches, vision=cfg.vision, tokenizer=tokenizer)
     if cfg.vision.enabled:  # image-text mixed with text (data/vlm_pipeline.py)
       return vlm_pipeline.build_vlm_train_and_eval(
           run.data, cfg.vision, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
-          batch_size=t.batch_size, seed=t.seed, max_eval_batches=t.eval_batches)
+          batch_size=t.batch_size, seed=t.seed, max_eval_batches=t.eval_batches,
+          tokenizer=tokenizer)
     # Multi-host: each process loads its own batch_size / process_count rows (its shard).
     return data_pipeline.build_train_and_eval(
         run.data, vocab_size=cfg.vocab_size, seq_len=t.seq_len,
         batch_size=t.batch_size // jax.process_count(), seed=t.seed,
         max_eval_batches=t.eval_batches, shard_index=jax.process_index(),
-        shard_count=jax.process_count())
+        shard_count=jax.process_count(), tokenizer=tokenizer)
   except ConfigError:
     raise
   except (ValueError, OSError) as e:  # missing path, empty dataset, ids beyond the vocab
@@ -109,8 +127,16 @@ def _next_batch(it, t, vocab_size: int, step: int) -> dict[str, np.ndarray]:
   return batch
 
 
-def evaluate(eval_step, state, batches) -> dict[str, float]:
-  """Mean held-out NLL per target token and bits per byte (byte targets only)."""
+def evaluate(eval_step, state, batches, token_bytes: np.ndarray | None = None
+             ) -> dict[str, float]:
+  """Mean held-out NLL per target token and bits per byte.
+
+  token_bytes: int32 [vocab] UTF-8 bytes of each id (`Tokenizer.token_bytes()`; default
+  the byte tokenizer's): the bytes of the held-out text are the sum over its targets.
+  """
+  if token_bytes is None:
+    token_bytes = tokenizer_lib.ByteTokenizer(vision=True).token_bytes()
+  token_bytes = np.asarray(token_bytes)
   nll = count = nbytes = 0.0
   for b in batches:
     n, c = eval_step(state.params, state.biases, step_lib.model_inputs(b), state.rest)
@@ -119,11 +145,11 @@ def evaluate(eval_step, state, batches) -> dict[str, float]:
     nll += float(n)
     count += float(c)
     # Every process holds the same held-out rows (nll and count cover all of them).
-    nbytes += float(np.sum(np.asarray(weights) * (np.asarray(targets) < _BYTE_IDS))
-                    ) * jax.process_count()
+    targets = np.clip(np.asarray(targets), 0, len(token_bytes) - 1)  # check_batch bounds ids
+    nbytes += float(np.sum(np.asarray(weights) * token_bytes[targets])) * jax.process_count()
   if not count:
     return {}
-  # Non-byte targets (EOS) are few; their NLL is charged to the bytes, as usual for bpb.
+  # Special targets (EOS) hold no bytes; their NLL is charged to the text, as usual for bpb.
   return {"loss": nll / count, "bits_per_byte": nll / max(nbytes, 1.0) / math.log(2),
           "tokens": count}
 
@@ -230,7 +256,8 @@ def _stage_info(it, step: int, tokens_per_step: int) -> dict[str, int]:
 
 
 def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, data,
-               train_step, eval_step, monitor: Monitor, ckpt, meta: dict, saved_at: int):
+               train_step, eval_step, monitor: Monitor, ckpt, meta: dict, saved_at: int,
+               token_bytes: np.ndarray):
   """Steps until `t.steps` or a signal; periodic eval and checkpoints.
 
   Returns:
@@ -258,7 +285,7 @@ def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, d
       # A curriculum also evaluates (at the longest length) at the end of every stage.
       if ((t.eval_every and step % t.eval_every == 0) or step in getattr(data, "eval_at", ())
           ) and step < t.steps:
-        monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches),
+        monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches, token_bytes),
                          _stage_info(data.train, step, tokens_per_step))
       due = t.checkpoint_every and step % t.checkpoint_every == 0
       if due and streak:  # the state may be a dead end: keep the older checkpoints newest
@@ -296,6 +323,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   _dump_stacks_on_sigusr1()
   workdir = os.path.abspath(workdir)  # orbax wants absolute paths
   plan = plan_lib.build_plan(config)  # once per run: stages, batches, the LR schedule
+  # A bad tokenizer file stops here, before the workdir. Data given by the caller brings its
+  # own ids (checked batch by batch) and may bring its tokenizer.
+  tokenizer = (getattr(data, "tokenizer", None) if data is not None else None
+               ) or run_tokenizer(config, check_vocab=data is None)
   t = config.train
   if export_params_to and os.path.exists(export_params_to):
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
@@ -306,7 +337,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
           if jax.process_index() == 0 else contextlib.nullcontext())
   try:
     with lock:
-      return _train_locked(config, workdir, plan, export_params_to, data, wall0)
+      return _train_locked(config, workdir, plan, export_params_to, data, wall0, tokenizer)
   except workdir_lock.WorkdirBusy as e:
     raise InputError(str(e)) from None
 
@@ -322,18 +353,34 @@ def _make_writable_workdir(workdir: str) -> None:
                      "lock go there); fix its permissions or choose another --workdir")
 
 
+def _save_tokenizer(tokenizer, directory: str) -> None:
+  """Copy a file tokenizer into `directory`/tokenizer (InputError if another one is there)."""
+  if jax.process_index() != 0:
+    return
+  try:
+    tokenizer_lib.save_tokenizer(tokenizer, os.path.join(directory, tokenizer_lib.TOKENIZER_DIR))
+  except ValueError as e:
+    raise InputError(str(e)) from None
+
+
 def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
-                  export_params_to: str | None, data, wall0: float) -> dict[str, Any]:
+                  export_params_to: str | None, data, wall0: float,
+                  tokenizer: tokenizer_lib.Tokenizer) -> dict[str, Any]:
   """train_and_evaluate's body, run while holding the workdir lock."""
   cfg, t = config.model, config.train
   model_dict = dataclasses.asdict(cfg)
   schedule = plan.schedule()
   ckpt_lib.check_workdir_config(workdir, model_dict, repair=True)
+  # The run is self-contained: evals read workdir/tokenizer (tokenizer_from_dir).
+  _save_tokenizer(tokenizer, workdir)
   # Mesh from config.mesh; bad sizes stop here.
   rt = parallel_runtime.setup(dataclasses.asdict(config.mesh), cfg, config.compute,
                               batch_size=t.batch_size, grad_accum=t.grad_accum,
                               seq_len=t.seq_len)
-  data = data if data is not None else build_data(config, plan)
+  data = data if data is not None else build_data(config, plan, tokenizer)
+  token_bytes = tokenizer.token_bytes()
+  image_ids = tuple(i for i in (tokenizer.image_start_id, tokenizer.image_end_id,
+                                tokenizer.image_pad_id) if i is not None)
   tx = optim.make_optimizer(t, schedule)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
   graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, config, tx, data,
@@ -353,7 +400,8 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
     logging.info("implementation: %s", line)
   meta = {"model_config": model_dict, "signature": signature,
           "config": json.dumps(dataclasses.asdict(config))}
-  eval_step = step_lib.make_eval_step(graphdef, **rt.step_kwargs(train=False))
+  eval_step = step_lib.make_eval_step(graphdef, image_ids=image_ids,
+                                      **rt.step_kwargs(train=False))
   # Multi-process: only process 0 writes the run's logs; the others log under process_<i>/.
   logdir = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process_{jax.process_index()}")
@@ -368,20 +416,21 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
   try:
     state, step, saved_at, stopped = _run_steps(
         state, start, t=t, tokens_per_step=plan.tokens_per_step, cfg=cfg, data=data,
-        eval_step=eval_step, monitor=monitor,
+        eval_step=eval_step, monitor=monitor, token_bytes=token_bytes,
         train_step=profiler.wrap(step_lib.make_train_step(
             graphdef, cfg, tx, grad_accum=t.grad_accum, schedule=schedule,
-            **rt.step_kwargs())),
+            image_ids=image_ids, **rt.step_kwargs())),
         ckpt=ckpt, meta=meta,
         saved_at=start if restored is not None else -1)
     if stopped is None:
-      eval_metrics = evaluate(eval_step, state, data.eval_batches)
+      eval_metrics = evaluate(eval_step, state, data.eval_batches, token_bytes)
       monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, plan.tokens_per_step))
       if saved_at != step:
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()
     if export_params_to and stopped is None:
       path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict)
+      _save_tokenizer(tokenizer, path)  # an export is self-contained too
       logging.info("exported parameters and routing biases to %s", path)
   finally:
     profiler.close()

@@ -60,19 +60,22 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return logz - picked
 
 
-def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=None):
+def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=None,
+                 image_ids=IMAGE_IDS):
   """-> (weighted NLL sum, (weight sum, routing stats)).
 
   extras: the image keys of a vision batch (images, image_grid, image_index) and/or
   loss_weights [B, T] (per target token), else {}.
+  image_ids: the tokenizer's image_start / image_end / image_pad ids, never targets in a
+  batch with images (default: the byte tokenizer's).
   """
   model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
   extras = dict(extras or {})
   loss_weights = extras.pop(LOSS_WEIGHTS, None)
   logits, aux = model(tokens, segment_ids=segment_ids, **extras)
   targets, weights = next_token_targets(tokens, segment_ids)
-  if extras:  # no loss on image placeholders and delimiters (DESIGN s5)
-    weights = weights * ~jnp.isin(targets, jnp.asarray(IMAGE_IDS))
+  if "images" in extras and image_ids:  # no loss on image placeholders, delimiters (DESIGN s5)
+    weights = weights * ~jnp.isin(targets, jnp.asarray(image_ids, jnp.int32))
   if loss_weights is not None:  # position t predicts token t + 1: take that token's weight
     weights = weights * jnp.concatenate(
         [loss_weights[:, 1:], jnp.zeros_like(loss_weights[:, :1])], axis=1).astype(jnp.float32)
@@ -85,14 +88,14 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
 
 
 def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accum: int,
-                     extras=None):
+                     extras=None, image_ids=IMAGE_IDS):
   """Sum of NLL, gradient of that sum, token count and routing stats over microbatches."""
   grad_fn = jax.value_and_grad(_forward_nll, argnums=1, has_aux=True)
   extras = extras or {}
 
   def one(toks, segs, ext):
     (nll, (count, stats)), grads = grad_fn(graphdef, state.params, state.biases, state.rest,
-                                           toks, segs, ext)
+                                           toks, segs, ext, image_ids)
     return nll, count, stats, grads
 
   if grad_accum == 1:
@@ -128,7 +131,7 @@ def _on_mesh(fn, mesh, batch_arg: int):
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
                     tx: optax.GradientTransformation, *, grad_accum: int,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh | None = None,
-                    state_shardings=None
+                    state_shardings=None, image_ids: tuple[int, ...] = IMAGE_IDS
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
   """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated.
 
@@ -136,7 +139,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
   to the learning rate (the optimizer's, reported as a metric). With `mesh`, the step runs
   under that mesh (host batches placed over data x fsdp; the expert-parallel MoE comes with
   `graphdef`, built with the runtime's dispatch) and the new state is constrained to
-  `state_shardings` (the input layout).
+  `state_shardings` (the input layout). `image_ids`: the run tokenizer's image ids (no
+  loss on them).
   """
   def train_step(state: TrainState, batch: Batch):
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
@@ -144,7 +148,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     segment_ids = sharding.constrain(segment_ids, ("batch", "length"))
     extras = model_inputs(batch, IMAGE_BATCH_KEYS + (LOSS_WEIGHTS,))
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
-                                                grad_accum, extras)
+                                                grad_accum, extras, tuple(image_ids))
     denom = jnp.maximum(count, 1.0)
     loss = nll / denom
     grads = jax.tree.map(lambda g: g / denom, grads)
@@ -178,14 +182,15 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
   return step if mesh is None else _on_mesh(step, mesh, batch_arg=1)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = None
+def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = None,
+                   image_ids: tuple[int, ...] = IMAGE_IDS
                    ) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """The jitted `eval_step(params, biases, batch, rest) -> (sum_nll, num_tokens)`."""
 
   def eval_step(params, biases, batch: Batch, rest):
     nll, (count, _) = _forward_nll(graphdef, params, biases, rest, batch["tokens"],
                                    batch["segment_ids"],
-                                   model_inputs(batch, IMAGE_BATCH_KEYS))
+                                   model_inputs(batch, IMAGE_BATCH_KEYS), tuple(image_ids))
     return nll, count
 
   step = jax.jit(eval_step)

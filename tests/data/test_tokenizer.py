@@ -1,9 +1,12 @@
-"""Byte tokenizer: exact roundtrip, special ids after the bytes, vocabulary checks."""
+"""Byte tokenizer: exact roundtrip, special ids after the bytes, vocabulary checks, and the
+tokenizer contract (roles, token_bytes, make_tokenizer / tokenizer_from_dir for "byte")."""
 
 import numpy as np
 import pytest
 
 from hybridmoe_jax.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, check_vocab
+from hybridmoe_jax.data.tokenizer import (CHAT_ROLES, make_tokenizer, save_tokenizer,
+                                          tokenizer_from_dir)
 
 
 TEXTS = ["", "hello", "héllo wörld ✓ 日本語 🚀", "a\x00b\n\t", "x" * 1000]
@@ -46,3 +49,33 @@ def test_check_vocab():
   check_vocab(ByteTokenizer(), 163840)
   with pytest.raises(ValueError, match=r"tokenizer vocab_size 259 > model vocab_size 256"):
     check_vocab(ByteTokenizer(), 256)
+
+
+def test_byte_tokenizer_meets_the_contract():
+  text, vis = ByteTokenizer(), ByteTokenizer(vision=True)
+  assert text.special_ids == {"pad": 256, "bos": 257, "eos": 258}
+  assert (text.image_start_id, text.image_end_id, text.image_pad_id) == (None, None, None)
+  assert vis.special_ids == {"pad": 256, "bos": 257, "eos": 258, "image_start": 259,
+                             "image_end": 260, "image_pad": 261}
+  assert (vis.image_start_id, vis.image_end_id, vis.image_pad_id) == (259, 260, 261)
+  for tok in (text, vis):
+    tb = tok.token_bytes()
+    assert tb.dtype == np.int32 and tb.shape == (tok.vocab_size,)
+    assert tb[:256].tolist() == [1] * 256 and not tb[256:].any()
+    s = "héllo ✓ 🚀"
+    assert tb[tok.encode(s, bos=True, eos=True)].sum() == len(s.encode("utf-8"))
+
+
+def test_make_tokenizer_byte_and_dir_without_tokenizer(tmp_path):
+  assert isinstance(make_tokenizer("byte"), ByteTokenizer)
+  assert make_tokenizer("byte", vision=True).vocab_size == 262
+  tok = tokenizer_from_dir(str(tmp_path), vision=True)  # an old workdir: no tokenizer/
+  assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 262
+  assert isinstance(tokenizer_from_dir(str(tmp_path / "missing")), ByteTokenizer)
+  assert save_tokenizer(ByteTokenizer(), str(tmp_path / "t")) == []
+  assert not (tmp_path / "t").exists()  # nothing to copy for bytes
+
+
+def test_chat_roles_are_reserved():
+  assert CHAT_ROLES == ("system", "user", "assistant", "tool_call", "tool_result", "answer",
+                        "end_turn")
