@@ -117,6 +117,9 @@ class SafetensorsFile:
       tensors[name] = TensorInfo(name, code, shape, self.path, base + begin, base + end)
     return tensors, metadata
 
+  def info(self, name: str) -> TensorInfo:
+    return self.tensors[name]
+
   def read(self, name: str) -> np.ndarray:
     """The whole tensor `name` as a fresh numpy array (its stored dtype and shape)."""
     info = self.tensors[name]
