@@ -4,7 +4,8 @@
 --from_hf writes our params export (loadable by `run_eval.py --params=OUT` and
 `hybridmoe_jax.evals.loading.load_from_params`); --to_hf writes a Kimi-Linear HF dir from
 one of our params exports or a training workdir. Prints a JSON summary and the peak host
-memory (ru_maxrss) on stdout; errors are one line on stderr with exit status 2.
+memory of this process (`peak_rss_bytes`) on stdout; errors are one line on stderr with
+exit status 2.
 """
 
 import argparse
@@ -16,6 +17,20 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.convert import convert
 from hybridmoe_jax.convert.hf_weights import TensorMismatch
 from hybridmoe_jax.io.safetensors import SafetensorsError
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident memory: VmHWM on Linux (reset by exec, unlike ru_maxrss,
+  which keeps the high-water mark of the process image before exec), else ru_maxrss."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  scale = 1 if sys.platform == "darwin" else 1024    # bytes on macOS, KiB on Linux
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def main(argv=None) -> int:
@@ -45,7 +60,7 @@ def main(argv=None) -> int:
           FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  summary["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  summary["peak_rss_bytes"] = peak_rss_bytes()
   print(json.dumps(summary))
   return 0
 

@@ -119,7 +119,7 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   k_heads, k_dim = lin.get("num_heads"), lin.get("head_dim")
   kda = KDAConfig(num_heads=k_heads, num_v_heads=k_heads, head_dim=k_dim, v_head_dim=k_dim,
                   conv_size=lin.get("short_conv_kernel_size", 4), gate="unbounded",
-                  gate_rank=0, output_gate_rank=0)
+                  gate_rank=k_dim, output_gate_rank=0)
   mla = MLAConfig(num_heads=_get(hf, "num_attention_heads", required=True), q_lora_rank=0,
                   kv_lora_rank=_get(hf, "kv_lora_rank", required=True),
                   qk_nope_head_dim=_get(hf, "qk_nope_head_dim", head_dim),

@@ -33,7 +33,7 @@ from hybridmoe_jax.io.safetensors import DTYPES, Spec, dtype_code
 
 P, B = "params/", "routing_biases/"
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")
-_BLOCK = 64 * 2**20     # bytes per streamed chunk of a transposed / copied tensor
+_BLOCK = 16 * 2**20     # bytes per streamed chunk of a transposed / copied tensor
 
 
 class Source(Protocol):
