@@ -80,12 +80,16 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
       raise ValueError(f"{path} is not JSON ({e})") from None
 
 
+def _cast(chunks: Iterator[np.ndarray], dtype: np.dtype) -> Iterator[np.ndarray]:
+  for c in chunks:
+    yield c if c.dtype == dtype else c.astype(dtype)
+    del c   # released before the next chunk is made (a genexpr would keep it alive)
+
+
 def _write_all(writer, rules, src, specs, *, to: str) -> None:
   dtypes = {s.name: DTYPES[s.dtype] for s in specs}
   for rule, name in hf_weights.outputs(rules, to=to):
-    want = dtypes[name]
-    chunks = hf_weights.produce(rule, name, src, to=to)
-    writer.write(name, (c if c.dtype == want else c.astype(want) for c in chunks))
+    writer.write(name, _cast(hf_weights.produce(rule, name, src, to=to), dtypes[name]))
 
 
 def _copy_tokenizer(src_dir: str, dst_dir: str) -> list[str]:

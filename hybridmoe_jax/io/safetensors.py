@@ -282,6 +282,8 @@ class SafetensorsWriter:
         self._f.seek(raw.size, os.SEEK_CUR)
       else:
         self._f.write(memoryview(raw))
+      # Drop this chunk before the producer makes the next: one chunk alive at a time.
+      del chunk, raw
     if done != spec.nbytes:
       raise ValueError(f"{self.path}: tensor {name!r} got {done} bytes, expected {spec.nbytes} "
                        f"({spec.dtype} {list(spec.shape)})")
