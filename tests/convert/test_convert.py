@@ -104,6 +104,8 @@ def _mlx_python():
                     "'mlx[cpu]==0.32.4' 'mlx-lm==0.32.2', or set HYBRIDMOE_MLX_PYTHON)")
 def test_logits_and_greedy_match_mlx_lm(hf_dir, ours_dir, tmp_path):
   """Our converted model vs mlx-lm's kimi_linear on the same random checkpoint, both fp32.
+  (~25 s on 2 cores, most of it the mlx subprocess importing mlx-lm, which imports
+  transformers; it skips where mlx-lm is absent, e.g. CI's dev extra.)
 
   Tolerance: |ours - mlx| <= 5e-5 everywhere (logits here are O(4)). Both compute in fp32
   from identical values (the BF16 weights are exact in fp32) but sum in different orders:
