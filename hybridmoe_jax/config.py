@@ -173,6 +173,7 @@ class MoEConfig:
   latent_dim: int = 0               # l: routed experts run at width l < d; 0 -> no latent MoE
   glu: str = "situ"                 # "situ" (bounded GLU) or "swiglu"
   routed_scale: float = 1.0
+  renormalize: bool = True          # combine weights s / sum(s) (False: s itself) x routed_scale
   first_dense_layers: int = 1       # leading layers with a dense FFN instead of MoE
   dense_intermediate: int = 128
   balancing: str = "qb"             # "qb", "sign" (DeepSeek rule) or "none"

@@ -3,8 +3,8 @@
 Both read what `hybridmoe_jax.train.checkpoint` writes, through its readers: a run's
 `workdir/{model_config.json, checkpoints/<step>/{state, meta}}` via the same
 `Checkpointer.restore_latest` that resumes training (same checks, same messages), or an
-export's `path/{model_config.json, params/}` via `load_exported_params`. Loading is
-read-only: a checkpoint that fails to restore or to match its fingerprint is skipped with a
+export's `path/{model_config.json, params.safetensors (or an older params/)}` via
+`load_exported_params` (a converted Hugging Face model is such an export). Loading is read-only: a checkpoint that fails to restore or to match its fingerprint is skipped with a
 warning and left in place (the training loop, not an eval, quarantines it), so evaluating a
 live run never moves its files.
 """

@@ -169,7 +169,7 @@ class MoE(nnx.Module):
     # Router in fp32 at full precision: bf16/TF32 logits would flip near-tied routes.
     logits = jnp.dot(xf.astype(_F32), self.router[...], precision=jax.lax.Precision.HIGHEST)
     routes = sigmoid_topk_route(logits, bias, cfg.experts_per_token,
-                                routed_scale=cfg.routed_scale)
+                                routed_scale=cfg.routed_scale, renormalize=cfg.renormalize)
     h = xf.astype(dtype)
     if cfg.latent_dim:
       h = _mm(h, self.latent_down[...], dtype).astype(dtype)

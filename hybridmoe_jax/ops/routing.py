@@ -31,20 +31,22 @@ class Routes(NamedTuple):
   cutoff: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("k", "routed_scale"))
+@functools.partial(jax.jit, static_argnames=("k", "routed_scale", "renormalize"))
 def sigmoid_topk_route(logits: jax.Array, bias: jax.Array, k: int, *,
-                       routed_scale: float = 1.0) -> Routes:
+                       routed_scale: float = 1.0, renormalize: bool = True) -> Routes:
   """Route each token to the k experts with the largest sigmoid(logits) + bias.
 
   s = sigmoid(logits); top = top_k(s + b, k + 1); routes = first k;
-  p = s[routes] / sum(s[routes]) * routed_scale. Gradients reach the logits through p only;
-  the bias is stop_gradient-ed and never enters p.
+  p = s[routes] / sum(s[routes]) * routed_scale (renormalize=False: p = s[routes] *
+  routed_scale, as Kimi-Linear's moe_renormalize=false or top-1 routing). Gradients reach
+  the logits through p only; the bias is stop_gradient-ed and never enters p.
 
   Args:
     logits: [m, E] router logits (cast to fp32).
     bias: [E] balancing bias.
     k: experts per token (static), k < E.
     routed_scale: constant multiplier of the normalised weights.
+    renormalize: divide the chosen scores by their sum (the default).
 
   Returns:
     `Routes` (experts [m, k] int32, weights [m, k] fp32, scores [m, E] fp32, cutoff [m] fp32).
@@ -57,7 +59,10 @@ def sigmoid_topk_route(logits: jax.Array, bias: jax.Array, k: int, *,
   # Selection is discrete: no gradient flows through top_k (nor, therefore, the bias).
   experts, cutoff = top_k_with_cutoff(jax.lax.stop_gradient(scores) + bias, k)
   chosen = jnp.take_along_axis(scores, experts, axis=-1)
-  weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) * routed_scale
+  if renormalize:
+    weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) * routed_scale
+  else:
+    weights = chosen * routed_scale
   return Routes(experts=experts, weights=weights, scores=scores, cutoff=cutoff)
 
 

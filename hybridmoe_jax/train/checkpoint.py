@@ -15,7 +15,8 @@ match. Runtime settings (`ComputeConfig`) are not part of it, so a run may resum
 Sharded states are saved collectively (every process calls `save`; orbax writes each shard
 once) and restored onto whatever shardings the abstract target carries, so a run may resume
 on a different mesh (`parallel.runtime.Runtime.restore_target`).
-A params export (`export_params`) holds parameters and routing biases only, plus the config.
+A params export (`export_params`) holds parameters and routing biases only (safetensors,
+leaf by leaf), plus the config.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
+from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 from hybridmoe_jax.sharding import path_string
 from hybridmoe_jax.train import io_noise
@@ -378,17 +380,66 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------------------------- params export
+PARAMS_FILE = "params.safetensors"
+
+
+def _flat_leaves(tree) -> list[tuple[str, Any]]:
+  return [(path_string(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def export_params(path: str, params, biases, model_dict: dict[str, Any]) -> str:
-  """Write parameters and (frozen) routing biases only, as plain dicts, plus the config."""
+  """Write parameters and (frozen) routing biases only, plus the config.
+
+  Format: `path/params.safetensors` holding "params/<leaf path>" and
+  "routing_biases/<leaf path>" tensors (leaf paths as `sharding.path_string` writes them),
+  written leaf by leaf, and `path/model_config.json`; the layout `hybridmoe_jax.convert`
+  maps to Hugging Face. A multi-process run (arrays spread over hosts) keeps the orbax
+  format `path/params/` (one collective save), which `load_exported_params` reads too.
+  """
   path = os.path.abspath(path)
   if os.path.exists(path):
     raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")
   tree = {"params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)}
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(path, "params"), tree)
+  if jax.process_count() > 1:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(path, "params"), tree)
+  else:
+    os.makedirs(path)
+    leaves = _flat_leaves(tree)
+    specs = [safetensors.Spec(name, safetensors.dtype_code(x.dtype), tuple(x.shape))
+             for name, x in leaves]
+    writer = safetensors.SafetensorsWriter(os.path.join(path, PARAMS_FILE), specs, sparse=False,
+                                           metadata={"format": "hybridmoe_jax params export"})
+    try:
+      for name, x in leaves:
+        writer.write(name, [np.asarray(jax.device_get(x))])
+      writer.close()
+    except BaseException:
+      writer.abort()
+      raise
   with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
     json.dump(_jsonify(model_dict), f, indent=1, sort_keys=True)
   return path
+
+
+def _read_safetensors_export(file: str, expected: dict[str, Any] | None) -> dict[str, Any]:
+  """params.safetensors -> nested plain dicts of numpy arrays (string keys, as orbax gave);
+  with `expected`, each leaf is cast to the expected leaf's dtype (a converted checkpoint
+  may store bfloat16)."""
+  want = {f"{name}/{k}": x for name, sub in (expected or {}).items()
+          for k, x in _flat_leaves(sub)}
+  tree: dict[str, Any] = {}
+  with safetensors.SafetensorsFile(file) as f:
+    for name in f.tensors:
+      x = f.read(name)
+      if name in want:
+        x = x.astype(want[name].dtype, copy=False)
+      *parents, leaf = name.split("/")
+      node = tree
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[leaf] = x
+  return tree
 
 
 def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -408,14 +459,19 @@ def tree_mismatch(want, got) -> list[str]:
 
 
 def load_exported_params(path: str, expected: dict[str, Any] | None = None):
-  """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays.
+  """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays, from
+  params.safetensors (or an older export's orbax `params/`).
 
   expected: the same two trees (arrays or jax.ShapeDtypeStruct) built from the export's
     config; ValueError listing every missing, unexpected or mis-shaped leaf.
   """
   path = os.path.abspath(path)
-  with ocp.StandardCheckpointer() as ckptr:
-    tree = ckptr.restore(os.path.join(path, "params"))
+  file = os.path.join(path, PARAMS_FILE)
+  if os.path.isfile(file):
+    tree = _read_safetensors_export(file, expected)
+  else:  # an export written before params.safetensors (or by a multi-process run)
+    with ocp.StandardCheckpointer() as ckptr:
+      tree = ckptr.restore(os.path.join(path, "params"))
   for name, want in (expected or {}).items():
     bad = tree_mismatch(want, tree.get(name, {}))
     if bad:

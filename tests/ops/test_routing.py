@@ -73,6 +73,11 @@ class RoutingTest(parameterized.TestCase):
     chosen = np.take_along_axis(s, np.asarray(r.experts), 1)
     np.testing.assert_allclose(r.weights, chosen / chosen.sum(1, keepdims=True) * 2.5,
                                rtol=1e-5)
+    # renormalize=False (Kimi-Linear's moe_renormalize=false, or top-1): the scores as they
+    # are, same routes.
+    raw = sigmoid_topk_route(logits, bias, k, routed_scale=2.5, renormalize=False)
+    np.testing.assert_array_equal(raw.experts, r.experts)
+    np.testing.assert_allclose(raw.weights, chosen * 2.5, rtol=1e-6)
 
   def test_bias_changes_routes_not_weights(self):
     logits, bias = _inputs(256, 16, bias_scale=0.05)

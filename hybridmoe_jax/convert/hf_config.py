@@ -1,0 +1,225 @@
+"""Hugging Face Kimi-Linear `config.json` <-> our `ModelConfig` (model_type "kimi_linear").
+
+The HF fields are those of the released Kimi-Linear-48B-A3B config (the same names mlx-lm's
+`kimi_linear.ModelArgs` reads). Every field that changes the forward is either mapped or
+checked: a value we cannot express raises `UnsupportedConfig` naming the field, its value
+and what is allowed, before any weight is touched. Fields without effect on the forward
+(token ids, rope_theta of a NoPE model, max length, ...) are kept as they were when a
+converted model is exported back (`passthrough`).
+
+Mapping (HF -> ours):
+  hidden_size -> d_model; num_hidden_layers -> num_layers; rms_norm_eps -> norm_eps (every
+  norm: pre-norms, final, KDA output norm, MLA latent norm)
+  linear_attn_config {num_heads, head_dim, short_conv_kernel_size, kda_layers (1-based)} ->
+    kda.{num_heads = num_v_heads, head_dim = v_head_dim, conv_size}, layer_kinds; the gate
+    is unbounded (-exp(A_log) softplus(. + dt_bias)) with rank-head_dim decay and output
+    gates (f_a/f_b, g_a/g_b)
+  num_attention_heads, kv_lora_rank, qk_nope/qk_rope/v_head_dim -> mla.*; mla_use_nope
+    must be true (our MLA never rotates), no q_lora, no output gate
+  num_experts, num_experts_per_token, moe_intermediate_size, num_shared_experts,
+  routed_scaling_factor, first_k_dense_replace, intermediate_size -> moe.*; SwiGLU experts,
+  no latent MoE; moe_renormalize (and top-1, which Kimi never renormalises) -> renormalize
+Our side has no AttnRes, no vision tower. Balancing: a converted model uses "sign" (the
+original's bias rule); QB exports too, since the rule only trains the bias, and the bias
+enters the forward the same way (sigmoid + bias chooses, the unbiased scores weigh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConfig, MoEConfig,
+                                  ModelConfig)
+
+MODEL_TYPE = "kimi_linear"
+ARCHITECTURES = ["KimiLinearForCausalLM"]
+LINEAR_ATTN_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers",
+                    "full_attn_layers"}
+# Mapped (or checked) fields of config.json; everything else is passed through untouched.
+MAPPED = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps",
+          "linear_attn_config", "num_attention_heads", "kv_lora_rank", "q_lora_rank",
+          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim", "mla_use_nope",
+          "num_experts", "num_experts_per_token", "moe_intermediate_size",
+          "num_shared_experts", "moe_router_activation_func", "moe_renormalize",
+          "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq",
+          "use_grouped_topk", "num_expert_group", "topk_group", "intermediate_size",
+          "tie_word_embeddings", "hidden_act", "quantization_config", "architectures",
+          "num_key_value_heads"}
+
+
+class UnsupportedConfig(ConfigError):
+  """A config value one side can express and the other cannot (the message names it)."""
+
+
+def _unsupported(field: str, value: Any, allowed: str, why: str = "") -> UnsupportedConfig:
+  return UnsupportedConfig(f"config field `{field}` = {value!r} is not supported: allowed "
+                           f"{allowed}{f' ({why})' if why else ''}")
+
+
+def _get(hf: Mapping[str, Any], key: str, default: Any = None, *, required: bool = False):
+  if key not in hf or hf[key] is None:
+    if required:
+      raise UnsupportedConfig(f"config.json has no field `{key}` (needed for Kimi-Linear)")
+    return default
+  return hf[key]
+
+
+def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+  """A Kimi-Linear config.json dict -> our validated ModelConfig.
+
+  Raises:
+    UnsupportedConfig: a field whose value our model cannot express (named, with the value).
+    ConfigError: a mapped value outside our own allowed range.
+  """
+  if hf.get("model_type") != MODEL_TYPE:
+    raise _unsupported("model_type", hf.get("model_type"), repr(MODEL_TYPE))
+  checks = [
+      ("tie_word_embeddings", _get(hf, "tie_word_embeddings", False), lambda v: v is False,
+       "false", "our LM head is a separate matrix"),
+      ("hidden_act", _get(hf, "hidden_act", "silu"), lambda v: v == "silu", "'silu'",
+       "SwiGLU experts"),
+      ("quantization_config", _get(hf, "quantization_config"), lambda v: v is None, "absent",
+       "quantized checkpoints are not read"),
+      ("mla_use_nope", _get(hf, "mla_use_nope", False), lambda v: v is True, "true",
+       "our MLA has no rotary embedding"),
+      ("q_lora_rank", _get(hf, "q_lora_rank"), lambda v: not v, "null or 0",
+       "Kimi-Linear projects queries directly"),
+      ("moe_router_activation_func", _get(hf, "moe_router_activation_func", "sigmoid"),
+       lambda v: v == "sigmoid", "'sigmoid'", "our router is sigmoid"),
+      ("moe_layer_freq", _get(hf, "moe_layer_freq", 1), lambda v: v == 1, "1",
+       "every layer after the dense ones is MoE"),
+      ("num_experts", _get(hf, "num_experts", required=True), lambda v: v >= 2, ">= 2",
+       "an all-dense model is not mapped"),
+  ]
+  for field, value, ok, allowed, why in checks:
+    if not ok(value):
+      raise _unsupported(field, value, allowed, why)
+  groups, topk_group = _get(hf, "num_expert_group", 1), _get(hf, "topk_group", 1)
+  if _get(hf, "use_grouped_topk", True) and groups > 1 and topk_group < groups:
+    raise _unsupported("topk_group", topk_group, f"num_expert_group={groups} (no group "
+                       "limit) or num_expert_group = 1", "grouped top-k routing is not built")
+  lin = _get(hf, "linear_attn_config", required=True)
+  unknown = sorted(set(lin) - LINEAR_ATTN_KEYS)
+  if unknown:
+    raise _unsupported(f"linear_attn_config.{unknown[0]}", lin[unknown[0]],
+                       f"only the fields {sorted(LINEAR_ATTN_KEYS)}")
+  n_layers = _get(hf, "num_hidden_layers", required=True)
+  kda_layers = set(lin.get("kda_layers") or [])
+  bad = sorted(i for i in kda_layers if not (isinstance(i, int) and 1 <= i <= n_layers))
+  if bad:
+    raise _unsupported("linear_attn_config.kda_layers", sorted(kda_layers),
+                       f"1-based layer numbers in [1, {n_layers}]")
+  kinds = tuple("kda" if i + 1 in kda_layers else "mla" for i in range(n_layers))
+  full = lin.get("full_attn_layers")
+  if full is not None and sorted(full) != [i + 1 for i, k in enumerate(kinds) if k == "mla"]:
+    raise _unsupported("linear_attn_config.full_attn_layers", full,
+                       "exactly the layers not in kda_layers")
+  head_dim = _get(hf, "head_dim")
+  k_heads, k_dim = lin.get("num_heads"), lin.get("head_dim")
+  kda = KDAConfig(num_heads=k_heads, num_v_heads=k_heads, head_dim=k_dim, v_head_dim=k_dim,
+                  conv_size=lin.get("short_conv_kernel_size", 4), gate="unbounded",
+                  gate_rank=k_dim, output_gate_rank=0)
+  mla = MLAConfig(num_heads=_get(hf, "num_attention_heads", required=True), q_lora_rank=0,
+                  kv_lora_rank=_get(hf, "kv_lora_rank", required=True),
+                  qk_nope_head_dim=_get(hf, "qk_nope_head_dim", head_dim),
+                  qk_rope_head_dim=_get(hf, "qk_rope_head_dim", 0),
+                  v_head_dim=_get(hf, "v_head_dim", head_dim), output_gate=False)
+  k = _get(hf, "num_experts_per_token", 1)
+  moe_width = _get(hf, "moe_intermediate_size", required=True)
+  moe = MoEConfig(num_experts=hf["num_experts"], experts_per_token=k,
+                  expert_intermediate=moe_width,
+                  num_shared_experts=_get(hf, "num_shared_experts", 0),
+                  shared_intermediate=moe_width, latent_dim=0, glu="swiglu",
+                  routed_scale=float(_get(hf, "routed_scaling_factor", 1.0)),
+                  renormalize=bool(_get(hf, "moe_renormalize", True)) and k > 1,
+                  first_dense_layers=_get(hf, "first_k_dense_replace", 0),
+                  dense_intermediate=_get(hf, "intermediate_size", required=True),
+                  balancing="sign")
+  return ModelConfig(vocab_size=_get(hf, "vocab_size", required=True),
+                     d_model=_get(hf, "hidden_size", required=True), num_layers=n_layers,
+                     layer_kinds=kinds, norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+                     kda=kda, mla=mla, moe=moe, attnres=AttnResConfig(enabled=False))
+
+
+def passthrough(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The config.json fields that do not change the forward (kept on the way back)."""
+  return {k: v for k, v in hf.items() if k not in MAPPED}
+
+
+def hf_config_from_model(cfg: ModelConfig, extra: Mapping[str, Any] | None = None
+                         ) -> dict[str, Any]:
+  """Our ModelConfig -> a Kimi-Linear config.json dict (`extra`: passthrough fields).
+
+  Raises:
+    UnsupportedConfig: naming the first of our fields HF Kimi-Linear cannot express.
+  """
+  kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
+  checks = [
+      ("model.attnres.enabled", cfg.attnres.enabled, not cfg.attnres.enabled, "False",
+       "Kimi-Linear has plain residuals, no attention residuals"),
+      ("model.vision.enabled", cfg.vision.enabled, not cfg.vision.enabled, "False",
+       "Kimi-Linear is text only"),
+      ("model.kda.gate", kda.gate, kda.gate == "unbounded", "'unbounded'",
+       "Kimi-Linear's gate is -exp(A_log) softplus(.), not the bounded lb sigmoid(.)"),
+      ("model.kda.num_v_heads", kda.num_v_heads, kda.num_v_heads == kda.num_heads,
+       f"num_heads={kda.num_heads}", "no grouped value heads"),
+      ("model.kda.v_head_dim", kda.v_head_dim, kda.v_head_dim == kda.head_dim,
+       f"head_dim={kda.head_dim}", "one head dim for q, k and v"),
+      ("model.kda.gate_rank", kda.gate_rank, kda.decay_rank == kda.head_dim,
+       f"0 or head_dim={kda.head_dim}", "the decay projection has rank head_dim"),
+      ("model.kda.output_gate_rank", kda.output_gate_rank, kda.out_gate_rank == kda.head_dim,
+       f"0 or head_dim={kda.head_dim}", "the output gate is low rank, rank head_dim"),
+      ("model.mla.q_lora_rank", mla.q_lora_rank, mla.q_lora_rank == 0, "0",
+       "Kimi-Linear projects queries directly"),
+      ("model.mla.output_gate", mla.output_gate, not mla.output_gate, "False",
+       "Kimi-Linear's MLA has no output gate"),
+      ("model.moe.glu", moe.glu, moe.glu == "swiglu", "'swiglu'",
+       "SiTU-GLU has no HF equivalent"),
+      ("model.moe.latent_dim", moe.latent_dim, moe.latent_dim == 0, "0",
+       "Kimi-Linear's experts run at full width"),
+      ("model.moe.renormalize", moe.renormalize, moe.experts_per_token > 1 or
+       not moe.renormalize, "False with experts_per_token=1",
+       "HF never renormalises a single route"),
+  ]
+  for field, value, ok, allowed, why in checks:
+    if not ok:
+      raise _unsupported(field, value, allowed, why)
+  shared = moe.num_shared_experts * moe.shared_intermediate
+  if shared % moe.expert_intermediate:
+    raise _unsupported("model.moe.shared_intermediate", moe.shared_intermediate,
+                       f"a width with num_shared_experts * shared_intermediate a multiple of "
+                       f"expert_intermediate={moe.expert_intermediate}",
+                       "HF sizes the shared expert as n * moe_intermediate_size")
+  kda_layers = [i + 1 for i, k in enumerate(cfg.layer_kinds) if k == "kda"]
+  out = dict(extra or {})
+  out.update({
+      "architectures": ARCHITECTURES, "model_type": MODEL_TYPE,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.num_layers, "rms_norm_eps": cfg.norm_eps,
+      "hidden_act": "silu", "tie_word_embeddings": False,
+      "linear_attn_config": {"num_heads": kda.num_heads, "head_dim": kda.head_dim,
+                             "short_conv_kernel_size": kda.conv_size,
+                             "kda_layers": kda_layers,
+                             "full_attn_layers": [i + 1 for i, k in enumerate(cfg.layer_kinds)
+                                                  if k == "mla"]},
+      "num_attention_heads": mla.num_heads, "num_key_value_heads": mla.num_heads,
+      "head_dim": mla.qk_nope_head_dim, "q_lora_rank": None,
+      "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
+      "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim,
+      "mla_use_nope": True,
+      "num_experts": moe.num_experts, "num_experts_per_token": moe.experts_per_token,
+      "moe_intermediate_size": moe.expert_intermediate,
+      "num_shared_experts": shared // moe.expert_intermediate,
+      "moe_router_activation_func": "sigmoid", "moe_renormalize": moe.renormalize,
+      "routed_scaling_factor": moe.routed_scale,
+      "first_k_dense_replace": moe.first_dense_layers, "moe_layer_freq": 1,
+      "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+      "intermediate_size": moe.dense_intermediate,
+  })
+  return out
+
+
+def model_dict(cfg: ModelConfig) -> dict[str, Any]:
+  """The JSON dict of a ModelConfig (what model_config.json holds)."""
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,1 @@
+"""File formats read and written by several packages (numpy + json only): safetensors."""
