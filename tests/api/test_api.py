@@ -1,0 +1,183 @@
+"""hybridmoe_jax.load: each layout, generate / score / forward against the engine and the
+model called directly, cache sizes, sharding over 8 simulated devices, one-line errors.
+
+One real run (2 steps of a 2-layer MLA model, exported at the end) serves every test: what
+is checked here is the wrapping (layouts, ragged batches, scoring arithmetic, placement), not
+the mixers, which tests/infer checks on the hybrid models.
+"""
+
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hybridmoe_jax
+from hybridmoe_jax import api
+from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.infer import Engine, cache_bytes, init_cache
+from hybridmoe_jax.parallel.mesh import build_mesh
+from hybridmoe_jax.train.loop import train_and_evaluate
+from tests.conftest import load_config, one_device
+from tests.infer.helpers import two_layer_model
+from tests.train.train_fakes import set_tiny_model
+
+PROMPTS = ["The ", "A longer prompt here", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """(workdir, params export) of a 2-step run of a 2-layer MLA model over bytes."""
+  root = tmp_path_factory.mktemp("api")
+  config = load_config("tiny")            # the byte vocabulary (259)
+  set_tiny_model(config)
+  config.model.moe.latent_dim = 8
+  config.train.update(dict(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1,
+                           eval_every=0, eval_batches=1, checkpoint_every=0, heatmap_every=0,
+                           async_checkpoints=False))
+  with one_device():
+    train_and_evaluate(config, str(root / "w"), export_params_to=str(root / "export"))
+  return str(root / "w"), str(root / "export")
+
+
+@pytest.fixture(scope="module")
+def lm(run):
+  return api.load(run[1], max_len=64, prefill_chunk=16, kv_block=16)
+
+
+def test_each_layout_loads_the_same_weights_and_forward_is_the_model(run, lm):
+  assert hybridmoe_jax.load is api.load
+  from_workdir = api.load(run[0], max_len=64)
+  assert from_workdir.info["layout"] == "workdir" and from_workdir.info["step"] == 2
+  assert lm.info["layout"] == "params" and isinstance(lm.tokenizer, ByteTokenizer)
+  assert lm.config == from_workdir.config
+  logits = lm.forward("Hello")
+  np.testing.assert_array_equal(logits, from_workdir.forward("Hello"))
+  tokens = ByteTokenizer().encode("Hello", bos=True)[None]
+  want = lm.model(jnp.asarray(tokens))[0]
+  assert logits.shape == (1, 6, lm.config.vocab_size)
+  np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+  # Ragged inputs are right-padded as padding: each row's logits are its own forward's.
+  both = lm.forward(["Hello", "Hi"])
+  np.testing.assert_allclose(both[1, :3], lm.forward("Hi")[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(both[0], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_generate_ragged_batch_equals_engine_per_prompt(lm):
+  got = lm.generate(PROMPTS, max_new_tokens=6)
+  assert isinstance(got, list) and len(got) == 3
+  engine = Engine(lm.model, max_len=64, prefill_chunk=16, kv_block=16)
+  tok = ByteTokenizer()
+  for prompt, text in zip(PROMPTS, got):
+    out = engine.generate(tok.encode(prompt, bos=True)[None], max_new_tokens=6,
+                          stop_tokens=(tok.eos_id,), pad_id=tok.pad_id)
+    ids = out.tokens[0, :out.lengths[0]]
+    assert text == tok.decode(ids[ids != tok.eos_id])
+  assert lm.generate(PROMPTS[1], max_new_tokens=6) == got[1]     # one prompt -> one str
+  # Stop strings cut the text; sampling runs with a seed and is reproducible.
+  first = got[0][:2]
+  if first.strip():
+    assert first not in lm.generate(PROMPTS[0], max_new_tokens=6, stop=first)
+  hot = dict(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
+  assert lm.generate(PROMPTS, **hot) == lm.generate(PROMPTS, **hot)
+
+
+def test_score_is_the_log_softmax_of_the_forward(lm):
+  texts = ["Hello world", "Hi"]
+  scores = lm.score(texts)
+  for text, s in zip(texts, scores):
+    tokens = ByteTokenizer().encode(text, bos=True)
+    logp = np.asarray(jax.nn.log_softmax(lm.model(jnp.asarray(tokens[None]))[0][0]))
+    want = logp[np.arange(len(tokens) - 1), tokens[1:]]
+    np.testing.assert_array_equal(s.tokens, tokens)
+    np.testing.assert_allclose(s.logprobs, want, rtol=1e-4, atol=1e-4)
+    assert s.nll == pytest.approx(-want.sum(), rel=1e-4)
+    assert s.perplexity == pytest.approx(math.exp(-want.mean()), rel=1e-4)
+    assert s.num_bytes == len(text.encode())
+    assert s.bits_per_byte == pytest.approx(-want.sum() / math.log(2) / len(text), rel=1e-4)
+  assert lm.score(texts[1]).nll == pytest.approx(scores[1].nll, rel=1e-6)
+  with_eos = lm.score(texts[1], eos=True)
+  assert len(with_eos.logprobs) == 3 and with_eos.num_bytes == 2
+
+
+def test_forward_cache_continues_with_decode(lm):
+  logits, cache = lm.forward("Hello", return_cache=True)
+  assert int(cache.length[0]) == 6 and cache.max_len == lm.max_len
+  nxt = int(ord(" "))
+  step, _ = lm.engine.decode_step(jnp.asarray([nxt]), cache)
+  want = lm.forward("Hello ")[0, -1]
+  np.testing.assert_allclose(step[0], want, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(logits, lm.forward("Hello"), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_bytes_kda_constant_mla_linear():
+  model = two_layer_model()                       # one KDA and one MLA layer
+  lm = api.LoadedModel(model, ByteTokenizer(), {}, max_len=128)
+  a, b = lm.cache_bytes(1024), lm.cache_bytes(2048)
+  assert a["kda"] == b["kda"] > 0 and b["mla"] == 2 * a["mla"] > 0
+  assert a["mla"] == 1024 * a["mla_per_token"] and a["total"] == a["kda"] + a["mla"]
+  real = cache_bytes(init_cache(model.cfg, 2, 128))
+  assert {k: lm.cache_bytes(batch=2)[k] for k in real} == real
+
+
+def test_sharded_score_and_generate_equal_one_device(run, lm, monkeypatch):
+  mesh = build_mesh({"fsdp": 4, "tensor": 2}, devices=jax.devices())
+  sharded = api.load(run[1], mesh=mesh, max_len=64, prefill_chunk=16, kv_block=16)
+  spans = {len(x.sharding.device_set) for x in jax.tree.leaves(sharded.engine.state)}
+  assert 8 in spans, spans                        # some parameters really are split
+  kernel = sharded.model.layers[0].mixer.o_proj.kernel.value
+  assert not kernel.sharding.is_fully_replicated
+  texts = ["Hello world", "Hi"]
+  for s, u in zip(sharded.score(texts), lm.score(texts)):
+    np.testing.assert_allclose(s.logprobs, u.logprobs, rtol=1e-5, atol=1e-5)
+  assert sharded.generate(PROMPTS, max_new_tokens=6) == lm.generate(PROMPTS, max_new_tokens=6)
+  # "auto": every device on fsdp.
+  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices", jax.devices)
+  auto = api.load(run[1], mesh="auto", max_len=64, prefill_chunk=16, kv_block=16)
+  assert dict(auto.mesh.shape)["fsdp"] == 8
+  np.testing.assert_allclose(auto.forward("Hello"), lm.forward("Hello"), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_params(run, lm):
+  half = api.load(run[1], dtype="bfloat16", max_len=64)
+  assert half.model.compute.dtype == "bfloat16"
+  assert half.model.embed.embedding.value.dtype == jnp.float32
+  a, b = np.asarray(half.forward("Hello")), np.asarray(lm.forward("Hello"))
+  assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
+
+
+def test_one_line_errors_before_compute(run, lm, tmp_path, monkeypatch):
+  def fails(exc, match, fn, *args, **kwargs):
+    with pytest.raises(exc, match=match) as e:
+      fn(*args, **kwargs)
+    assert "\n" not in str(e.value)
+
+  fails(FileNotFoundError, "does not exist", api.load, str(tmp_path / "nope"))
+  (tmp_path / "notes.txt").write_text("x")
+  fails(ValueError, "none of the known layouts.*checkpoints/.*safetensors", api.load,
+        str(tmp_path))
+  fails(ValueError, "is a file", api.load, str(tmp_path / "notes.txt"))
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  (hf / "config.json").write_text("{}")
+  (hf / "model.safetensors").write_bytes(b"")
+  assert api.detect_layout(str(hf)) == "hf"
+  monkeypatch.setitem(sys.modules, "hybridmoe_jax.convert", None)   # converter absent
+  fails(NotImplementedError, "Hugging Face.*hybridmoe_jax.convert", api.load, str(hf))
+  fails(ValueError, "mesh='all'", api.load, run[1], mesh="all")
+  fails(ValueError, "dtype='fp8'", api.load, run[1], dtype="fp8")
+  fails(ValueError, "max_len=0", api.load, run[1], max_len=0)
+  fails(ValueError, "token id 300, outside the vocabulary", lm.generate, [1, 300])
+  fails(ValueError, r"prompt\[1\] holds token id -1", lm.generate, [[1, 2], [-1]])
+  fails(ValueError, "60 new tokens exceed the cache capacity max_len=64", lm.generate,
+        "Hello", max_new_tokens=60)
+  fails(ValueError, "max_new_tokens=0", lm.generate, "Hello", max_new_tokens=0)
+  fails(ValueError, "empty string", lm.generate, "")
+  fails(ValueError, r"prompt\[1\] is empty", lm.generate, [[1, 2], []])
+  fails(ValueError, "empty list", lm.score, [])
+  fails(ValueError, "exceed the cache capacity", lm.score, "x" * 100)
+  fails(ValueError, "at least 2", lm.score, [257])
+  fails(ValueError, "shape", lm.forward, np.zeros((1, 2, 3), np.int32))
