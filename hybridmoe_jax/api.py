@@ -426,23 +426,28 @@ class LoadedModel:
     return init_cache(self.config, batch, self.max_len, dtype=self.model.compute.dtype)
 
   def cache_bytes(self, max_len: int | None = None, batch: int = 1) -> dict[str, int]:
-    """Bytes of a decode cache for `batch` rows of `max_len` tokens (default: this model's
-    capacity), computed from shapes only (nothing is allocated).
+    """`cache_sizes` of this model in its compute dtype; max_len defaults to its capacity."""
+    return cache_sizes(self.config, self.max_len if max_len is None else max_len, batch,
+                       dtype=self.model.compute.dtype)
 
-    Returns:
-      {"kda": KDA conv tails + recurrent state (constant in max_len), "mla": MLA latent
-      cache (linear in max_len), "total", "mla_per_token": bytes the MLA cache adds per
-      token of one row}.
-    """
-    n = self.max_len if max_len is None else max_len
-    if not (isinstance(n, (int, np.integer)) and n >= 1 and batch >= 1):
-      raise ValueError(f"cache_bytes: max_len={max_len!r} and batch={batch!r} must be "
-                       "integers >= 1")
-    dtype = self.model.compute.dtype
-    shapes = jax.eval_shape(lambda: init_cache(self.config, batch, int(n), dtype=dtype))
-    out = cache_bytes(shapes)   # ShapeDtypeStructs carry the size and dtype it reads
-    out["mla_per_token"] = mla_bytes_per_token(self.config, dtype=dtype)
-    return out
+
+def cache_sizes(config: ModelConfig, max_len: int, batch: int = 1, *,
+                dtype: str = "float32") -> dict[str, int]:
+  """Bytes of a decode cache for `batch` rows of `max_len` tokens, from shapes only (nothing
+  is allocated, so any model size and length can be asked).
+
+  Returns:
+    {"kda": KDA conv tails + recurrent state (constant in max_len), "mla": MLA latent cache
+    (linear in max_len), "total", "mla_per_token": bytes the MLA cache adds per token of one
+    row}.
+  """
+  for name, v in (("max_len", max_len), ("batch", batch)):
+    if not (isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1):
+      raise ValueError(f"cache_sizes: {name}={v!r} is invalid: allowed an integer >= 1")
+  shapes = jax.eval_shape(lambda: init_cache(config, int(batch), int(max_len), dtype=dtype))
+  out = cache_bytes(shapes)   # ShapeDtypeStructs carry the size and dtype it reads
+  out["mla_per_token"] = mla_bytes_per_token(config, dtype=dtype)
+  return out
 
 
 def _cut(text: str, stop: Sequence[str]) -> str:
