@@ -22,7 +22,8 @@ Sharding (`mesh=`): None keeps the model on the default device; "auto" (every de
 `fsdp` axis), a {axis: size} dict (see `parallel.mesh.build_mesh`) or a `jax.sharding.Mesh`
 places every parameter with the project's rules (`parallel.rules.tree_shardings`), and XLA
 partitions the engine's jitted steps from those placements: the same call runs on one CPU or
-a TPU VM.
+a TPU VM. The weights are read whole, then placed, so they must fit in host memory, and the
+mesh must be one process's devices.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from hybridmoe_jax.config import DTYPES, ComputeConfig, ModelConfig
+from hybridmoe_jax.config import DTYPES, ModelConfig
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, check_vocab
 from hybridmoe_jax.evals.loading import load_from_params, load_from_workdir
-from hybridmoe_jax.infer import DecodeCache, Engine, SamplingConfig, init_cache
+from hybridmoe_jax.infer import Engine, SamplingConfig, init_cache
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import cache_bytes, mla_bytes_per_token
 from hybridmoe_jax.parallel.mesh import build_mesh
@@ -138,6 +139,11 @@ def _with_dtype(model: HybridLM, dtype: str) -> HybridLM:
 
 def _place(model: HybridLM, mesh: Mesh) -> HybridLM:
   """Every parameter and routing bias moved onto `mesh` by the project's sharding rules."""
+  if jax.process_count() > 1:
+    raise NotImplementedError(
+        f"load(mesh=...) on {jax.process_count()} processes: the weights are read on each "
+        "host and placed from there, which needs every device of the mesh addressable "
+        "(one process, e.g. a single TPU VM)")
   graphdef, state = nnx.split(model)
   state = jax.device_put(state, tree_shardings(state, mesh))
   return nnx.merge(graphdef, state)
@@ -420,10 +426,6 @@ class LoadedModel:
     cache = self.engine.init_cache(len(rows))
     return _logits_and_cache(graphdef, state, jnp.asarray(tokens), jnp.asarray(segments),
                              cache, kv_block=self.engine.kv_block)
-
-  def init_cache(self, batch: int = 1) -> DecodeCache:
-    """An empty decode cache for `batch` rows of max_len tokens (compute dtype)."""
-    return init_cache(self.config, batch, self.max_len, dtype=self.model.compute.dtype)
 
   def cache_bytes(self, max_len: int | None = None, batch: int = 1) -> dict[str, int]:
     """`cache_sizes` of this model in its compute dtype; max_len defaults to its capacity."""

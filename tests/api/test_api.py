@@ -191,3 +191,4 @@ def test_one_line_errors_before_compute(run, lm, tmp_path, monkeypatch):
   fails(ValueError, "exceed the cache capacity", lm.score, "x" * 100)
   fails(ValueError, "at least 2", lm.score, [257])
   fails(ValueError, "shape", lm.forward, np.zeros((1, 2, 3), np.int32))
+  fails(ValueError, "max_len=0", lm.cache_bytes, 0)
