@@ -139,10 +139,12 @@ def test_cache_bytes_kda_constant_mla_linear():
 
 
 def test_sharded_score_and_generate_equal_one_device(run, lm, monkeypatch):
-  mesh = build_mesh({"fsdp": 4, "tensor": 2}, devices=jax.devices())
+  mesh = build_mesh({"fsdp": 2, "expert": 2, "tensor": 2}, devices=jax.devices())
   sharded = api.load(run[1], mesh=mesh, max_len=64, prefill_chunk=16, kv_block=16)
   spans = {len(x.sharding.device_set) for x in jax.tree.leaves(sharded.engine.state)}
   assert 8 in spans, spans                        # some parameters really are split
+  experts = sharded.model.layers[1].ffn.w_up[...].sharding.spec
+  assert experts[0] == "expert", experts           # the routed experts over `expert`
   for s, u in zip(sharded.score(TEXTS), lm.score(TEXTS)):
     np.testing.assert_allclose(s.logprobs, u.logprobs, rtol=1e-5, atol=1e-5)
   assert sharded.generate(PROMPTS, max_new_tokens=6) == lm.generate(PROMPTS, max_new_tokens=6)
