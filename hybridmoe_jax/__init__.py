@@ -12,6 +12,8 @@ _PUBLIC = {
     "model_config_from_dict": "hybridmoe_jax.config",
     "HybridLM": "hybridmoe_jax.model",
     "count_params": "hybridmoe_jax.model",
+    "load": "hybridmoe_jax.api",
+    "LoadedModel": "hybridmoe_jax.api",
 }
 __all__ = sorted(_PUBLIC)
 

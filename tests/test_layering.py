@@ -6,7 +6,7 @@ Ranks (a module may import modules of its own group or of a lower rank only):
   1 ops, pallas_kernels (external, importable with jax alone)
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
     (Hugging Face interop)
-  7 top-level tools (describe.py, timing.py, ...: any other hybridmoe_jax/<name>.py);
+  7 top-level tools (describe.py, timing.py, api.py, ...: any other hybridmoe_jax/<name>.py);
     they may import everything, and no package module may import them.
 data: imports only config, run_config, sharding and data; only train, infer, evals and the tools
   (rank >= 5) import it.

@@ -3,7 +3,8 @@
 HF directory: config.json, model.safetensors or shards + model.safetensors.index.json, and
 tokenizer files. Our params export (`train/checkpoint.py`): params.safetensors (leaf names,
 dtypes as stored), model_config.json, and here also hf_config.json (the HF fields without
-effect on the forward, restored on the way back) plus the tokenizer files.
+effect on the forward, restored on the way back) plus the tokenizer files in tokenizer/
+(where runs keep theirs: `data.tokenizer.TOKENIZER_DIR`).
 
 Both directions check the whole source against the config first (`hf_weights.check_source`:
 one error naming every unknown / missing / mis-shaped tensor), then write tensor by tensor,
@@ -26,6 +27,7 @@ import numpy as np
 
 from hybridmoe_jax.config import migrate_legacy, model_config_from_dict
 from hybridmoe_jax.convert import hf_config, hf_weights
+from hybridmoe_jax.data.tokenizer import TOKENIZER_DIR
 from hybridmoe_jax.io.safetensors import (DTYPES, CheckpointReader, SafetensorsFile,
                                           ShardedWriter, SafetensorsWriter, Spec, dtype_code)
 
@@ -93,10 +95,15 @@ def _write_all(writer, rules, src, specs, *, to: str) -> None:
 
 
 def _copy_tokenizer(src_dir: str, dst_dir: str) -> list[str]:
+  """Copies the tokenizer files of `src_dir` into `dst_dir` (made when there is one).
+
+  HF dirs hold them at the top; our runs and exports in TOKENIZER_DIR, where the evals and
+  `hybridmoe_jax.load` read them (`data.tokenizer.tokenizer_from_dir`)."""
   copied = []
   for name in TOKENIZER_FILES:
     path = os.path.join(src_dir, name)
     if os.path.isfile(path):
+      os.makedirs(dst_dir, exist_ok=True)
       shutil.copy2(path, os.path.join(dst_dir, name))
       copied.append(name)
   return copied
@@ -135,7 +142,7 @@ def from_hf(hf_dir: str, out_dir: str, *, sparse: bool = True) -> dict[str, Any]
       raise
   _json(os.path.join(tmp, MODEL_CONFIG), hf_config.model_dict(cfg))
   _json(os.path.join(tmp, HF_EXTRA), hf_config.passthrough(hf))
-  copied = _copy_tokenizer(hf_dir, tmp)
+  copied = _copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
   os.replace(tmp, out_dir)
   return _summary(specs, out_dir, copied)
 
@@ -221,7 +228,7 @@ def to_hf(src_dir: str, out_dir: str, *, dtype: str | None = None, sparse: bool 
   finally:
     close()
   _json(os.path.join(tmp, CONFIG_JSON), hf)
-  copied = _copy_tokenizer(src_dir, tmp)
+  copied = _copy_tokenizer(os.path.join(src_dir, TOKENIZER_DIR), tmp)
   os.replace(tmp, out_dir)
   return _summary(specs, out_dir, copied)
 

@@ -104,9 +104,9 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
   """Sample up to n_new (<= max_new) tokens in one while_loop; rows stop at a stop token."""
   _TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
-  temperature, top_k, top_p = sampling
+  temperature, top_k, top_p, vocab_limit = sampling
   key, sub = jax.random.split(key)
-  tok = sample(logits, sub, temperature, top_k, top_p)
+  tok = sample(logits, sub, temperature, top_k, top_p, vocab_limit)
   b = tok.shape[0]
   out = jnp.full((b, max_new), pad_id, jnp.int32).at[:, 0].set(tok)
   lengths = jnp.ones((b,), jnp.int32)
@@ -120,7 +120,7 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
     i, tok, out, lengths, done, cache, key = carry
     logits, cache = _one_token(model, tok, cache, kv_block)
     key, sub = jax.random.split(key)
-    nxt = sample(logits, sub, temperature, top_k, top_p)
+    nxt = sample(logits, sub, temperature, top_k, top_p, vocab_limit)
     nxt = jnp.where(done, pad_id, nxt)
     out = jax.lax.dynamic_update_index_in_dim(out, nxt, i, axis=1)
     lengths = lengths + (~done).astype(jnp.int32)

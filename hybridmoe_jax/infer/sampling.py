@@ -15,11 +15,14 @@ _NEG = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """temperature 0 -> greedy; top_k 0 and top_p 1.0 disable those filters."""
+  """temperature 0 -> greedy; top_k 0 and top_p 1.0 disable those filters. vocab_limit n > 0:
+  ids >= n are never drawn (a tokenizer with fewer ids than the model's embedding rows,
+  e.g. an embedding padded to a multiple of 128); 0: every id."""
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  vocab_limit: int = 0
 
   def __post_init__(self):
     if not self.temperature >= 0:
@@ -28,9 +31,13 @@ class SamplingConfig:
       raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+    if not (isinstance(self.vocab_limit, int) and self.vocab_limit >= 0):
+      raise ValueError(f"vocab_limit must be an integer >= 0 (0 = every id), got "
+                       f"{self.vocab_limit}")
 
-  def as_arrays(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+  def as_arrays(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p),
+            jnp.int32(self.vocab_limit))
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -52,9 +59,11 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
-  """logits [B, V] -> [B] int32; temperature/top_k/top_p are traced scalars."""
+           top_p: jax.Array, vocab_limit: jax.Array | int = 0) -> jax.Array:
+  """logits [B, V] -> [B] int32; temperature/top_k/top_p/vocab_limit are traced scalars."""
   logits = logits.astype(jnp.float32)
+  ids = jnp.arange(logits.shape[-1])
+  logits = jnp.where((vocab_limit <= 0) | (ids < vocab_limit), logits, _NEG)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   scaled = logits / jnp.maximum(temperature, 1e-6)
   drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)

@@ -72,7 +72,7 @@ def test_hf_to_ours_to_hf_is_bit_exact(hf_dir, ours_dir, tmp_path):
       assert x.tobytes() == y.tobytes(), name
   # config.json comes back field for field; the tokenizer files travel both ways.
   assert json.load(open(os.path.join(back, "config.json"))) == tiny_hf_config()
-  assert os.path.isfile(os.path.join(ours_dir, "tokenizer_config.json"))
+  assert os.path.isfile(os.path.join(ours_dir, "tokenizer", "tokenizer_config.json"))
   assert os.path.isfile(os.path.join(back, "tokenizer_config.json"))
 
 

@@ -89,3 +89,13 @@ def test_filter_logits_top_k_and_top_p():
   freq = np.bincount(np.asarray(draws), minlength=5) / 2000
   np.testing.assert_allclose(freq[:3], [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85], atol=0.04)
   assert freq[3:].sum() == 0
+
+
+def test_vocab_limit_never_draws_ids_past_the_tokenizer():
+  logits = jnp.zeros((2, 10)).at[:, 8].set(5.0).at[:, 3].set(1.0)
+  assert list(sample(logits, jax.random.PRNGKey(0), jnp.float32(0.0), jnp.int32(0),
+                     jnp.float32(1.0), jnp.int32(8))) == [3, 3]
+  draws = jax.vmap(lambda k: sample(logits, k, jnp.float32(2.0), jnp.int32(0),
+                                    jnp.float32(1.0), jnp.int32(8)))(
+                                        jax.random.split(jax.random.PRNGKey(1), 200))
+  assert int(draws.max()) < 8
