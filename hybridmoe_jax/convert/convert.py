@@ -94,6 +94,22 @@ def _write_all(writer, rules, src, specs, *, to: str) -> None:
     writer.write(name, _cast(hf_weights.produce(rule, name, src, to=to), dtypes[name]))
 
 
+def _write_partial(out_dir: str, make_writer, rules, src, specs, *, to: str) -> str:
+  """Every tensor into `<out_dir>.partial` through `make_writer(tmp)`; the directory is
+  removed when anything fails (the finished one is renamed by the caller). -> tmp."""
+  tmp = out_dir + ".partial"
+  os.makedirs(tmp)
+  writer = make_writer(tmp)
+  try:
+    _write_all(writer, rules, src, specs, to=to)
+    writer.close()
+  except BaseException:
+    writer.abort()
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return tmp
+
+
 def _copy_tokenizer(src_dir: str, dst_dir: str) -> list[str]:
   """Copies the tokenizer files of `src_dir` into `dst_dir` (made when there is one).
 
@@ -128,18 +144,10 @@ def from_hf(hf_dir: str, out_dir: str, *, sparse: bool = True) -> dict[str, Any]
   rules = hf_weights.weight_rules(cfg)
   with CheckpointReader(hf_dir) as reader:
     specs = hf_weights.check_source(rules, reader, reader.tensors, to="ours", where=hf_dir)
-    tmp = out_dir + ".partial"
-    os.makedirs(tmp)
-    writer = SafetensorsWriter(os.path.join(tmp, PARAMS_FILE), specs, sparse=sparse,
-                               metadata={"format": "hybridmoe_jax params export",
-                                         "source": "huggingface kimi_linear"})
-    try:
-      _write_all(writer, rules, reader, specs, to="ours")
-      writer.close()
-    except BaseException:
-      writer.abort()
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
+    tmp = _write_partial(out_dir, lambda tmp: SafetensorsWriter(
+        os.path.join(tmp, PARAMS_FILE), specs, sparse=sparse,
+        metadata={"format": "hybridmoe_jax params export",
+                  "source": "huggingface kimi_linear"}), rules, reader, specs, to="ours")
   _json(os.path.join(tmp, MODEL_CONFIG), hf_config.model_dict(cfg))
   _json(os.path.join(tmp, HF_EXTRA), hf_config.passthrough(hf))
   copied = _copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
@@ -214,17 +222,9 @@ def to_hf(src_dir: str, out_dir: str, *, dtype: str | None = None, sparse: bool 
       code = dtype_code(np.dtype(DTYPES[{"float32": "F32", "bfloat16": "BF16",
                                          "float16": "F16"}[dtype]]))
       specs = [s if s.name.endswith(KEEP_F32) else s._replace(dtype=code) for s in specs]
-    tmp = out_dir + ".partial"
-    os.makedirs(tmp)
-    writer = ShardedWriter(tmp, specs, prefix="model", max_shard_bytes=shard_bytes,
-                           sparse=sparse, metadata={"format": "pt"})
-    try:
-      _write_all(writer, rules, src, specs, to="hf")
-      writer.close()
-    except BaseException:
-      writer.abort()
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
+    tmp = _write_partial(out_dir, lambda tmp: ShardedWriter(
+        tmp, specs, prefix="model", max_shard_bytes=shard_bytes, sparse=sparse,
+        metadata={"format": "pt"}), rules, src, specs, to="hf")
   finally:
     close()
   _json(os.path.join(tmp, CONFIG_JSON), hf)

@@ -54,6 +54,7 @@ def _residual_bytes(fn, *args) -> int:
   return total
 
 
+@functools.lru_cache(maxsize=256)
 def _traced(cfg: ModelConfig, compute: ComputeConfig, rows: int, t: int) -> int:
   """Residual bytes of HybridLM(cfg) on [rows, t] tokens (one document per row)."""
   model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute))
