@@ -152,7 +152,7 @@ class Environment(abc.ABC):
     self.extra_turns = extra_turns
     self._extra_tools = tuple(get_tool(t) if isinstance(t, str) else t for t in extra_tools)
     self._task = None
-    self._tools: dict[str, Tool] = {}
+    self._tool_table: dict[str, Tool] = {}
     self._turn = 0
     self._done = True
     self._obs: Observation | None = None
@@ -210,14 +210,14 @@ class Environment(abc.ABC):
     rng = np.random.default_rng([int(seed), level, *self.name.encode()])
     self._task = self._make_task(rng, level)
     tools = list(self._tools(self._task)) + list(self._extra_tools)
-    self._tools = {}
+    self._tool_table = {}
     for tool in tools:
-      if tool.name in self._tools:
+      if tool.name in self._tool_table:
         raise ValueError(f"{self.name}: two tools named {tool.name!r}")
-      self._tools[tool.name] = tool
+      self._tool_table[tool.name] = tool
     self._turn, self._done = 0, False
     self._obs = Observation(prompt=self._prompt(self._task),
-                            tools=tuple(t.spec for t in self._tools.values()), level=level,
+                            tools=tuple(t.spec for t in self._tool_table.values()), level=level,
                             seed=int(seed), horizon=self.horizon(level),
                             max_turns=self.max_turns(level))
     return self._obs
@@ -268,9 +268,9 @@ class Environment(abc.ABC):
       info["malformed"] = True
       return StepResult(f"error: {action.error}", False, 0.0, None, info)
     info["tool"] = action.name
-    tool = self._tools.get(action.name)
+    tool = self._tool_table.get(action.name)
     if tool is None:
-      names = ", ".join(self._tools) or "none"
+      names = ", ".join(self._tool_table) or "none"
       return StepResult(f"error: unknown tool {action.name!r}; tools: {names}", False, 0.0,
                         None, info)
     try:
