@@ -111,6 +111,10 @@ class CallsResult:
   run: SandboxResult
 
   @property
+  def total(self) -> int:
+    return len(self.passed)
+
+  @property
   def num_passed(self) -> int:
     return sum(self.passed)
 

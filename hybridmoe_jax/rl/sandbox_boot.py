@@ -91,6 +91,9 @@ def _install_hook(root: str) -> None:
           (isinstance_(flags, int_) and flags & write_flags)
       if writing and (isinstance_(path, int_) or mode is None):
         deny(event, f"os.open / fd write {repr_(path)[:200]}: only open() by path is allowed")
+      if writing and not isinstance_(path, (str_, bytes_)):
+        # A PathLike's __fspath__ could answer differently when open() asks again.
+        deny(event, f"write to a {type(path).__name__} path: pass a str")
       if writing and not inside(path):
         deny(event, f"write outside the sandbox dir: {repr_(path)[:200]}")
     elif event == "os.rename":
@@ -99,7 +102,8 @@ def _install_hook(root: str) -> None:
           not (inside(src) and inside(dst)):
         deny(event, repr_(args)[:200])
     elif event in path_events:
-      dir_fd = args[-1] if len(args) > 1 and isinstance_(args[-1], int_) else None
+      # The last arg is the dir_fd, except for os.truncate(path, length).
+      dir_fd = args[-1] if event != "os.truncate" and len(args) > 1 else None
       if isinstance_(args[0], int_) or dir_fd not in (None, -1) or not inside(args[0]):
         deny(event, repr_(args)[:200])
 

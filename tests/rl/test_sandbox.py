@@ -21,11 +21,12 @@ def test_honest_code_runs_and_passes():
   assert r.killed is None and r.exit_code == 0 and r.stdout_tail == "[1, 2]\n"
   calls, want = _double_calls()
   res = run_calls("def double(x):\n  return 2 * x\n", calls, want, FAST)
-  assert res.passed == (True, True) and res.pass_rate == 1.0
+  assert res.passed == (True, True) and res.pass_rate == 1.0 and res.total == 2
 
 
 def test_writes_inside_the_dir_are_allowed_and_the_dir_is_removed():
-  r = run_python("import os\nopen('a.txt', 'w').write('x')\nos.mkdir('d')\n"
+  r = run_python("import os, pathlib\npathlib.Path('p.txt').write_text('x')\n"
+                 "open('a.txt', 'w').write('x')\nos.mkdir('d')\n"
                  "os.rename('a.txt', 'd/b.txt')\nos.remove('d/b.txt')\nprint(os.getcwd())", FAST)
   assert r.killed is None, r.stderr_tail
   assert not os.path.exists(r.stdout_tail.strip())
