@@ -5,7 +5,7 @@ Ranks (a module may import modules of its own group or of a lower rank only):
     numpy + matplotlib only), io (file formats: numpy + json)
   1 ops, pallas_kernels (external, importable with jax alone)
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
-    (Hugging Face interop)
+    (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format)
   7 top-level tools (describe.py, timing.py, api.py, ...: any other hybridmoe_jax/<name>.py);
     they may import everything, and no package module may import them.
 data: imports only config, run_config, sharding and data; only train, infer, evals and the tools
@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
 RANKS = {"config": 0, "run_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
          "ops": 1, "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5,
-         "infer": 5, "evals": 6, "convert": 6}
+         "infer": 5, "evals": 6, "convert": 6, "rl": 6}
 TOOLS_RANK = 7
 DATA_IMPORTS = {"config", "run_config", "sharding", "data"}
 DATA_IMPORTERS_MIN_RANK = 5

@@ -9,6 +9,13 @@ Vision models (`ByteTokenizer(vision=True)`) add three more ids after EOS: IMAGE
 IMAGE_END and IMAGE_PAD (the placeholder the model replaces with projected image tokens),
 for a vocabulary of 262; text-only models keep exactly 259.
 
+The chat / tool-call roles (CHAT_ROLES: system, user, assistant, tool_call, tool_result,
+answer, end_turn; the format is `rl/chat_format.py`) are opt-in: `ByteTokenizer(chat=True)`
+appends their 7 ids, in CHAT_ROLES order, after the last id it already has:
+  chat:              system 259, user 260, ..., end_turn 265; vocabulary 266
+  vision and chat:   system 262, user 263, ..., end_turn 268; vocabulary 269
+so turning chat on never renumbers a byte, text or image id, and chat=False keeps 259 / 262.
+
 Every tokenizer (this one, and the trained BPEs of `hf_tokenizers`: a Hugging Face
 tokenizer.json or a tiktoken model file) meets one contract, `Tokenizer`: special tokens
 are looked up by ROLE (pad, bos, eos, the chat roles, the image roles), never by a module
@@ -37,6 +44,7 @@ IMAGE_END_ID = 260
 IMAGE_PAD_ID = 261
 IMAGE_IDS = (IMAGE_START_ID, IMAGE_END_ID, IMAGE_PAD_ID)
 _NUM_BYTES = 256
+_NUM_CHAT = len(CHAT_ROLES)
 
 BYTE_SPEC = "byte"
 
@@ -70,30 +78,40 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
   """UTF-8 bytes as token ids; vocab = 256 bytes + pad (256) + bos (257) + eos (258), and
-  with vision=True also image_start (259), image_end (260), image_pad (261)."""
+  with vision=True also image_start (259), image_end (260), image_pad (261); with chat=True
+  the 7 CHAT_ROLES ids follow the last of those (see the module docstring)."""
 
   pad_id = PAD_ID
   bos_id = BOS_ID
   eos_id = EOS_ID
   name = BYTE_SPEC
 
-  def __init__(self, vision: bool = False):
+  def __init__(self, vision: bool = False, chat: bool = False):
     self.vision = bool(vision)
+    self.chat = bool(chat)
     # The image ids exist only in the vision vocabulary (262 ids).
     self.image_start_id = IMAGE_START_ID if self.vision else None
     self.image_end_id = IMAGE_END_ID if self.vision else None
     self.image_pad_id = IMAGE_PAD_ID if self.vision else None
 
   @property
+  def _chat_start(self) -> int:
+    """The first chat id: right after EOS, or after IMAGE_PAD with vision."""
+    return (IMAGE_PAD_ID if self.vision else EOS_ID) + 1
+
+  @property
   def vocab_size(self) -> int:
-    return _NUM_BYTES + (6 if self.vision else 3)
+    return self._chat_start + (_NUM_CHAT if self.chat else 0)
 
   @property
   def special_ids(self) -> dict[str, int]:
-    """Role -> id: pad, bos, eos (and image_start, image_end, image_pad with vision)."""
+    """Role -> id: pad, bos, eos (and image_start, image_end, image_pad with vision; the
+    CHAT_ROLES with chat)."""
     out = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID}
     if self.vision:
       out.update(image_start=IMAGE_START_ID, image_end=IMAGE_END_ID, image_pad=IMAGE_PAD_ID)
+    if self.chat:
+      out.update({role: self._chat_start + i for i, role in enumerate(CHAT_ROLES)})
     return out
 
   def token_bytes(self) -> np.ndarray:

@@ -79,3 +79,25 @@ def test_make_tokenizer_byte_and_dir_without_tokenizer(tmp_path):
 def test_chat_roles_are_reserved():
   assert CHAT_ROLES == ("system", "user", "assistant", "tool_call", "tool_result", "answer",
                         "end_turn")
+
+
+def test_chat_ids_are_opt_in_and_appended_after_the_last_id():
+  assert ByteTokenizer().vocab_size == 259 and ByteTokenizer(vision=True).vocab_size == 262
+  chat, both = ByteTokenizer(chat=True), ByteTokenizer(vision=True, chat=True)
+  assert chat.vocab_size == 266 and both.vocab_size == 269
+  assert [chat.special_ids[r] for r in CHAT_ROLES] == list(range(259, 266))
+  assert [both.special_ids[r] for r in CHAT_ROLES] == list(range(262, 269))
+  # Turning chat on renumbers nothing that existed before.
+  assert {k: v for k, v in both.special_ids.items() if k not in CHAT_ROLES} == \
+      ByteTokenizer(vision=True).special_ids
+  assert (both.image_start_id, both.image_end_id, both.image_pad_id) == (259, 260, 261)
+  for tok in (chat, both):
+    assert not set(CHAT_ROLES) - set(tok.special_ids)
+    tb = tok.token_bytes()
+    assert tb.shape == (tok.vocab_size,) and not tb[256:].any()
+    ids = np.concatenate([[tok.special_ids["user"]], tok.encode("hé"),
+                          [tok.special_ids["end_turn"]]])
+    assert tok.decode(ids) == "hé"  # chat ids are specials: dropped by decode
+  with pytest.raises(ValueError, match="266"):
+    chat.decode([266])
+  assert not set(CHAT_ROLES) & set(ByteTokenizer().special_ids)
