@@ -6,8 +6,8 @@ A pipeline never names a special id: it asks the tokenizer for a role's id (`pad
 """
 
 # Every tokenizer has the text roles; the image roles only with vision; the chat / tool roles
-# are reserved for the chat and tool-call format (file tokenizers map or add them, the byte
-# tokenizer does not carry them).
+# belong to the chat and tool-call format (rl/chat_format.py): file tokenizers map or add
+# them, the byte tokenizer carries them with chat=True.
 TEXT_ROLES = ("pad", "bos", "eos")
 CHAT_ROLES = ("system", "user", "assistant", "tool_call", "tool_result", "answer", "end_turn")
 IMAGE_ROLES = ("image_start", "image_end", "image_pad")
