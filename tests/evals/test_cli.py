@@ -59,17 +59,30 @@ def test_config_mismatch_in_process(export, tmp_path):
     load_model(workdir=str(tmp_path))
 
 
-def test_cli_bad_input(export, tmp_path):
+def test_cli_bad_input(export):
+  """run_eval.py as a user runs it: a bad flag value (absl), a flag combination run_eval.py
+  refuses, and a ValueError from evals.cli.main (printed as one `error:` line). The other
+  ValueErrors of main take the same path: their messages are checked in process below."""
   assert "task" in _run(f"--params={export}", "--task=bleu")
   assert "exactly one of --workdir or --params" in _run("--task=ppl")
-  assert "error: --prompt is empty" in _run(f"--params={export}", "--task=generate",
-                                            "--prompt=")
   err = _run(f"--params={export}", "--config=configs/small.py", "--task=ppl")
   assert err.startswith("error: --config does not match") and "model.d_model" in err
-  err = _run(f"--params={export}", "--task=generate", "--max_len=16", "--prompt=" + "x" * 40,
-             f"--output_dir={tmp_path}")
-  assert err.startswith("error: prompt of 41 tokens does not fit") and "max_len=16" in err
-  assert "error: --workdir" in _run(f"--workdir={tmp_path}", "--task=ppl")
+
+
+def test_bad_input_in_process(export, tmp_path):
+  """evals.cli.main's ValueErrors (run_eval.py prints `error: <message>`), before any task."""
+  def error(**kw):
+    args = dict(task="generate", workdir=None, params=export, output_dir=str(tmp_path),
+                config=None, option_values={})
+    with pytest.raises(ValueError) as e:
+      main(**{**args, **kw}, echo=lambda _: None)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+  assert error(option_values={"prompt": ""}).startswith("--prompt is empty")
+  err = error(option_values={"max_len": 16, "prompt": "x" * 40})
+  assert err.startswith("prompt of 41 tokens does not fit") and "max_len=16" in err
+  assert error(task="ppl", workdir=str(tmp_path), params=None).startswith("--workdir")
 
 
 def test_eval_log_names_the_implementations(export, tmp_path):

@@ -2,6 +2,8 @@
 in pieces (padded chunks, single tokens, ragged rows) equals the training forward; the
 absorbed MLA decode equals the expanded form; gate shapes; dtypes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,17 @@ def _layer(kind, compute=F32, **kw):
   return cls(D, cfg, norm_eps=1e-5, compute=compute, rngs=nnx.Rngs(0))
 
 
+@functools.partial(nnx.jit, static_argnames=("kv_block",))
+def _call(layer, x, segment_ids=None, cache=None, length=None, kv_block=None):
+  """layer(x, ...) jitted: one XLA program per layer and shape (eagerly every op is compiled
+  on its own for each new shape, about twice the CPU time). kv_block (MLA with a cache) also
+  passes `length`."""
+  kw = dict(segment_ids=segment_ids, cache=cache)
+  if kv_block is not None:
+    kw.update(length=length, kv_block=kv_block)
+  return layer(x, **kw)
+
+
 def _empty_cache(layer, batch, max_len):
   if isinstance(layer, KDALayer):
     return KDACache.zeros(layer.cfg, batch, "float32")
@@ -44,8 +57,8 @@ def _cached(layer, x, cache, length, n_valid, width):
   x = jnp.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0)))
   seg = (jnp.arange(width)[None] < jnp.asarray(n_valid)[:, None]).astype(jnp.int32)
   if isinstance(layer, MLALayer):
-    return layer(x, segment_ids=seg, cache=cache, length=length, kv_block=4)
-  return layer(x, segment_ids=seg, cache=cache)
+    return _call(layer, x, segment_ids=seg, cache=cache, length=length, kv_block=4)
+  return _call(layer, x, segment_ids=seg, cache=cache)
 
 
 MIXERS = [("kda", {}), ("kda", {"gate": "unbounded"}), ("kda", {"output_gate_rank": 0}),
@@ -60,11 +73,11 @@ def test_packed_equals_separate(kind, kw):
   lens = [5, 16, 1, 22]
   x = jax.random.normal(jax.random.PRNGKey(1), (1, sum(lens), D))
   seg = jnp.concatenate([jnp.full((1, n), i + 1) for i, n in enumerate(lens)], 1)
-  packed, none = layer(x, segment_ids=seg)
+  packed, none = _call(layer, x, segment_ids=seg)
   assert none is None
   start = 0
   for n in lens:
-    alone, _ = layer(x[:, start:start + n])
+    alone, _ = _call(layer, x[:, start:start + n])
     assert rel_rms(alone, packed[:, start:start + n]) < 1e-5, (kind, n)
     start += n
 
@@ -75,7 +88,7 @@ def test_cached_pieces_equal_training_forward(kind, kw):
   second half padding): every real output equals the uncached forward."""
   layer = _layer(kind, **kw)
   x = jax.random.normal(jax.random.PRNGKey(2), (2, 21, D))
-  ref, _ = layer(x)
+  ref, _ = _call(layer, x)
   cache, length, outs, s = _empty_cache(layer, 2, 24), jnp.zeros((2,), jnp.int32), [], 0
   for n, width in ((7, 8), (1, 1), (1, 1), (0, 4), (8, 8), (4, 8)):
     y, cache = _cached(layer, x[:, s:s + n], cache, length, [n, n], width)
@@ -98,13 +111,13 @@ def test_ragged_rows_equal_each_row_alone(kind):
   second = jnp.stack([x[0, 3:9], jnp.zeros((6, D))])
   y2, cache = _cached(layer, second, cache, jnp.array([3, 8]), [6, 0], 8)
   row0 = jnp.concatenate([y1[0, :3], y2[0, :6]])
-  np.testing.assert_allclose(row0, layer(x[:1, :9])[0][0], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(y1[1], layer(x[1:, :8])[0][0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(row0, _call(layer, x[:1, :9])[0][0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y1[1], _call(layer, x[1:, :8])[0][0], rtol=1e-5, atol=1e-5)
   # One more token per row: each continues its own sequence.
   z = jax.random.normal(jax.random.PRNGKey(4), (2, 1, D))
   y3, _ = _cached(layer, z, cache, jnp.array([9, 8]), [1, 1], 1)
-  alone0 = layer(jnp.concatenate([x[:1, :9], z[:1]], 1))[0][0, -1]
-  alone1 = layer(jnp.concatenate([x[1:, :8], z[1:]], 1))[0][0, -1]
+  alone0 = _call(layer, jnp.concatenate([x[:1, :9], z[:1]], 1))[0][0, -1]
+  alone1 = _call(layer, jnp.concatenate([x[1:, :8], z[1:]], 1))[0][0, -1]
   np.testing.assert_allclose(y3[:, 0], jnp.stack([alone0, alone1]), rtol=1e-5, atol=1e-5)
 
 
@@ -194,8 +207,8 @@ def test_bf16_compute():
   layer = KDALayer(D, KDAConfig(num_heads=2, num_v_heads=2, head_dim=16, v_head_dim=16),
                    norm_eps=1e-5, compute=ComputeConfig(dtype="bfloat16", kda_chunk_size=16),
                    rngs=nnx.Rngs(0))
-  y, _ = layer(jnp.ones((1, 20, D), jnp.bfloat16))
+  y, _ = _call(layer, jnp.ones((1, 20, D), jnp.bfloat16))
   assert y.dtype == jnp.bfloat16 and bool(jnp.isfinite(y.astype(jnp.float32)).all())
-  _, cache = layer(jnp.ones((1, 3, D), jnp.bfloat16),
+  _, cache = _call(layer, jnp.ones((1, 3, D), jnp.bfloat16),
                    cache=KDACache.zeros(layer.cfg, 1, "bfloat16"))
   assert cache.q_tail.dtype == jnp.bfloat16 and cache.state.dtype == jnp.float32

@@ -11,10 +11,18 @@ from hybridmoe_jax.model import HybridLM
 from tests.conftest import load_config, rel_rms
 
 
-# Model-level tests default to the token-scan KDA: it runs eagerly in a fraction of the
-# chunked path's dispatch time, and chunked == recurrent is tested in tests/ops/test_kda.py
+# Model-level tests default to the token-scan KDA: it compiles in a fraction of the chunked
+# path's time, and chunked == recurrent is tested in tests/ops/test_kda.py
 # (test_chunked_kda_in_model_matches_recurrent keeps the chunked path in the model).
 RECURRENT = ComputeConfig(kda_impl="recurrent")
+
+
+@nnx.jit
+def _forward(model, tokens, segment_ids=None):
+  """model(tokens, segment_ids=...) -> (logits, aux), jitted: one XLA program per model and
+  shape (eagerly every op of the forward is compiled on its own for each new shape: about
+  twice the CPU time; the programs run are the training step's)."""
+  return model(tokens, segment_ids=segment_ids)
 
 
 def tiny_cfg(**overrides):
@@ -35,7 +43,7 @@ def test_chunked_kda_in_model_matches_recurrent(tiny):
   chunked = HybridLM(tiny_cfg(), rngs=nnx.Rngs(0), compute=ComputeConfig(kda_impl="chunked"))
   tokens = _tokens(7, 1, 70)
   seg = jnp.concatenate([jnp.ones((1, 30), jnp.int32), jnp.full((1, 40), 2, jnp.int32)], 1)
-  assert rel_rms(model(tokens, segment_ids=seg)[0], chunked(tokens, segment_ids=seg)[0]) < 1e-5
+  assert rel_rms(_forward(model, tokens, seg)[0], _forward(chunked, tokens, seg)[0]) < 1e-5
 
 
 def _tokens(key, b, t, vocab=256):
@@ -44,7 +52,7 @@ def _tokens(key, b, t, vocab=256):
 
 def test_shapes_and_stats(tiny):
   cfg, model = tiny
-  logits, aux = model(_tokens(0, 2, 37))
+  logits, aux = _forward(model, _tokens(0, 2, 37))
   assert logits.shape == (2, 37, cfg.vocab_size) and logits.dtype == jnp.float32
   # Shaped like the routing-bias state: {"layers": {i: {"ffn": {"bias": stats}}}}.
   assert sorted(aux["moe"]["layers"]) == list(cfg.moe_layers)
@@ -58,9 +66,9 @@ def test_shapes_and_stats(tiny):
 def test_causal(tiny):
   _, model = tiny
   tokens = _tokens(1, 1, 70)
-  base, _ = model(tokens)
+  base, _ = _forward(model, tokens)
   t = 41
-  changed, _ = model(tokens.at[0, t].set((tokens[0, t] + 7) % 256))
+  changed, _ = _forward(model, tokens.at[0, t].set((tokens[0, t] + 7) % 256))
   np.testing.assert_array_equal(np.asarray(base[0, :t]), np.asarray(changed[0, :t]))
   assert not np.allclose(base[0, t:], changed[0, t:])
 
@@ -71,13 +79,13 @@ def test_packed_documents_equal_separate_runs(tiny):
   docs = [_tokens(10 + i, 1, n) for i, n in enumerate(lens)]
   packed = jnp.concatenate(docs, axis=1)
   seg = jnp.concatenate([jnp.full((1, n), i + 1, jnp.int32) for i, n in enumerate(lens)], 1)
-  logits, _ = model(packed, segment_ids=seg)
+  logits, _ = _forward(model, packed, seg)
   # Reference: each document alone in its own row, right-padded (causal: padding after a
   # document cannot change it), so one call covers all four.
   width = max(lens)
   rows = jnp.concatenate([jnp.pad(d, ((0, 0), (0, width - n))) for d, n in zip(docs, lens)])
   valid = (jnp.arange(width)[None] < jnp.asarray(lens)[:, None]).astype(jnp.int32)
-  alone, _ = model(rows, segment_ids=valid)
+  alone, _ = _forward(model, rows, valid)
   start = 0
   for i, n in enumerate(lens):
     assert rel_rms(alone[i, :n], logits[0, start:start + n]) < 1e-5
@@ -88,7 +96,7 @@ def test_padding_excluded_from_routing_stats(tiny):
   cfg, model = tiny
   tokens = _tokens(3, 1, 30)
   seg = jnp.concatenate([jnp.ones((1, 20), jnp.int32), jnp.zeros((1, 10), jnp.int32)], 1)
-  _, aux = model(tokens, segment_ids=seg)
+  _, aux = _forward(model, tokens, seg)
   for layer in aux["moe"]["layers"].values():
     stats = layer["ffn"]["bias"]
     assert int(stats["load"].sum()) == 20 * cfg.moe.experts_per_token
@@ -106,7 +114,7 @@ def test_variants_run_and_are_finite(overrides, dtype):
   cfg = tiny_cfg(**overrides)
   compute = ComputeConfig(dtype=dtype, kda_impl="recurrent")
   model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=compute)
-  logits, _ = model(_tokens(4, 2, 20))
+  logits, _ = _forward(model, _tokens(4, 2, 20))
   assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
 
 

@@ -1,9 +1,11 @@
 """run_train.py as a user runs it: bad input stops with one message; dry run; resume; signals.
 
-The fast tests stop before training (each is one interpreter start). The slow ones train the
-tiny model: the embedded default run, SIGKILL-and-resume exactness, SIGINT, QB vs none.
+The fast tests stop before training (one interpreter start per kind of error; the other bad
+values of a kind are checked in process). The slow ones train the tiny model: the embedded
+default run, SIGKILL-and-resume exactness, SIGINT, QB vs none.
 """
 
+import functools
 import json
 import os
 import random
@@ -16,8 +18,11 @@ import jax
 import numpy as np
 import pytest
 
+from hybridmoe_jax import cli_flags
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train.checkpoint import load_exported_params
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_config
 
 RUN = [sys.executable, str(ROOT / "run_train.py")]
 
@@ -37,23 +42,53 @@ def _one_error(p, *needles):
   return err[0]
 
 
+# Each kind of flag error as a user meets it (one interpreter start each, ~4 CPU-s): a
+# misspelt field, a bad value type, a missing file, a moved field (cli_flags, while absl
+# parses), a bad value (run_config_from_dict's ConfigError, in main) and a model that does
+# not fit the data. The other values of each kind take the same path: their messages are
+# checked in process below.
 @pytest.mark.parametrize("flag,needles", [
     ("--config.train.stepz=3", ["--config.train.stepz", "steps"]),
     ("--config.train.steps=abc", ["--config.train.steps=abc"]),
     ("--config.train.schedule=linear", ["train.schedule", "cosine"]),
-    ("--config.train.grad_accum=3", ["train.grad_accum", "divisor"]),
-    ("--config.model.moe.balancing=off", ["model.moe.balancing", "qb"]),
-    ("--config.model.vocab_size=100", ["vocab"]),
     ("--config=configs/nonexistent.py", ["nonexistent.py"]),
+    ("--config.model.vocab_size=100", ["vocab"]),   # the tokenizer check, when data is built
     ("--config.model.dtype=bfloat16", ["model.dtype", "moved to `compute.dtype`"]),
-    ("--config.train.remat=full", ["train.remat", "moved to `compute.remat`"]),
-    ("--config.model.kda.chunk_size=32", ["model.kda.chunk_size", "compute.kda_chunk_size"]),
-    ("--config.compute.dtype=float16", ["compute.dtype", "bfloat16"]),
-    ("--config.data.heldout_fraction=0.9", ["data.heldout_fraction", "(0, 0.5]"]),
 ])
 def test_bad_flags_stop_with_one_message(tmp_path, flag, needles):
   _one_error(_run(flag, f"--workdir={tmp_path}"), *needles)
   assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("key,value,needles", [
+    ("train.grad_accum", 3, ["train.grad_accum", "divisor"]),
+    ("model.moe.balancing", "off", ["model.moe.balancing", "qb"]),
+    ("compute.dtype", "float16", ["compute.dtype", "bfloat16"]),
+    ("data.heldout_fraction", 0.9, ["data.heldout_fraction", "(0, 0.5]"]),
+])
+def test_bad_config_values_are_one_line(key, value, needles):
+  """run_train.py's bad-value path in process: the override on the default config, then the
+  ConfigError that main prints as `error: <message>`."""
+  config = load_config("tiny")
+  config.update_from_flattened_dict({key: value})
+  with pytest.raises(ConfigError) as e:
+    run_config_from_dict(config)
+  msg = str(e.value)
+  assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+@pytest.mark.parametrize("flag,needles", [
+    ("--config.train.remat=full", ["train.remat", "moved to `compute.remat`"]),
+    ("--config.model.kda.chunk_size=32", ["model.kda.chunk_size", "compute.kda_chunk_size"]),
+])
+def test_moved_fields_are_one_line(flag, needles):
+  """cli_flags' message for a moved field: the field is gone from the config (so absl's
+  parse raises, as for --config.model.dtype above) and the flag's name decides the message."""
+  *section, field = flag.split("=")[0][len("--config."):].split(".")
+  assert field not in functools.reduce(getattr, section, load_config("tiny"))
+  msg = cli_flags.config_flag_error(AttributeError("no field"), ["run_train.py", flag])
+  assert msg.startswith("error: bad --config flag") and "\n" not in msg
+  assert all(n in msg for n in needles), msg
 
 
 @pytest.mark.parametrize("cmd", [RUN, [sys.executable, "-m", "hybridmoe_jax.describe"]])
