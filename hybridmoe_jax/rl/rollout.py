@@ -345,6 +345,36 @@ class Rollout:
                           tuple(row.messages), row.turn_tokens, row.num_turns, row.prompt_len,
                           env=row.env)
 
+  def _call(self, slots, members, width: int, cache: DecodeCache):
+    """One _feed_and_sample call feeding up to `width` pending tokens of each member slot
+    (the other rows idle) -> (cache, {slot: (token or None if the row still has tokens to
+    feed, logp, sample_logp, forced?, tokens fed)})."""
+    b = self.batch
+    tokens = np.zeros((b, width), np.int32)
+    n_valid = np.zeros(b, np.int32)
+    seeds = np.zeros(b, np.uint32)
+    positions = np.zeros(b, np.int32)
+    forced = np.full(b, -1, np.int32)
+    for s in members:
+      row = slots[s]
+      part, row.to_feed = row.to_feed[:width], row.to_feed[width:]
+      tokens[s, :len(part)] = part
+      n_valid[s] = len(part)
+      seeds[s], positions[s] = row.spec.sample_seed, row.n
+      if not row.to_feed:
+        forced[s] = self._forced_token(row)
+    tok, logp, slp, cache = _feed_and_sample(
+        self.engine.graphdef, self.engine.state, jnp.asarray(tokens), jnp.asarray(n_valid),
+        cache, jnp.asarray(seeds), jnp.asarray(positions), jnp.asarray(forced),
+        self._sampling, kv_block=self.engine.kv_block)
+    tok, logp, slp = np.asarray(tok), np.asarray(logp), np.asarray(slp)
+    out = {}
+    for s in members:
+      drew = not slots[s].to_feed
+      out[s] = (int(tok[s]) if drew else None, float(logp[s]), float(slp[s]),
+                bool(forced[s] >= 0), int(n_valid[s]))
+    return cache, out
+
   # ---- the loop --------------------------------------------------------------------------
 
   def run(self, episodes: Sequence[EpisodeSpec | PendingEpisode]) -> RolloutResult:
@@ -388,36 +418,26 @@ class Rollout:
             cache = _put_row(cache, pending_rows[row.index].cache, jnp.int32(s))
           else:
             cache = _reset_row(cache, jnp.int32(s))
-      width = p if any(r is not None and len(r.to_feed) > 1 for r in slots) else 1
-      tokens = np.zeros((b, width), np.int32)
-      n_valid = np.zeros(b, np.int32)
-      seeds = np.zeros(b, np.uint32)
-      positions = np.zeros(b, np.int32)
-      forced = np.full(b, -1, np.int32)
-      draws = []
-      for s, row in enumerate(slots):
-        if row is None:
+      # Rows feeding one token and rows feeding more go through separate calls, so a row's
+      # arithmetic never depends on what its neighbours feed (paused == uninterrupted).
+      live = [s for s, r in enumerate(slots) if r is not None]
+      groups = [(p, [s for s in live if len(slots[s].to_feed) > 1]),
+                (1, [s for s in live if len(slots[s].to_feed) == 1])]
+      draws = {}
+      for width, members in groups:
+        if not members:
           continue
-        part, row.to_feed = row.to_feed[:width], row.to_feed[width:]
-        tokens[s, :len(part)] = part
-        n_valid[s] = len(part)
-        if not row.to_feed:
-          draws.append(s)
-          seeds[s], positions[s] = row.spec.sample_seed, row.n
-          forced[s] = self._forced_token(row)
-      tok, logp, slp, cache = _feed_and_sample(
-          self.engine.graphdef, self.engine.state, jnp.asarray(tokens), jnp.asarray(n_valid),
-          cache, jnp.asarray(seeds), jnp.asarray(positions), jnp.asarray(forced),
-          self._sampling, kv_block=self.engine.kv_block)
-      stats["model_calls"] += 1
-      stats["chunk_calls" if width > 1 else "decode_calls"] += 1
-      stats["total_tokens"] += int(n_valid.sum())
-      tok, logp, slp = np.asarray(tok), np.asarray(logp), np.asarray(slp)
-      for s in draws:
+        cache, got = self._call(slots, members, width, cache)
+        draws.update(got)
+        stats["model_calls"] += 1
+        stats["chunk_calls" if width > 1 else "decode_calls"] += 1
+        stats["total_tokens"] += sum(n for *_, n in got.values())
+      for s, (tok, logp, slp, forced, _) in sorted(draws.items()):
+        if tok is None:
+          continue                      # fed part of a longer prompt / tool result
         row = slots[s]
         te = time.perf_counter()
-        done = self._take_token(row, int(tok[s]), float(logp[s]), float(slp[s]),
-                                forced[s] >= 0)
+        done = self._take_token(row, tok, logp, slp, forced)
         env_seconds += time.perf_counter() - te
         stats["generated_tokens"] += 1
         if done is not None:
