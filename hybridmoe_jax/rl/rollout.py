@@ -3,8 +3,8 @@
 Conventions: B cache rows (slots), P the engine's prefill chunk, V vocab, n an episode's
 tokens so far (see episode.py for the per-token arrays).
 
-Each slot holds one episode. Every iteration makes ONE call of the model's cached forward
-(`HybridLM(tokens, segment_ids, cache=..., logits_at=...)`) over a chunk [B, W]: each row
+Each slot holds one episode. Every iteration calls the model's cached forward
+(`HybridLM(tokens, segment_ids, cache=..., logits_at=...)`) over chunks [B, W]: each row
 feeds its own pending tokens (segment id 1; the rest of the row is padding, segment id 0,
 which leaves that row's cache untouched), so rows of one call are ragged:
   - a new episode feeds its rendered prompt (system, user, <assistant> header) in chunks of P;
@@ -12,12 +12,14 @@ which leaves that row's cache untouched), so rows of one call are ragged:
   - an episode whose turn just ended feeds that turn's <end_turn>, the tool result turn and
     the next <assistant> header: O(new tokens), never a re-prefill of the history;
   - finished and paused slots feed nothing (idle) until a queued episode takes them.
-W = 1 when every row feeds at most one token, else P: two compiled shapes in all. In the
-same jitted call, every row whose pending tokens are now all cached draws its next token
-from the logits of its last real token (the other rows' draws are ignored), with a key
-fold_in(PRNGKey(sample_seed), position): an episode's tokens do not depend on its batch
-neighbours, its slot, or on being paused and resumed. A forced turn (teacher forcing, e.g.
-the oracle's actions) replaces the drawn token by the script's, in the same call, and its
+Rows are grouped by the width their own pending tokens need (1; feed_width for a short tool
+result; else P) and each group makes one call (three compiled shapes in all), so a row's
+arithmetic never depends on what its neighbours feed. In the same jitted call, every row
+whose pending tokens are now all cached draws its next token from the logits of its last
+real token (the other rows' draws are ignored), with a key fold_in(PRNGKey(sample_seed),
+position): an episode's tokens and log-probs do not depend on its batch neighbours, its
+slot, or on being paused and resumed (bit for bit). A forced turn (teacher forcing, e.g. the
+oracle's actions) replaces the drawn token by the script's, in the same call, and its
 log-probs are recorded all the same.
 
 A turn ends at <end_turn> (or at `max_turn_tokens`, then cut: the chat parser reports it as
@@ -79,10 +81,18 @@ def _pick(logp: jax.Array, tok: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
+@functools.lru_cache(maxsize=None)
+def _feed_and_sample_fn(graphdef, kv_block: int):
+  """The jitted `_feed_and_sample` of one model graph: the graphdef is closed over, not a
+  static argument, because hashing an nnx graphdef on every call costs milliseconds."""
+  return jax.jit(functools.partial(_feed_and_sample, graphdef, kv_block=kv_block),
+                 donate_argnames=("cache",))
+
+
 def _feed_and_sample(graphdef, state, tokens, n_valid, cache, seeds, positions, forced,
                      sampling, kv_block):
-  """One model call over a ragged chunk, then one draw per row.
+  """One model call over a ragged chunk, then one draw per row (jitted per graphdef by
+  _feed_and_sample_fn).
 
   Args:
     tokens: int32 [B, W]; row b's first n_valid[b] tokens are real, the rest padding.
@@ -144,6 +154,9 @@ class RolloutConfig:
     max_turn_tokens: tokens per assistant turn (then the turn is cut).
     max_turns: assistant turns per episode, 0 = the environment's own limit only.
     token_budget: tokens an episode may generate per `run` call before it pauses; 0 = none.
+    feed_width: the chunk width of short multi-token feeds (a tool result and the next
+      header): a third compiled shape between 1 and the engine's prefill chunk P, so a short
+      tool result does not pay for a [B, P] chunk; 0 (or >= P) = off.
     sampling: temperature / top_k / top_p / vocab_limit (vocab_limit 0 becomes the
       tokenizer's vocabulary size: ids past it are never drawn).
   """
@@ -151,12 +164,14 @@ class RolloutConfig:
   max_turn_tokens: int = 256
   max_turns: int = 0
   token_budget: int = 0
+  feed_width: int = 32
   sampling: SamplingConfig = SamplingConfig(temperature=1.0)
 
   def check(self, max_len: int) -> None:
     for name, v, lo in (("max_tokens", self.max_tokens, 2),
                         ("max_turn_tokens", self.max_turn_tokens, 1),
-                        ("max_turns", self.max_turns, 0), ("token_budget", self.token_budget, 0)):
+                        ("max_turns", self.max_turns, 0), ("token_budget", self.token_budget, 0),
+                        ("feed_width", self.feed_width, 0)):
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"rollout.{name} = {v!r}: allowed an int >= {lo}")
     if self.max_tokens > max_len:
@@ -238,6 +253,7 @@ class Rollout:
     self.engine, self.tokenizer, self.batch = engine, tokenizer, int(batch)
     self.config = dataclasses.replace(config, sampling=sampling)
     self._sampling = sampling.as_arrays()
+    self._step = _feed_and_sample_fn(engine.graphdef, engine.kv_block)
 
   # ---- episode start / resume ------------------------------------------------------------
 
@@ -276,6 +292,15 @@ class Rollout:
                list(p.actions), p.turn_tokens, p.num_turns, p.prompt_len)
     row.max_turns = self._max_turns(env.observation.max_turns)
     return row
+
+  def _width(self, pending: int) -> int:
+    """The chunk width a row feeding `pending` tokens uses: 1, feed_width or P, the smallest
+    that holds them (P for longer feeds, in several calls). It depends on the row alone, so
+    a row's arithmetic never depends on its neighbours (paused == uninterrupted, exactly)."""
+    p, f = self.engine.prefill_chunk, self.config.feed_width
+    if pending <= 1:
+      return 1
+    return f if 1 < f < p and pending <= f else p
 
   # ---- per-token bookkeeping ---------------------------------------------------------------
 
@@ -363,10 +388,8 @@ class Rollout:
       seeds[s], positions[s] = row.spec.sample_seed, row.n
       if not row.to_feed:
         forced[s] = self._forced_token(row)
-    tok, logp, slp, cache = _feed_and_sample(
-        self.engine.graphdef, self.engine.state, jnp.asarray(tokens), jnp.asarray(n_valid),
-        cache, jnp.asarray(seeds), jnp.asarray(positions), jnp.asarray(forced),
-        self._sampling, kv_block=self.engine.kv_block)
+    tok, logp, slp, cache = self._step(self.engine.state, tokens, n_valid, cache, seeds,
+                                       positions, forced, self._sampling)
     tok, logp, slp = np.asarray(tok), np.asarray(logp), np.asarray(slp)
     out = {}
     for s in members:
@@ -418,13 +441,11 @@ class Rollout:
             cache = _put_row(cache, pending_rows[row.index].cache, jnp.int32(s))
           else:
             cache = _reset_row(cache, jnp.int32(s))
-      # Rows feeding one token and rows feeding more go through separate calls, so a row's
-      # arithmetic never depends on what its neighbours feed (paused == uninterrupted).
-      live = [s for s, r in enumerate(slots) if r is not None]
-      groups = [(p, [s for s in live if len(slots[s].to_feed) > 1]),
-                (1, [s for s in live if len(slots[s].to_feed) == 1])]
+      # Rows are grouped by their own feed width, one call per width (see _width).
+      widths = [self._width(len(r.to_feed)) if r is not None else 0 for r in slots]
       draws = {}
-      for width, members in groups:
+      for width in sorted(set(widths) - {0}, reverse=True):
+        members = [s for s, w in enumerate(widths) if w == width]
         if not members:
           continue
         cache, got = self._call(slots, members, width, cache)
