@@ -419,6 +419,10 @@ class Rollout:
         raise ValueError(f"episodes[{i}]: allowed an EpisodeSpec or a PendingEpisode, got "
                          f"{type(e).__name__}")
       spec.check(f"episodes[{i}]")
+      for j, f in enumerate(spec.forced):
+        if isinstance(f, tuple) and not all(0 <= t < self.tokenizer.vocab_size for t in f):
+          raise ValueError(f"episodes[{i}].forced[{j}]: token ids must lie in [0, "
+                           f"{self.tokenizer.vocab_size}) (the tokenizer's vocabulary)")
     t0 = time.perf_counter()
     # Environments are built and prompts rendered up front: bad input fails before compute.
     queue = collections.deque(

@@ -241,6 +241,8 @@ def test_bad_input_fails_before_compute():
                                                                  sample_seed=-1)])
   with pytest.raises(ValueError, match=r"forced\[0\]"):
     _rollout().run([EpisodeSpec("arithmetic", 1, 0, forced=("calculator 1",))])
+  with pytest.raises(ValueError, match=r"forced\[1\]: token ids must lie in \[0, 266\)"):
+    _rollout().run([EpisodeSpec("arithmetic", 1, 0, forced=(None, (5, 300)))])
   with pytest.raises(ValueError, match="no room to generate"):
     _rollout(max_tokens=100).run([EpisodeSpec("arithmetic", 1, 0)])
   with pytest.raises(ValueError, match=r"max_tokens = 2000: allowed \[2, 1024\]"):
