@@ -6,8 +6,11 @@ with cache=...): this module only chunks, jits and samples. Every jitted functio
 model as (graphdef, state): graphdef is static, so one compilation serves every call with the
 same shapes. A prompt is fed in chunks of P tokens (the last one padded, the padding marked
 by segment id 0), so its length never changes a shape and a prompt of any length up to N runs
-in memory bounded by P, the cache and one attention block. The prompts of one call share one
-length; the cache itself keeps a length per row.
+in memory bounded by P, the cache and one attention block. The cache keeps a length per row,
+and prompts of one call may be ragged: `prefill(tokens, lengths=...)` takes rows padded on
+the right to one width T with their real lengths [B]; each row's cache advances by its own
+length (the padding is segment id 0, which leaves a row's cache untouched) and the logits
+returned are those of each row's last real token. Without `lengths` every row is T long.
 
 Images (vision models): `prefill(tokens, images=...)` takes the image keys of a processed
 batch (images, image_grid, image_index; see hybridmoe_jax.data.multimodal). The input
@@ -162,7 +165,9 @@ class Engine:
   def init_cache(self, batch: int) -> DecodeCache:
     return init_cache(self.cfg, batch, self.max_len, dtype=self.dtype)
 
-  def _check_tokens(self, tokens, cache: DecodeCache | None, what: str) -> np.ndarray:
+  def _check_tokens(self, tokens, cache: DecodeCache | None, what: str, lengths=None,
+                    min_length: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """-> (tokens [B, T] int32, lengths [B] int32 in [min_length, T] or None)."""
     tokens = np.asarray(tokens)
     if tokens.ndim == 1:
       tokens = tokens[None]
@@ -174,21 +179,37 @@ class Engine:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
       raise ValueError(f"{what} holds token ids outside the vocabulary [0, "
                        f"{self.cfg.vocab_size})")
-    used = 0 if cache is None else int(np.max(cache.length))
-    if used + tokens.shape[1] > self.max_len:
-      raise ValueError(f"{what} of {tokens.shape[1]} tokens does not fit: {used} cached + "
-                       f"{tokens.shape[1]} > max_len={self.max_len} (raise max_len)")
     if cache is not None and cache.batch != tokens.shape[0]:
       raise ValueError(f"{what} has batch {tokens.shape[0]} but the cache has {cache.batch}")
-    return tokens.astype(np.int32)
+    b, t = tokens.shape
+    if lengths is not None:
+      lengths = np.asarray(lengths)
+      if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"{what} lengths must be integers [B={b}], got shape "
+                         f"{lengths.shape} dtype {lengths.dtype}")
+      if lengths.min() < min_length or lengths.max() > t:
+        raise ValueError(f"{what} lengths must lie in [{min_length}, {t}] (the padded "
+                         f"width), got {lengths.tolist()}")
+      lengths = lengths.astype(np.int32)
+    used = np.zeros(b, np.int64) if cache is None else np.asarray(cache.length, np.int64)
+    need = used + (t if lengths is None else lengths)
+    if need.max() > self.max_len:
+      row = int(np.argmax(need))
+      raise ValueError(f"{what} of {int(need[row] - used[row])} tokens does not fit: "
+                       f"{int(used[row])} cached + {int(need[row] - used[row])} > "
+                       f"max_len={self.max_len} (raise max_len)")
+    return tokens.astype(np.int32), lengths
 
-  def _chunks(self, tokens: np.ndarray):
-    """-> (start s, chunk [B, P] zero-padded, real tokens n, n_valid [B] int32 = n per row)."""
+  def _chunks(self, tokens: np.ndarray, lengths: np.ndarray | None = None):
+    """-> (start s, chunk [B, P] zero-padded, real columns n, n_valid [B] int32: the real
+    tokens of each row in this chunk (n, or fewer for a row of `lengths` ending earlier))."""
     p = self.prefill_chunk
     for s in range(0, tokens.shape[1], p):
       part = tokens[:, s:s + p]
       n = part.shape[1]
-      yield s, np.pad(part, ((0, 0), (0, p - n))), n, np.full((tokens.shape[0],), n, np.int32)
+      n_valid = np.full((tokens.shape[0],), n, np.int32) if lengths is None else \
+          np.clip(lengths - s, 0, n).astype(np.int32)
+      yield s, np.pad(part, ((0, 0), (0, p - n))), n, n_valid
 
   def _image_inputs(self, tokens: np.ndarray, images: dict) -> jax.Array:
     """Input embeddings [B, T_pad, d] of a prompt with images, T padded to a multiple of P
@@ -216,25 +237,30 @@ class Engine:
     return _embed_inputs(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(pix),
                          jnp.asarray(grid, jnp.int32), jnp.asarray(index))
 
-  def prefill(self, tokens, cache: DecodeCache | None = None, images: dict | None = None
-              ) -> tuple[jax.Array, DecodeCache]:
+  def prefill(self, tokens, cache: DecodeCache | None = None, images: dict | None = None,
+              lengths=None) -> tuple[jax.Array, DecodeCache]:
     """Feed a prompt [B, T] after `cache` (if given) -> (last token's logits [B, V], cache).
 
     images: optional image keys of the prompt (see the module docstring).
+    lengths: optional [B] ints in [0, T]: row b's real tokens are tokens[b, :lengths[b]] (the
+      rest is padding, never cached); the logits are those of each row's last real token (of
+      a row with length 0, whose cache is left as it was, they are meaningless).
     The cache passed in is donated (its buffers are reused): use only the returned one.
     """
-    tokens = self._check_tokens(tokens, cache, "prompt")
+    tokens, lengths = self._check_tokens(tokens, cache, "prompt", lengths)
     cache = self.init_cache(tokens.shape[0]) if cache is None else cache
-    if images is not None:
-      x = self._image_inputs(tokens, images)
-      p = self.prefill_chunk
-      for s, _, _, n_valid in self._chunks(tokens):
-        logits, cache = _prefill_chunk(self.graphdef, self.state, None, x[:, s:s + p], cache,
-                                       n_valid, kv_block=self.kv_block)
-      return logits, cache
-    for _, part, _, n_valid in self._chunks(tokens):
-      logits, cache = _prefill_chunk(self.graphdef, self.state, part, None, cache, n_valid,
-                                     kv_block=self.kv_block)
+    x = None if images is None else self._image_inputs(tokens, images)
+    p, logits = self.prefill_chunk, None
+    for s, part, _, n_valid in self._chunks(tokens, lengths):
+      if x is None:
+        new, cache = _prefill_chunk(self.graphdef, self.state, part, None, cache, n_valid,
+                                    kv_block=self.kv_block)
+      else:
+        new, cache = _prefill_chunk(self.graphdef, self.state, None, x[:, s:s + p], cache,
+                                    n_valid, kv_block=self.kv_block)
+      # A ragged row keeps the logits of the chunk its prompt ended in.
+      logits = new if logits is None else jnp.where(jnp.asarray(n_valid > 0)[:, None], new,
+                                                    logits)
     return logits, cache
 
   def decode_step(self, token, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
@@ -248,7 +274,7 @@ class Engine:
   def score(self, tokens) -> tuple[np.ndarray, np.ndarray]:
     """Teacher-forced scoring of [B, T] in chunks -> (nll [B, T-1] of tokens[:, 1:],
     argmax predictions [B, T-1]); position t predicts token t + 1."""
-    tokens = self._check_tokens(tokens, None, "text")
+    tokens, _ = self._check_tokens(tokens, None, "text")
     targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     cache, nll, pred = self.init_cache(tokens.shape[0]), [], []
     for s, part, n, n_valid in self._chunks(tokens):
@@ -261,20 +287,25 @@ class Engine:
 
   def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
-               images: dict | None = None) -> GenerateOutput:
+               images: dict | None = None, prompt_lengths=None) -> GenerateOutput:
     """Prefill `prompt` [B, T] (with `images`, if given: see prefill), then sample up to
     max_new_tokens (fewer if the cache fills or every row hit a stop token). One
-    compilation per (B, max_new_tokens)."""
+    compilation per (B, max_new_tokens).
+
+    prompt_lengths: optional [B] ints in [1, T] for ragged prompts padded on the right (see
+      prefill's `lengths`); each row then continues from its own last prompt token.
+    """
     if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not 0 <= pad_id < self.cfg.vocab_size:   # finished rows are fed pad_id
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {self.cfg.vocab_size})")
-    tokens = self._check_tokens(prompt, None, "prompt")
-    room = self.max_len - tokens.shape[1]
+    tokens, lengths = self._check_tokens(prompt, None, "prompt", prompt_lengths, min_length=1)
+    longest = tokens.shape[1] if lengths is None else int(lengths.max())
+    room = self.max_len - longest
     if room < 1:
-      raise ValueError(f"prompt of {tokens.shape[1]} tokens leaves no room to generate "
+      raise ValueError(f"prompt of {longest} tokens leaves no room to generate "
                        f"within max_len={self.max_len}")
-    logits, cache = self.prefill(tokens, images=images)
+    logits, cache = self.prefill(tokens, images=images, lengths=lengths)
     # A fixed-size stop list (padded with -1) keeps one compilation for any stop set.
     stop = list(stop_tokens)
     stop = jnp.asarray(stop + [-1] * (max(8, len(stop)) - len(stop)), jnp.int32)
