@@ -24,6 +24,21 @@ if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
 if os.environ.get("HYBRIDMOE_TESTS_XLA_OPT") != "1":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+# One persistent compilation cache for the whole run: the xdist workers and every CLI
+# subprocess inherit this directory, so a program compiled once (the tiny model's train
+# step, built afresh by each training run) is read back instead of recompiled. A fresh
+# temporary directory per run (removed at exit by the process that made it), never a
+# user's cache; HYBRIDMOE_TESTS_JAX_CACHE=0 turns it off.
+if (os.environ.get("HYBRIDMOE_TESTS_JAX_CACHE") != "0"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  import atexit  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  _cache_dir = tempfile.mkdtemp(prefix="hybridmoe_tests_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
 # XLA reads the device count when the backend starts, lazily at the first computation; the
 # autouse fixture below removes it from the environment (for subprocesses), so start the
 # backend now, with 8 devices, whichever test happens to compute first.
