@@ -4,6 +4,8 @@ The suite runs with 8 simulated CPU devices (set below, before anything imports 
 tests/parallel can build real meshes, and with XLA's most costly optimisation passes off
 (HYBRIDMOE_TESTS_XLA_OPT=1 turns them back on). Every other test sees a one-device world for meshes:
 the train loop's mesh uses only the first device and CLI subprocesses get one device.
+All processes of one run (xdist workers, CLI subprocesses) share a persistent JAX compilation
+cache in a fresh temporary directory.
 """
 
 import os
@@ -27,8 +29,9 @@ if os.environ.get("HYBRIDMOE_TESTS_XLA_OPT") != "1":
 # One persistent compilation cache for the whole run: the xdist workers and every CLI
 # subprocess inherit this directory, so a program compiled once (the tiny model's train
 # step, built afresh by each training run) is read back instead of recompiled. A fresh
-# temporary directory per run (removed at exit by the process that made it), never a
-# user's cache; HYBRIDMOE_TESTS_JAX_CACHE=0 turns it off.
+# temporary directory per run, removed at exit by the process that made it (a
+# JAX_COMPILATION_CACHE_DIR already set is used as is and never removed);
+# HYBRIDMOE_TESTS_JAX_CACHE=0 turns it off.
 if (os.environ.get("HYBRIDMOE_TESTS_JAX_CACHE") != "0"
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
   import atexit  # pylint: disable=g-import-not-at-top
