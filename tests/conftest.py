@@ -4,6 +4,8 @@ The suite runs with 8 simulated CPU devices (set below, before anything imports 
 tests/parallel can build real meshes, and with XLA's most costly optimisation passes off
 (HYBRIDMOE_TESTS_XLA_OPT=1 turns them back on). Every other test sees a one-device world for meshes:
 the train loop's mesh uses only the first device and CLI subprocesses get one device.
+All processes of one run (xdist workers, CLI subprocesses) share a persistent JAX compilation
+cache in a fresh temporary directory.
 """
 
 import os
@@ -23,6 +25,22 @@ if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
 # the same; HYBRIDMOE_TESTS_XLA_OPT=1 runs the suite on fully optimised XLA.
 if os.environ.get("HYBRIDMOE_TESTS_XLA_OPT") != "1":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+# One persistent compilation cache for the whole run: the xdist workers and every CLI
+# subprocess inherit this directory, so a program compiled once (the tiny model's train
+# step, built afresh by each training run) is read back instead of recompiled. A fresh
+# temporary directory per run, removed at exit by the process that made it (a
+# JAX_COMPILATION_CACHE_DIR already set is used as is and never removed);
+# HYBRIDMOE_TESTS_JAX_CACHE=0 turns it off.
+if (os.environ.get("HYBRIDMOE_TESTS_JAX_CACHE") != "0"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  import atexit  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  _cache_dir = tempfile.mkdtemp(prefix="hybridmoe_tests_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 # XLA reads the device count when the backend starts, lazily at the first computation; the
 # autouse fixture below removes it from the environment (for subprocesses), so start the

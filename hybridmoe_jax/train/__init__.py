@@ -1,5 +1,21 @@
-"""Training: config sections, train state, jitted steps, checkpoints, monitoring, the loop."""
+"""Training: config sections, train state, jitted steps, checkpoints, monitoring, the loop.
 
-from hybridmoe_jax.train.config import default_config
-from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.train.state import TrainState
+The public names below load lazily, so `hybridmoe_jax.train.config` (which every
+`configs/*.py` imports) and the flag checks of run_train.py / run_eval.py do not pull in
+the loop's flax, optax and orbax imports.
+"""
+
+import importlib
+
+_PUBLIC = {
+    "default_config": "hybridmoe_jax.train.config",
+    "train_and_evaluate": "hybridmoe_jax.train.loop",
+    "TrainState": "hybridmoe_jax.train.state",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+  if name in _PUBLIC:
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+  raise AttributeError(f"module 'hybridmoe_jax.train' has no attribute {name!r}")

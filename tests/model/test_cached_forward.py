@@ -95,19 +95,26 @@ def test_ragged_rows_equal_each_row_alone():
   assert _rel_max(ref_b, jnp.concatenate([l1[1], l2[1, :3], l3[1]])) < 1e-5
 
 
+@nnx.jit
+def _call(model, tokens, inputs_embeds=None, logits_at=None, cache=None):
+  return model(tokens, inputs_embeds=inputs_embeds, logits_at=logits_at, cache=cache)[0]
+
+
 def test_logits_at_and_inputs_embeds():
-  """logits_at picks positions before the head; inputs_embeds replaces the embedding."""
+  """logits_at picks positions before the head; inputs_embeds replaces the embedding. Jitted
+  (one program per call pattern); the bad calls raise while tracing, before any compile."""
   cfg = _cfg()
   model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=COMPUTE)
   tokens = _tokens(5, 2, 9)
-  full, _ = model(tokens)
+  full = _call(model, tokens)
   at = jnp.array([[8, 0], [3, 3]])
-  picked, _ = model(None, inputs_embeds=model.embed_inputs(tokens), logits_at=at)
+  embeds = nnx.jit(lambda m, t: m.embed_inputs(t))(model, tokens)
+  picked = _call(model, None, inputs_embeds=embeds, logits_at=at)
   np.testing.assert_allclose(picked, jnp.take_along_axis(full, at[..., None], 1),
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="logits_at"):
-    model(tokens, logits_at=jnp.array([1, 2]))
+    _call(model, tokens, logits_at=jnp.array([1, 2]))
   with pytest.raises(ValueError, match="inputs_embeds"):
-    model(tokens, inputs_embeds=model.embed_inputs(tokens))
+    _call(model, tokens, inputs_embeds=embeds)
   with pytest.raises(ValueError, match="layers"):
-    model(tokens, cache=init_cache(_cfg(num_layers=2, layer_kinds=("kda", "mla")), 2, 9))
+    _call(model, tokens, cache=init_cache(_cfg(num_layers=2, layer_kinds=("kda", "mla")), 2, 9))
