@@ -1,12 +1,11 @@
 """File tokenizers under the one `Tokenizer` contract (see data/tokenizer.py).
 
 Two formats, each loaded from a local path:
-  * a Hugging Face `tokenizer.json`, through the `tokenizers` library;
-  * a tiktoken BPE file (Kimi's `tiktoken.model`: one `base64(token bytes) rank` per line,
-    ranks 0..n-1), through `tiktoken`, split with Kimi's pre-tokenizer pattern. As in Kimi,
-    special-token slots follow the ranks: ids n .. n + 257, named by the
-    `added_tokens_decoder` of a `tokenizer_config.json` beside the file; unnamed slots are
-    reserved.
+  * a Hugging Face `tokenizer.json`, through the `tokenizers` library (here);
+  * a tiktoken BPE file (Kimi's `tiktoken.model`), through `tiktoken`
+    (data/tiktoken_tokenizer.py).
+This file holds what both share (file lookup, role assignment, the FileTokenizer base) and
+the tokenizer.json format; `data.tokenizer.make_tokenizer` picks the class.
 
 Special tokens by role (pad, bos, eos, the chat roles, and the image roles with vision), in
 that fixed order: a role takes the token its tokenizer_config.json names (bos_token,
@@ -17,13 +16,11 @@ load gives the same ones, and the text roles keep their ids with or without visi
 
 Encoding treats special-token text in a document ("<|im_end|>") as plain text: a special
 id only enters a sequence through its role. An image id is therefore never a real token.
-`tokenizers` and `tiktoken` are imported only here, and only when such a file is loaded.
+`tokenizers` and `tiktoken` are imported only when such a file is loaded.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import filecmp
 import importlib
 import json
@@ -44,23 +41,6 @@ EXTRA = "pip install 'hybridmoe_jax[tokenizers]'"
 SPEC_HELP = ("allowed: 'byte', a tokenizer.json, a tiktoken model file, or a directory "
              f"holding {HF_FILE} or {TIKTOKEN_FILE}")
 
-# Kimi's pre-tokenizer split: runs of Han characters; words (optionally led by one
-# non-letter, with English contractions); 1-3 digits; punctuation runs; newlines; spaces.
-KIMI_PATTERN = "|".join([
-    r"[\p{Han}]+",
-    (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-     r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"),
-    (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-     r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"),
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
-# Kimi numbers 256 reserved special tokens plus 2 after the BPE ranks.
-TIKTOKEN_SPECIAL_SLOTS = 256 + 2
-
 # Role -> token names, the first being the name a role gets when it is added; the others
 # are the names other vocabularies use for it (Kimi, Llama 3, Qwen, GPT-2, SentencePiece).
 ROLE_TOKENS: dict[str, tuple[str, ...]] = {
@@ -80,7 +60,7 @@ ROLE_TOKENS: dict[str, tuple[str, ...]] = {
 }
 # tokenizer_config.json fields that name a role's token.
 CONFIG_ROLE_FIELDS = {"pad": "pad_token", "bos": "bos_token", "eos": "eos_token"}
-_RESERVED = re.compile(r"^<\|reserved(_special)?_token_\d+\|>$")
+RESERVED = re.compile(r"^<\|reserved(_special)?_token_\d+\|>$")
 
 
 def import_optional(name: str):
@@ -131,7 +111,7 @@ def resolve(spec: str) -> tuple[str, str, str | None]:
   return _sniff_kind(path), path, config if os.path.isfile(config) else None
 
 
-def _read_config(path: str | None) -> dict[str, Any]:
+def read_config(path: str | None) -> dict[str, Any]:
   if path is None:
     return {}
   try:
@@ -145,7 +125,7 @@ def _read_config(path: str | None) -> dict[str, Any]:
   return out
 
 
-def _token_name(value) -> str | None:
+def token_name(value) -> str | None:
   """A tokenizer_config token field: a string, {"content": str}, or null."""
   if isinstance(value, dict):
     value = value.get("content")
@@ -201,7 +181,7 @@ def assign_roles(roles, *, specials: dict[str, int], free: list[int], end: int,
   return ids, names, end
 
 
-def _roles(vision: bool) -> tuple[str, ...]:
+def roles_for(vision: bool) -> tuple[str, ...]:
   return TEXT_ROLES + CHAT_ROLES + (IMAGE_ROLES if vision else ())
 
 
@@ -279,7 +259,7 @@ class FileTokenizer:
             f"vision={self.vision})")
 
 
-def _special_mask(vocab_size: int, special_ids) -> np.ndarray:
+def special_mask(vocab_size: int, special_ids) -> np.ndarray:
   mask = np.zeros(vocab_size, bool)
   mask[list(special_ids)] = True
   return mask
@@ -342,14 +322,14 @@ class HFTokenizer(FileTokenizer):
     added = [t for t in spec.get("added_tokens") or [] if isinstance(t, dict)]
     specials = {t["content"]: int(t["id"]) for t in added if t.get("special")}
     self._added_text = {int(t["id"]): t["content"] for t in added if not t.get("special")}
-    free = sorted(i for n, i in specials.items() if _RESERVED.match(n))
-    config = _read_config(config_path)
-    names = {r: n for r, f in CONFIG_ROLE_FIELDS.items() if (n := _token_name(config.get(f)))}
-    claimed = {n: i for n, i in specials.items() if not _RESERVED.match(n)}
+    free = sorted(i for n, i in specials.items() if RESERVED.match(n))
+    config = read_config(config_path)
+    names = {r: n for r, f in CONFIG_ROLE_FIELDS.items() if (n := token_name(config.get(f)))}
+    claimed = {n: i for n, i in specials.items() if not RESERVED.match(n)}
     role_ids, role_names, end = assign_roles(
-        _roles(vision), specials=claimed, free=free, end=hf_size, config_names=names,
+        roles_for(vision), specials=claimed, free=free, end=hf_size, config_names=names,
         lookup=self._tok.token_to_id, where=config_path or path)
-    special = _special_mask(end, list(specials.values()) + list(role_ids.values()))
+    special = special_mask(end, list(specials.values()) + list(role_ids.values()))
     files = {HF_FILE: path} | ({CONFIG_FILE: config_path} if config_path else {})
     super().__init__(name=path, files=files, role_ids=role_ids, role_names=role_names,
                      special=special, vision=vision)
@@ -386,110 +366,7 @@ class HFTokenizer(FileTokenizer):
     return out
 
 
-# ---------------------------------------------------------------------------- tiktoken file
-
-
-def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
-  """Lines `base64(token bytes) rank` -> {token bytes: rank}, ranks exactly 0..n-1.
-
-  Raises:
-    TokenizerError: naming the file and line of the first bad entry.
-  """
-  ranks: dict[bytes, int] = {}
-  try:
-    with open(path, "rb") as f:
-      for lineno, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        parts = line.split()
-        try:
-          if len(parts) != 2:
-            raise ValueError(f"expected 'base64 rank', got {len(parts)} fields")
-          token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
-        except (ValueError, binascii.Error) as e:
-          raise TokenizerError(f"tiktoken file {path} line {lineno} is not "
-                               f"'base64(token bytes) rank': {e}") from None
-        if token in ranks:
-          raise TokenizerError(f"tiktoken file {path} line {lineno}: token {token!r} appears "
-                               "twice")
-        ranks[token] = rank
-  except OSError as e:
-    raise TokenizerError(f"tiktoken file {path} cannot be read: {e.strerror or e}") from None
-  if sorted(ranks.values()) != list(range(len(ranks))):
-    raise TokenizerError(f"tiktoken file {path}: the ranks are not exactly 0..{len(ranks) - 1} "
-                         "(one per token, no gaps)")
-  missing = [b for b in range(256) if bytes([b]) not in ranks]
-  if missing:
-    raise TokenizerError(f"tiktoken file {path} lacks {len(missing)} single-byte tokens "
-                         f"(first: byte {missing[0]}): every byte needs a rank, else text "
-                         "holding it cannot be encoded")
-  return ranks
-
-
-class TiktokenTokenizer(FileTokenizer):
-  """A tiktoken BPE file (Kimi's tiktoken.model format) through `tiktoken`."""
-
-  kind = "tiktoken"
-
-  def __init__(self, path: str, config_path: str | None = None, *, vision: bool = False):
-    lib = import_optional("tiktoken")
-    ranks = read_tiktoken_ranks(path)
-    base = len(ranks)
-    config = _read_config(config_path)
-    named: dict[str, int] = {}
-    for key, entry in (config.get("added_tokens_decoder") or {}).items():
-      name = _token_name(entry)
-      if not (str(key).isdigit() and name):
-        raise TokenizerError(f"tokenizer config {config_path}: added_tokens_decoder entry "
-                             f"{key!r} is not 'id: {{\"content\": name}}'")
-      if not base <= int(key) < base + TIKTOKEN_SPECIAL_SLOTS:
-        raise TokenizerError(
-            f"tokenizer config {config_path}: added_tokens_decoder id {key} lies outside the "
-            f"special slots [{base}, {base + TIKTOKEN_SPECIAL_SLOTS}) after the "
-            f"{base} ranks of {path}")
-      named[name] = int(key)
-    slots = range(base, base + TIKTOKEN_SPECIAL_SLOTS)
-    used = set(named.values())
-    free = [i for i in slots if i not in used]
-    claimed = {n: i for n, i in named.items() if not _RESERVED.match(n)}
-    free = sorted(free + [i for n, i in named.items() if _RESERVED.match(n)])
-    names = {r: n for r, f in CONFIG_ROLE_FIELDS.items() if (n := _token_name(config.get(f)))}
-    role_ids, role_names, end = assign_roles(
-        _roles(vision), specials=claimed, free=free, end=base + TIKTOKEN_SPECIAL_SLOTS,
-        config_names=names, lookup=lambda n: None, where=config_path or path)
-    # The vocabulary ends after the last id in use: unnamed reserved slots past it need no
-    # embedding rows (Kimi's 163840-row table holds its named specials).
-    size = max([base - 1, *named.values(), *role_ids.values()]) + 1
-    del end  # added ids past the slots are covered by `size`
-    special = _special_mask(size, range(base, size))
-    self._enc = lib.Encoding(name=os.path.basename(path), pat_str=KIMI_PATTERN,
-                             mergeable_ranks=ranks, special_tokens={})
-    self._ranks = ranks
-    files = {TIKTOKEN_FILE: path} | ({CONFIG_FILE: config_path} if config_path else {})
-    super().__init__(name=path, files=files, role_ids=role_ids, role_names=role_names,
-                     special=special, vision=vision)
-
-  def _body_encode(self, text: str) -> list[int]:
-    return self._enc.encode_ordinary(text)
-
-  def _body_decode(self, ids: list[int]) -> str:
-    return self._enc.decode_bytes(ids).decode("utf-8", errors="replace")
-
-  def _body_bytes(self) -> np.ndarray:
-    out = np.zeros(len(self._ranks), np.int32)
-    for token, rank in self._ranks.items():
-      out[rank] = len(token)
-    return out
-
-
 # ---------------------------------------------------------------------------- entry points
-
-
-def load_tokenizer(spec: str, *, vision: bool = False) -> FileTokenizer:
-  """A tokenizer.json / tiktoken file, or a directory holding one (see `resolve`)."""
-  kind, path, config = resolve(spec)
-  cls = HFTokenizer if kind == "hf" else TiktokenTokenizer
-  return cls(path, config, vision=vision)
 
 
 def copy_files(files: dict[str, str], directory: str) -> list[str]:

@@ -192,9 +192,17 @@ def make_tokenizer(spec: str, *, vision: bool = False) -> Tokenizer:
                          "tokenizer.json, a tiktoken model file, or a directory holding one")
   if spec == BYTE_SPEC:
     return ByteTokenizer(vision=vision)
-  # Imported here: tokenizers / tiktoken load only when a file tokenizer is asked for.
-  from hybridmoe_jax.data import hf_tokenizers  # pylint: disable=g-import-not-at-top
-  return hf_tokenizers.load_tokenizer(spec, vision=vision)
+  return _load_file_tokenizer(spec, vision)
+
+
+def _load_file_tokenizer(spec: str, vision: bool) -> Tokenizer:
+  """A tokenizer.json / tiktoken file, or a directory holding one (hf_tokenizers.resolve).
+  Imported here: tokenizers / tiktoken load only when a file tokenizer is asked for."""
+  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.data import hf_tokenizers, tiktoken_tokenizer
+  kind, path, config = hf_tokenizers.resolve(spec)
+  cls = hf_tokenizers.HFTokenizer if kind == "hf" else tiktoken_tokenizer.TiktokenTokenizer
+  return cls(path, config, vision=vision)
 
 
 TOKENIZER_DIR = "tokenizer"  # a run's copy of its tokenizer: <workdir>/tokenizer/
@@ -209,7 +217,7 @@ def tokenizer_from_dir(directory: str, *, vision: bool = False) -> Tokenizer:
   """
   from hybridmoe_jax.data import hf_tokenizers  # pylint: disable=g-import-not-at-top
   if os.path.isdir(directory) and hf_tokenizers.find_tokenizer_file(directory):
-    return hf_tokenizers.load_tokenizer(directory, vision=vision)
+    return _load_file_tokenizer(directory, vision)
   return ByteTokenizer(vision=vision)
 
 
