@@ -95,8 +95,11 @@ def chat_ids(tokenizer) -> dict[str, int]:
   return {r: int(ids[r]) for r in CHAT_ROLES}
 
 
-def system_prompt(tools) -> str:
-  """The system text: the turn format and one line per tool (ToolSpec or Tool)."""
+def system_prompt(tools, *, brief: bool = False) -> str:
+  """The system text: the turn format and one line per tool (ToolSpec or Tool); `brief`:
+  only "Tools: name, name" (a model trained on the format needs no description)."""
+  if brief:
+    return "Tools: " + (", ".join(t.name for t in tools) or "none")
   lines = ["You solve the task in turns. Each turn either calls one tool, written as "
            "tool_call then the tool name, a space and its argument, or gives the final "
            "answer, written as answer then the answer. Tool results come back as "
@@ -107,7 +110,8 @@ def system_prompt(tools) -> str:
 
 def initial_messages(obs: Observation) -> list[Message]:
   """The system and user turns an episode starts from."""
-  return [Message("system", system_prompt(obs.tools)), Message("user", obs.prompt)]
+  return [Message("system", system_prompt(obs.tools, brief=obs.brief)),
+          Message("user", obs.prompt)]
 
 
 def action_text(action: ToolCall | Answer) -> tuple[str, str]:

@@ -73,6 +73,8 @@ class ArithmeticEnv(Environment):
     n = len(task.ops)
     lines = [f"x0 = {task.start}"]
     lines += [f"x{i + 1} = x{i} {op} {b}" for i, (op, b) in enumerate(task.ops)]
+    if self.brief:
+      return "\n".join(lines + [f"x{n}?"])
     return (f"Compute x{n} exactly. // is floor division and % is the remainder, as in "
             "Python. Use the calculator for each step, then answer with the integer only.\n"
             + "\n".join(lines))

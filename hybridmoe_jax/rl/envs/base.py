@@ -105,6 +105,8 @@ class Observation:
     level, seed: the episode's difficulty and seed.
     horizon: tool calls the oracle needs.
     max_turns: turns (tool calls, malformed turns and the answer) before the episode is cut.
+    brief: the short form of the prompts (a small model's RL preset: fewer tokens per
+      episode); the chat format then lists the tools by name only.
   """
   prompt: str
   tools: tuple[ToolSpec, ...]
@@ -112,6 +114,7 @@ class Observation:
   seed: int
   horizon: int
   max_turns: int
+  brief: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +145,19 @@ class Environment(abc.ABC):
   name: ClassVar[str] = ""
   max_level: ClassVar[int] = 32
 
-  def __init__(self, *, extra_turns: int = 2, extra_tools: Sequence[Union[str, Tool]] = ()):
+  def __init__(self, *, extra_turns: int = 2, extra_tools: Sequence[Union[str, Tool]] = (),
+               brief: bool = False):
     """Args:
       extra_turns: turns allowed beyond the oracle's (horizon tool calls + 1 answer); >= 0.
       extra_tools: registered tool names or Tool objects added to every episode.
+      brief: short prompts (`_prompt` may read `self.brief`; the system turn names the
+        tools only). Same tasks, checkers and oracle.
     """
     if not isinstance(extra_turns, int) or extra_turns < 0:
       raise ValueError(f"extra_turns = {extra_turns!r}: allowed an int >= 0")
+    if not isinstance(brief, bool):
+      raise ValueError(f"brief = {brief!r}: allowed True or False")
+    self.brief = brief
     self.extra_turns = extra_turns
     self._extra_tools = tuple(get_tool(t) if isinstance(t, str) else t for t in extra_tools)
     self._task = None
@@ -219,7 +228,7 @@ class Environment(abc.ABC):
     self._obs = Observation(prompt=self._prompt(self._task),
                             tools=tuple(t.spec for t in self._tool_table.values()), level=level,
                             seed=int(seed), horizon=self.horizon(level),
-                            max_turns=self.max_turns(level))
+                            max_turns=self.max_turns(level), brief=self.brief)
     return self._obs
 
   @property
