@@ -222,7 +222,7 @@ class DataConfig:
     # The file itself is read (and checked) when the run builds its data: a saved config
     # must stay valid where the file is gone.
     require(isinstance(self.tokenizer, str) and self.tokenizer.strip() == self.tokenizer != "",
-            f"{p}.tokenizer", self.tokenizer, "'byte' or a path to a tokenizer.json, a "
+            f"{p}.tokenizer", self.tokenizer, "'byte', 'byte_chat' or a path to a tokenizer.json, a "
             "tiktoken model file, or a directory holding one")
 
 

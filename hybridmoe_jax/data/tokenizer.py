@@ -47,6 +47,9 @@ _NUM_BYTES = 256
 _NUM_CHAT = len(CHAT_ROLES)
 
 BYTE_SPEC = "byte"
+BYTE_CHAT_SPEC = "byte_chat"   # the byte tokenizer with the chat roles (RL runs)
+# Written into <workdir>/tokenizer/ for a byte_chat run, so evals rebuild the same ids.
+BYTE_CHAT_MARKER = "byte_chat.json"
 
 
 class Tokenizer(Protocol):
@@ -176,7 +179,7 @@ def make_tokenizer(spec: str, *, vision: bool = False) -> Tokenizer:
   """The tokenizer of a `data.tokenizer` value.
 
   Args:
-    spec: "byte", or a path: a Hugging Face tokenizer.json, a tiktoken BPE file (lines
+    spec: "byte", "byte_chat" (bytes + the chat roles of rl/chat_format.py), or a path: a Hugging Face tokenizer.json, a tiktoken BPE file (lines
       `base64(token bytes) rank`, Kimi's tiktoken.model format) or a directory holding one
       (tokenizer.json or tiktoken.model; a tokenizer_config.json beside it names special
       tokens).
@@ -188,10 +191,11 @@ def make_tokenizer(spec: str, *, vision: bool = False) -> Tokenizer:
       package and the extra that installs it.
   """
   if not isinstance(spec, str) or not spec:
-    raise TokenizerError(f"data.tokenizer = {spec!r}: allowed {BYTE_SPEC!r} or a path to a "
-                         "tokenizer.json, a tiktoken model file, or a directory holding one")
-  if spec == BYTE_SPEC:
-    return ByteTokenizer(vision=vision)
+    raise TokenizerError(f"data.tokenizer = {spec!r}: allowed {BYTE_SPEC!r}, "
+                         f"{BYTE_CHAT_SPEC!r} or a path to a tokenizer.json, a tiktoken model "
+                         "file, or a directory holding one")
+  if spec in (BYTE_SPEC, BYTE_CHAT_SPEC):
+    return ByteTokenizer(vision=vision, chat=spec == BYTE_CHAT_SPEC)
   return _load_file_tokenizer(spec, vision)
 
 
@@ -218,13 +222,15 @@ def tokenizer_from_dir(directory: str, *, vision: bool = False) -> Tokenizer:
   from hybridmoe_jax.data import hf_tokenizers  # pylint: disable=g-import-not-at-top
   if os.path.isdir(directory) and hf_tokenizers.find_tokenizer_file(directory):
     return _load_file_tokenizer(directory, vision)
-  return ByteTokenizer(vision=vision)
+  return ByteTokenizer(vision=vision,
+                       chat=os.path.isfile(os.path.join(directory, BYTE_CHAT_MARKER)))
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str) -> list[str]:
   """Copies a file tokenizer's files into `directory` so the run is self-contained.
 
-  Nothing is written for the byte tokenizer. Files already there are kept when identical;
+  Nothing is written for the byte tokenizer, a one-line marker for the chat byte tokenizer
+  (BYTE_CHAT_MARKER). Files already there are kept when identical;
   a different tokenizer already saved there is an error (a workdir trains with one).
 
   Returns:
@@ -233,6 +239,13 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> list[str]:
   Raises:
     TokenizerError: `directory` already holds a different tokenizer file.
   """
+  if isinstance(tokenizer, ByteTokenizer) and tokenizer.chat:
+    os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, BYTE_CHAT_MARKER)
+    if not os.path.exists(marker):
+      with open(marker, "w") as f:
+        f.write('{"tokenizer": "byte_chat"}\n')
+    return [marker]
   files = getattr(tokenizer, "files", None)
   if not files:
     return []
