@@ -5,9 +5,12 @@
   python run_train.py --config=configs/kimi_k3.py --dry_run   # counts + memory, no allocation
   python run_train.py --config.mesh.data=2 --config.mesh.fsdp=1 --config.mesh.expert=4  # 8 devices
   python run_train.py --coordinator_address=host0:1234 --num_processes=2 --process_id=0 ...
+  python run_train.py --config=configs/rl_tiny.py --workdir=runs/rl    # agentic RL (SFT + GRPO)
+  python run_train.py --config=configs/rl_tiny.py --init_from=runs/x --workdir=runs/rl2
 
-The run resumes from the newest good checkpoint in --workdir. All logic lives in
-`hybridmoe_jax.train`; this file only parses flags.
+The run resumes from the newest good checkpoint in --workdir. A config whose `rl.envs` is set
+is an RL run (`hybridmoe_jax.rl.trainer`), else pre-training (`hybridmoe_jax.train`); this
+file only parses flags.
 
 Exit status: 0 finished; 1 an error, told in one line (bad config or data, a workdir in use
 by another run, training diverged, a checkpoint that cannot be written: disk full); 128 + N
@@ -34,6 +37,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/default",
                                "Checkpoints, TensorBoard events, metrics and heatmaps.")
 _EXPORT = flags.DEFINE_string(
     "export_params_to", None, "Write a params-only checkpoint (with routing biases) at the end.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "RL runs: start from this training workdir or params export (sets "
+    "config.rl.init_from; the SFT warm start is skipped).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "Print parameter counts and per-device memory, then exit.")
 # Multi-process (multi-host) runs: see hybridmoe_jax/parallel/distributed.py.
@@ -65,13 +71,22 @@ def main(argv):
   except OSError as e:  # the --config file could not be loaded
     sys.exit(f"error: {' '.join(str(e).split())}")
   try:
+    if _INIT_FROM.value:
+      config.rl.init_from = _INIT_FROM.value
     run = run_config_from_dict(config)  # the typed config everything below takes
+    if _INIT_FROM.value and not run.rl.enabled:
+      raise ConfigError("--init_from is for RL runs (a config with rl.envs), e.g. "
+                        "--config=configs/rl_tiny.py")
     if _DRY_RUN.value:
       dry_run.dry_run(run)
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)
-    summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
+    if run.rl.enabled:
+      from hybridmoe_jax.rl import trainer as rl_trainer
+      summary = rl_trainer.train_rl(run, _WORKDIR.value)
+    else:
+      summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
   except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState,
           checkpoint.CheckpointWriteError) as e:
     sys.exit(f"error: {e}")

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from hybridmoe_jax.config import (ComputeConfig, ModelConfig, VisionConfig, from_dict,
                                   require)
+from hybridmoe_jax.rl_config import RLConfig
 from hybridmoe_jax.sharding import MESH_AXES
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -375,6 +376,7 @@ class RunConfig:
   mesh: MeshConfig = MeshConfig()
   curriculum: CurriculumConfig = CurriculumConfig()
   hardware: HardwareConfig = HardwareConfig()
+  rl: RLConfig = RLConfig()     # agentic RL post-training (rl_config.py); no envs: off
 
   def __post_init__(self):
     if self.model.vision.enabled:

@@ -1,7 +1,7 @@
 """Import layering of hybridmoe_jax (and pallas_kernels), checked from the source with `ast`.
 
 Ranks (a module may import modules of its own group or of a lower rank only):
-  0 config, run_config, sharding, cli_flags (the CLIs' --config flag), plots (figures:
+  0 config, run_config, rl_config, sharding, cli_flags (the CLIs' --config flag), plots (figures:
     numpy + matplotlib only), io (file formats: numpy + json)
   1 ops, pallas_kernels (external, importable with jax alone)
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
@@ -24,7 +24,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
-RANKS = {"config": 0, "run_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
+RANKS = {"config": 0, "run_config": 0, "rl_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
          "ops": 1, "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5,
          "infer": 5, "evals": 6, "convert": 6, "rl": 6}
 TOOLS_RANK = 7

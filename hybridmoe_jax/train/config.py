@@ -1,7 +1,8 @@
 """The root ConfigDict every `configs/*.py` preset starts from, and preset loading.
 
 Sections: `model` (`hybridmoe_jax.config.ModelConfig`), `compute` (`ComputeConfig`: dtype,
-remat, kernels), `train`, `data` (with `vision`), `mesh`, `curriculum` and `hardware` (the
+remat, kernels), `train`, `data` (with `vision`), `mesh`, `curriculum`, `hardware` and `rl`
+(`hybridmoe_jax.rl_config`) (the
 dataclasses of `hybridmoe_jax.run_config`). The defaults are those dataclasses' defaults, so each is
 written once; `run_config_from_dict` checks a finished ConfigDict (presets plus
 `--config.x.y=` overrides) and builds the typed `RunConfig` the run takes.
@@ -32,7 +33,7 @@ def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """Root config: `model`, `compute`, `train`, `data`, `mesh`, `curriculum` and `hardware`."""
+  """Root config: `model`, `compute`, `train`, `data`, `mesh`, `curriculum`, `hardware`, `rl`."""
   fields = dataclasses.asdict(RunConfig())
   fields["model"]["layer_kinds"] = ()  # () -> the default pattern of whatever num_layers
   return ml_collections.ConfigDict(fields)

@@ -1,0 +1,168 @@
+"""The jitted RL policy update over the pre-training TrainState (DESIGN s9).
+
+`make_rl_step(graphdef, cfg, tx, rl)` returns `rl_step(state, batch, lp_ref, routes) ->
+(state, metrics)`: one optimizer step on one minibatch of `rl/batch.py` arrays ([R, T]). The
+training forward recomputes per-token log-probs of the sampled targets (fp32), then
+
+    clip  (PPO / DAPO clip-higher)  l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
+    gspo  (sequence ratio)          the same with rho -> s_i (rl/losses.py)
+    opmd  (Kimi k1.5 mirror descent) l_i = 0.5 (r_i - mean_g r - tau sum_t m (lp - lp_old))^2
+  aggregated by `rl.loss_agg_mode` (opmd: mean over rows holding an episode), plus
+  kl_beta * agg(kl_t) with kl_t = k1 / k3 of (lp, lp_ref) when `rl.kl` is set. Gradients go
+  to params only; clipping is the optimizer's (`train.clip`, global norm). The routing
+  biases stay frozen unless `rl.update_biases` (then the QB rule runs as in pre-training).
+  A step whose loss or gradient is not finite is skipped (state unchanged but the counters).
+
+`token_logps(graphdef)` is the jitted forward that gives lp [R, T] (and, for routing replay,
+the routed experts of every MoE layer) for the reference policy and the rollout policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from hybridmoe_jax.config import ModelConfig
+from hybridmoe_jax.layers.balancing import update_routing_biases
+from hybridmoe_jax.rl import losses
+from hybridmoe_jax.rl_config import RLConfig
+from hybridmoe_jax.train import optim
+from hybridmoe_jax.train.state import TrainState
+from hybridmoe_jax.train.step import next_token_targets
+
+
+def target_logps(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """logits [R, T, V] (any float), tokens int32 [R, T] -> float32 [R, T]: log-softmax at
+  token t + 1 for position t (0 at the last column)."""
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def _forward(graphdef, params, biases, rest, tokens, segment_ids, routes=None,
+             record_routes=False):
+  model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
+  kw = {}
+  if routes is not None:
+    kw["routes"] = routes
+  if record_routes:
+    kw["record_routes"] = True
+  return model(tokens, segment_ids=segment_ids, **kw)
+
+
+def token_logps(graphdef, *, record_routes: bool = False) -> Callable:
+  """jitted (params, biases, rest, tokens [R,T], segment_ids [R,T]) -> lp [R,T] fp32, or
+  (lp, routes) with record_routes (routes: {MoE layer index: int32 [R, T, k]})."""
+
+  @jax.jit
+  def fn(params, biases, rest, tokens, segment_ids):
+    logits, aux = _forward(graphdef, params, biases, rest, tokens, segment_ids,
+                           record_routes=record_routes)
+    lp = target_logps(logits, tokens)
+    return (lp, aux["routes"]) if record_routes else lp
+
+  return fn
+
+
+def policy_objective(lp, batch: dict, rl: RLConfig, lp_ref=None, logits=None
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The scalar RL loss of one minibatch and its metrics (see the module docstring).
+
+  lp: float32 [R, T] the current policy's log-probs of the targets; batch: rl/batch.py
+  arrays; lp_ref: [R, T] the reference policy's, for the KL term; logits [R, T, V]: for the
+  entropy metric only (no gradient).
+  """
+  mask, lp_old, adv = batch["mask"], batch["lp_old"], batch["advantage"]
+  lp = jnp.where(mask > 0, lp, 0.0)   # padding and prompt tokens: exactly 0 (no NaN paths)
+  metrics = {}
+  if rl.loss == "clip":
+    tok, clipped = losses.clipped_token_loss(lp, lp_old, adv, eps_low=rl.eps_low,
+                                             eps_high=rl.eps_high)
+    loss = losses.aggregate(tok, mask, rl.loss_agg_mode)
+    metrics["clip_fraction"] = losses.aggregate(clipped.astype(jnp.float32), mask,
+                                                "token-mean")
+  elif rl.loss == "gspo":
+    tok, clipped = losses.gspo_token_loss(lp, lp_old, mask, adv, eps_low=rl.eps_low,
+                                          eps_high=rl.eps_high)
+    loss = losses.aggregate(tok, mask, rl.loss_agg_mode)
+    rows = (jnp.sum(mask, axis=1) > 0).astype(jnp.float32)
+    metrics["clip_fraction"] = jnp.sum(clipped * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+  else:  # opmd
+    per_row = losses.opmd_seq_loss(lp, lp_old, mask, batch["centered"], tau=rl.opmd_tau)
+    rows = batch["valid"]
+    loss = jnp.sum(per_row * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+    metrics["clip_fraction"] = jnp.zeros((), jnp.float32)
+  metrics["policy_loss"] = loss
+  if lp_ref is not None:
+    kl = losses.kl_tokens(lp, jnp.where(mask > 0, lp_ref, 0.0), rl.kl if rl.kl != "none"
+                          else "k3")
+    kl = losses.aggregate(kl, mask, rl.loss_agg_mode)
+    metrics["kl_ref"] = kl
+    if rl.kl != "none":
+      loss = loss + rl.kl_beta * kl
+  metrics.update(losses.ratio_stats(jax.lax.stop_gradient(lp), lp_old, mask))
+  if logits is not None:
+    ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits))
+    metrics["entropy"] = losses.aggregate(ent, mask, "token-mean")
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
+                 rl: RLConfig, schedule: optax.Schedule
+                 ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
+  """The jitted `rl_step(state, batch, lp_ref, routes) -> (state, metrics)`; `state` is
+  donated. lp_ref: [R, T] or None; routes: the rollout policy's routed experts (routing
+  replay) or None."""
+
+  def loss_fn(params, state: TrainState, batch, lp_ref, routes):
+    logits, aux = _forward(graphdef, params, state.biases, state.rest, batch["tokens"],
+                           batch["segment_ids"], routes=routes)
+    lp = target_logps(logits, batch["tokens"])
+    loss, metrics = policy_objective(lp, batch, rl, lp_ref, logits)
+    return loss, (metrics, aux.get("moe", {}))
+
+  def rl_step(state: TrainState, batch: dict, lp_ref, routes):
+    (loss, (metrics, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, state, batch, lp_ref, routes)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
+    biases = state.biases
+    if rl.update_biases:
+      biases, _ = update_routing_biases(state.biases, stats, cfg.moe)
+
+    def pick(new, old):
+      return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+    applied = state.step - state.skipped
+    new_state = state.replace(step=state.step + 1, params=pick(params, state.params),
+                              opt_state=pick(opt_state, state.opt_state),
+                              biases=pick(biases, state.biases),
+                              rng=jax.random.split(state.rng)[0],
+                              skipped=state.skipped + (~ok).astype(jnp.int32))
+    metrics.update(grad_norm=grad_norm, finite=ok, lr=optim.learning_rate(schedule, applied),
+                   tokens=jnp.sum(batch["mask"]))
+    return new_state, metrics
+
+  return jax.jit(rl_step, donate_argnums=0)
+
+
+def rl_schedule(rl: RLConfig, lr: float, warmup: int, sft_steps: int) -> optax.Schedule:
+  """The learning rate by applied update: `sft_steps` SFT steps at rl.sft_learning_rate
+  (10-step linear warmup), then RL updates at `lr` after a linear warmup of `warmup`."""
+
+  def schedule(count):
+    count = jnp.asarray(count, jnp.float32)
+    sft = rl.sft_learning_rate * jnp.minimum(1.0, (count + 1) / 10.0)
+    k = count - sft_steps
+    rl_lr = lr * jnp.minimum(1.0, (k + 1) / max(warmup, 1))
+    return jnp.where(count < sft_steps, sft, rl_lr)
+
+  return schedule

@@ -1,0 +1,66 @@
+"""RL run monitoring: the progress line, TensorBoard scalars, metrics.jsonl, sample
+trajectories (trajectories.jsonl) and the success-by-level figure (success_by_level.png).
+
+Every record is flat: {"event": "sft" | "rl" | "eval" | ..., "step": optimizer step,
+"iteration": RL iteration, name: number}. TensorBoard tags are `<event>/<name>`.
+Files are opened in append mode: a resumed run continues them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+import tensorboardX
+from absl import logging
+
+from hybridmoe_jax import plots
+from hybridmoe_jax.rl import trajectory_log
+
+
+def _num(v):
+  v = float(np.asarray(v))
+  return v if math.isfinite(v) else str(v)
+
+
+class RLMonitor:
+  """Writes the RL run's logs under `workdir`."""
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self.writer = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self.traj_path = os.path.join(workdir, "trajectories.jsonl")
+
+  def record(self, event: str, step: int, metrics: dict[str, Any], *, line: str | None = None
+             ) -> None:
+    """One JSON line and TensorBoard scalars (numbers only); `line` goes to the log."""
+    flat = {k: _num(v) if not isinstance(v, str) else v for k, v in metrics.items()}
+    self.jsonl.write(json.dumps({"event": event, "step": int(step), **flat}) + "\n")
+    self.jsonl.flush()
+    for k, v in flat.items():
+      if isinstance(v, float):
+        self.writer.add_scalar(f"{event}/{k}", v, int(step))
+    if line:
+      logging.info("%s", line)
+
+  def trajectories(self, records: list[dict]) -> None:
+    if records:
+      trajectory_log.write_trajectories(self.traj_path, records)
+
+  def success_figure(self, history: list[dict]) -> str | None:
+    """success_by_level.png from the eval history [{"iteration", "success": {cell: x}}]."""
+    if not history:
+      return None
+    steps = [h["iteration"] for h in history]
+    cells = sorted({c for h in history for c in h["success"]})
+    series = {c: [h["success"].get(c) for h in history] for c in cells}
+    fig = plots.success_by_level(steps, series, title="held-out success by level (greedy)")
+    return plots.save(fig, os.path.join(self.workdir, "success_by_level.png"))
+
+  def close(self) -> None:
+    self.writer.close()
+    self.jsonl.close()

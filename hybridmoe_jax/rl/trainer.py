@@ -1,0 +1,518 @@
+"""The RL run: SFT warm start, then rollout -> advantages -> policy updates, with the
+curriculum, evaluations, logs and exact resume (DESIGN s9). `run_train.py` calls
+`train_rl(config, workdir)` when `config.rl.envs` is set.
+
+One iteration i (1-based):
+  1. the curriculum draws `groups_per_iter` (env, level) cells from
+     np.random.default_rng([seed, i]); each cell becomes a group of `group_size` episodes of
+     one new task (task seed < 2**39, sampling seeds from (seed, i, group, member));
+  2. the Rollout (rl/rollout.py) runs them, plus the episodes paused at earlier iterations,
+     on the model's own cache with the current parameters; over `token_budget` an episode
+     pauses (kept with its cache row, resumed next iteration);
+  3. finished episodes update the curriculum; episodes wait in a buffer until their whole
+     group has finished; finished groups get rewards (+ overlong shaping) and advantages;
+     zero-signal groups are dropped (DAPO dynamic sampling);
+  4. `updates_per_batch` passes over the batch in `minibatches` jitted learner steps
+     (rl/learner.py), with the reference log-probs (KL) and the rollout policy's routes
+     (routing replay) computed once before the first step;
+  5. logs: one progress line, metrics.jsonl / TensorBoard, `log_trajectories` readable
+     trajectories; every `eval_every` iterations greedy held-out success per (env, level)
+     (seeds in [2**40, 2**41)) and success_by_level.png; every `save_every` a checkpoint.
+
+Checkpoints are the pre-training ones (train/checkpoint.py: the TrainState with orbax, the
+JSON data record, meta); the RL host state rides in the data record (iteration, curriculum,
+eval history, the next group id) and in `rl_state/<step>.pkl` (paused episodes with their
+cache rows and the finished episodes of unfinished groups: arrays and plain python), written
+before the checkpoint of the same step. Checkpoint steps count SFT steps then iterations
+(sft_steps + i), so each is unique. Every random draw is a function of (seed, iteration):
+a run killed at any point and resumed from its newest checkpoint repeats the same
+iterations with the same results. The reference policy (KL) is the policy at RL start,
+exported once to `reference/`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import pickle
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax.infer.sampling import SamplingConfig
+from hybridmoe_jax.rl import batch as batch_lib
+from hybridmoe_jax.rl import curriculum as curriculum_lib
+from hybridmoe_jax.rl import learner, sft, trajectory_log
+from hybridmoe_jax.rl.chat_format import chat_ids
+from hybridmoe_jax.rl.episode import EpisodeSpec, PendingEpisode, Trajectory
+from hybridmoe_jax.rl.monitor import RLMonitor
+from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
+from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
+from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import optim, workdir_lock
+from hybridmoe_jax.train import step as step_lib
+from hybridmoe_jax.train.state import create_train_state
+
+EVAL_SEED_BASE = 2**40
+TASK_SEED_RANGE = 2**39
+_STATE_DIR = "rl_state"
+_REFERENCE_DIR = "reference"
+
+
+def _seed32(*parts: int) -> int:
+  return int(np.random.default_rng([*parts]).integers(0, 2**32))
+
+
+def _env_kwargs(rl, env: str) -> tuple:
+  return tuple(sorted(rl.envs[env].kwargs.items()))
+
+
+def make_curriculum(rl) -> curriculum_lib.Curriculum:
+  settings = curriculum_lib.CurriculumSettings(
+      ema=rl.curriculum_ema, target=rl.curriculum_target, width=rl.curriculum_width,
+      floor=rl.curriculum_floor, promote_at=rl.promote_at,
+      min_episodes=rl.promote_min_episodes)
+  envs = {n: (e.start_level, e.max_level, e.weight) for n, e in rl.envs.items()}
+  return curriculum_lib.Curriculum(envs, settings)
+
+
+def iteration_specs(rl, iteration: int, first_group: int, cells) -> list[EpisodeSpec]:
+  """The episodes of one iteration: a group of group_size per (env, level) cell."""
+  out = []
+  for g, (env, level) in enumerate(cells):
+    group = first_group + g
+    task = int(np.random.default_rng([rl.seed, iteration, group, 1]).integers(TASK_SEED_RANGE))
+    for j in range(rl.group_size):
+      out.append(EpisodeSpec(env, task, int(level), group,
+                             _seed32(rl.seed, iteration, group, j, 2), (),
+                             _env_kwargs(rl, env)))
+  return out
+
+
+def eval_levels(rl, env: str) -> list[int]:
+  levels = rl.eval_levels or range(rl.envs[env].max_level + 1)
+  return [lv for lv in levels if lv <= rl.envs[env].max_level]
+
+
+def eval_specs(rl) -> list[EpisodeSpec]:
+  """The held-out episodes: eval_episodes tasks per (env, level), the same every time."""
+  out = []
+  for env in rl.envs:
+    for level in eval_levels(rl, env):
+      for k in range(rl.eval_episodes):
+        out.append(EpisodeSpec(env, EVAL_SEED_BASE + k, level, 0, 0, (),
+                               _env_kwargs(rl, env)))
+  return out
+
+
+def success_table(trajs: list[Trajectory]) -> dict[str, float]:
+  """{"env/L<level>": success rate (reward == 1)} over finished episodes."""
+  cells = collections.defaultdict(list)
+  for t in trajs:
+    cells[f"{t.env_name}/L{t.level}"].append(float(t.reward >= 1.0))
+  return {c: float(np.mean(v)) for c, v in sorted(cells.items())}
+
+
+class _Stop:
+  """SIGINT / SIGTERM -> finish the iteration, save, stop (a second signal: default)."""
+
+  def __init__(self):
+    self.signal = None
+
+  def __enter__(self):
+    import signal  # pylint: disable=g-import-not-at-top
+    self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    return self
+
+  def _handle(self, signum, frame):
+    import signal  # pylint: disable=g-import-not-at-top
+    self.signal = signal.Signals(signum).name
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+  def __exit__(self, *exc):
+    import signal  # pylint: disable=g-import-not-at-top
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+@dataclasses.dataclass
+class HostState:
+  """What the RL run keeps besides the TrainState (see the module docstring)."""
+  phase: str = "sft"                 # "sft" | "rl"
+  iteration: int = 0                 # RL iterations done
+  next_group: int = 0
+  curriculum: dict | None = None
+  eval_history: list = dataclasses.field(default_factory=list)
+  pending: list = dataclasses.field(default_factory=list)     # PendingEpisode
+  waiting: list = dataclasses.field(default_factory=list)     # Trajectory of open groups
+
+  def record(self) -> dict:
+    return {"rl": {"phase": self.phase, "iteration": self.iteration,
+                   "next_group": self.next_group, "curriculum": self.curriculum,
+                   "eval_history": self.eval_history}}
+
+  def save_episodes(self, workdir: str, step: int) -> None:
+    directory = os.path.join(workdir, _STATE_DIR)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{step}.pkl")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+      pickle.dump({"pending": [p.to_tree() for p in self.pending],
+                   "waiting": [dataclasses.asdict(t) for t in self.waiting]}, f)
+    os.replace(tmp, path)
+
+  @classmethod
+  def restore(cls, workdir: str, step: int, record: dict) -> "HostState":
+    r = record.get("rl")
+    if r is None:
+      raise ConfigError(f"{workdir}: checkpoint step {step} holds no RL state (a "
+                        "pre-training run?): use --config.rl.init_from=<it> in a new workdir")
+    path = os.path.join(workdir, _STATE_DIR, f"{step}.pkl")
+    if not os.path.isfile(path):
+      raise ConfigError(f"{path} is missing: the paused episodes of checkpoint step {step} "
+                        "are gone (was rl_state/ deleted?)")
+    with open(path, "rb") as f:
+      eps = pickle.load(f)
+    return cls(r["phase"], r["iteration"], r["next_group"], r["curriculum"],
+               r["eval_history"], [PendingEpisode.from_tree(p) for p in eps["pending"]],
+               [Trajectory(**t) for t in eps["waiting"]])
+
+
+def _tokenizer(config: RunConfig):
+  tok = tokenizer_lib.make_tokenizer(config.data.tokenizer)
+  try:
+    chat_ids(tok)   # one line naming the missing roles
+  except ValueError as e:
+    raise ConfigError(f"config field `data.tokenizer` = {config.data.tokenizer!r}: {e}; "
+                      "for bytes use 'byte_chat'") from None
+  try:
+    tokenizer_lib.check_vocab(tok, config.model.vocab_size)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return tok
+
+
+def check_rl_config(config: RunConfig) -> None:
+  """Cross-section checks, before any compute."""
+  rl = config.rl
+  if any(v > 1 for v in dataclasses.asdict(config.mesh).values() if isinstance(v, int)):
+    raise ConfigError(f"mesh = {dataclasses.asdict(config.mesh)}: RL runs on one device for "
+                      "now (rollouts and learner unsharded); allowed all mesh sizes 1")
+  from hybridmoe_jax.rl.envs.base import env_names, make_env  # pylint: disable=g-import-not-at-top
+  for name, e in rl.envs.items():
+    if name not in env_names():
+      raise ConfigError(f"config field `rl.envs.{name}`: unknown environment; allowed one of "
+                        f"{list(env_names())}")
+    try:
+      env = make_env(name, **e.kwargs)
+    except (TypeError, ValueError) as err:
+      raise ConfigError(f"config field `rl.envs.{name}.kwargs` = {e.kwargs}: {err}") from None
+    if e.max_level > env.max_level:
+      raise ConfigError(f"config field `rl.envs.{name}.max_level` = {e.max_level} is invalid: "
+                        f"allowed [start_level, {env.max_level}]")
+
+
+def train_rl(config, workdir: str) -> dict[str, Any]:
+  """Run (or resume) the RL run of `config` in `workdir`; returns a summary."""
+  config = run_config_from_dict(config)
+  if not config.rl.enabled:
+    raise ConfigError("config field `rl.envs` is empty: not an RL run")
+  check_rl_config(config)
+  tokenizer = _tokenizer(config)
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.WorkdirLock(workdir, stale_after_s=config.train.lock_stale_s):
+    return _train_locked(config, workdir, tokenizer)
+
+
+def _load_init(rl, graphdef, state, model_dict):
+  """Params + biases of `rl.init_from` (a params export or a training workdir)."""
+  src = rl.init_from
+  if not os.path.isdir(src):
+    raise ConfigError(f"config field `rl.init_from` = {src!r}: no such directory (allowed a "
+                      "training workdir or a params export)")
+  if os.path.isfile(os.path.join(src, ckpt_lib.PARAMS_FILE)) or os.path.isdir(
+      os.path.join(src, "params")):
+    saved = ckpt_lib.read_model_config(os.path.join(src, ckpt_lib.CONFIG_FILE))
+    ckpt_lib.check_model_config(saved or {}, model_dict, what=f"rl.init_from {src}")
+    tree = ckpt_lib.load_exported_params(src, expected={
+        "params": nnx.to_pure_dict(state.params),
+        "routing_biases": nnx.to_pure_dict(state.biases)})
+    params, biases = state.params, state.biases
+    nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))
+    nnx.replace_by_pure_dict(biases, jax.tree.map(jnp.asarray, tree["routing_biases"]))
+  else:
+    reader = ckpt_lib.Checkpointer(src, read_only=True)
+    try:
+      got = reader.restore_latest(lambda meta: jax.eval_shape(lambda: state), model_dict)
+    finally:
+      reader.close()
+    if got is None:
+      raise ConfigError(f"rl.init_from = {src}: no checkpoint or params export there")
+    params, biases = got.state.params, got.state.biases
+  return state.replace(params=params, biases=biases)
+
+
+class _Run:
+  """The live pieces of one RL run (built once, after restore)."""
+
+  def __init__(self, config: RunConfig, workdir: str, tokenizer):
+    self.config, self.rl, self.workdir, self.tokenizer = config, config.rl, workdir, tokenizer
+    cfg, t, rl = config.model, config.train, config.rl
+    self.model_dict = dataclasses.asdict(cfg)
+    # SFT steps come first in the optimizer's count (none when starting from init_from).
+    self.sft_steps = 0 if rl.init_from else rl.sft_steps
+    self.schedule = learner.rl_schedule(rl, t.lr, t.warmup, self.sft_steps)
+    self.tx = optim.make_optimizer(t, self.schedule)
+    self.graphdef, state = create_train_state(cfg, config.compute, self.tx, t.seed)
+    self.ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints,
+                                      async_save=t.async_checkpoints)
+    self.signature = ckpt_lib.structure_signature(jax.eval_shape(lambda: state))
+    ckpt_lib.check_workdir_config(workdir, self.model_dict, repair=True)
+    restored = self.ckpt.restore_latest(jax.eval_shape(lambda: state), self.model_dict)
+    if restored is not None:
+      self.host = HostState.restore(workdir, int(restored.meta["step"]), restored.data_state)
+      state = restored.state
+      logging.info("resumed %s at phase %s, iteration %d (checkpoint step %d)", workdir,
+                   self.host.phase, self.host.iteration, restored.meta["step"])
+    else:
+      self.host = HostState(phase="sft" if self.sft_steps else "rl")
+      if rl.init_from:
+        state = _load_init(rl, self.graphdef, state, self.model_dict)
+    ckpt_lib.write_workdir_config(workdir, self.model_dict)
+    tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, tokenizer_lib.TOKENIZER_DIR))
+    self.state = state
+    self.curriculum = make_curriculum(rl)
+    if self.host.curriculum is not None:
+      self.curriculum = curriculum_lib.Curriculum.from_state_dict(
+          self.host.curriculum, {n: (e.start_level, e.max_level, e.weight)
+                                 for n, e in rl.envs.items()}, self.curriculum.settings)
+    self.meta = {"model_config": self.model_dict, "signature": self.signature,
+                 "config": json.dumps(dataclasses.asdict(config))}
+    self.monitor = RLMonitor(workdir)
+    self.shaping = batch_lib.Shaping(rl.advantage, rl.dynamic_sampling, rl.overlong_buffer,
+                                     rl.overlong_penalty, rl.max_tokens)
+
+  # ---- checkpoints ---------------------------------------------------------------------
+  def ckpt_step(self) -> int:
+    return self.sft_steps * (self.host.phase == "rl") + self.host.iteration + (
+        int(self.state.step) if self.host.phase == "sft" else 0)
+
+  def save(self) -> None:
+    step = self.ckpt_step()
+    if step in self.ckpt.manager.all_steps():
+      return
+    self.host.curriculum = self.curriculum.state_dict()
+    self.host.save_episodes(self.workdir, step)
+    self.ckpt.save(step, self.state, self.host.record(), self.meta)
+
+  # ---- SFT -----------------------------------------------------------------------------
+  def run_sft(self, stop: _Stop) -> None:
+    rl = self.rl
+    demos = sft.build_demos(rl, self.tokenizer)
+    batches = sft.DemoBatches(demos, rl.sft_batch, rl.seed, rl.max_tokens)
+    step_fn = step_lib.make_train_step(self.graphdef, self.config.model, self.tx,
+                                       grad_accum=1, schedule=self.schedule)
+    logging.info("SFT warm start: %d oracle demos, %d steps of %d x %d", len(demos),
+                 rl.sft_steps, rl.sft_batch, batches.seq_len)
+    t0 = time.perf_counter()
+    while int(self.state.step) < self.sft_steps and stop.signal is None:
+      step = int(self.state.step)
+      self.state, m = step_fn(self.state, batches.batch_at(step))
+      if (step + 1) % self.config.train.log_every == 0 or step + 1 == rl.sft_steps:
+        loss = float(m["loss"])
+        self.monitor.record("sft", step + 1, {"loss": loss, "grad_norm": m["grad_norm"],
+                                              "lr": m["lr"]},
+                            line=f"sft step {step + 1}/{rl.sft_steps} loss {loss:.4f} "
+                                 f"({time.perf_counter() - t0:.0f}s)")
+    if int(self.state.step) >= self.sft_steps:
+      self.host.phase = "rl"
+      self.save()
+
+  # ---- RL ------------------------------------------------------------------------------
+  def build_rollouts(self) -> None:
+    rl = self.rl
+    model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
+    max_len = -(-rl.max_tokens // 64) * 64
+    self.engine = Engine(model, max_len=max_len, prefill_chunk=rl.prefill_chunk)
+    base = RolloutConfig(max_tokens=rl.max_tokens, max_turn_tokens=rl.max_turn_tokens,
+                         token_budget=rl.token_budget,
+                         sampling=SamplingConfig(temperature=rl.temperature, top_p=rl.top_p))
+    self.rollout = Rollout(self.engine, self.tokenizer, base, batch=rl.rollout_batch)
+    greedy = dataclasses.replace(base, token_budget=0, sampling=SamplingConfig(temperature=0.0))
+    self.greedy = Rollout(self.engine, self.tokenizer, greedy, batch=rl.rollout_batch)
+    self.lp_fn = learner.token_logps(self.graphdef)
+    self.routes_fn = (learner.token_logps(self.graphdef, record_routes=True)
+                      if rl.routing_replay else None)
+    self.rl_step = learner.make_rl_step(self.graphdef, self.config.model, self.tx, rl,
+                                        self.schedule)
+    self.reference = self._reference() if rl.kl != "none" else None
+
+  def _reference(self):
+    """The frozen reference params (the policy at RL start), exported once."""
+    path = os.path.join(self.workdir, _REFERENCE_DIR)
+    if not os.path.isdir(path):
+      ckpt_lib.export_params(path, self.state.params, self.state.biases, self.model_dict)
+    ref = _load_init(dataclasses.replace(self.rl, init_from=path), self.graphdef,
+                     jax.tree.map(jnp.copy, self.state), self.model_dict)
+    return ref.params, ref.biases
+
+  def _sync_engine(self) -> None:
+    model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
+    _, self.engine.state = nnx.split(model)
+
+  def evaluate(self) -> dict[str, float]:
+    self._sync_engine()
+    res = self.greedy.run(eval_specs(self.rl))
+    return success_table(res.finished)
+
+  def iteration(self) -> dict[str, Any]:
+    rl, host = self.rl, self.host
+    i = host.iteration + 1
+    self._sync_engine()
+    cells = self.curriculum.sample(np.random.default_rng([rl.seed, i]), rl.groups_per_iter)
+    specs = iteration_specs(rl, i, host.next_group, cells)
+    t0 = time.perf_counter()
+    res = self.rollout.run(list(host.pending) + specs)
+    t_roll = time.perf_counter() - t0
+    promotions = self.curriculum.update(
+        [(t.env_name, t.level, float(t.reward >= 1.0)) for t in res.finished])
+    by_group = collections.defaultdict(list)
+    for t in list(host.waiting) + list(res.finished):
+      by_group[t.group].append(t)
+    ready = [t for g in sorted(by_group) if len(by_group[g]) == rl.group_size
+             for t in by_group[g]]
+    host.waiting = [t for g in sorted(by_group) if len(by_group[g]) < rl.group_size
+                    for t in by_group[g]]
+    host.pending, host.next_group = list(res.pending), host.next_group + len(cells)
+    m: dict[str, Any] = {"iteration": i, "rollout_s": t_roll, "episodes": len(res.finished),
+                         "paused": len(res.pending), **{
+                             k: v for k, v in res.stats.items() if isinstance(v, (int, float))}}
+    m.update(self._learn(ready, i))
+    if res.finished:
+      m["reward"] = float(np.mean([t.reward for t in res.finished]))
+      m["success"] = float(np.mean([t.reward >= 1.0 for t in res.finished]))
+      m["episode_tokens"] = float(np.mean([len(t.ids) for t in res.finished]))
+      m["generated_tokens"] = float(np.mean([t.generated for t in res.finished]))
+      for reason, n in collections.Counter(t.finish_reason for t in res.finished).items():
+        m[f"finish/{reason}"] = n
+      for cell, v in success_table(res.finished).items():
+        m[f"success/{cell}"] = v
+    for env in rl.envs:
+      m[f"frontier/{env}"] = self.curriculum.frontier(env)
+    m["promotions"] = len(promotions)
+    for p in promotions:
+      logging.info("curriculum: %s promoted to level %d (EMA %.2f over %d episodes)",
+                   p["env"], p["to"], p["ema"], p["episodes"])
+    host.iteration = i
+    n_log = min(rl.log_trajectories, len(res.finished))
+    self.monitor.trajectories([dict(trajectory_log.trajectory_record(t, self.tokenizer),
+                                    iteration=i) for t in res.finished[:n_log]])
+    return m
+
+  def _learn(self, ready: list[Trajectory], i: int) -> dict[str, Any]:
+    rl = self.rl
+    if not ready:
+      return {"groups_trained": 0, "groups_dropped": 0}
+    signals = batch_lib.episode_signals(ready, self.shaping)
+    n_groups = len({t.group for t in ready})
+    kept_groups = len({t.group for t, k in zip(ready, signals["keep"]) if k})
+    out = {"groups_trained": kept_groups, "groups_dropped": n_groups - kept_groups,
+           "shaped_reward": float(np.mean(signals["reward"]))}
+    if not kept_groups:
+      return out
+    rows = rl.group_size * rl.groups_per_iter
+    batch = batch_lib.build_batch(ready, signals, row_multiple=rows, max_length=rl.max_tokens)
+    dev = {k: jnp.asarray(v) for k, v in batch.items()}
+    lp_ref = routes = None
+    t0 = time.perf_counter()
+    if self.reference is not None:
+      lp_ref = self.lp_fn(*self.reference, self.state.rest, dev["tokens"], dev["segment_ids"])
+    if self.routes_fn is not None:
+      _, routes = self.routes_fn(self.state.params, self.state.biases, self.state.rest,
+                                 dev["tokens"], dev["segment_ids"])
+    rng = np.random.default_rng([rl.seed, i, 3])
+    logs = collections.defaultdict(list)
+    n_rows = batch["tokens"].shape[0]
+    for _ in range(rl.updates_per_batch):
+      order = rng.permutation(n_rows)
+      for part in np.array_split(order, rl.minibatches * (n_rows // rows)):
+        if not batch["valid"][part].any():
+          continue
+        mb = {k: v[part] for k, v in dev.items()}
+        ref = None if lp_ref is None else lp_ref[part]
+        rts = None if routes is None else jax.tree.map(lambda x: x[part], routes)
+        self.state, m = self.rl_step(self.state, mb, ref, rts)
+        for k, v in m.items():
+          logs[k].append(float(v))
+    out.update({k: float(np.mean(v)) for k, v in logs.items()})
+    out["learner_s"] = time.perf_counter() - t0
+    out["updates"] = len(logs.get("loss", []))
+    out["trained_tokens"] = float(np.sum(logs.get("tokens", [0.0])))
+    return out
+
+
+def _line(m: dict[str, Any], total: int) -> str:
+  parts = [f"iter {m['iteration']}/{total}"]
+  for k, fmt in (("reward", "{:.3f}"), ("success", "{:.2f}"), ("loss", "{:+.4f}"),
+                 ("kl_ref", "{:.4f}"), ("entropy", "{:.3f}"), ("clip_fraction", "{:.3f}"),
+                 ("generated_tokens", "{:.0f}"), ("rollout_s", "{:.1f}s"),
+                 ("learner_s", "{:.1f}s")):
+    if k in m:
+      parts.append(f"{k} " + fmt.format(m[k]))
+  fr = ",".join(f"{k.split('/')[1]}:{v}" for k, v in m.items() if k.startswith("frontier/"))
+  return " | ".join(parts + [f"frontier {fr}"])
+
+
+def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
+  rl = config.rl
+  wall0 = time.time()
+  run = _Run(config, workdir, tokenizer)
+  stopped = None
+  last: dict[str, Any] = {}
+  try:
+    with _Stop() as stop:
+      if run.host.phase == "sft":
+        run.run_sft(stop)
+      if run.host.phase == "rl" and stop.signal is None:
+        run.build_rollouts()
+        if not run.host.eval_history and rl.eval_every:
+          run.host.eval_history.append({"iteration": 0, "success": run.evaluate()})
+          run.monitor.record("eval", run.ckpt_step(), {"iteration": 0, **{
+              f"success/{c}": v for c, v in run.host.eval_history[-1]["success"].items()}})
+        while run.host.iteration < rl.iterations and stop.signal is None:
+          last = run.iteration()
+          i = run.host.iteration
+          run.monitor.record("rl", run.ckpt_step(), last, line=_line(last, rl.iterations))
+          if (rl.eval_every and i % rl.eval_every == 0) or i == rl.iterations:
+            table = run.evaluate()
+            run.host.eval_history.append({"iteration": i, "success": table})
+            run.monitor.record("eval", run.ckpt_step(), {"iteration": i, **{
+                f"success/{c}": v for c, v in table.items()}},
+                line="eval " + " ".join(f"{c} {v:.2f}" for c, v in table.items()))
+            run.monitor.success_figure(run.host.eval_history)
+          if i % rl.save_every == 0 or i == rl.iterations:
+            run.save()
+      stopped = stop.signal
+      if stopped:
+        run.save()
+    run.ckpt.wait()
+  finally:
+    run.ckpt.close()
+    run.monitor.close()
+  return {"phase": run.host.phase, "iteration": run.host.iteration,
+          "eval_history": run.host.eval_history, "last": last, "stopped_by": stopped,
+          "wall_s": time.time() - wall0, "state": run.state,
+          "curriculum": run.curriculum.summary()}
