@@ -119,7 +119,7 @@ class RLConfig:
     for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0),
                          ("eps_low", 0.0, 1.0), ("eps_high", 0.0, 10.0),
                          ("opmd_tau", 1e-6, 1e6), ("kl_beta", 0.0, 1e6),
-                         ("overlong_penalty", 0.0, 1e6), ("curriculum_ema", 0.0, 0.999),
+                         ("overlong_penalty", 0.0, 1e6), ("curriculum_ema", 1e-3, 0.999),
                          ("curriculum_target", 0.0, 1.0), ("curriculum_width", 1e-3, 10.0),
                          ("curriculum_floor", 0.0, 1.0), ("promote_at", 0.0, 1.0),
                          ("sft_learning_rate", 0.0, 10.0)):

@@ -1,0 +1,128 @@
+"""The learner on real rollouts: the batch's lp_old is what the training forward computes
+(1e-5, fp32), masks cover exactly the sampled tokens, and one update moves log-probs in the
+direction of the advantage; the QB biases stay frozen unless asked; the SFT batches."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.infer import Engine, SamplingConfig
+from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.rl import batch as batch_lib
+from hybridmoe_jax.rl import learner, sft
+from hybridmoe_jax.rl.episode import group_specs
+from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
+from hybridmoe_jax.rl_config import RLConfig, RLEnvConfig
+from hybridmoe_jax.train.state import split_model, TrainState
+from tests.infer.helpers import tiny_cfg
+
+TOK = ByteTokenizer(chat=True)
+GROUP = 4
+KW = (("brief", True),)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+  """A tiny hybrid (KDA + MLA with MoE), 2 groups of 4 sampled arithmetic episodes."""
+  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
+  model = HybridLM(cfg, rngs=nnx.Rngs(0))
+  engine = Engine(model, max_len=256, prefill_chunk=64, kv_block=128)
+  rollout = Rollout(engine, TOK, RolloutConfig(max_tokens=200, max_turn_tokens=24,
+                                               max_turns=2,
+                                               sampling=SamplingConfig(temperature=1.0)),
+                    batch=8)
+  specs = group_specs("arithmetic", [11, 12], 0, GROUP, sample_seed=5, env_kwargs=KW)
+  trajs = rollout.run(specs).finished
+  return cfg, model, trajs
+
+
+def _state(cfg, model, tx):
+  """A fresh TrainState of the cached model (copied: the step donates it)."""
+  graphdef, *states = split_model(model)
+  params, biases, rest = jax.tree.map(jnp.copy, states)
+  return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                              opt_state=tx.init(params), biases=biases, rest=rest,
+                              rng=jax.random.PRNGKey(0), skipped=jnp.zeros((), jnp.int32))
+
+
+def _batch(trajs, rewards):
+  for t, r in zip(trajs, rewards):
+    t.reward = float(r)
+  signals = batch_lib.episode_signals(trajs, batch_lib.Shaping("drgrpo", False))
+  return batch_lib.build_batch(trajs, signals, row_multiple=8, max_length=200)
+
+
+def test_batch_lp_old_is_the_training_forward_and_masks_are_the_sampled_tokens():
+  cfg, model, trajs = _setup()
+  b = _batch(trajs, [0.0] * len(trajs))
+  graphdef, params, biases, rest = split_model(model)
+  lp = np.asarray(learner.token_logps(graphdef)(params, biases, rest, b["tokens"],
+                                                b["segment_ids"]))
+  mask = b["mask"] > 0
+  assert mask.sum() == sum(t.generated for t in trajs)  # every sampled token is a target
+  np.testing.assert_allclose(lp[mask], b["lp_old"][mask], rtol=0, atol=1e-5)
+  for r, t in enumerate(trajs):    # shifted: target t+1 of row r is the trajectory's token
+    n = len(t.ids)
+    np.testing.assert_array_equal(b["tokens"][r, :n], t.ids)
+    np.testing.assert_array_equal(b["mask"][r, :n - 1], t.loss_mask[1:])
+    assert not b["mask"][r, n - 1:].any() and t.loss_mask[0] == 0
+  assert b["tokens"].shape[1] % 8 == 0 and b["valid"].sum() == len(trajs)
+
+
+@pytest.mark.parametrize("loss", ["clip", "gspo", "opmd"])
+def test_one_update_follows_the_advantage(loss):
+  """clip also carries a k3 KL to a reference equal to the policy (0, and no gradient at
+  equality) and update_biases (the QB rule moves the bias); the others keep it frozen."""
+  cfg, model, trajs = _setup()
+  rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+  b = _batch(trajs, rewards)
+  extra = dict(kl="k3", kl_beta=0.1, update_biases=True) if loss == "clip" else {}
+  rl = RLConfig(envs={"arithmetic": RLEnvConfig()}, loss=loss, group_size=4,
+                groups_per_iter=2, **extra)
+  tx = optax.sgd(0.05)
+  graphdef, state = _state(cfg, model, tx)
+  lp_fn = learner.token_logps(graphdef)
+  before = lp_fn(state.params, state.biases, state.rest, b["tokens"], b["segment_ids"])
+  lp_ref = before if loss == "clip" else None
+  before = np.asarray(before)
+  biases0 = jax.tree.map(np.asarray, state.biases)
+  step = learner.make_rl_step(graphdef, cfg, tx, rl, lambda c: 0.05)
+  state, m = step(state, {k: jnp.asarray(v) for k, v in b.items()}, lp_ref, None)
+  assert bool(m["finite"]) and float(m["grad_norm"]) > 0
+  np.testing.assert_allclose(float(m["ratio_mean"]), 1.0, atol=1e-5)   # on-policy
+  after = np.asarray(lp_fn(state.params, state.biases, state.rest, b["tokens"],
+                           b["segment_ids"]))
+  gain = ((after - before) * b["mask"]).sum(axis=1)[:len(trajs)]
+  adv = b["advantage"][:len(trajs)]
+  # the sequence log-prob rises for positive advantages, falls for negative ones (sum)
+  assert (gain[adv > 0].mean() > 0) and (gain[adv < 0].mean() < 0), (gain, adv)
+  moved = max(jax.tree.leaves(jax.tree.map(lambda a, c: float(np.abs(a - np.asarray(c)).max()),
+                                           biases0, state.biases)))
+  if loss == "clip":
+    assert abs(float(m["kl_ref"])) < 1e-6 and moved > 0
+  else:
+    assert moved == 0
+
+
+def test_sft_batches_are_deterministic_and_mask_the_assistant():
+  rl = RLConfig(envs={"arithmetic": RLEnvConfig(max_level=1, kwargs={"brief": True})},
+                sft_levels=(0, 1, 5), sft_demos=3, sft_batch=4)
+  demos = sft.build_demos(rl, TOK)
+  assert len(demos) == 6 and {d.level for d in demos} == {0, 1}   # level 5 capped at 1
+  batches = sft.DemoBatches(demos, 4, seed=0, max_len=320)
+  a, b = batches.batch_at(3), batches.batch_at(3)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert a["tokens"].shape == (4, batches.seq_len) and batches.seq_len % 64 == 0
+  w = a["loss_weights"]
+  assert set(np.unique(w)) <= {0.0, 1.0} and w.sum() > 0
+  # weighted tokens are assistant tokens: never the bos or the prompt
+  assert not w[:, 0].any()
+  with pytest.raises(ValueError, match="rl.max_tokens"):
+    sft.DemoBatches(demos, 4, seed=0, max_len=50)

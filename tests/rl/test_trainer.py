@@ -1,0 +1,137 @@
+"""The RL run end to end on a tiny model: SFT warm start, iterations, logs, checkpoints, and
+exact resume (a run stopped after iteration 2 and resumed equals the uninterrupted one);
+config errors before compute; a SIGKILLed `run_train.py` RL run resumes to the same losses
+(slow)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.rl import trainer
+from hybridmoe_jax.train.config import load_config_file
+from tests.conftest import ROOT
+
+RL_TINY = ROOT / "configs" / "rl_tiny.py"
+OVERRIDES = dict(iterations=3, sft_steps=3, sft_batch=4, sft_demos=8, group_size=2,
+                 groups_per_iter=2, rollout_batch=4, max_tokens=192, max_turn_tokens=16,
+                 minibatches=2, eval_every=2, eval_episodes=2, eval_levels=(0,),
+                 save_every=1, log_trajectories=1, promote_min_episodes=2, promote_at=0.0)
+
+
+def _config(**rl):
+  config = load_config_file(RL_TINY)
+  config.model.num_layers = 2
+  config.model.layer_kinds = ("kda", "mla")
+  config.train.log_every = 1
+  for k, v in {**OVERRIDES, **rl}.items():
+    setattr(config.rl, k, v)
+  config.rl.envs = {"arithmetic": {"start_level": 0, "max_level": 1, "kwargs": {"brief": True}}}
+  return config
+
+
+def _records(workdir, event):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+def _iteration_losses(workdir):
+  return {r["iteration"]: (r.get("loss"), r.get("reward"), r.get("generated_tokens"))
+          for r in _records(workdir, "rl")}
+
+
+def test_rl_run_logs_checkpoints_and_resumes_exactly(tmp_path):
+  ref = tmp_path / "ref"
+  s = trainer.train_rl(_config(), str(ref))
+  assert s["phase"] == "rl" and s["iteration"] == 3 and s["stopped_by"] is None
+  sft = _records(ref, "sft")
+  assert [r["step"] for r in sft] == [1, 2, 3] and all(r["loss"] > 0 for r in sft)
+  rl = _records(ref, "rl")
+  assert [r["iteration"] for r in rl] == [1, 2, 3]
+  for r in rl:
+    assert 0.0 <= r["success"] <= 1.0 and r["episodes"] == 4 and r["frontier/arithmetic"] >= 0
+  evals = _records(ref, "eval")
+  assert [r["iteration"] for r in evals] == [0, 2, 3]
+  assert all("success/arithmetic/L0" in r for r in evals)
+  assert os.path.isfile(ref / "success_by_level.png")
+  with open(ref / "trajectories.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  assert len(lines) == 3 and all(line["env"] == "arithmetic" for line in lines)
+  ckpts = sorted(int(n) for n in os.listdir(ref / "checkpoints") if n.isdigit())
+  assert ckpts[-1] == 3 + 3     # sft steps + iterations
+  assert os.path.isfile(ref / "rl_state" / "6.pkl")
+  assert os.path.isfile(ref / "tokenizer" / "byte_chat.json")
+
+  part = tmp_path / "part"
+  s = trainer.train_rl(_config(iterations=2), str(part))
+  assert s["iteration"] == 2
+  s = trainer.train_rl(_config(), str(part))       # resumes at iteration 2
+  assert s["iteration"] == 3
+  assert _iteration_losses(part) == _iteration_losses(ref)
+  assert [r["iteration"] for r in _records(part, "eval")] == [0, 2, 3]
+
+
+def test_bad_rl_configs_fail_before_compute(tmp_path):
+  with pytest.raises(ConfigError, match="rl.envs.nope"):
+    c = _config()
+    c.rl.envs = {"nope": {}}
+    trainer.train_rl(c, str(tmp_path / "a"))
+  with pytest.raises(ConfigError, match="byte_chat"):
+    c = _config()
+    c.data.tokenizer = "byte"
+    c.model.vocab_size = 259
+    trainer.train_rl(c, str(tmp_path / "b"))
+  with pytest.raises(ConfigError, match="max_level"):
+    c = _config()
+    c.rl.envs = {"arithmetic": {"max_level": 99}}
+    trainer.train_rl(c, str(tmp_path / "c"))
+  with pytest.raises(ConfigError, match="rl.minibatches"):
+    trainer.train_rl(_config(minibatches=3), str(tmp_path / "d"))
+  with pytest.raises(ConfigError, match="rl.init_from"):
+    trainer.train_rl(_config(init_from=str(tmp_path / "missing")), str(tmp_path / "e"))
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def _cli(workdir, cache, *extra):
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+  args = [sys.executable, str(ROOT / "run_train.py"), f"--config={RL_TINY}",
+          f"--workdir={workdir}", "--config.rl.iterations=4", "--config.rl.sft_steps=2",
+          "--config.rl.group_size=2", "--config.rl.groups_per_iter=2",
+          "--config.rl.rollout_batch=4", "--config.rl.max_tokens=192",
+          "--config.rl.eval_every=0", "--config.rl.eval_episodes=1",
+          "--config.rl.eval_levels=(0,)", "--config.rl.save_every=1",
+          "--config.model.num_layers=2", *extra]
+  return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_sigkill_during_rl_then_resume_reproduces_the_losses(tmp_path):
+  cache = tmp_path / "cache"
+  ref = _cli(tmp_path / "ref", cache)
+  out = ref.communicate(timeout=900)[0]
+  assert ref.returncode == 0, out[-3000:]
+  want = _iteration_losses(tmp_path / "ref")
+  assert sorted(want) == [1, 2, 3, 4]
+  run = tmp_path / "run"
+  proc = _cli(run, cache)
+  end = time.time() + 900
+  while time.time() < end and proc.poll() is None:   # kill inside iteration 3
+    if os.path.isfile(run / "metrics.jsonl") and len(_records(run, "rl")) >= 2:
+      time.sleep(0.5)
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.05)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  again = _cli(run, cache)
+  out = again.communicate(timeout=900)[0]
+  assert again.returncode == 0, out[-3000:]
+  got = _iteration_losses(run)        # the last record of an iteration wins
+  assert got == want
