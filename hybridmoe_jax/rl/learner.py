@@ -32,7 +32,6 @@ from hybridmoe_jax.rl import losses
 from hybridmoe_jax.rl_config import RLConfig
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import TrainState
-from hybridmoe_jax.train.step import next_token_targets
 
 
 def target_logps(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -429,7 +429,7 @@ class Rollout:
         self._resume(i, e) if isinstance(e, PendingEpisode) else self._start(i, e)
         for i, e in enumerate(items))
     pending_rows = {i: e for i, e in enumerate(items) if isinstance(e, PendingEpisode)}
-    b, p = self.batch, self.engine.prefill_chunk
+    b = self.batch
     cache = self.engine.init_cache(b)
     slots: list[_Row | None] = [None] * b
     finished, paused = {}, {}

@@ -33,11 +33,9 @@ exported once to `reference/`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import os
-import pickle
 import time
 from typing import Any
 
@@ -53,9 +51,9 @@ from hybridmoe_jax.infer.engine import Engine
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import curriculum as curriculum_lib
-from hybridmoe_jax.rl import learner, sft, trajectory_log
+from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
 from hybridmoe_jax.rl.chat_format import chat_ids
-from hybridmoe_jax.rl.episode import EpisodeSpec, PendingEpisode, Trajectory
+from hybridmoe_jax.rl.episode import Trajectory
 from hybridmoe_jax.rl.monitor import RLMonitor
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
@@ -63,132 +61,6 @@ from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim, workdir_lock
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import create_train_state
-
-EVAL_SEED_BASE = 2**40
-TASK_SEED_RANGE = 2**39
-_STATE_DIR = "rl_state"
-_REFERENCE_DIR = "reference"
-
-
-def _seed32(*parts: int) -> int:
-  return int(np.random.default_rng([*parts]).integers(0, 2**32))
-
-
-def _env_kwargs(rl, env: str) -> tuple:
-  return tuple(sorted(rl.envs[env].kwargs.items()))
-
-
-def make_curriculum(rl) -> curriculum_lib.Curriculum:
-  settings = curriculum_lib.CurriculumSettings(
-      ema=rl.curriculum_ema, target=rl.curriculum_target, width=rl.curriculum_width,
-      floor=rl.curriculum_floor, promote_at=rl.promote_at,
-      min_episodes=rl.promote_min_episodes)
-  envs = {n: (e.start_level, e.max_level, e.weight) for n, e in rl.envs.items()}
-  return curriculum_lib.Curriculum(envs, settings)
-
-
-def iteration_specs(rl, iteration: int, first_group: int, cells) -> list[EpisodeSpec]:
-  """The episodes of one iteration: a group of group_size per (env, level) cell."""
-  out = []
-  for g, (env, level) in enumerate(cells):
-    group = first_group + g
-    task = int(np.random.default_rng([rl.seed, iteration, group, 1]).integers(TASK_SEED_RANGE))
-    for j in range(rl.group_size):
-      out.append(EpisodeSpec(env, task, int(level), group,
-                             _seed32(rl.seed, iteration, group, j, 2), (),
-                             _env_kwargs(rl, env)))
-  return out
-
-
-def eval_levels(rl, env: str) -> list[int]:
-  levels = rl.eval_levels or range(rl.envs[env].max_level + 1)
-  return [lv for lv in levels if lv <= rl.envs[env].max_level]
-
-
-def eval_specs(rl) -> list[EpisodeSpec]:
-  """The held-out episodes: eval_episodes tasks per (env, level), the same every time."""
-  out = []
-  for env in rl.envs:
-    for level in eval_levels(rl, env):
-      for k in range(rl.eval_episodes):
-        out.append(EpisodeSpec(env, EVAL_SEED_BASE + k, level, 0, 0, (),
-                               _env_kwargs(rl, env)))
-  return out
-
-
-def success_table(trajs: list[Trajectory]) -> dict[str, float]:
-  """{"env/L<level>": success rate (reward == 1)} over finished episodes."""
-  cells = collections.defaultdict(list)
-  for t in trajs:
-    cells[f"{t.env_name}/L{t.level}"].append(float(t.reward >= 1.0))
-  return {c: float(np.mean(v)) for c, v in sorted(cells.items())}
-
-
-class _Stop:
-  """SIGINT / SIGTERM -> finish the iteration, save, stop (a second signal: default)."""
-
-  def __init__(self):
-    self.signal = None
-
-  def __enter__(self):
-    import signal  # pylint: disable=g-import-not-at-top
-    self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    return self
-
-  def _handle(self, signum, frame):
-    import signal  # pylint: disable=g-import-not-at-top
-    self.signal = signal.Signals(signum).name
-    for s, h in self._old.items():
-      signal.signal(s, h)
-
-  def __exit__(self, *exc):
-    import signal  # pylint: disable=g-import-not-at-top
-    for s, h in self._old.items():
-      signal.signal(s, h)
-
-
-@dataclasses.dataclass
-class HostState:
-  """What the RL run keeps besides the TrainState (see the module docstring)."""
-  phase: str = "sft"                 # "sft" | "rl"
-  iteration: int = 0                 # RL iterations done
-  next_group: int = 0
-  curriculum: dict | None = None
-  eval_history: list = dataclasses.field(default_factory=list)
-  pending: list = dataclasses.field(default_factory=list)     # PendingEpisode
-  waiting: list = dataclasses.field(default_factory=list)     # Trajectory of open groups
-
-  def record(self) -> dict:
-    return {"rl": {"phase": self.phase, "iteration": self.iteration,
-                   "next_group": self.next_group, "curriculum": self.curriculum,
-                   "eval_history": self.eval_history}}
-
-  def save_episodes(self, workdir: str, step: int) -> None:
-    directory = os.path.join(workdir, _STATE_DIR)
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{step}.pkl")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-      pickle.dump({"pending": [p.to_tree() for p in self.pending],
-                   "waiting": [dataclasses.asdict(t) for t in self.waiting]}, f)
-    os.replace(tmp, path)
-
-  @classmethod
-  def restore(cls, workdir: str, step: int, record: dict) -> "HostState":
-    r = record.get("rl")
-    if r is None:
-      raise ConfigError(f"{workdir}: checkpoint step {step} holds no RL state (a "
-                        "pre-training run?): use --config.rl.init_from=<it> in a new workdir")
-    path = os.path.join(workdir, _STATE_DIR, f"{step}.pkl")
-    if not os.path.isfile(path):
-      raise ConfigError(f"{path} is missing: the paused episodes of checkpoint step {step} "
-                        "are gone (was rl_state/ deleted?)")
-    with open(path, "rb") as f:
-      eps = pickle.load(f)
-    return cls(r["phase"], r["iteration"], r["next_group"], r["curriculum"],
-               r["eval_history"], [PendingEpisode.from_tree(p) for p in eps["pending"]],
-               [Trajectory(**t) for t in eps["waiting"]])
-
 
 def _tokenizer(config: RunConfig):
   tok = tokenizer_lib.make_tokenizer(config.data.tokenizer)
@@ -286,18 +158,19 @@ class _Run:
     ckpt_lib.check_workdir_config(workdir, self.model_dict, repair=True)
     restored = self.ckpt.restore_latest(jax.eval_shape(lambda: state), self.model_dict)
     if restored is not None:
-      self.host = HostState.restore(workdir, int(restored.meta["step"]), restored.data_state)
+      self.host = run_state.HostState.restore(workdir, int(restored.meta["step"]),
+                                              restored.data_state)
       state = restored.state
       logging.info("resumed %s at phase %s, iteration %d (checkpoint step %d)", workdir,
                    self.host.phase, self.host.iteration, restored.meta["step"])
     else:
-      self.host = HostState(phase="sft" if self.sft_steps else "rl")
+      self.host = run_state.HostState(phase="sft" if self.sft_steps else "rl")
       if rl.init_from:
         state = _load_init(rl, self.graphdef, state, self.model_dict)
     ckpt_lib.write_workdir_config(workdir, self.model_dict)
     tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, tokenizer_lib.TOKENIZER_DIR))
     self.state = state
-    self.curriculum = make_curriculum(rl)
+    self.curriculum = run_state.make_curriculum(rl)
     if self.host.curriculum is not None:
       self.curriculum = curriculum_lib.Curriculum.from_state_dict(
           self.host.curriculum, {n: (e.start_level, e.max_level, e.weight)
@@ -322,7 +195,7 @@ class _Run:
     self.ckpt.save(step, self.state, self.host.record(), self.meta)
 
   # ---- SFT -----------------------------------------------------------------------------
-  def run_sft(self, stop: _Stop) -> None:
+  def run_sft(self, stop: run_state.StopFlag) -> None:
     rl = self.rl
     demos = sft.build_demos(rl, self.tokenizer)
     batches = sft.DemoBatches(demos, rl.sft_batch, rl.seed, rl.max_tokens)
@@ -365,7 +238,7 @@ class _Run:
 
   def _reference(self):
     """The frozen reference params (the policy at RL start), exported once."""
-    path = os.path.join(self.workdir, _REFERENCE_DIR)
+    path = os.path.join(self.workdir, run_state.REFERENCE_DIR)
     if not os.path.isdir(path):
       ckpt_lib.export_params(path, self.state.params, self.state.biases, self.model_dict)
     ref = _load_init(dataclasses.replace(self.rl, init_from=path), self.graphdef,
@@ -378,15 +251,15 @@ class _Run:
 
   def evaluate(self) -> dict[str, float]:
     self._sync_engine()
-    res = self.greedy.run(eval_specs(self.rl))
-    return success_table(res.finished)
+    res = self.greedy.run(run_state.eval_specs(self.rl))
+    return run_state.success_table(res.finished)
 
   def iteration(self) -> dict[str, Any]:
     rl, host = self.rl, self.host
     i = host.iteration + 1
     self._sync_engine()
     cells = self.curriculum.sample(np.random.default_rng([rl.seed, i]), rl.groups_per_iter)
-    specs = iteration_specs(rl, i, host.next_group, cells)
+    specs = run_state.iteration_specs(rl, i, host.next_group, cells)
     t0 = time.perf_counter()
     res = self.rollout.run(list(host.pending) + specs)
     t_roll = time.perf_counter() - t0
@@ -411,7 +284,7 @@ class _Run:
       m["generated_tokens"] = float(np.mean([t.generated for t in res.finished]))
       for reason, n in collections.Counter(t.finish_reason for t in res.finished).items():
         m[f"finish/{reason}"] = n
-      for cell, v in success_table(res.finished).items():
+      for cell, v in run_state.success_table(res.finished).items():
         m[f"success/{cell}"] = v
     for env in rl.envs:
       m[f"frontier/{env}"] = self.curriculum.frontier(env)
@@ -486,7 +359,7 @@ def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
   stopped = None
   last: dict[str, Any] = {}
   try:
-    with _Stop() as stop:
+    with run_state.StopFlag() as stop:
       if run.host.phase == "sft":
         run.run_sft(stop)
       if run.host.phase == "rl" and stop.signal is None:

@@ -1,0 +1,147 @@
+"""The RL run's host-side pieces: which episodes an iteration and an evaluation roll out,
+the curriculum built from the config, and the state kept beside the TrainState
+(`HostState`: the JSON record saved in the checkpoint's data item plus the pickled paused
+episodes and open groups in `<workdir>/rl_state/<step>.pkl`). Every draw is a function of
+(rl.seed, iteration, group, member), so a resumed run repeats the same episodes.
+
+Seed ranges: RL task seeds < 2**39, SFT demo seeds in [2**39, 2**39 + sft_demos) (sft.py),
+evaluation seeds >= 2**40 (evaluate.py), so training never sees a held-out task.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pickle
+
+import numpy as np
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.rl import curriculum as curriculum_lib
+from hybridmoe_jax.rl.episode import EpisodeSpec, PendingEpisode, Trajectory
+
+EVAL_SEED_BASE = 2**40
+TASK_SEED_RANGE = 2**39
+STATE_DIR = "rl_state"
+REFERENCE_DIR = "reference"
+
+
+def _seed32(*parts: int) -> int:
+  return int(np.random.default_rng([*parts]).integers(0, 2**32))
+
+
+def _env_kwargs(rl, env: str) -> tuple:
+  return tuple(sorted(rl.envs[env].kwargs.items()))
+
+
+def make_curriculum(rl) -> curriculum_lib.Curriculum:
+  settings = curriculum_lib.CurriculumSettings(
+      ema=rl.curriculum_ema, target=rl.curriculum_target, width=rl.curriculum_width,
+      floor=rl.curriculum_floor, promote_at=rl.promote_at,
+      min_episodes=rl.promote_min_episodes)
+  envs = {n: (e.start_level, e.max_level, e.weight) for n, e in rl.envs.items()}
+  return curriculum_lib.Curriculum(envs, settings)
+
+
+def iteration_specs(rl, iteration: int, first_group: int, cells) -> list[EpisodeSpec]:
+  """The episodes of one iteration: a group of group_size per (env, level) cell."""
+  out = []
+  for g, (env, level) in enumerate(cells):
+    group = first_group + g
+    task = int(np.random.default_rng([rl.seed, iteration, group, 1]).integers(TASK_SEED_RANGE))
+    for j in range(rl.group_size):
+      out.append(EpisodeSpec(env, task, int(level), group,
+                             _seed32(rl.seed, iteration, group, j, 2), (),
+                             _env_kwargs(rl, env)))
+  return out
+
+
+def eval_levels(rl, env: str) -> list[int]:
+  levels = rl.eval_levels or range(rl.envs[env].max_level + 1)
+  return [lv for lv in levels if lv <= rl.envs[env].max_level]
+
+
+def eval_specs(rl) -> list[EpisodeSpec]:
+  """The held-out episodes: eval_episodes tasks per (env, level), the same every time."""
+  out = []
+  for env in rl.envs:
+    for level in eval_levels(rl, env):
+      for k in range(rl.eval_episodes):
+        out.append(EpisodeSpec(env, EVAL_SEED_BASE + k, level, 0, 0, (),
+                               _env_kwargs(rl, env)))
+  return out
+
+
+def success_table(trajs: list[Trajectory]) -> dict[str, float]:
+  """{"env/L<level>": success rate (reward == 1)} over finished episodes."""
+  cells = collections.defaultdict(list)
+  for t in trajs:
+    cells[f"{t.env_name}/L{t.level}"].append(float(t.reward >= 1.0))
+  return {c: float(np.mean(v)) for c, v in sorted(cells.items())}
+
+
+class StopFlag:
+  """SIGINT / SIGTERM -> finish the iteration, save, stop (a second signal: default)."""
+
+  def __init__(self):
+    self.signal = None
+
+  def __enter__(self):
+    import signal  # pylint: disable=g-import-not-at-top
+    self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    return self
+
+  def _handle(self, signum, frame):
+    import signal  # pylint: disable=g-import-not-at-top
+    self.signal = signal.Signals(signum).name
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+  def __exit__(self, *exc):
+    import signal  # pylint: disable=g-import-not-at-top
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+@dataclasses.dataclass
+class HostState:
+  """What the RL run keeps besides the TrainState (see the module docstring)."""
+  phase: str = "sft"                 # "sft" | "rl"
+  iteration: int = 0                 # RL iterations done
+  next_group: int = 0
+  curriculum: dict | None = None
+  eval_history: list = dataclasses.field(default_factory=list)
+  pending: list = dataclasses.field(default_factory=list)     # PendingEpisode
+  waiting: list = dataclasses.field(default_factory=list)     # Trajectory of open groups
+
+  def record(self) -> dict:
+    return {"rl": {"phase": self.phase, "iteration": self.iteration,
+                   "next_group": self.next_group, "curriculum": self.curriculum,
+                   "eval_history": self.eval_history}}
+
+  def save_episodes(self, workdir: str, step: int) -> None:
+    directory = os.path.join(workdir, STATE_DIR)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{step}.pkl")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+      pickle.dump({"pending": [p.to_tree() for p in self.pending],
+                   "waiting": [dataclasses.asdict(t) for t in self.waiting]}, f)
+    os.replace(tmp, path)
+
+  @classmethod
+  def restore(cls, workdir: str, step: int, record: dict) -> "HostState":
+    r = record.get("rl")
+    if r is None:
+      raise ConfigError(f"{workdir}: checkpoint step {step} holds no RL state (a "
+                        "pre-training run?): use --config.rl.init_from=<it> in a new workdir")
+    path = os.path.join(workdir, STATE_DIR, f"{step}.pkl")
+    if not os.path.isfile(path):
+      raise ConfigError(f"{path} is missing: the paused episodes of checkpoint step {step} "
+                        "are gone (was rl_state/ deleted?)")
+    with open(path, "rb") as f:
+      eps = pickle.load(f)
+    return cls(r["phase"], r["iteration"], r["next_group"], r["curriculum"],
+               r["eval_history"], [PendingEpisode.from_tree(p) for p in eps["pending"]],
+               [Trajectory(**t) for t in eps["waiting"]])
