@@ -5,11 +5,15 @@
   python run_eval.py --workdir=runs/x --task=niah --niah_lengths=512,2048 --niah_samples=8
   python run_eval.py --workdir=runs/vlm --task=vqa                # vision models
   python run_eval.py --workdir=runs/x --task=report   # runs/x/report.html (no model loaded)
+  python run_eval.py --workdir=runs/rl --task=agent --agent_levels=0,1,2 --agent_episodes=16
   python run_eval.py --workdir=runs/vlm --task=generate --image=scene.ppm \
       --prompt=$'Q: colour at top left?\n<image>\nA:'   # image at <image>, else before
 
 Results go to --output_dir (default <workdir or params>/eval) as <task>.json, results.json
 and niah_heatmap.png (a labelled figure), with a short table on stdout. The logic lives in `hybridmoe_jax.evals`.
+--task=agent (not part of "all": it needs a model trained with the chat tokenizer) rolls out
+held-out tool-use episodes per env and level under the policies model / oracle / random and
+writes agent.json and agent_success.png (`hybridmoe_jax.agent_eval`).
 """
 
 import sys
@@ -18,6 +22,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from hybridmoe_jax.agent_eval import AgentOptions
 from hybridmoe_jax.evals.runner import EvalOptions, TASKS
 
 _D = EvalOptions()
@@ -26,8 +31,9 @@ _PARAMS = flags.DEFINE_string("params", None,
                               "A params-only export (run_train.py --export_params_to).")
 _OUTPUT = flags.DEFINE_string("output_dir", None, "Where results go (default <source>/eval).")
 _CONFIG = flags.DEFINE_string("config", None, "Optional configs/*.py: must match the stored one.")
-_TASK = flags.DEFINE_enum("task", "all", list(TASKS) + ["all", "report"],
-                          "Which evaluation to run; report: an HTML page about the run.")
+_TASK = flags.DEFINE_enum("task", "all", list(TASKS) + ["all", "report", "agent"],
+                          "Which evaluation to run; report: an HTML page about the run; "
+                          "agent: tool-use episodes per env and level (chat models).")
 flags.DEFINE_string("prompt", _D.prompt, "generate: text to continue.")
 flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens, "generate: tokens to sample.")
 flags.DEFINE_integer("max_len", _D.max_len, "generate: cache capacity (prompt + new tokens).")
@@ -54,6 +60,30 @@ flags.DEFINE_integer("vqa_images", _D.vqa_images, "vqa: held-out generated image
 flags.DEFINE_integer("vqa_seed", _D.vqa_seed,
                      "vqa: scene seed (-1: the run's data.vision.heldout_seed).")
 
+# --task=agent (also uses --temperature for the model policy, --seed, --prefill_chunk,
+# --kv_block).
+_A = AgentOptions()
+flags.DEFINE_list("agent_envs", None,
+                  "agent: env names (default: the run's RL envs, else arithmetic).")
+flags.DEFINE_list("agent_levels", [str(x) for x in _A.levels], "agent: levels per env.")
+flags.DEFINE_integer("agent_episodes", _A.episodes, "agent: held-out tasks per env and level.")
+flags.DEFINE_list("agent_policies", list(_A.policies),
+                  "agent: model (greedy at --temperature), oracle (forced: must score 1), "
+                  "random (an untrained model of the same config, temperature 1).")
+flags.DEFINE_bool("agent_brief", None,
+                  "agent: short prompts (default: the run's env kwargs, else off).")
+flags.DEFINE_integer("agent_max_tokens", _A.max_tokens, "agent: tokens per episode.")
+flags.DEFINE_integer("agent_max_turn_tokens", _A.max_turn_tokens,
+                     "agent: tokens per assistant turn.")
+flags.DEFINE_integer("agent_batch", _A.batch, "agent: episodes in flight at once.")
+
+
+def _agent(values) -> None:
+  from hybridmoe_jax import agent_eval  # pylint: disable=g-import-not-at-top
+  agent_eval.run_agent_eval(workdir=_WORKDIR.value, params=_PARAMS.value,
+                            output_dir=_OUTPUT.value, config=_CONFIG.value,
+                            options=agent_eval.options_from_flags(values))
+
 
 def main(argv):
   if len(argv) > 1:
@@ -66,6 +96,10 @@ def main(argv):
   from hybridmoe_jax.evals import cli
   values = {name: flags.FLAGS[name].value for name in flags.FLAGS if name in _D.__dict__}
   try:
+    if _TASK.value == "agent":
+      _agent({**values, **{name: flags.FLAGS[name].value for name in flags.FLAGS
+                           if name.startswith("agent_")}})
+      return
     cli.main(task=_TASK.value, workdir=_WORKDIR.value, params=_PARAMS.value,
              output_dir=_OUTPUT.value, config=_CONFIG.value, option_values=values)
   except (ValueError, OSError) as e:    # ConfigError is a ValueError

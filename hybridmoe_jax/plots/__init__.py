@@ -1,4 +1,5 @@
-"""Readable figures of a run: expert load, MaxVio / bias ranges, loss curves, NIAH, VQA.
+"""Readable figures of a run: expert load, MaxVio / bias ranges, loss curves, NIAH, VQA,
+agentic RL (success per level over steps, agent-eval bars).
 
 Every plot function returns a `matplotlib.figure.Figure` built without pyplot (no global
 figure registry, no display: safe in threads and on headless machines); `save` writes it as
@@ -15,3 +16,5 @@ from hybridmoe_jax.plots.figure import rgb_array
 from hybridmoe_jax.plots.figure import save
 from hybridmoe_jax.plots.moe import expert_load_figure
 from hybridmoe_jax.plots.moe import maxvio_figure
+from hybridmoe_jax.plots.rl import agent_eval_bars
+from hybridmoe_jax.plots.rl import success_by_level

@@ -1,6 +1,7 @@
 """Agentic RL: multi-turn environments with tools (envs/), the sandbox for model-written
 code, the chat / tool-call format that turns conversations into token ids, and batched
-multi-turn rollouts on the model's decode cache (episode.py, rollout.py).
+multi-turn rollouts on the model's decode cache (episode.py, rollout.py), held-out agent
+evaluation (evaluate.py) and readable trajectory logs (trajectory_log.py).
 
 Import the submodule you need (`from hybridmoe_jax.rl import chat_format`,
 `from hybridmoe_jax.rl.envs import make_env`); nothing is imported eagerly.

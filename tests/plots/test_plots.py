@@ -139,3 +139,45 @@ def test_plots_use_no_pyplot_and_only_numpy_matplotlib():
       for name in names:
         assert name.split(".")[0] in allowed, (path.name, name)
         assert "pyplot" not in name, (path.name, name)
+
+
+def test_success_by_level_lines_and_gaps():
+  series = {"arithmetic/L0": [0.25, 0.5, None, 1.0], "arithmetic/L1": [None, None, 0.0, 0.5]}
+  fig = plots.success_by_level([10, 20, 30, 40], series, title="RL success")
+  ax = fig.axes[0]
+  lines = {line.get_label(): line for line in ax.get_lines()}
+  assert set(lines) == set(series)
+  np.testing.assert_array_equal(lines["arithmetic/L0"].get_xdata(), [10, 20, 30, 40])
+  np.testing.assert_array_equal(lines["arithmetic/L0"].get_ydata(), [0.25, 0.5, np.nan, 1.0])
+  assert np.isnan(lines["arithmetic/L1"].get_ydata()[:2]).all()   # not evaluated: a gap
+  assert ax.get_title() == "RL success" and ax.get_xlabel() == "step"
+  assert "success" in ax.get_ylabel() and ax.get_ylim()[1] > 1.0
+  with pytest.raises(ValueError, match="'arithmetic/L1' has 2 values; steps has 4"):
+    plots.success_by_level([10, 20, 30, 40], {"arithmetic/L1": [0.0, 1.0]}, title="x")
+  assert "no evaluation yet" in _texts(plots.success_by_level([], {}, title="x").axes[0])
+
+
+def test_agent_eval_bars_one_colour_per_policy():
+  def result(rates, episodes=4):
+    return {"episodes": episodes, "cells": [
+        {"env": env, "level": lv, "success_rate": r, "episodes": episodes}
+        for (env, lv), r in rates.items()]}
+  results = {"model": result({("arithmetic", 0): 0.5, ("arithmetic", 2): 0.25,
+                              ("retrieval", 1): 0.75}),
+             "oracle": result({("arithmetic", 0): 1.0, ("arithmetic", 2): 1.0,
+                               ("retrieval", 1): 1.0}),
+             "random": result({("arithmetic", 0): 0.0, ("arithmetic", 2): 0.0,
+                               ("retrieval", 1): 0.0})}
+  fig = plots.agent_eval_bars(results)
+  arith, retr = fig.axes
+  assert (arith.get_title(), retr.get_title()) == ("arithmetic", "retrieval")
+  assert [t.get_text() for t in arith.get_xticklabels()] == ["0", "2"]
+  assert arith.get_xlabel() == "level" and "success" in arith.get_ylabel()
+  heights = {c.get_label(): [b.get_height() for b in c] for c in arith.containers}
+  assert heights == {"model": [0.5, 0.25], "oracle": [1.0, 1.0], "random": [0.0, 0.0]}
+  colours = {c.get_label(): c[0].get_facecolor() for c in retr.containers}
+  assert len(set(colours.values())) == 3
+  assert [b.get_height() for b in retr.containers[0]] == [0.75]
+  assert "4 episodes per bar" in fig._suptitle.get_text()   # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="no cells"):
+    plots.agent_eval_bars({"model": {"cells": []}})
