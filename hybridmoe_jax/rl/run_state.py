@@ -19,9 +19,9 @@ import numpy as np
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import curriculum as curriculum_lib
+from hybridmoe_jax.rl import evaluate
 from hybridmoe_jax.rl.episode import EpisodeSpec, PendingEpisode, Trajectory
 
-EVAL_SEED_BASE = 2**40
 TASK_SEED_RANGE = 2**39
 STATE_DIR = "rl_state"
 REFERENCE_DIR = "reference"
@@ -63,14 +63,12 @@ def eval_levels(rl, env: str) -> list[int]:
 
 
 def eval_specs(rl) -> list[EpisodeSpec]:
-  """The held-out episodes: eval_episodes tasks per (env, level), the same every time."""
-  out = []
-  for env in rl.envs:
-    for level in eval_levels(rl, env):
-      for k in range(rl.eval_episodes):
-        out.append(EpisodeSpec(env, EVAL_SEED_BASE + k, level, 0, 0, (),
-                               _env_kwargs(rl, env)))
-  return out
+  """The held-out episodes: eval_episodes tasks per (env, level), the same every time and
+  the same as `run_eval.py --task=agent --seed=0` (rl/evaluate.py's seeds, >= 2**40)."""
+  cells = evaluate.build_specs({n: dict(e.kwargs) for n, e in rl.envs.items()},
+                               {n: eval_levels(rl, n) for n in rl.envs},
+                               episodes=rl.eval_episodes, seed=0)
+  return [spec for _, _, specs in cells for spec in specs]
 
 
 def success_table(trajs: list[Trajectory]) -> dict[str, float]:
