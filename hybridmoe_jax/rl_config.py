@@ -46,7 +46,7 @@ class RLConfig:
   """`rl`: see the module docstring. Empty `envs`: not an RL run."""
 
   envs: dict[str, RLEnvConfig] = dataclasses.field(default_factory=dict)
-  iterations: int = 100
+  iterations: int = 100        # 0: the SFT warm start only (and the iteration-0 eval)
   seed: int = 0                 # task seeds, sampling seeds, curriculum draws
   # --- rollouts
   group_size: int = 8
@@ -103,7 +103,7 @@ class RLConfig:
     p = "rl"
     for name, env in self.envs.items():
       env.check(f"{p}.envs.{name}")
-    for name, lo in (("iterations", 1), ("group_size", 1), ("groups_per_iter", 1),
+    for name, lo in (("iterations", 0), ("group_size", 1), ("groups_per_iter", 1),
                      ("rollout_batch", 1), ("max_tokens", 8), ("max_turn_tokens", 1),
                      ("token_budget", 0), ("prefill_chunk", 1), ("minibatches", 1),
                      ("updates_per_batch", 1), ("promote_min_episodes", 1), ("sft_steps", 0),
