@@ -58,7 +58,7 @@ def build(num_experts: int, impl: str, dispatch=None):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss(params, x, r):
-    y, _ = nnx.merge(graphdef, params, rest)(x)
+    y, _, _ = nnx.merge(graphdef, params, rest)(x)
     return jnp.sum(y * r)
 
   return jax.jit(jax.grad(loss, argnums=(0, 1))), params

@@ -10,6 +10,10 @@ Where the routed experts run is the caller's choice, fixed at construction: `dis
 runs them here (`compute.moe_impl`: "ragged" sorted `ragged_dot`, or the "dense" one-hot
 reference); an expert-parallel dispatch built by `parallel` (`ep_moe.ExpertParallelDispatch`)
 runs them over a mesh and returns the statistics psum-ed over every token shard.
+Routing replay (RL, DESIGN s9): `replay` [B, T, k] int32 fixes which experts each token runs
+(recorded by an earlier forward); their weights still come from the current router
+(`ops.routing.replay_route`), so the router keeps its gradient. The balancing statistics
+always describe the router's OWN fresh top-k (what QB has to balance), replay or not.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from hybridmoe_jax.layers.balancing import Stats, routing_stats
 from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.ops.glu import get_glu
 from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
-from hybridmoe_jax.ops.routing import Routes, sigmoid_topk_route
+from hybridmoe_jax.ops.routing import Routes, replay_route, sigmoid_topk_route
 
 _F32 = jnp.float32
 
@@ -36,12 +40,16 @@ class ExpertDispatch(Protocol):
 
   __call__(x [m, n_in] compute dtype, routes: Routes of the m tokens, bias [E] fp32,
   valid [m] bool, w_gate, w_up [E, n_in, I], w_down [E, I, n_in], *, cfg: MoEConfig,
-  glu, dtype) -> (y [m, n_in] fp32 = sum_k weights * Expert(x), `routing_stats` of all m
-  tokens). Must be hashable: it is static model structure (part of the graphdef).
+  glu, dtype, stats_routes: Routes | None = None) -> (y [m, n_in] fp32 = sum_k weights *
+  Expert(x), `routing_stats` of all m tokens computed from `stats_routes`, or from
+  `routes` when it is None). The MoE passes `stats_routes` only under routing replay (the
+  router's fresh top-k), so a dispatch without replay support may omit the keyword.
+  Must be hashable: it is static model structure (part of the graphdef).
   """
 
   def __call__(self, x, routes: Routes, bias, valid, w_gate, w_up, w_down, *,
-               cfg: MoEConfig, glu, dtype) -> tuple[jax.Array, Stats]: ...
+               cfg: MoEConfig, glu, dtype, stats_routes: Routes | None = None
+               ) -> tuple[jax.Array, Stats]: ...
 
 
 class RoutingBias(nnx.Variable):
@@ -114,7 +122,8 @@ class MoE(nnx.Module):
 
   latent:  y = W_up RMSNorm(sum_e p_e Expert_e(W_down x)) + Shared(x)
   else:    y = sum_e p_e Expert_e(x) + Shared(x)
-  with routes and p from `sigmoid_topk_route` (the bias chooses, the scores weigh).
+  with routes and p from `sigmoid_topk_route` (the bias chooses, the scores weigh), or
+  under replay the given routes and p from `replay_route`.
   `dispatch`: None runs the routed experts on this device with `compute.moe_impl`; else an
   `ExpertDispatch` (built outside the layers, e.g. expert-parallel over a mesh), which
   needs moe_impl "ragged" (the dense one-hot path is a local reference only).
@@ -145,31 +154,51 @@ class MoE(nnx.Module):
     self.shared = (GLUMLP(d_model, width, glu=cfg.glu, dtype=compute.dtype, rngs=rngs)
                    if width else None)
 
-  def __call__(self, x: jax.Array, *, mask: jax.Array | None = None
-               ) -> tuple[jax.Array, Stats]:
+  def __call__(self, x: jax.Array, *, mask: jax.Array | None = None,
+               replay: jax.Array | None = None) -> tuple[jax.Array, Stats, jax.Array]:
     """Apply the MoE FFN and collect this batch's balancing statistics.
 
     Args:
       x: [B, T, d] activations (any float dtype).
       mask: optional [B, T] bool, True for real tokens; padding is still computed but
         excluded from the statistics.
+      replay: optional [B, T, k] int expert ids to run instead of the router's top-k
+        (routing replay): distinct per token, each in [0, E) (the values are not checked
+        here, see `model.decoder.check_routes`); the weights are the current router's
+        scores at those experts, normalised as without replay.
 
     Returns:
       y: [B, T, d] in the compute dtype.
       stats: `layers.balancing.routing_stats` of the B T tokens (additive int32 arrays:
         "load" [E], "dropped" [], "qb_hist" [E, qb_num_bins] with balancing "qb"),
-        over the whole batch on either path.
+        over the whole batch on either path. Under replay "load" and "qb_hist" still
+        come from the router's own fresh top-k with the current bias (what the balancer
+        must correct); "dropped" counts the assignments actually run (the replayed ones).
+      experts: [B, T, k] int32, the experts each token ran (= `replay` when given), best
+        first without replay; what a later forward replays.
+
+    Raises:
+      ValueError: `replay` is not an integer [B, T, k] array.
     """
     cfg, dtype = self.cfg, self.dtype
     b, t, d = x.shape
+    k = cfg.experts_per_token
+    if replay is not None and (tuple(replay.shape) != (b, t, k)
+                               or not jnp.issubdtype(replay.dtype, jnp.integer)):
+      raise ValueError(f"replay must be integer expert ids [B, T, k] = {(b, t, k)}, got "
+                       f"{replay.dtype} {tuple(replay.shape)}")
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
     xf = x.reshape(b * t, d)
     valid = None if mask is None else mask.reshape(b * t)
     bias = self.bias[...]
     # Router in fp32 at full precision: bf16/TF32 logits would flip near-tied routes.
     logits = jnp.dot(xf.astype(_F32), self.router[...], precision=jax.lax.Precision.HIGHEST)
-    routes = sigmoid_topk_route(logits, bias, cfg.experts_per_token,
-                                routed_scale=cfg.routed_scale, renormalize=cfg.renormalize)
+    fresh = sigmoid_topk_route(logits, bias, k, routed_scale=cfg.routed_scale,
+                               renormalize=cfg.renormalize)
+    routes = fresh
+    if replay is not None:
+      routes = replay_route(logits, replay.reshape(b * t, k), bias=bias,
+                            routed_scale=cfg.routed_scale, renormalize=cfg.renormalize)
     h = xf.astype(dtype)
     if cfg.latent_dim:
       h = _mm(h, self.latent_down[...], dtype).astype(dtype)
@@ -177,14 +206,15 @@ class MoE(nnx.Module):
     if self.dispatch is None:
       y = _EXPERT_IMPLS[self.impl](h, routes.experts, routes.weights, self.w_gate[...],
                                    self.w_up[...], self.w_down[...], glu, dtype)
-      stats = routing_stats(routes, bias, valid, cfg)
+      stats = routing_stats(fresh, bias, valid, cfg)
     else:
       ok = jnp.ones((b * t,), bool) if valid is None else valid
+      replayed = {} if replay is None else {"stats_routes": fresh}
       y, stats = self.dispatch(h, routes, bias, ok, self.w_gate[...], self.w_up[...],
-                               self.w_down[...], cfg=cfg, glu=glu, dtype=dtype)
+                               self.w_down[...], cfg=cfg, glu=glu, dtype=dtype, **replayed)
     if cfg.latent_dim:
       y = _mm(self.latent_norm(y), self.latent_up[...], dtype)
     if self.shared is not None:
       y = y + self.shared(xf).astype(_F32)
     y = sharding.constrain(y.astype(dtype).reshape(b, t, d), ("batch", "length", "act_embed"))
-    return y, stats
+    return y, stats, routes.experts.reshape(b, t, k)

@@ -15,12 +15,23 @@ sequences. With a `DecodeCache` the T tokens continue each row's sequence at pos
 cache.length[b] + i: segment_ids > 0 then marks each row's real tokens (a prefix of the
 row), 0 its padding, so rows of one batch may hold different lengths. The MoE routes with
 its current bias either way (decode simply drops the statistics).
+
+Routing replay (RL, DESIGN s9): routes {i: [B, T, k] int32} maps MoE layer indices to expert
+ids per token. `record_routes=True` returns the experts every MoE layer ran in aux["routes"];
+passing that dict back as `routes=` (e.g. in the training forward with newer parameters)
+runs those experts instead of the router's choice, weighted by the current router
+(`ops.routing.replay_route`). Layers missing from the dict route freshly. Works with and
+without a cache (each chunk replays its own [B, T_chunk, k] slice), under jit and remat.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
@@ -64,19 +75,23 @@ class DecoderLayer(nnx.Module):
       self.mixer_mix = DepthMix(d, eps=eps)
       self.ffn_mix = DepthMix(d, eps=eps)
 
-  def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array, cache=None,
-               length: jax.Array | None = None, kv_block: int = 512):
+  def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array,
+               replay: jax.Array | None = None, cache=None, length: jax.Array | None = None,
+               kv_block: int = 512):
     """One decoder layer.
 
     Args:
       stream: BlockStream (AttnRes) or the residual x [B, T, d].
       segment_ids: [B, T] int32 (see HybridLM.__call__ for their meaning with a cache).
       valid: [B, T] bool, the real tokens (routing statistics count only these).
+      replay: [B, T, k] int32 experts to run instead of the router's choice (MoE layers
+        only; see `MoE.__call__`), or None.
       cache: this layer's KDACache / MLACache, or None (training).
       length: [B] int32 tokens already cached per row (with a cache).
       kv_block: keys per block of the cached MLA attention.
     Returns:
-      (stream, moe stats or None for a dense FFN, the layer's new cache or None).
+      (stream, moe stats or None for a dense FFN, the experts run [B, T, k] int32 or None
+      for a dense FFN, the layer's new cache or None).
     """
     h = self.mixer_mix(stream) if self.attnres else stream
     h = self.mixer_norm(h)
@@ -88,11 +103,13 @@ class DecoderLayer(nnx.Module):
     stream = stream.add(self.block, out) if self.attnres else stream + out
     h = self.ffn_mix(stream) if self.attnres else stream
     if self.is_moe:
-      out, stats = self.ffn(self.ffn_norm(h), mask=valid)
+      out, stats, experts = self.ffn(self.ffn_norm(h), mask=valid, replay=replay)
     else:
-      out, stats = self.ffn(self.ffn_norm(h)), None
+      if replay is not None:
+        raise ValueError(f"routes has an entry for layer {self.index}, a dense FFN layer")
+      out, stats, experts = self.ffn(self.ffn_norm(h)), None, None
     stream = stream.add(self.block, out) if self.attnres else stream + out
-    return stream, stats, cache
+    return stream, stats, experts, cache
 
 
 class HybridLM(nnx.Module):
@@ -145,7 +162,8 @@ class HybridLM(nnx.Module):
                cache: DecodeCache | None = None, images: jax.Array | None = None,
                image_grid: jax.Array | None = None, image_index: jax.Array | None = None,
                inputs_embeds: jax.Array | None = None, logits_at: jax.Array | None = None,
-               kv_block: int = 512) -> tuple[jax.Array, dict[str, Any]]:
+               kv_block: int = 512, routes: Mapping[int, jax.Array] | None = None,
+               record_routes: bool = False) -> tuple[jax.Array, dict[str, Any]]:
     """tokens [B, T] int32 (+ optional images, see the module docstring) -> (logits, aux).
 
     Args:
@@ -159,13 +177,24 @@ class HybridLM(nnx.Module):
       logits_at: [B, K] int32 positions of the chunk whose logits to compute (e.g. each
         row's last real token); None: every position.
       kv_block: keys per block of the cached MLA attention.
+      routes: routing replay, {MoE layer index (int): [B, T, k] int expert ids} (see the
+        module docstring and `check_routes`); layers left out route freshly. The balancing
+        statistics in aux["moe"] still describe each router's own top-k.
+      record_routes: also return the experts every MoE layer ran, in aux["routes"].
     Returns:
       logits [B, T or K, vocab] fp32 and aux: aux["moe"] the routing statistics of every MoE
       layer (`layers.balancing.routing_stats`), shaped like the pure dict of the RoutingBias
       state: {"layers": {i: {"ffn": {"bias": s}}}}; aux["cache"] the updated DecodeCache
-      (None without one).
+      (None without one); with record_routes, aux["routes"] = {i: [B, T, k] int32} for
+      every MoE layer i (the dense layers have none): the replayed ids where given, else
+      the router's top-k, best first.
+    Raises:
+      ValueError: bad `routes` (see `check_routes`), before any compute.
     """
     cfg = self.cfg
+    if routes is not None:
+      lead = tokens if tokens is not None else inputs_embeds
+      check_routes(cfg, routes, None if lead is None else tuple(lead.shape[:2]))
     if inputs_embeds is not None:
       if tokens is not None or images is not None:
         raise ValueError("give either inputs_embeds or tokens (+ images), not both")
@@ -190,15 +219,21 @@ class HybridLM(nnx.Module):
     # Only training needs remat (it saves backward memory; a cached forward has no backward).
     if self.compute.remat != "none" and cache is None:
       call = nnx.remat(call, policy=REMAT_POLICIES[self.compute.remat])
+    recorded = {}
     for layer in self.layers:
+      replay = None if routes is None else routes.get(layer.index)
+      if replay is not None:
+        replay = jnp.asarray(replay, jnp.int32)
       if cache is None:
-        stream, stats, _ = call(layer, stream, segment_ids, valid)
+        stream, stats, experts, _ = call(layer, stream, segment_ids, valid, replay)
       else:
-        stream, stats, layer_cache = layer(stream, segment_ids, valid, cache.layers[layer.index],
-                                           cache.length, kv_block)
+        stream, stats, experts, layer_cache = layer(
+            stream, segment_ids, valid, replay, cache.layers[layer.index], cache.length,
+            kv_block)
         new_caches.append(layer_cache)
       if stats is not None:
         moe_stats[layer.index] = {"ffn": {"bias": stats}}
+        recorded[layer.index] = experts
     h = self.final_norm(self.final_mix(stream) if cfg.attnres.enabled else stream)
     if logits_at is not None:
       if logits_at.ndim != 2 or logits_at.shape[0] != h.shape[0]:
@@ -210,4 +245,55 @@ class HybridLM(nnx.Module):
     if cache is not None:
       new_cache = DecodeCache(tuple(new_caches),
                               cache.length + jnp.sum(valid, axis=1, dtype=jnp.int32))
-    return logits, {"moe": {"layers": moe_stats} if moe_stats else {}, "cache": new_cache}
+    aux = {"moe": {"layers": moe_stats} if moe_stats else {}, "cache": new_cache}
+    if record_routes:
+      aux["routes"] = recorded
+    return logits, aux
+
+
+def check_routes(cfg: ModelConfig, routes: Mapping[int, Any],
+                 batch_shape: tuple[int, int] | None) -> None:
+  """Check a routing-replay dict before any compute; raises ValueError naming `routes`.
+
+  Shapes and dtypes are always checked (they are static under jit too). The expert ids are
+  checked only when they are concrete (numpy arrays, or jax arrays outside any trace: an
+  eager call, or a learner checking its stored routes before the jitted step): inside jit
+  they are tracers, and an id out of range there would gather a clamped or filled score
+  instead of raising, so check host-side routes with this function before jitting.
+
+  Args:
+    cfg: the model config (MoE layer indices, E, k).
+    routes: {MoE layer index (int): [B, T, k] int expert ids, each in [0, E), distinct per
+      token}.
+    batch_shape: (B, T) of the forward's inputs, or None to skip the batch check.
+
+  Raises:
+    ValueError: not a mapping; a key that is not a MoE layer index; a value that is not an
+      integer [B, T, k] array; an expert id outside [0, E) or repeated within a token.
+  """
+  if not isinstance(routes, Mapping):
+    raise ValueError(f"routes must be a dict {{MoE layer index: [B, T, k] int32}}, got "
+                     f"{type(routes).__name__}")
+  k, num_experts = cfg.moe.experts_per_token, cfg.moe.num_experts
+  for key, ids in routes.items():
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) \
+        or key not in cfg.moe_layers:
+      raise ValueError(f"routes has key {key!r}: allowed the MoE layer indices "
+                       f"{list(cfg.moe_layers)}")
+    shape, dtype = tuple(getattr(ids, "shape", ())), getattr(ids, "dtype", None)
+    want = (*batch_shape, k) if batch_shape is not None else None
+    if (len(shape) != 3 or shape[-1] != k or (want is not None and shape != want)
+        or dtype is None or not np.issubdtype(dtype, np.integer)):
+      raise ValueError(f"routes[{key}] must be integer expert ids of shape "
+                       f"{want or ('B', 'T', k)}, got {dtype} {shape}")
+    if isinstance(ids, jax.core.Tracer) or (isinstance(ids, jax.Array)
+                                            and not ids.is_fully_addressable):
+      continue   # traced (under jit) or spread over hosts: values not readable here
+    values = np.asarray(ids)
+    if values.size and (values.min() < 0 or values.max() >= num_experts):
+      raise ValueError(f"routes[{key}] has expert ids in [{values.min()}, {values.max()}]: "
+                       f"allowed [0, {num_experts - 1}]")
+    ordered = np.sort(values, axis=-1)
+    if np.any(ordered[..., 1:] == ordered[..., :-1]):
+      raise ValueError(f"routes[{key}] repeats an expert within a token: each token's k={k} "
+                       "ids must be distinct")

@@ -1,9 +1,12 @@
-"""Sigmoid top-k routing with a balancing bias (DESIGN s4.1).
+"""Sigmoid top-k routing with a balancing bias, and routing replay (DESIGN s4.1, s9).
 
 Conventions: m tokens, E routed experts, k experts per token.
-  logits: [m, E] fp32 router logits; bias: [E] fp32 balancing bias (state, not a parameter).
+  logits: [m, E] fp32 router logits; bias: [E] fp32 balancing bias (state, not a parameter);
+  experts: [m, k] int32 expert ids.
 The bias only chooses experts; the combine weights come from the unbiased scores, so the
 balancer can move routing without touching what the chosen experts contribute.
+`replay_route` keeps the choice fixed (experts recorded by an earlier forward, e.g. with the
+rollout's parameters in RL) and recomputes only the weights from the current logits.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ class Routes(NamedTuple):
   """Routing decision for m tokens.
 
   Attributes:
-    experts: [m, k] int32, the chosen experts, best (by score + bias) first.
+    experts: [m, k] int32, the chosen experts, best (by score + bias) first (from
+      `replay_route`: the given experts in the given order).
     weights: [m, k] fp32 combine weights, s[experts] / sum(s[experts]) * routed_scale.
     scores: [m, E] fp32, s = sigmoid(logits).
-    cutoff: [m] fp32, alpha = the (k+1)-th largest value of s + bias (QB's token cutoff).
+    cutoff: [m] fp32, the largest s + bias among the experts NOT chosen: for top-k routing
+      alpha = the (k+1)-th largest value of s + bias (QB's token cutoff).
   """
 
   experts: jax.Array
@@ -58,12 +63,60 @@ def sigmoid_topk_route(logits: jax.Array, bias: jax.Array, k: int, *,
   bias = jax.lax.stop_gradient(bias.astype(jnp.float32))
   # Selection is discrete: no gradient flows through top_k (nor, therefore, the bias).
   experts, cutoff = top_k_with_cutoff(jax.lax.stop_gradient(scores) + bias, k)
+  weights = _combine_weights(scores, experts, routed_scale, renormalize)
+  return Routes(experts=experts, weights=weights, scores=scores, cutoff=cutoff)
+
+
+@functools.partial(jax.jit, static_argnames=("routed_scale", "renormalize"))
+def replay_route(logits: jax.Array, experts: jax.Array, *, bias: jax.Array | None = None,
+                 routed_scale: float = 1.0, renormalize: bool = True) -> Routes:
+  """Route each token to the given experts, weighted by the current scores (routing replay).
+
+  s = sigmoid(logits); p = s[experts] / sum(s[experts]) * routed_scale (renormalize=False:
+  p = s[experts] * routed_scale): `sigmoid_topk_route`'s formula, so replaying that
+  function's own experts reproduces its Routes exactly, field by field. Gradients reach the
+  logits through p; the expert choice itself is an input.
+
+  Args:
+    logits: [m, E] router logits (cast to fp32).
+    experts: [m, k] int expert ids, distinct per token, each in [0, E) (not checked here:
+      values may be traced; `model.decoder.check_routes` checks concrete ones).
+    bias: optional [E] balancing bias (None: zeros); it only enters `cutoff`.
+    routed_scale: constant multiplier of the normalised weights.
+    renormalize: divide the chosen scores by their sum (the default).
+
+  Returns:
+    `Routes` with experts = the given ids (int32, in the given order), weights [m, k] fp32,
+    scores [m, E] fp32 and cutoff [m] fp32 = the largest s + bias over the experts NOT in
+    `experts` (when `experts` is the top k of s + bias this is the (k+1)-th largest value,
+    i.e. `sigmoid_topk_route`'s cutoff).
+
+  Raises:
+    ValueError: `experts` is not an integer [m, k] array with 0 < k < E.
+  """
+  m, num_experts = logits.shape
+  if (experts.ndim != 2 or experts.shape[0] != m or not 0 < experts.shape[1] < num_experts
+      or not jnp.issubdtype(experts.dtype, jnp.integer)):
+    raise ValueError(f"experts must be integer [m={m}, k] with 0 < k < E={num_experts}, "
+                     f"got {experts.dtype} {experts.shape}")
+  experts = experts.astype(jnp.int32)
+  scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+  bias = (jnp.zeros((num_experts,), jnp.float32) if bias is None
+          else jax.lax.stop_gradient(bias.astype(jnp.float32)))
+  chosen = jnp.any(experts[..., None] == jnp.arange(num_experts, dtype=jnp.int32), axis=-2)
+  # The best expert left out: the same fp32 values top_k compares, so the max is exact.
+  cutoff = jnp.max(jnp.where(chosen, -jnp.inf, jax.lax.stop_gradient(scores) + bias), axis=-1)
+  weights = _combine_weights(scores, experts, routed_scale, renormalize)
+  return Routes(experts=experts, weights=weights, scores=scores, cutoff=cutoff)
+
+
+def _combine_weights(scores: jax.Array, experts: jax.Array, routed_scale: float,
+                     renormalize: bool) -> jax.Array:
+  """p = s[experts] (/ sum) * routed_scale: scores [m, E], experts [m, k] -> [m, k] fp32."""
   chosen = jnp.take_along_axis(scores, experts, axis=-1)
   if renormalize:
-    weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) * routed_scale
-  else:
-    weights = chosen * routed_scale
-  return Routes(experts=experts, weights=weights, scores=scores, cutoff=cutoff)
+    return chosen / jnp.sum(chosen, axis=-1, keepdims=True) * routed_scale
+  return chosen * routed_scale
 
 
 def top_k_with_cutoff(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -167,18 +167,22 @@ class ExpertParallelDispatch:
 
   def __call__(self, x: jax.Array, routes: Routes, bias: jax.Array, valid: jax.Array,
                w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, cfg: MoEConfig,
-               glu: Callable, dtype) -> tuple[jax.Array, Stats]:
+               glu: Callable, dtype, stats_routes: Routes | None = None
+               ) -> tuple[jax.Array, Stats]:
     """Routed-expert FFN and routing statistics of all tokens (global views in and out).
 
     Args:
       x: [m, n] expert inputs (compute dtype); routes: `Routes` of the m tokens;
       bias: [E] fp32 routing bias; valid: [m] bool; w_gate, w_up [E, n, I]; w_down [E, I, n].
       cfg: the layer's MoEConfig; glu: gate nonlinearity; dtype: matmul dtype.
+      stats_routes: the `Routes` the statistics describe (None: `routes`); under routing
+        replay the router's own fresh top-k, while `routes` holds the replayed experts.
 
     Returns:
       y [m, n] fp32 over the assignments that were not dropped; `routing_stats` of the m
-      tokens with "dropped" the valid assignments dropped over the whole batch (always 0
-      when capacity_factor == 0). Integer psums: exactly the single-device statistics.
+      tokens (of `stats_routes`) with "dropped" the valid assignments of `routes` dropped
+      over the whole batch (always 0 when capacity_factor == 0). Integer psums: exactly
+      the single-device statistics.
     """
     toks = token_axes(self.mesh)
     num_shards = self.mesh.shape[EXPERT_AXIS]
@@ -187,17 +191,18 @@ class ExpertParallelDispatch:
       raise ValueError(f"{num_experts} experts do not split over mesh.expert={num_shards}: "
                        "each expert shard owns whole experts")
 
-    def body(x, routes, bias, valid, w_gate, w_up, w_down):
+    def body(x, routes, stats_routes, bias, valid, w_gate, w_up, w_down):
       y, dropped = expert_parallel_shard(
           x, routes.experts, routes.weights, valid, w_gate, w_up, w_down, glu=glu,
           dtype=dtype, num_experts=num_experts, num_shards=num_shards,
           capacity_factor=self.capacity_factor, impl=self.exchange)
       # Per-shard counts, one integer psum over all token shards: the pooled statistics.
-      stats = routing_stats(routes, bias, valid, cfg, dropped=dropped)
+      stats = routing_stats(routes if stats_routes is None else stats_routes, bias, valid,
+                            cfg, dropped=dropped)
       return y, jax.lax.psum(stats, toks)
 
     tok, wspec = P(toks), P(EXPERT_AXIS)
     return jax.shard_map(body, mesh=self.mesh,
-                         in_specs=(tok, tok, P(), tok, wspec, wspec, wspec),
+                         in_specs=(tok, tok, tok, P(), tok, wspec, wspec, wspec),
                          out_specs=(tok, P()), check_vma=False)(
-                             x, routes, bias, valid, w_gate, w_up, w_down)
+                             x, routes, stats_routes, bias, valid, w_gate, w_up, w_down)

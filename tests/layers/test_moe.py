@@ -34,7 +34,7 @@ def _x(b=2, t=12, seed=1, dtype=jnp.float32):
 
 
 def _loss(model, x, mask=None):
-  y, _ = model(x, mask=mask)
+  y, _, _ = model(x, mask=mask)
   w = jnp.sin(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
   return jnp.sum(y.astype(jnp.float32) * w)
 
@@ -43,7 +43,7 @@ def _loss(model, x, mask=None):
 # input shapes, so tests that share a config and shape compile once.
 @nnx.jit
 def _forward_and_grad(model, x):
-  y, stats = model(x)
+  y, stats, _ = model(x)
   return y, stats, nnx.grad(_loss)(model, x)
 
 
@@ -131,8 +131,8 @@ class MoEStatsTest(parameterized.TestCase):
     model = self._model()
     x = _x(b=2, t=12)
     mask = jnp.arange(24).reshape(2, 12) % 4 != 3
-    _, stats = _forward(model, x, mask)
-    _, stats_valid = model(x[mask][None])       # only the valid tokens, as one row
+    _, stats, _ = _forward(model, x, mask)
+    _, stats_valid, _ = model(x[mask][None])       # only the valid tokens, as one row
     self.assertEqual(set(stats), {"load", "dropped", "qb_hist"})
     for key in stats:
       self.assertEqual(stats[key].dtype, jnp.int32)
@@ -143,13 +143,13 @@ class MoEStatsTest(parameterized.TestCase):
   def test_stats_additive_over_microbatches(self):
     model = self._model()
     x = _x(b=4, t=12)
-    _, whole = _forward(model, x)
-    _, a = _forward(model, x[:2])
-    _, b = _forward(model, x[2:])
+    _, whole, _ = _forward(model, x)
+    _, a, _ = _forward(model, x[:2])
+    _, b, _ = _forward(model, x[2:])
     jax.tree.map(lambda w, p, q: np.testing.assert_array_equal(w, p + q), whole, a, b)
 
   def test_no_histogram_without_qb(self):
-    _, stats = _forward(self._model(balancing="sign"), _x())
+    _, stats, _ = _forward(self._model(balancing="sign"), _x())
     self.assertEqual(set(stats), {"load", "dropped"})
     self.assertEqual(int(stats["dropped"]), 0)
 
@@ -158,7 +158,7 @@ class MoEStatsTest(parameterized.TestCase):
     model = _moe(cfg)
     model.bias[...] = 0.05 * jax.random.normal(jax.random.PRNGKey(7), (8,))
     x = _x(b=4, t=12)
-    _, stats = _forward(model, x)
+    _, stats, _ = _forward(model, x)
     new = update_bias(model.bias[...], stats, cfg)
     scores = jax.nn.sigmoid(x.reshape(-1, D) @ model.router[...])
     ref = quantile_balance(scores, model.bias[...], 2, method="histogram", num_bins=256)
@@ -248,8 +248,8 @@ class BalancingTest(parameterized.TestCase):
   def test_dispatch_replaces_the_local_experts(self):
     cfg = _cfg()
     x = _x()
-    ref_y, ref_stats = _moe(cfg)(x)
-    y, stats = _moe(cfg, dispatch=_Recorder())(x)
+    ref_y, ref_stats, _ = _moe(cfg)(x)
+    y, stats, _ = _moe(cfg, dispatch=_Recorder())(x)
     self.assertEqual(_Recorder.calls, 1)
     _assert_close(self, y, ref_y, 1e-6)
     np.testing.assert_array_equal(stats["load"], ref_stats["load"])

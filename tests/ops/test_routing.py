@@ -6,8 +6,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from hybridmoe_jax.ops.glu import get_glu, situ_glu, swiglu
-from hybridmoe_jax.ops.routing import (expert_load, max_violation, sigmoid_topk_route,
-                                       top_k_with_cutoff)
+from hybridmoe_jax.ops.routing import (expert_load, max_violation, replay_route,
+                                       sigmoid_topk_route, top_k_with_cutoff)
 
 
 def _inputs(m, e, seed=0, bias_scale=0.3):
@@ -117,6 +117,45 @@ class RoutingTest(parameterized.TestCase):
     np.testing.assert_allclose(max_violation(jnp.array([3, 2, 2, 1])), 3 / 2 - 1)
     self.assertEqual(float(max_violation(jnp.array([5, 5, 5]))), 0.0)
     self.assertEqual(float(max_violation(jnp.zeros(4, jnp.int32))), 0.0)
+
+
+class ReplayRouteTest(parameterized.TestCase):
+
+  @parameterized.parameters(dict(renormalize=True, bias_scale=0.3),
+                            dict(renormalize=False, bias_scale=0.0))
+  def test_replaying_top_k_gives_the_same_routes(self, renormalize, bias_scale):
+    logits, bias = _inputs(40, 8, seed=3, bias_scale=bias_scale)
+    ref = sigmoid_topk_route(logits, bias, 3, routed_scale=2.5, renormalize=renormalize)
+    got = replay_route(logits, ref.experts, bias=bias, routed_scale=2.5,
+                       renormalize=renormalize)
+    for field in ref._fields:
+      np.testing.assert_array_equal(getattr(got, field), getattr(ref, field), err_msg=field)
+
+  def test_other_experts_weights_cutoff_and_gradient(self):
+    logits, bias = _inputs(6, 5, seed=4)
+    experts = jnp.array([[4, 0], [1, 2], [3, 4], [0, 1], [2, 3], [4, 1]], jnp.int32)
+    r = replay_route(logits, experts, bias=bias, routed_scale=1.5)
+    np.testing.assert_array_equal(r.experts, experts)
+    s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
+    chosen = np.take_along_axis(s, np.asarray(experts), 1)
+    np.testing.assert_allclose(r.weights, chosen / chosen.sum(1, keepdims=True) * 1.5,
+                               rtol=1e-6)
+    left_out = np.where(np.eye(5, dtype=bool)[np.asarray(experts)].any(1), -np.inf,
+                        s + np.asarray(bias))
+    np.testing.assert_allclose(r.cutoff, left_out.max(1), rtol=1e-6)
+    f = lambda lg: jnp.sum(jnp.sin(3.0 * replay_route(lg, experts).weights))
+    g = np.asarray(jax.grad(f)(logits))
+    # Only the replayed experts' logits get a gradient.
+    self.assertTrue(np.all(g[~np.eye(5, dtype=bool)[np.asarray(experts)].any(1)] == 0.0))
+    self.assertGreater(float(np.min(np.abs(np.take_along_axis(g, np.asarray(experts), 1)))),
+                       0.0)
+
+  def test_bad_experts_raise(self):
+    logits, _ = _inputs(4, 6)
+    for bad in (jnp.zeros((4,), jnp.int32), jnp.zeros((3, 2), jnp.int32),
+                jnp.zeros((4, 6), jnp.int32), jnp.zeros((4, 2), jnp.float32)):
+      with self.assertRaisesRegex(ValueError, "experts must be integer"):
+        replay_route(logits, bad)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ SKEW[:2] = 10.0   # experts 0 and 1 (both on expert shard 0 for EP <= 8) win eve
 def _loss_fn(graphdef):
   def loss(params, rest, x, r):
     model = nnx.merge(graphdef, params, rest)
-    y, stats = model(x, mask=jnp.ones(x.shape[:2], bool).at[0, :3].set(False))
+    y, stats, _ = model(x, mask=jnp.ones(x.shape[:2], bool).at[0, :3].set(False))
     return jnp.sum(y * r), stats
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
 
@@ -97,16 +97,41 @@ def test_capacity_factor_drops_and_counts(inputs):
   model = _moe(cfg, dispatch=ExpertParallelDispatch(mesh, capacity_factor=1.0))
   model.bias[...] = jnp.asarray(SKEW)
   with jax.set_mesh(mesh):
-    y, stats = nnx.jit(lambda m, x: m(x, mask=jnp.ones(x.shape[:2], bool)))(model, x)
+    y, stats, _ = nnx.jit(lambda m, x: m(x, mask=jnp.ones(x.shape[:2], bool)))(model, x)
   dense = _moe(cfg, "dense")
   dense.bias[...] = jnp.asarray(SKEW)
-  y_ref, _ = dense(x)
+  y_ref, _, _ = dense(x)
   m = x.shape[0] * x.shape[1]
   assert int(stats["dropped"]) == (m - m // 8) * K          # numpy count: 7/8 of all rows
   y, y_ref = np.asarray(y).reshape(m, D), np.asarray(y_ref).reshape(m, D)
   kept = m // 8                                              # shard 0's own tokens
   assert rel_rms(y_ref[:kept], y[:kept]) < 1e-5
   np.testing.assert_array_equal(y[kept:], 0.0)
+
+
+def test_replay_runs_the_given_experts_and_counts_the_routers_own():
+  """Routing replay through the dispatch: y == the local path under the same replay, the
+  experts run are the replayed ones, and the statistics are those of the router's own top-k
+  (the local path's without replay), not of the replayed experts."""
+  x = jax.random.normal(jax.random.PRNGKey(8), (8, 4, D), jnp.float32)
+  rng = np.random.default_rng(1)
+  replay = np.stack([rng.permutation(E)[:K] for _ in range(x.shape[0] * x.shape[1])])
+  replay = jnp.asarray(replay.reshape(*x.shape[:2], K), jnp.int32)
+  models = [_moe(CFG), _moe(CFG, dispatch=ExpertParallelDispatch(make_mesh(data=2, expert=4)))]
+  bias = jnp.asarray(rng.normal(size=(E,)).astype(np.float32) * 0.1)
+  for model in models:
+    model.bias[...] = bias
+  fwd = nnx.jit(lambda m, x, replay: m(x, replay=replay))
+  _, fresh, _ = fwd(models[0], x, None)
+  y_ref, stats_ref, experts_ref = fwd(models[0], x, replay)
+  y, stats, experts = fwd(models[1], x, replay)
+  np.testing.assert_array_equal(experts, replay)
+  np.testing.assert_array_equal(experts_ref, replay)
+  assert rel_rms(y_ref, y) < 1e-5
+  for got in (stats_ref, stats):
+    jax.tree.map(np.testing.assert_array_equal, got, fresh)
+  replayed_load = np.bincount(np.asarray(replay).reshape(-1), minlength=E)
+  assert np.any(replayed_load != np.asarray(stats["load"]))
 
 
 def test_dispatch_validates_its_arguments():
