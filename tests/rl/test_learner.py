@@ -78,11 +78,13 @@ def test_batch_lp_old_is_the_training_forward_and_masks_are_the_sampled_tokens()
 @pytest.mark.parametrize("loss", ["clip", "gspo", "opmd"])
 def test_one_update_follows_the_advantage(loss):
   """clip also carries a k3 KL to a reference equal to the policy (0, and no gradient at
-  equality) and update_biases (the QB rule moves the bias); the others keep it frozen."""
+  equality) and update_biases (the QB rule moves the bias); the others keep it frozen; gspo
+  replays the rollout policy's routed experts (routing replay)."""
   cfg, model, trajs = _setup()
   rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
   b = _batch(trajs, rewards)
   extra = dict(kl="k3", kl_beta=0.1, update_biases=True) if loss == "clip" else {}
+  extra = dict(routing_replay=True) if loss == "gspo" else extra
   rl = RLConfig(envs={"arithmetic": RLEnvConfig()}, loss=loss, group_size=4,
                 groups_per_iter=2, **extra)
   tx = optax.sgd(0.05)
@@ -90,12 +92,19 @@ def test_one_update_follows_the_advantage(loss):
   lp_fn = learner.token_logps(graphdef)
   before = lp_fn(state.params, state.biases, state.rest, b["tokens"], b["segment_ids"])
   lp_ref = before if loss == "clip" else None
+  routes = None
+  if loss == "gspo":
+    lp_rec, routes = learner.token_logps(graphdef, record_routes=True)(
+        state.params, state.biases, state.rest, b["tokens"], b["segment_ids"])
+    np.testing.assert_array_equal(np.asarray(lp_rec), np.asarray(before))
+    assert routes and all(r.shape[:2] == b["tokens"].shape for r in routes.values())
   before = np.asarray(before)
   biases0 = jax.tree.map(np.asarray, state.biases)
   step = learner.make_rl_step(graphdef, cfg, tx, rl, lambda c: 0.05)
-  state, m = step(state, {k: jnp.asarray(v) for k, v in b.items()}, lp_ref, None)
+  state, m = step(state, {k: jnp.asarray(v) for k, v in b.items()}, lp_ref, routes)
   assert bool(m["finite"]) and float(m["grad_norm"]) > 0
-  np.testing.assert_allclose(float(m["ratio_mean"]), 1.0, atol=1e-5)   # on-policy
+  # on-policy (replayed routes are the policy's own: the same log-probs)
+  np.testing.assert_allclose(float(m["ratio_mean"]), 1.0, atol=1e-5)
   after = np.asarray(lp_fn(state.params, state.biases, state.rest, b["tokens"],
                            b["segment_ids"]))
   gain = ((after - before) * b["mask"]).sum(axis=1)[:len(trajs)]
