@@ -71,6 +71,7 @@ def run(args) -> list[dict]:
       workdir = os.path.join(args.out, f"{algo}_s{seed}")
       rl = dict(ALGOS[algo], init_from=sft_dir, iterations=args.iterations,
                 eval_every=args.eval_every, eval_episodes=args.eval_episodes,
+                eval_levels=tuple(int(x) for x in args.eval_levels.split(",")),
                 group_size=args.group_size, opmd_tau=args.opmd_tau)
       t0 = time.time()
       s = trainer.train_rl(_config(args, seed, **rl), workdir)
@@ -108,12 +109,14 @@ def table(records: list[dict], cell: str) -> str:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", required=True, help="directory for the runs (must not exist)")
+  p.add_argument("--out", required=True, help="directory for the runs; a run already there "
+                 "is resumed (finished: reused), never overwritten")
   p.add_argument("--config", default=str(ROOT / "configs" / "rl_tiny.py"))
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--algos", default="grpo,drgrpo,opmd")
   p.add_argument("--iterations", type=int, default=100)
   p.add_argument("--eval_every", type=int, default=25)
+  p.add_argument("--eval_levels", default="0,1,2")
   p.add_argument("--eval_episodes", type=int, default=64)
   p.add_argument("--group_size", type=int, default=8)
   p.add_argument("--opmd_tau", type=float, default=1.0)
@@ -125,8 +128,6 @@ def main():
   bad = [a for a in args.algos if a not in ALGOS]
   if bad:
     p.error(f"--algos: unknown {bad}; allowed {list(ALGOS)}")
-  if os.path.exists(args.out):
-    p.error(f"--out {args.out} exists: choose a new directory (runs are never overwritten)")
   records = run(args)
   print(table(records, args.cell))
   if args.json:
