@@ -82,7 +82,7 @@ def _checked_envs(envs: Mapping[str, Any]) -> dict[str, tuple[int, int, float]]:
       raise ValueError(f"envs[{name!r}].start_level = {start!r}: allowed an int in "
                        f"[0, max_level={top}]")
     if not (_is_real(weight) and 0 < weight < math.inf):
-      raise ValueError(f"envs[{name!r}].weight = {weight!r}: allowed a finite float > 0")
+      raise ValueError(f"envs[{name!r}] weight = {weight!r}: allowed a finite float > 0")
     out[name] = (int(start), int(top), float(weight))
   return out
 

@@ -123,7 +123,7 @@ def test_settings_errors(kwargs, fragment):
     ({"a": (3, 2, 1.0)}, "envs['a'].start_level = 3: allowed an int in [0, max_level=2]"),
     ({"a": (-1, 2, 1.0)}, "envs['a'].start_level = -1"),
     ({"a": (0, -1, 1.0)}, "envs['a'].max_level = -1: allowed an int >= 0"),
-    ({"a": (0, 2, 0.0)}, "envs['a'].weight = 0.0: allowed a finite float > 0"),
+    ({"a": (0, 2, 0.0)}, "envs['a'] weight = 0.0: allowed a finite float > 0"),
     ({"a": (0, 2)}, "envs['a'] = (0, 2): allowed (start_level, max_level, weight)"),
     ({"a/b": (0, 2, 1.0)}, "envs: name 'a/b'"),
 ])

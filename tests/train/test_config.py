@@ -31,7 +31,9 @@ def test_presets_set_runtime_knobs_in_compute():
 
 def test_sections_present():
   c = default_config()
-  assert set(c.keys()) == {"model", "compute", "train", "data", "mesh", "curriculum", "hardware"}
+  assert set(c.keys()) == {"model", "compute", "train", "data", "mesh", "curriculum", "hardware",
+                           "rl"}
+  assert c.rl.envs.to_dict() == {}    # not an RL run
   assert c.hardware.to_dict() == {"device": "", "memory_gib": 0.0, "margin": 0.1}
   assert c.mesh.to_dict() == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1,
                                 "context": 1}
