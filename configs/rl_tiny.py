@@ -30,7 +30,7 @@ def get_config():
   t.log_every = 50            # SFT progress lines
   t.keep_checkpoints = 2
   rl = config.rl
-  rl.envs = {"arithmetic": {"start_level": 0, "max_level": 3, "weight": 1.0,
+  rl.envs = {"arithmetic": {"start_level": 0, "max_level": 3, "share": 1.0,
                             "kwargs": {"brief": True}}}
   rl.iterations = 60
   rl.group_size = 8

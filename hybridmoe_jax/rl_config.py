@@ -29,13 +29,13 @@ KL_KINDS = ("none", "k1", "k3")
 class RLEnvConfig:
   """`rl.envs.<name>`: one environment of the mix (the key is its registered name)."""
 
-  weight: float = 1.0          # share of the groups drawn from this environment
+  share: float = 1.0           # relative share of the groups drawn from this environment
   start_level: int = 0         # the curriculum's first frontier
   max_level: int = 4           # the highest level the curriculum may unlock
   kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # make_env arguments
 
   def check(self, p: str) -> None:
-    require(self.weight > 0, f"{p}.weight", self.weight, "a number > 0")
+    require(self.share > 0, f"{p}.share", self.share, "a number > 0")
     require(self.start_level >= 0, f"{p}.start_level", self.start_level, "an integer >= 0")
     require(self.max_level >= self.start_level, f"{p}.max_level", self.max_level,
             f"an integer >= start_level ({self.start_level})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import demos as demos_lib
 from hybridmoe_jax.rl.envs.base import make_env
 from hybridmoe_jax.rl_config import RLConfig
@@ -42,8 +43,9 @@ class DemoBatches:
       raise ValueError("rl SFT: no demonstrations (rl.envs is empty)")
     longest = max(len(d.ids) for d in demos)
     if longest > max_len:
-      raise ValueError(f"rl SFT: a demonstration has {longest} tokens > rl.max_tokens = "
-                       f"{max_len}: raise rl.max_tokens or lower rl.sft_levels")
+      raise ConfigError(f"config field `rl.max_tokens` = {max_len} is below the longest SFT "
+                        f"demonstration ({longest} tokens): raise rl.max_tokens or lower "
+                        "rl.sft_levels")
     self.demos, self.batch, self.seed = demos, batch, seed
     self.seq_len = -(-longest // 64) * 64
 

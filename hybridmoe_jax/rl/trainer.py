@@ -50,7 +50,6 @@ from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.infer.engine import Engine
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.rl import batch as batch_lib
-from hybridmoe_jax.rl import curriculum as curriculum_lib
 from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
 from hybridmoe_jax.rl.chat_format import chat_ids
 from hybridmoe_jax.rl.episode import Trajectory
@@ -170,11 +169,7 @@ class _Run:
     ckpt_lib.write_workdir_config(workdir, self.model_dict)
     tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, tokenizer_lib.TOKENIZER_DIR))
     self.state = state
-    self.curriculum = run_state.make_curriculum(rl)
-    if self.host.curriculum is not None:
-      self.curriculum = curriculum_lib.Curriculum.from_state_dict(
-          self.host.curriculum, {n: (e.start_level, e.max_level, e.weight)
-                                 for n, e in rl.envs.items()}, self.curriculum.settings)
+    self.curriculum = run_state.make_curriculum(rl, self.host.curriculum)
     self.meta = {"model_config": self.model_dict, "signature": self.signature,
                  "config": json.dumps(dataclasses.asdict(config))}
     self.monitor = RLMonitor(workdir)

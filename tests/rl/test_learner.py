@@ -75,7 +75,7 @@ def test_batch_lp_old_is_the_training_forward_and_masks_are_the_sampled_tokens()
   assert b["tokens"].shape[1] % 8 == 0 and b["valid"].sum() == len(trajs)
 
 
-@pytest.mark.parametrize("loss", ["clip", "gspo", "opmd"])
+@pytest.mark.parametrize("loss", ["clip", "gspo", pytest.param("opmd", marks=pytest.mark.slow)])
 def test_one_update_follows_the_advantage(loss):
   """clip also carries a k3 KL to a reference equal to the policy (0, and no gradient at
   equality) and update_biases (the QB rule moves the bias); the others keep it frozen; gspo

@@ -18,10 +18,11 @@ from hybridmoe_jax.train.config import load_config_file
 from tests.conftest import ROOT
 
 RL_TINY = ROOT / "configs" / "rl_tiny.py"
-OVERRIDES = dict(iterations=3, sft_steps=3, sft_batch=4, sft_demos=8, group_size=2,
-                 groups_per_iter=2, rollout_batch=4, max_tokens=192, max_turn_tokens=16,
+OVERRIDES = dict(iterations=3, sft_steps=2, sft_batch=4, sft_demos=8, group_size=2,
+                 groups_per_iter=2, rollout_batch=4, max_tokens=128, max_turn_tokens=16,
                  minibatches=2, eval_every=2, eval_episodes=2, eval_levels=(0,),
-                 save_every=1, log_trajectories=1, promote_min_episodes=2, promote_at=0.0)
+                 save_every=1, log_trajectories=1, promote_min_episodes=2, promote_at=0.0,
+                 sft_levels=(0,))
 
 
 def _config(**rl):
@@ -50,7 +51,7 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   s = trainer.train_rl(_config(), str(ref))
   assert s["phase"] == "rl" and s["iteration"] == 3 and s["stopped_by"] is None
   sft = _records(ref, "sft")
-  assert [r["step"] for r in sft] == [1, 2, 3] and all(r["loss"] > 0 for r in sft)
+  assert [r["step"] for r in sft] == [1, 2] and all(r["loss"] > 0 for r in sft)
   rl = _records(ref, "rl")
   assert [r["iteration"] for r in rl] == [1, 2, 3]
   for r in rl:
@@ -63,8 +64,8 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly(tmp_path):
     lines = [json.loads(line) for line in f]
   assert len(lines) == 3 and all(line["env"] == "arithmetic" for line in lines)
   ckpts = sorted(int(n) for n in os.listdir(ref / "checkpoints") if n.isdigit())
-  assert ckpts[-1] == 3 + 3     # sft steps + iterations
-  assert os.path.isfile(ref / "rl_state" / "6.pkl")
+  assert ckpts[-1] == 2 + 3     # sft steps + iterations
+  assert os.path.isfile(ref / "rl_state" / "5.pkl")
   assert os.path.isfile(ref / "tokenizer" / "byte_chat.json")
 
   part = tmp_path / "part"
