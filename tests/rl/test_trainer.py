@@ -104,7 +104,8 @@ def _cli(workdir, cache, *extra):
   args = [sys.executable, str(ROOT / "run_train.py"), f"--config={RL_TINY}",
           f"--workdir={workdir}", "--config.rl.iterations=4", "--config.rl.sft_steps=2",
           "--config.rl.group_size=2", "--config.rl.groups_per_iter=2",
-          "--config.rl.rollout_batch=4", "--config.rl.max_tokens=192",
+          "--config.rl.rollout_batch=4", "--config.rl.max_tokens=128",
+          "--config.rl.sft_levels=(0,)", "--config.rl.envs.arithmetic.max_level=1",
           "--config.rl.eval_every=0", "--config.rl.eval_episodes=1",
           "--config.rl.eval_levels=(0,)", "--config.rl.save_every=1",
           "--config.model.num_layers=2", *extra]
