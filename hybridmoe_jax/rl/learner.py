@@ -28,6 +28,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.layers.balancing import update_routing_biases
+from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.rl import losses
 from hybridmoe_jax.rl_config import RLConfig
 from hybridmoe_jax.train import optim
@@ -113,11 +114,14 @@ def policy_objective(lp, batch: dict, rl: RLConfig, lp_ref=None, logits=None
 
 
 def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
-                 rl: RLConfig, schedule: optax.Schedule
+                 rl: RLConfig, schedule: optax.Schedule, *,
+                 mesh: jax.sharding.Mesh | None = None, state_shardings=None
                  ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """The jitted `rl_step(state, batch, lp_ref, routes) -> (state, metrics)`; `state` is
-  donated. lp_ref: [R, T] or None; routes: the rollout policy's routed experts (routing
-  replay) or None."""
+  donated. batch: host (numpy) arrays of rl/batch.py; lp_ref: [R, T] or None; routes: the
+  rollout policy's routed experts (routing replay) or None. With `mesh` (the pre-training
+  runtime's), the batch is placed over (data, fsdp), the step runs under that mesh and the
+  new state keeps `state_shardings`."""
 
   def loss_fn(params, state: TrainState, batch, lp_ref, routes):
     logits, aux = _forward(graphdef, params, state.biases, state.rest, batch["tokens"],
@@ -148,9 +152,20 @@ def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTra
                               skipped=state.skipped + (~ok).astype(jnp.int32))
     metrics.update(grad_norm=grad_norm, finite=ok, lr=optim.learning_rate(schedule, applied),
                    tokens=jnp.sum(batch["mask"]))
+    if state_shardings is not None:
+      new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     return new_state, metrics
 
-  return jax.jit(rl_step, donate_argnums=0)
+  step = jax.jit(rl_step, donate_argnums=0)
+  if mesh is None:
+    return step
+
+  def on_mesh(state, batch, lp_ref, routes):
+    batch = mesh_lib.host_batch_to_global(batch, mesh)
+    with jax.set_mesh(mesh):
+      return step(state, batch, lp_ref, routes)
+
+  return on_mesh
 
 
 def rl_schedule(rl: RLConfig, lr: float, warmup: int, sft_steps: int) -> optax.Schedule:

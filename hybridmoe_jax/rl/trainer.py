@@ -33,6 +33,7 @@ exported once to `reference/`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,6 +50,8 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.infer.engine import Engine
 from hybridmoe_jax.infer.sampling import SamplingConfig
+from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
 from hybridmoe_jax.rl.chat_format import chat_ids
@@ -59,7 +62,7 @@ from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim, workdir_lock
 from hybridmoe_jax.train import step as step_lib
-from hybridmoe_jax.train.state import create_train_state
+from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
 
 def _tokenizer(config: RunConfig):
   tok = tokenizer_lib.make_tokenizer(config.data.tokenizer)
@@ -78,9 +81,13 @@ def _tokenizer(config: RunConfig):
 def check_rl_config(config: RunConfig) -> None:
   """Cross-section checks, before any compute."""
   rl = config.rl
-  if any(v > 1 for v in dataclasses.asdict(config.mesh).values() if isinstance(v, int)):
-    raise ConfigError(f"mesh = {dataclasses.asdict(config.mesh)}: RL runs on one device for "
-                      "now (rollouts and learner unsharded); allowed all mesh sizes 1")
+  if config.mesh.context != 1:
+    raise ConfigError(f"config field `mesh.context` = {config.mesh.context} is invalid for an "
+                      "RL run: allowed 1 (rollouts decode whole sequences on the cache; "
+                      "context-parallel RL is not implemented)")
+  if jax.process_count() > 1:
+    raise ConfigError(f"RL runs on one process (rollouts and environments live on the "
+                      f"host), got {jax.process_count()} processes")
   from hybridmoe_jax.rl.envs.base import env_names, make_env  # pylint: disable=g-import-not-at-top
   for name, e in rl.envs.items():
     if name not in env_names():
@@ -96,6 +103,15 @@ def check_rl_config(config: RunConfig) -> None:
   if rl.init_from and not os.path.isdir(rl.init_from):
     raise ConfigError(f"config field `rl.init_from` = {rl.init_from!r}: no such directory "
                       "(allowed a training workdir or a params export)")
+
+
+def _check_sft_batch(rl, rt) -> None:
+  if rt.mesh is None:
+    return
+  dp = rt.mesh.shape["data"] * rt.mesh.shape["fsdp"]
+  if rl.sft_batch % dp:
+    raise ConfigError(f"config field `rl.sft_batch` = {rl.sft_batch} is invalid: allowed a "
+                      f"multiple of mesh.data x mesh.fsdp = {dp}")
 
 
 def train_rl(config, workdir: str) -> dict[str, Any]:
@@ -150,12 +166,23 @@ class _Run:
     self.sft_steps = 0 if rl.init_from else rl.sft_steps
     self.schedule = learner.rl_schedule(rl, t.lr, t.warmup, self.sft_steps)
     self.tx = optim.make_optimizer(t, self.schedule)
-    self.graphdef, state = create_train_state(cfg, config.compute, self.tx, t.seed)
+    # The pre-training runtime: mesh, expert-parallel MoE, sharded init / restore.
+    rows = rl.group_size * rl.groups_per_iter // rl.minibatches
+    self.rt = parallel_runtime.setup(dataclasses.asdict(config.mesh), cfg, config.compute,
+                                     batch_size=rows, grad_accum=1,
+                                     seq_len=-(-rl.max_tokens // 64) * 64)
+    _check_sft_batch(rl, self.rt)
+    self.graphdef, abstract = abstract_train_state(
+        cfg, config.compute, self.tx, t.seed, moe_dispatch=self.rt.moe_dispatch,
+        context=self.rt.context)
+    # The cached forward (rollouts) runs a local-MoE graph over the same (sharded) state.
+    self.engine_graphdef = split_model(nnx.eval_shape(
+        lambda: HybridLM(cfg, rngs=nnx.Rngs(0), compute=config.compute)))[0]
     self.ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints,
                                       async_save=t.async_checkpoints)
-    self.signature = ckpt_lib.structure_signature(jax.eval_shape(lambda: state))
+    self.signature = ckpt_lib.structure_signature(abstract)
     ckpt_lib.check_workdir_config(workdir, self.model_dict, repair=True)
-    restored = self.ckpt.restore_latest(jax.eval_shape(lambda: state), self.model_dict)
+    restored = self.ckpt.restore_latest(self.rt.restore_target(abstract), self.model_dict)
     if restored is not None:
       self.host = run_state.HostState.restore(workdir, int(restored.meta["step"]),
                                               restored.data_state)
@@ -164,8 +191,11 @@ class _Run:
                    self.host.phase, self.host.iteration, restored.meta["step"])
     else:
       self.host = run_state.HostState(phase="sft" if self.sft_steps else "rl")
+      state = self.rt.init_state(lambda: create_train_state(
+          cfg, config.compute, self.tx, t.seed, moe_dispatch=self.rt.moe_dispatch,
+          context=self.rt.context)[1], abstract)
       if rl.init_from:
-        state = _load_init(rl, self.graphdef, state, self.model_dict)
+        state = self._placed(_load_init(rl, self.graphdef, state, self.model_dict))
     ckpt_lib.write_workdir_config(workdir, self.model_dict)
     tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, tokenizer_lib.TOKENIZER_DIR))
     self.state = state
@@ -195,7 +225,8 @@ class _Run:
     demos = sft.build_demos(rl, self.tokenizer)
     batches = sft.DemoBatches(demos, rl.sft_batch, rl.seed, rl.max_tokens)
     step_fn = step_lib.make_train_step(self.graphdef, self.config.model, self.tx,
-                                       grad_accum=1, schedule=self.schedule)
+                                       grad_accum=1, schedule=self.schedule,
+                                       **self.rt.step_kwargs())
     logging.info("SFT warm start: %d oracle demos, %d steps of %d x %d", len(demos),
                  rl.sft_steps, rl.sft_batch, batches.seq_len)
     t0 = time.perf_counter()
@@ -215,7 +246,8 @@ class _Run:
   # ---- RL ------------------------------------------------------------------------------
   def build_rollouts(self) -> None:
     rl = self.rl
-    model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
+    model = nnx.merge(self.engine_graphdef, self.state.params, self.state.biases,
+                      self.state.rest)
     max_len = -(-rl.max_tokens // 64) * 64
     self.engine = Engine(model, max_len=max_len, prefill_chunk=rl.prefill_chunk)
     base = RolloutConfig(max_tokens=rl.max_tokens, max_turn_tokens=rl.max_turn_tokens,
@@ -228,7 +260,7 @@ class _Run:
     self.routes_fn = (learner.token_logps(self.graphdef, record_routes=True)
                       if rl.routing_replay else None)
     self.rl_step = learner.make_rl_step(self.graphdef, self.config.model, self.tx, rl,
-                                        self.schedule)
+                                        self.schedule, **self.rt.step_kwargs())
     self.reference = self._reference() if rl.kl != "none" else None
 
   def _reference(self):
@@ -238,15 +270,28 @@ class _Run:
       ckpt_lib.export_params(path, self.state.params, self.state.biases, self.model_dict)
     ref = _load_init(dataclasses.replace(self.rl, init_from=path), self.graphdef,
                      jax.tree.map(jnp.copy, self.state), self.model_dict)
+    ref = self._placed(ref)
     return ref.params, ref.biases
 
+  def _placed(self, state):
+    """`state` on the run's shardings (host-loaded weights of init_from / the reference)."""
+    if self.rt.mesh is None:
+      return state
+    return jax.device_put(state, self.rt.state_shardings)
+
+  def _on_mesh(self):
+    return (jax.set_mesh(self.rt.mesh) if self.rt.mesh is not None
+            else contextlib.nullcontext())
+
   def _sync_engine(self) -> None:
-    model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
+    model = nnx.merge(self.engine_graphdef, self.state.params, self.state.biases,
+                      self.state.rest)
     _, self.engine.state = nnx.split(model)
 
   def evaluate(self) -> dict[str, float]:
     self._sync_engine()
-    res = self.greedy.run(run_state.eval_specs(self.rl))
+    with self._on_mesh():
+      res = self.greedy.run(run_state.eval_specs(self.rl))
     return run_state.success_table(res.finished)
 
   def iteration(self) -> dict[str, Any]:
@@ -256,7 +301,8 @@ class _Run:
     cells = self.curriculum.sample(np.random.default_rng([rl.seed, i]), rl.groups_per_iter)
     specs = run_state.iteration_specs(rl, i, host.next_group, cells)
     t0 = time.perf_counter()
-    res = self.rollout.run(list(host.pending) + specs)
+    with self._on_mesh():
+      res = self.rollout.run(list(host.pending) + specs)
     t_roll = time.perf_counter() - t0
     promotions = self.curriculum.update(
         [(t.env_name, t.level, float(t.reward >= 1.0)) for t in res.finished])
@@ -306,14 +352,15 @@ class _Run:
       return out
     rows = rl.group_size * rl.groups_per_iter
     batch = batch_lib.build_batch(ready, signals, row_multiple=rows, max_length=rl.max_tokens)
-    dev = {k: jnp.asarray(v) for k, v in batch.items()}
     lp_ref = routes = None
     t0 = time.perf_counter()
-    if self.reference is not None:
-      lp_ref = self.lp_fn(*self.reference, self.state.rest, dev["tokens"], dev["segment_ids"])
-    if self.routes_fn is not None:
-      _, routes = self.routes_fn(self.state.params, self.state.biases, self.state.rest,
-                                 dev["tokens"], dev["segment_ids"])
+    with self._on_mesh():
+      if self.reference is not None:
+        lp_ref = self.lp_fn(*self.reference, self.state.rest, batch["tokens"],
+                            batch["segment_ids"])
+      if self.routes_fn is not None:
+        _, routes = self.routes_fn(self.state.params, self.state.biases, self.state.rest,
+                                   batch["tokens"], batch["segment_ids"])
     rng = np.random.default_rng([rl.seed, i, 3])
     logs = collections.defaultdict(list)
     n_rows = batch["tokens"].shape[0]
@@ -322,7 +369,7 @@ class _Run:
       for part in np.array_split(order, rl.minibatches * (n_rows // rows)):
         if not batch["valid"][part].any():
           continue
-        mb = {k: v[part] for k, v in dev.items()}
+        mb = {k: v[part] for k, v in batch.items()}
         ref = None if lp_ref is None else lp_ref[part]
         rts = None if routes is None else jax.tree.map(lambda x: x[part], routes)
         self.state, m = self.rl_step(self.state, mb, ref, rts)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from hybridmoe_jax.config import ConfigError
@@ -137,3 +139,40 @@ def test_sigkill_during_rl_then_resume_reproduces_the_losses(tmp_path):
   assert again.returncode == 0, out[-3000:]
   got = _iteration_losses(run)        # the last record of an iteration wins
   assert got == want
+
+
+def test_rl_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch):
+  """data 2 x expert 2 (expert-parallel MoE in the learner, the local-MoE cached forward on
+  the same sharded weights in the rollouts): SFT losses equal one device's, and the one
+  on-policy update sees ratio 1 (the training forward recomputes the rollout's log-probs)."""
+  one = tmp_path / "one"
+  trainer.train_rl(_config(iterations=0, eval_every=0), str(one))
+  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
+                      lambda: jax.devices()[:4])
+  # dynamic sampling off: the update runs even when every reward is equal (a 2-step SFT
+  # model rarely solves anything), so its ratio is always measured
+  c = _config(iterations=1, minibatches=1, eval_every=0, dynamic_sampling=False)
+  c.mesh.data, c.mesh.expert = 2, 2
+  s = trainer.train_rl(c, str(tmp_path / "mesh"))
+  assert s["iteration"] == 1
+  params = jax.tree.leaves(s["state"].params)
+  assert any(len(p.sharding.device_set) == 4 for p in params)
+  want = [r["loss"] for r in _records(one, "sft")]
+  got = [r["loss"] for r in _records(tmp_path / "mesh", "sft")]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  (it,) = _records(tmp_path / "mesh", "rl")
+  assert it["updates"] == 1 and it["groups_trained"] == 2
+  assert abs(it["ratio_mean"] - 1.0) < 1e-4 and it["ratio_max"] < 1.001
+
+
+def test_rl_mesh_errors(tmp_path, monkeypatch):
+  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
+                      lambda: jax.devices()[:4])
+  c = _config()
+  c.mesh.data, c.mesh.context = 2, 2
+  with pytest.raises(ConfigError, match="mesh.context"):
+    trainer.train_rl(c, str(tmp_path / "a"))
+  c = _config(sft_batch=3)
+  c.mesh.data, c.mesh.expert = 2, 2
+  with pytest.raises(ConfigError, match="rl.sft_batch"):
+    trainer.train_rl(c, str(tmp_path / "b"))
