@@ -1,7 +1,7 @@
-"""The RL run end to end on a tiny model: SFT warm start, iterations, logs, checkpoints, and
-exact resume (a run stopped after iteration 2 and resumed equals the uninterrupted one);
-config errors before compute; a SIGKILLed `run_train.py` RL run resumes to the same losses
-(slow)."""
+"""The RL run end to end on a tiny model: SFT warm start, iterations, logs, checkpoints,
+exact resume (a run stopped after iteration 2 and resumed equals the uninterrupted one), the
+same run on a data x expert mesh; config errors before compute; a SIGKILLed `run_train.py`
+RL run resumes to the same losses (slow)."""
 
 import json
 import os
@@ -48,7 +48,7 @@ def _iteration_losses(workdir):
           for r in _records(workdir, "rl")}
 
 
-def test_rl_run_logs_checkpoints_and_resumes_exactly(tmp_path):
+def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path, monkeypatch):
   ref = tmp_path / "ref"
   s = trainer.train_rl(_config(), str(ref))
   assert s["phase"] == "rl" and s["iteration"] == 3 and s["stopped_by"] is None
@@ -77,6 +77,23 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly(tmp_path):
   assert s["iteration"] == 3
   assert _iteration_losses(part) == _iteration_losses(ref)
   assert [r["iteration"] for r in _records(part, "eval")] == [0, 2, 3]
+
+  # data 2 x expert 2: the expert-parallel learner and SFT step, rollouts with the local-MoE
+  # graph over the same sharded weights. SFT losses equal one device's; the one on-policy
+  # update sees ratio 1 (the training forward recomputes the rollout's log-probs). Dynamic
+  # sampling off: the update runs even when every reward is equal.
+  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
+                      lambda: jax.devices()[:4])
+  c = _config(iterations=1, minibatches=1, eval_every=0, dynamic_sampling=False)
+  c.mesh.data, c.mesh.expert = 2, 2
+  s = trainer.train_rl(c, str(tmp_path / "mesh"))
+  assert s["iteration"] == 1
+  assert any(len(p.sharding.device_set) == 4 for p in jax.tree.leaves(s["state"].params))
+  np.testing.assert_allclose([r["loss"] for r in _records(tmp_path / "mesh", "sft")],
+                             [r["loss"] for r in sft], rtol=1e-5)
+  (it,) = _records(tmp_path / "mesh", "rl")
+  assert it["updates"] == 1 and it["groups_trained"] == 2
+  assert abs(it["ratio_mean"] - 1.0) < 1e-4 and it["ratio_max"] < 1.001
 
 
 def test_bad_rl_configs_fail_before_compute(tmp_path):
@@ -139,30 +156,6 @@ def test_sigkill_during_rl_then_resume_reproduces_the_losses(tmp_path):
   assert again.returncode == 0, out[-3000:]
   got = _iteration_losses(run)        # the last record of an iteration wins
   assert got == want
-
-
-def test_rl_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch):
-  """data 2 x expert 2 (expert-parallel MoE in the learner, the local-MoE cached forward on
-  the same sharded weights in the rollouts): SFT losses equal one device's, and the one
-  on-policy update sees ratio 1 (the training forward recomputes the rollout's log-probs)."""
-  one = tmp_path / "one"
-  trainer.train_rl(_config(iterations=0, eval_every=0), str(one))
-  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
-                      lambda: jax.devices()[:4])
-  # dynamic sampling off: the update runs even when every reward is equal (a 2-step SFT
-  # model rarely solves anything), so its ratio is always measured
-  c = _config(iterations=1, minibatches=1, eval_every=0, dynamic_sampling=False)
-  c.mesh.data, c.mesh.expert = 2, 2
-  s = trainer.train_rl(c, str(tmp_path / "mesh"))
-  assert s["iteration"] == 1
-  params = jax.tree.leaves(s["state"].params)
-  assert any(len(p.sharding.device_set) == 4 for p in params)
-  want = [r["loss"] for r in _records(one, "sft")]
-  got = [r["loss"] for r in _records(tmp_path / "mesh", "sft")]
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  (it,) = _records(tmp_path / "mesh", "rl")
-  assert it["updates"] == 1 and it["groups_trained"] == 2
-  assert abs(it["ratio_mean"] - 1.0) < 1e-4 and it["ratio_max"] < 1.001
 
 
 def test_rl_mesh_errors(tmp_path, monkeypatch):
