@@ -46,6 +46,8 @@ def _config(args, seed: int, **rl):
   config = load_config_file(args.config)
   config.train.seed = seed
   config.rl.seed = seed
+  if args.sft_steps is not None:
+    config.rl.sft_steps = args.sft_steps
   for k, v in rl.items():
     setattr(config.rl, k, v)
   return config
@@ -63,12 +65,12 @@ def _success(rec: dict) -> dict[str, float]:
 def run(args) -> list[dict]:
   out = []
   for seed in args.seeds:
-    sft_dir = os.path.join(args.out, f"sft_s{seed}")
+    sft_dir = os.path.join(args.out, f"sft{args.sft_steps or ''}_s{seed}")
     t0 = time.time()
     trainer.train_rl(_config(args, seed, iterations=0, eval_every=0), sft_dir)
     sft_s = time.time() - t0
     for algo in args.algos:
-      workdir = os.path.join(args.out, f"{algo}_s{seed}")
+      workdir = os.path.join(args.out, f"{algo}{args.sft_steps or ''}_s{seed}")
       rl = dict(ALGOS[algo], init_from=sft_dir, iterations=args.iterations,
                 eval_every=args.eval_every, eval_episodes=args.eval_episodes,
                 eval_levels=tuple(int(x) for x in args.eval_levels.split(",")),
@@ -83,6 +85,7 @@ def run(args) -> list[dict]:
       roll = sum(r.get("rollout_s", 0) for r in steps)
       learn = [r["learner_s"] / r["updates"] for r in steps if r.get("updates")]
       rec = {"seed": seed, "algo": algo, "iterations": args.iterations,
+             "sft_steps": args.sft_steps, "sft_loss": _records(sft_dir, "sft")[-1]["loss"],
              "before": before, "after": after,
              "gain": {c: after[c] - before[c] for c in before},
              "curve": [{"iteration": int(e["iteration"]), **_success(e)} for e in evals],
@@ -119,6 +122,7 @@ def main():
   p.add_argument("--eval_levels", default="0,1,2")
   p.add_argument("--eval_episodes", type=int, default=64)
   p.add_argument("--group_size", type=int, default=8)
+  p.add_argument("--sft_steps", type=int, default=None, help="default: the config's")
   p.add_argument("--opmd_tau", type=float, default=1.0)
   p.add_argument("--cell", default="arithmetic/L1", help="the cell of the summary table")
   p.add_argument("--json", default=None, help="also write all records here")

@@ -25,7 +25,8 @@ def test_grpo_raises_level_1_success_and_promotes(tmp_path):
   rl_learning = _benchmark()
   args = argparse.Namespace(out=str(tmp_path), config=str(ROOT / "configs" / "rl_tiny.py"),
                             seeds=[0], algos=["grpo"], iterations=60, eval_every=60,
-                            eval_episodes=96, eval_levels="0,1,2", group_size=8, opmd_tau=1.0)
+                            eval_episodes=96, eval_levels="0,1,2", group_size=8, opmd_tau=1.0,
+                            sft_steps=None)
   (rec,) = rl_learning.run(args)
   assert rec["gain"]["arithmetic/L1"] >= 0.2, rec
   assert rec["after"]["arithmetic/L0"] >= rec["before"]["arithmetic/L0"] - 0.05, rec
