@@ -33,15 +33,15 @@ from hybridmoe_jax.rl import losses
 from hybridmoe_jax.rl_config import RLConfig
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import TrainState
+from hybridmoe_jax.train.step import next_token_targets, token_nll
 
 
 def target_logps(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """logits [R, T, V] (any float), tokens int32 [R, T] -> float32 [R, T]: log-softmax at
-  token t + 1 for position t (0 at the last column)."""
-  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-  logits = logits.astype(jnp.float32)
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)
+  token t + 1 for position t (0 at the last column): the pre-training step's shifted
+  targets and per-token NLL, negated."""
+  targets, _ = next_token_targets(tokens, jnp.ones_like(tokens))
+  return -token_nll(logits, targets)
 
 
 def _forward(graphdef, params, biases, rest, tokens, segment_ids, routes=None,
@@ -98,13 +98,11 @@ def policy_objective(lp, batch: dict, rl: RLConfig, lp_ref=None, logits=None
     loss = jnp.sum(per_row * rows) / jnp.maximum(jnp.sum(rows), 1.0)
     metrics["clip_fraction"] = jnp.zeros((), jnp.float32)
   metrics["policy_loss"] = loss
-  if lp_ref is not None:
-    kl = losses.kl_tokens(lp, jnp.where(mask > 0, lp_ref, 0.0), rl.kl if rl.kl != "none"
-                          else "k3")
+  if lp_ref is not None and rl.kl != "none":
+    kl = losses.kl_tokens(lp, jnp.where(mask > 0, lp_ref, 0.0), rl.kl)
     kl = losses.aggregate(kl, mask, rl.loss_agg_mode)
     metrics["kl_ref"] = kl
-    if rl.kl != "none":
-      loss = loss + rl.kl_beta * kl
+    loss = loss + rl.kl_beta * kl
   metrics.update(losses.ratio_stats(jax.lax.stop_gradient(lp), lp_old, mask))
   if logits is not None:
     ent = losses.entropy_from_logits(jax.lax.stop_gradient(logits))

@@ -82,29 +82,6 @@ def success_table(trajs: list[Trajectory]) -> dict[str, float]:
   return {c: float(np.mean(v)) for c, v in sorted(cells.items())}
 
 
-class StopFlag:
-  """SIGINT / SIGTERM -> finish the iteration, save, stop (a second signal: default)."""
-
-  def __init__(self):
-    self.signal = None
-
-  def __enter__(self):
-    import signal  # pylint: disable=g-import-not-at-top
-    self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    return self
-
-  def _handle(self, signum, frame):
-    import signal  # pylint: disable=g-import-not-at-top
-    self.signal = signal.Signals(signum).name
-    for s, h in self._old.items():
-      signal.signal(s, h)
-
-  def __exit__(self, *exc):
-    import signal  # pylint: disable=g-import-not-at-top
-    for s, h in self._old.items():
-      signal.signal(s, h)
-
-
 @dataclasses.dataclass
 class HostState:
   """What the RL run keeps besides the TrainState (see the module docstring)."""

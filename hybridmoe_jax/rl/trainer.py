@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -60,21 +61,17 @@ from hybridmoe_jax.rl.monitor import RLMonitor
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import optim, workdir_lock
+from hybridmoe_jax.train import loop, optim, workdir_lock
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
 
 def _tokenizer(config: RunConfig):
-  tok = tokenizer_lib.make_tokenizer(config.data.tokenizer)
+  tok = loop.run_tokenizer(config)   # the pre-training checks (file, vocab size)
   try:
     chat_ids(tok)   # one line naming the missing roles
   except ValueError as e:
     raise ConfigError(f"config field `data.tokenizer` = {config.data.tokenizer!r}: {e}; "
                       "for bytes use 'byte_chat'") from None
-  try:
-    tokenizer_lib.check_vocab(tok, config.model.vocab_size)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
   return tok
 
 
@@ -220,7 +217,7 @@ class _Run:
     self.ckpt.save(step, self.state, self.host.record(), self.meta)
 
   # ---- SFT -----------------------------------------------------------------------------
-  def run_sft(self, stop: run_state.StopFlag) -> None:
+  def run_sft(self, stop: loop.StopFlag) -> None:
     rl = self.rl
     demos = sft.build_demos(rl, self.tokenizer)
     batches = sft.DemoBatches(demos, rl.sft_batch, rl.seed, rl.max_tokens)
@@ -230,7 +227,7 @@ class _Run:
     logging.info("SFT warm start: %d oracle demos, %d steps of %d x %d", len(demos),
                  rl.sft_steps, rl.sft_batch, batches.seq_len)
     t0 = time.perf_counter()
-    while int(self.state.step) < self.sft_steps and stop.signal is None:
+    while int(self.state.step) < self.sft_steps and stop.signum is None:
       step = int(self.state.step)
       self.state, m = step_fn(self.state, batches.batch_at(step))
       if (step + 1) % self.config.train.log_every == 0 or step + 1 == rl.sft_steps:
@@ -401,16 +398,16 @@ def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
   stopped = None
   last: dict[str, Any] = {}
   try:
-    with run_state.StopFlag() as stop:
+    with loop.StopFlag() as stop:
       if run.host.phase == "sft":
         run.run_sft(stop)
-      if run.host.phase == "rl" and stop.signal is None:
+      if run.host.phase == "rl" and stop.signum is None:
         run.build_rollouts()
         if not run.host.eval_history and rl.eval_every:
           run.host.eval_history.append({"iteration": 0, "success": run.evaluate()})
           run.monitor.record("eval", run.ckpt_step(), {"iteration": 0, **{
               f"success/{c}": v for c, v in run.host.eval_history[-1]["success"].items()}})
-        while run.host.iteration < rl.iterations and stop.signal is None:
+        while run.host.iteration < rl.iterations and stop.signum is None:
           last = run.iteration()
           i = run.host.iteration
           run.monitor.record("rl", run.ckpt_step(), last, line=_line(last, rl.iterations))
@@ -423,7 +420,7 @@ def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
             run.monitor.success_figure(run.host.eval_history)
           if i % rl.save_every == 0 or i == rl.iterations:
             run.save()
-      stopped = stop.signal
+      stopped = signal.Signals(stop.signum).name if stop.signum else None
       if stopped:
         run.save()
     run.ckpt.wait()

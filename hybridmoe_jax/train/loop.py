@@ -154,8 +154,9 @@ def evaluate(eval_step, state, batches, token_bytes: np.ndarray | None = None
           "tokens": count}
 
 
-class _StopFlag:
-  """SIGINT/SIGTERM -> finish the current step, checkpoint, exit cleanly (2nd signal: hard)."""
+class StopFlag:
+  """SIGINT/SIGTERM -> finish the current step, checkpoint, exit cleanly (2nd signal: hard).
+  Also the RL run's (rl/trainer.py: the current iteration)."""
 
   def __init__(self):
     self.signum = None
@@ -264,7 +265,7 @@ def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, d
     (state, step, saved_at: the last checkpointed step, stopped_by: signal name or None).
   """
   streak = 0  # updates skipped in a row (non-finite loss, gradient or update)
-  with _StopFlag() as stop:
+  with StopFlag() as stop:
     while step < t.steps:
       batch = _next_batch(data.train, t, cfg.vocab_size, step)
       state, metrics = train_step(state,
