@@ -25,9 +25,6 @@ import numpy as np
 from hybridmoe_jax.rl import losses
 from hybridmoe_jax.rl.episode import Trajectory
 
-BATCH_KEYS = ("tokens", "segment_ids", "mask", "lp_old", "advantage", "centered", "reward",
-              "valid")
-
 
 @dataclasses.dataclass(frozen=True)
 class Shaping:
@@ -101,13 +98,3 @@ def build_batch(trajs: Sequence[Trajectory], signals: dict[str, np.ndarray], *,
       out[k][r] = signals[k][i]
     out["valid"][r] = 1.0
   return out
-
-
-def minibatches(batch: dict[str, np.ndarray], n: int, rng: np.random.Generator | None = None
-                ) -> list[dict[str, np.ndarray]]:
-  """Split the rows into n equal minibatches (shuffled by `rng` when given)."""
-  rows = batch["tokens"].shape[0]
-  if rows % n:
-    raise ValueError(f"minibatches = {n}: allowed a divisor of the batch's {rows} rows")
-  order = rng.permutation(rows) if rng is not None else np.arange(rows)
-  return [{k: v[order[j::n]] for k, v in batch.items()} for j in range(n)]
