@@ -52,7 +52,7 @@ def _is_pow2(n: int) -> bool:
 
 
 MOE_IMPLS = ("ragged", "dense")
-MLA_IMPLS = ("auto", "dense", "blockwise")
+MLA_IMPLS = ("auto", "dense", "blockwise", "cudnn", "triton", "splash")
 REMAT_POLICIES = ("none", "full", "dots")
 
 
@@ -74,8 +74,10 @@ class ComputeConfig:
   # expert shard receives at most ceil(c * m k) rows per step, the excess dropped, counted.
   moe_capacity_factor: float = 0.0
   # MLA training attention: "dense" holds [B, H, T, T] scores; "blockwise" holds one
-  # [B, H, mla_block, mla_block] block at a time (forward and backward); "auto": dense up to
-  # T = 4 * mla_block (a few blocks: the loop costs more than the small matrix), else blockwise.
+  # [B, H, mla_block, mla_block] block at a time (forward and backward); the kernels "cudnn"
+  # (GPU, unpacked bf16 input), "triton" (GPU) and "splash" (TPU) tile by mla_block. "auto":
+  # splash on TPU, cudnn else triton on GPU (blockwise when neither takes the input); on CPU
+  # dense up to T = 4 * mla_block (the loop costs more than the small matrix), else blockwise.
   mla_impl: str = "auto"
   mla_block: int = 128
 

@@ -4,8 +4,9 @@ Conventions: B batch, T tokens, d width, H heads, d_c latent (kv_lora_rank), Dn/
 nope/rope-slot/value head dims, N cache capacity. The rope slot is a shared key part that is
 never rotated.
 
-Training runs the expanded form over whole (packed) sequences, with dense [T, T] scores or
-blockwise (`ops.blockwise_attention`, O(T x block) memory) by `compute.mla_impl`. Decoding
+Training runs the expanded form over whole (packed) sequences, with the core that
+`compute.mla_impl` resolves to (`ops.attention_backends`): dense [T, T] scores or blockwise
+(O(T x block) memory) in XLA, or the accelerator kernels cuDNN / Triton / splash. Decoding
 continues from an `MLACache` (per token only the latent c and the rope key k_r) in the
 absorbed form. With W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
     q~_h = W_uk_h q_nope_h                 [d_c]
@@ -24,8 +25,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.linear import linear
 from hybridmoe_jax.layers.norms import RMSNorm
-from hybridmoe_jax.ops import blockwise_attention as blockwise
-from hybridmoe_jax.ops.attention import causal_attention
+from hybridmoe_jax.ops import attention_backends as backends
 
 _F32 = jnp.float32
 _NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
@@ -104,14 +104,18 @@ class MLALayer(nnx.Module):
   """q (optionally via q_lora), latent c = RMSNorm(W_dkv x), k = [W_uk c ; W_kr x], v = W_uv c."""
 
   def __init__(self, d_model: int, cfg: MLAConfig, *, norm_eps: float,
-               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None):
+               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None,
+               interpret: bool = False):
     """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
     the training forward then attends in the absorbed form over latents gathered across the
-    sequence shards (one shared [c ; k_r] head instead of H expanded ones)."""
+    sequence shards (one shared [c ; k_r] head instead of H expanded ones).
+    interpret: tests only: the Pallas cores (compute.mla_impl "triton", "splash") run in
+    Pallas' interpreter, on any backend."""
     self.cfg = cfg
     self.context = context
     self.dtype = jnp.dtype(compute.dtype)
     self.impl, self.block = compute.mla_impl, compute.mla_block
+    self.interpret = interpret
     h = cfg.num_heads
     lin = lambda i, o: linear(i, o, dtype=compute.dtype, rngs=rngs)
     if cfg.q_lora_rank:
@@ -220,12 +224,14 @@ class MLALayer(nnx.Module):
         k_r = jnp.broadcast_to(k_r[:, :, None, :], (b, t, cfg.num_heads, cfg.qk_rope_head_dim))
         k = jnp.concatenate([k, k_r], axis=-1)
       v = self.v_up(c).reshape(b, t, cfg.num_heads, cfg.v_head_dim)
-      scale = cfg.qk_head_dim ** -0.5
-      if blockwise.resolve_impl(self.impl, t, self.block)[0] == "dense":
-        o = causal_attention(q, k, v, segment_ids=segment_ids, scale=scale)
-      else:  # O(T x block) memory; its custom_vjp recomputes the blocks backward
-        o = blockwise.blockwise_attention(q, k, v, segment_ids=segment_ids, scale=scale,
-                                          block_q=self.block, block_kv=self.block)
+      backend, capability = backends.current_backend()
+      core, _ = backends.resolve_impl(
+          self.impl, backend=backend, seq_len=t, block=self.block, head_dim=cfg.qk_head_dim,
+          v_head_dim=cfg.v_head_dim, dtype=self.dtype.name,
+          has_segments=segment_ids is not None, compute_capability=capability,
+          interpret=self.interpret)
+      o = backends.attend(core, q, k, v, segment_ids=segment_ids, scale=cfg.qk_head_dim ** -0.5,
+                          block=self.block, interpret=self.interpret)
     else:
       if length is None:
         raise ValueError("MLALayer with a cache needs length: int32 [B] tokens already cached")

@@ -42,29 +42,13 @@ class _Spec(NamedTuple):
   tk: int
 
 
-def resolve_impl(impl: str, seq_len: int, block: int) -> tuple[str, str]:
-  """-> ("dense" | "blockwise", why) for MLA training attention over `seq_len` tokens.
-
-  The stated cost rule of "auto": dense while T <= 4 * block (its [T, T] scores are at most
-  16 blocks, and one fused matmul beats a loop of small ones), blockwise beyond (memory
-  O(T * block) instead of O(T^2)).
-  """
-  if impl in ("dense", "blockwise"):
-    return impl, f"compute.mla_impl={impl!r}"
-  if impl != "auto":
-    raise ValueError(f"mla impl {impl!r}: expected 'auto', 'dense' or 'blockwise'")
-  if seq_len <= 4 * block:
-    return "dense", f"auto: T={seq_len} <= 4 x mla_block={block}"
-  return "blockwise", f"auto: T={seq_len} > 4 x mla_block={block}"
-
-
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
                         q_segment_ids: jax.Array | None = None,
                         kv_segment_ids: jax.Array | None = None, q_offset: int = 0,
                         scale: float | None = None) -> jax.Array:
   """The dense form of `blockwise_attention` (same arguments but the block sizes): the exact
   reference its tests compare with. Holds [B, H, Tq, Tk] scores."""
-  _check(q, k, v, q_segment_ids, kv_segment_ids, q_offset)
+  check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_offset)
   b, tq, h, d = q.shape
   hk = k.shape[2]
   scale = d ** -0.5 if scale is None else scale
@@ -85,7 +69,8 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
   return o.reshape(b, tq, h, v.shape[-1]).astype(v.dtype)
 
 
-def _check(q, k, v, q_seg, kv_seg, q_offset) -> None:
+def check_inputs(q, k, v, q_seg, kv_seg, q_offset) -> None:
+  """Raises ValueError for q, k, v, segment ids or q_offset that do not fit together."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [B, T, H, D]; got {q.shape}, {k.shape}, {v.shape}")
   b, tq, h, d = q.shape
@@ -132,7 +117,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     if q_segment_ids is not None or kv_segment_ids is not None:
       raise ValueError("give segment_ids, or q_segment_ids and kv_segment_ids, not both")
     q_segment_ids = kv_segment_ids = segment_ids
-  _check(q, k, v, q_segment_ids, kv_segment_ids, q_offset)
+  check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_offset)
   if block_q < 1 or block_kv < 1:
     raise ValueError(f"block_q={block_q}, block_kv={block_kv}: must be >= 1")
   b, tq, _, d = q.shape

@@ -26,7 +26,7 @@ from flax import nnx
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
-from hybridmoe_jax.ops.blockwise_attention import resolve_impl as blockwise_resolve
+from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.run_config import MeshConfig, RunConfig, run_config_from_dict
 from hybridmoe_jax.sharding import MESH_AXES
@@ -172,7 +172,7 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
              * 4.0 * k.num_v_heads * k.head_dim * k.v_head_dim)
   latent_one = (rows_mb * seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * (act_bytes + 4)
                 if context > 1 else 0.0)
-  core = blockwise_resolve(compute.mla_impl, seq_len, compute.mla_block)[0]
+  core = memory_core(compute.mla_impl, seq_len, compute.mla_block)
   attention = (blockwise_workspace_bytes(cfg, compute.mla_block, rows_mb)
                if core == "blockwise" and n_mla else 0.0)
   static = {"params": e["per_device_param_bytes"], "gradients": e["per_device_param_bytes"],
@@ -226,6 +226,11 @@ def _fit_line(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
   return f"{parts} | {verdict}"
 
 
+def _core_label(impl: str, core: str) -> str:
+  """The MLA core a stage's memory is counted with: a kernel is counted as blockwise."""
+  return core if impl in ("auto", core) else f"{impl}, counted as {core}"
+
+
 def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
   """Per stage, per device: bytes by component under compute.remat and the fit verdict."""
   lines = [f"memory per device, per stage (target: {run.hardware.describe()}):"]
@@ -233,10 +238,10 @@ def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
   context = mesh.get("context", 1)
   for s in plan.stages:
     rows = s.batch_size / (mesh["data"] * mesh["fsdp"])
-    core = blockwise_resolve(run.compute.mla_impl, s.seq_len, run.compute.mla_block)[0]
+    core = memory_core(run.compute.mla_impl, s.seq_len, run.compute.mla_block)
     comps = stage_memory(run, e, s.seq_len, s.batch_size)
     lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/data shard, context "
-                 f"{context}, MLA attention ({core}) | "
+                 f"{context}, MLA attention ({_core_label(run.compute.mla_impl, core)}) | "
                  + _fit_line(run, comps, rows, context))
   return "\n".join(lines)
 

@@ -30,7 +30,7 @@ from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import pipeline as data_pipeline
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import vlm_pipeline
-from hybridmoe_jax.model.impls import describe_impls
+from hybridmoe_jax.model.impls import log_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -397,8 +397,7 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
     _warn_changed_data(restored.get("config"), config, start)
   ckpt_lib.write_workdir_config(workdir, model_dict)
   _log_sizes(state)
-  for line in describe_impls(cfg, config.compute, moe_dispatch=rt.moe_dispatch):
-    logging.info("implementation: %s", line)
+  log_impls(cfg, config.compute, moe_dispatch=rt.moe_dispatch)
   meta = {"model_config": model_dict, "signature": signature,
           "config": json.dumps(dataclasses.asdict(config))}
   eval_step = step_lib.make_eval_step(graphdef, image_ids=image_ids,

@@ -33,7 +33,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.ops.blockwise_attention import resolve_impl as mla_core
+from hybridmoe_jax.ops.attention_backends import memory_core
 
 EXACT_MAX_T = 4096
 
@@ -124,7 +124,7 @@ def residual_bytes(cfg: ModelConfig, compute: ComputeConfig, seq_len: int
     Pallas kernels keep no more).
   """
   kda = "chunked" if compute.kda_impl in ("auto", "pallas") else compute.kda_impl
-  core = mla_core(compute.mla_impl, seq_len, compute.mla_block)[0]
+  core = memory_core(compute.mla_impl, seq_len, compute.mla_block)
   compute = dataclasses.replace(compute, kda_impl=kda, mla_impl=core)
   t2 = min(seq_len, EXACT_MAX_T)
   t1 = max(t2 // 2, 1)

@@ -9,8 +9,8 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.mla import MLALayer
 from hybridmoe_jax.ops.attention import causal_attention
-from hybridmoe_jax.ops.blockwise_attention import (attention_reference, blockwise_attention,
-                                                   resolve_impl)
+from hybridmoe_jax.ops.attention_backends import resolve_impl
+from hybridmoe_jax.ops.blockwise_attention import attention_reference, blockwise_attention
 from tests.conftest import rel_rms
 
 
@@ -121,9 +121,11 @@ def test_memory_grows_linearly_not_quadratically():
 
 
 def test_auto_rule_and_bad_input():
-  assert resolve_impl("auto", 512, 128)[0] == "dense"
-  assert resolve_impl("auto", 513, 128)[0] == "blockwise"
-  assert resolve_impl("blockwise", 16, 128)[0] == "blockwise"
+  cpu = dict(backend="cpu", block=128, head_dim=8, v_head_dim=8, dtype="float32",
+             has_segments=True)
+  assert resolve_impl("auto", seq_len=512, **cpu)[0] == "dense"
+  assert resolve_impl("auto", seq_len=513, **cpu)[0] == "blockwise"
+  assert resolve_impl("blockwise", seq_len=16, **cpu)[0] == "blockwise"
   q, k, v, _ = _inputs(0, 1, 8, 8, 3, 2, 8, 8)
   with pytest.raises(ValueError, match="multiple of key/value heads"):
     blockwise_attention(q, k, v)
