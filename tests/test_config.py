@@ -56,6 +56,7 @@ def test_presets_validate(name):
     ({"kda_chunk_size": 48}, "compute.kda_chunk_size"),
     ({"kda_chunk_size": 8}, "compute.kda_chunk_size"),
     ({"moe_impl": "sparse"}, "compute.moe_impl"),
+    ({"mla_impl": "flash"}, "compute.mla_impl"),
     ({"moe_capacity_factor": -1.0}, "compute.moe_capacity_factor"),
     ({"moe_capacity_factor": "big"}, "compute.moe_capacity_factor"),
     ({"kda_chunks": 64}, "compute.kda_chunks"),
@@ -71,6 +72,8 @@ def test_checker_coerces_types():
   assert cfg.layer_kinds == ("kda", "kda", "kda", "mla") and cfg.moe.routed_scale == 2.0
   assert isinstance(cfg.moe.routed_scale, float) and cfg.vision.image_buckets == (28, 56)
   assert from_dict(ComputeConfig, {"moe_capacity_factor": 2}).moe_capacity_factor == 2.0
+  assert [from_dict(ComputeConfig, {"mla_impl": i}).mla_impl
+          for i in ("cudnn", "triton", "splash")] == ["cudnn", "triton", "splash"]
   assert from_dict(MoEConfig, None) == MoEConfig()
 
 

@@ -95,9 +95,10 @@ def _mla_line(cfg: ModelConfig, compute: ComputeConfig, backend: str,
     why = why.split(":")[0]  # "compute.mla_impl='auto' on cpu"
     core = (f"{_MLA_CORES[short[0]]} up to T = {4 * block}, "
             f"{_MLA_CORES[name].format(b=block)} beyond")
-  fallback = name in attention_backends.XLA_CORES and (
-      compute.mla_impl in attention_backends.KERNELS
-      or backend in attention_backends.AUTO_ORDER)
+  # A fallback: a kernel was asked for (explicitly, or by "auto" on an accelerator), XLA runs.
+  fallback = (name in attention_backends.XLA_CORES
+              and compute.mla_impl not in attention_backends.XLA_CORES
+              and (compute.mla_impl != "auto" or backend in attention_backends.AUTO_ORDER))
   return (f"{_layer_list(layers)} (mla): {core} ({why}); cached decode: absorbed latent "
           "attention, blockwise online softmax", fallback)
 

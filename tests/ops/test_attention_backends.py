@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import ComputeConfig, ConfigError, MLAConfig, ModelConfig
+from hybridmoe_jax.config import ComputeConfig, MLAConfig, ModelConfig
 from hybridmoe_jax.layers.mla import MLALayer
 from hybridmoe_jax.model.impls import describe_impls, log_impls
 from hybridmoe_jax.ops import attention_backends as ab
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
+from hybridmoe_jax.train import dry_run
 
 
 def _inputs(seed, b, t, h, hk, d, dv, dtype=jnp.float32):
@@ -76,6 +77,16 @@ def test_splash_interpret_matches_reference(b, t, h, hk, d, dv, packed):
   got = _value_and_grads(lambda *a: ab.splash_attention(*a, segment_ids=seg, interpret=True),
                          q, k, v, w)
   _assert_matches(got, _value_and_grads(_reference(seg), q, k, v, w), 1e-5)
+
+
+def test_kernels_bfloat16_forward():
+  """bf16 in, bf16 out, within bf16 rounding of the fp32 reference (splash scales q first)."""
+  q, k, v, _ = _inputs(1, 1, 70, 2, 1, 24, 16, jnp.bfloat16)
+  seg = _packed(1, 1, 70)
+  ref = _reference(seg)(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for out in (ab.triton_attention(q, k, v, segment_ids=seg, block=16, interpret=True),
+              ab.splash_attention(q, k, v, segment_ids=seg, interpret=True)):
+    assert out.dtype == jnp.bfloat16 and _max_rel(out, ref) < 1e-2
 
 
 def test_cudnn_wrapper_argument_mapping_through_xla():
@@ -165,15 +176,13 @@ def test_explicit_impls():
     _resolve("flash", "gpu")
 
 
-def test_memory_core_and_config():
+def test_memory_core():
   assert ab.memory_core("auto", 512, 128) == "dense"
   assert ab.memory_core("auto", 513, 128) == "blockwise"
   assert [ab.memory_core(i, 64, 128) for i in ab.KERNELS] == ["blockwise"] * 3
   assert ab.memory_core("dense", 10 ** 6, 128) == "dense"
-  for impl in ("cudnn", "triton", "splash"):
-    assert ComputeConfig(mla_impl=impl).mla_impl == impl
-  with pytest.raises(ConfigError, match="compute.mla_impl.*'flash'.*'splash'"):
-    ComputeConfig(mla_impl="flash")
+  assert dry_run._core_label("splash", "blockwise") == "splash, counted as blockwise"
+  assert dry_run._core_label("auto", "dense") == "dense"
 
 
 def test_report_names_the_core_and_warns_on_fallback(monkeypatch):
@@ -189,14 +198,15 @@ def test_report_names_the_core_and_warns_on_fallback(monkeypatch):
                       lambda fmt, line: logged.append(("warning", line)))
   monkeypatch.setattr("hybridmoe_jax.model.impls.logging.info",
                       lambda fmt, line: logged.append(("info", line)))
-  log_impls(cfg, ComputeConfig(dtype="bfloat16"),
-            backend="gpu")
-  assert [lvl for lvl, _ in logged] == ["info"] * 3
-  logged.clear()
+  for compute, backend in [(ComputeConfig(dtype="bfloat16"), "gpu"),
+                           (ComputeConfig(mla_impl="dense"), "gpu"), (ComputeConfig(), "cpu")]:
+    log_impls(cfg, compute, backend=backend)
+    assert [lvl for lvl, l in logged if "(mla)" in l] == ["info"], (compute, backend)
+    logged.clear()
   wide = ModelConfig(num_layers=4, mla=MLAConfig(qk_nope_head_dim=320))
   log_impls(wide, ComputeConfig(), backend="gpu")
   assert [lvl for lvl, l in logged if "(mla)" in l] == ["warning"]
-  assert "falls back to blockwise" in logged[1][1]
+  assert "falls back to blockwise" in next(l for _, l in logged if "(mla)" in l)
 
 
 # ------------------------------------------------------------------------------ MLA layer
