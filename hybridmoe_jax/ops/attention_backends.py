@@ -18,7 +18,7 @@ branch can be checked on any machine; `attend` runs the picked one.
           one head dim (zero-padded as above) and T a multiple of its tiles (padded at the
           end: causality keeps every real query off the padded keys).
   splash  TPU splash attention: causal mask + segment ids, MQA form for one shared head
-          (Hk = 1, the absorbed MLA), grouped form otherwise; tiles of 128k tokens (T padded
+          (Hk = 1, the absorbed MLA), grouped form otherwise; tiles of 128 n tokens (T padded
           as above); no logit scale argument, so q is scaled first.
 The Pallas modules are imported inside the wrappers: this module needs jax alone.
 """
@@ -178,11 +178,15 @@ def memory_core(impl: str, seq_len: int, block: int) -> str:
 
 
 def current_backend() -> tuple[str, str | None]:
-  """(jax.default_backend(), the first device's CUDA compute capability or None)."""
+  """(jax.default_backend(), "rocm" for an AMD GPU; the first device's CUDA compute
+  capability or None)."""
   backend = jax.default_backend()
   if backend not in GPU_BACKENDS:
     return backend, None
-  return backend, getattr(jax.devices()[0], "compute_capability", None)
+  device = jax.devices()[0]
+  if "rocm" in str(getattr(device.client, "platform_version", "")).lower():
+    return "rocm", None
+  return backend, getattr(device, "compute_capability", None)
 
 
 # ------------------------------------------------------------------------------ wrappers

@@ -118,6 +118,7 @@ def test_tiles():
   assert ab._triton_tile(128, 45) == 64 and ab._triton_tile(24, 1000) == 16
   assert ab._triton_tile(8, 5) == 16 and ab._triton_tile(128, 4096) == 128
   assert ab.cudnn_head_dim(192, 128) == 192 and ab.cudnn_head_dim(12, 6) == 16
+  assert ab.current_backend() == ("cpu", None)
 
 
 # ------------------------------------------------------------------------------ resolver
