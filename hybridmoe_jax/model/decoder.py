@@ -195,33 +195,32 @@ class HybridLM(nnx.Module):
       ValueError: bad `routes` (see `check_routes`), before any compute.
     """
     cfg = self.cfg
+    lead = tokens if tokens is not None else inputs_embeds
     if routes is not None:
-      lead = tokens if tokens is not None else inputs_embeds
       check_routes(cfg, routes, None if lead is None else tuple(lead.shape[:2]))
+    if inputs_embeds is not None:
+      if tokens is not None or images is not None:
+        raise ValueError("give either inputs_embeds or tokens (+ images), not both")
+    elif tokens is None:
+      raise ValueError("HybridLM needs tokens [B, T] or inputs_embeds [B, T, d]")
+    if segment_ids is None:
+      segment_ids = jnp.ones(lead.shape[:2], jnp.int32)
+    if segment_ids.shape != lead.shape[:2]:
+      raise ValueError(f"segment_ids has shape {segment_ids.shape}, the inputs "
+                       f"{tuple(lead.shape[:2])}")
     # Context-parallel training forward: per-token arrays in the shards' layout (an identity
     # unless zigzag); the mixers know the layout, token-wise layers need not.
     layout = self.context if cache is None else None
     if layout is not None:
-      if segment_ids is None:
-        lead = tokens if tokens is not None else inputs_embeds
-        segment_ids = jnp.ones(lead.shape[:2], jnp.int32)
       tokens, segment_ids, image_index, inputs_embeds = (
           None if a is None else layout.to_layout(a)
           for a in (tokens, segment_ids, image_index, inputs_embeds))
       if routes is not None:
         routes = {i: layout.to_layout(jnp.asarray(r)) for i, r in routes.items()}
     if inputs_embeds is not None:
-      if tokens is not None or images is not None:
-        raise ValueError("give either inputs_embeds or tokens (+ images), not both")
       x = inputs_embeds.astype(self.compute.dtype)
-    elif tokens is None:
-      raise ValueError("HybridLM needs tokens [B, T] or inputs_embeds [B, T, d]")
     else:
       x = self.embed_inputs(tokens, images, image_grid, image_index)
-    if segment_ids is None:
-      segment_ids = jnp.ones(x.shape[:2], jnp.int32)
-    if segment_ids.shape != x.shape[:2]:
-      raise ValueError(f"segment_ids has shape {segment_ids.shape}, the inputs {x.shape[:2]}")
     if cache is not None and len(cache.layers) != cfg.num_layers:
       raise ValueError(f"the cache holds {len(cache.layers)} layers, the model "
                        f"{cfg.num_layers}")
