@@ -234,12 +234,13 @@ def _tokens_and_segments():
 
 
 def _logits_and_grads(model, tokens, seg):
+  """-> (logits, pure-dict gradients, the experts each MoE layer ran {layer: [B, T, k]})."""
   def loss(model):
-    logits, _ = model(tokens, segment_ids=seg)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * (seg > 0)), logits
+    logits, aux = model(tokens, segment_ids=seg, record_routes=True)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * (seg > 0)), (logits, aux["routes"])
 
-  (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
-  return logits, nnx.to_pure_dict(grads)
+  (_, (logits, routes)), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+  return logits, nnx.to_pure_dict(grads), routes
 
 
 # Only zigzag x expert x context is a default test: it runs the layout moves, the sharded
@@ -275,6 +276,8 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   with jax.set_mesh(mesh):
     got = nnx.jit(_logits_and_grads)(model, *placed)
   assert _max_rel(got[0], want[0]) < 1e-5
+  for i, experts in want[2].items():   # recorded routes come back in sequence order
+    np.testing.assert_array_equal(got[2][i], experts, err_msg=f"routes of layer {i}")
   flat_got = dict(jax.tree_util.tree_flatten_with_path(got[1])[0])
   flat_want = jax.tree_util.tree_flatten_with_path(want[1])[0]
   assert len(flat_got) == len(flat_want)
