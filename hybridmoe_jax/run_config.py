@@ -231,20 +231,30 @@ class DataConfig:
 class MeshConfig:
   """`mesh`: axis sizes; -1 takes the remaining devices; the product must equal the number
   of devices of all processes. Batch over data x fsdp, experts over expert (parallel/rules),
-  each sequence over context (parallel/context.py)."""
+  each sequence over context (parallel/context.py); context_zigzag: each context shard holds
+  two pieces of the sequence, r and 2n-1-r of 2n (balanced causal work), instead of one."""
 
   data: int = 1
   fsdp: int = -1
   expert: int = 1
   tensor: int = 1
   context: int = 1
+  context_zigzag: bool = False
+
+  def axis_sizes(self) -> dict[str, int]:
+    """{axis: size} of the mesh axes (without the layout flag)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name != "context_zigzag"}
 
   def __post_init__(self):
-    sizes = dataclasses.asdict(self)
+    sizes = self.axis_sizes()
     for axis, v in sizes.items():
       require(v >= 1 or v == -1, f"mesh.{axis}", v,
               "an integer >= 1, or -1 for the remaining devices")
     require(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "at most one axis of size -1")
+    require(not self.context_zigzag or self.context != 1, "mesh.context_zigzag",
+            self.context_zigzag, "False unless mesh.context > 1 (zigzag lays out the "
+            "sequence over several context shards)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,8 @@ class KDALayer(nnx.Module):
   def __init__(self, d_model: int, cfg: KDAConfig, *, norm_eps: float,
                compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None):
     """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
-    the training forward then runs the recurrence shard by shard over the sequence."""
+    the training forward then runs the recurrence and the short convolutions (explicit
+    left halo) shard by shard over the sequence."""
     self.cfg = cfg
     self.context = context
     self.dtype = jnp.dtype(compute.dtype)
@@ -66,9 +67,8 @@ class KDALayer(nnx.Module):
         cfg.num_v_heads * cfg.v_head_dim)
     lin = lambda i, o: linear(i, o, dtype=compute.dtype, rngs=rngs)
     self.q_proj, self.k_proj, self.v_proj = lin(d_model, hk), lin(d_model, hk), lin(d_model, hvv)
-    self.q_conv = ShortConv(hk, cfg.conv_size, rngs=rngs)
-    self.k_conv = ShortConv(hk, cfg.conv_size, rngs=rngs)
-    self.v_conv = ShortConv(hvv, cfg.conv_size, rngs=rngs)
+    conv = lambda c: ShortConv(c, cfg.conv_size, rngs=rngs, context=context)
+    self.q_conv, self.k_conv, self.v_conv = conv(hk), conv(hk), conv(hvv)
     self.f_a, self.f_b = lin(d_model, cfg.decay_rank), lin(cfg.decay_rank, hvk)
     self.b_proj = lin(d_model, cfg.num_v_heads)
     if cfg.gate == "bounded":

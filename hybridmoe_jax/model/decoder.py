@@ -119,9 +119,12 @@ class HybridLM(nnx.Module):
                compute: ComputeConfig = ComputeConfig(), moe_dispatch=None, context=None):
     """moe_dispatch: the routed experts' dispatch (None: local; `parallel.ep_moe`);
     context: sequence-sharded mixers for the training forward (None: whole sequences on each
-    device; `parallel.context.ContextParallel`)."""
+    device; `parallel.context.ContextParallel`). With a zigzag context layout the training
+    forward moves its per-token inputs into the layout and its last hidden state back, so
+    inputs and outputs stay in sequence order."""
     self.cfg = cfg
     self.compute = compute
+    self.context = context
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(compute.dtype),
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
@@ -192,21 +195,32 @@ class HybridLM(nnx.Module):
       ValueError: bad `routes` (see `check_routes`), before any compute.
     """
     cfg = self.cfg
+    lead = tokens if tokens is not None else inputs_embeds
     if routes is not None:
-      lead = tokens if tokens is not None else inputs_embeds
       check_routes(cfg, routes, None if lead is None else tuple(lead.shape[:2]))
     if inputs_embeds is not None:
       if tokens is not None or images is not None:
         raise ValueError("give either inputs_embeds or tokens (+ images), not both")
-      x = inputs_embeds.astype(self.compute.dtype)
     elif tokens is None:
       raise ValueError("HybridLM needs tokens [B, T] or inputs_embeds [B, T, d]")
+    if segment_ids is None:
+      segment_ids = jnp.ones(lead.shape[:2], jnp.int32)
+    if segment_ids.shape != lead.shape[:2]:
+      raise ValueError(f"segment_ids has shape {segment_ids.shape}, the inputs "
+                       f"{tuple(lead.shape[:2])}")
+    # Context-parallel training forward: per-token arrays in the shards' layout (an identity
+    # unless zigzag); the mixers know the layout, token-wise layers need not.
+    layout = self.context if cache is None else None
+    if layout is not None:
+      tokens, segment_ids, image_index, inputs_embeds = (
+          None if a is None else layout.to_layout(a)
+          for a in (tokens, segment_ids, image_index, inputs_embeds))
+      if routes is not None:
+        routes = {i: layout.to_layout(jnp.asarray(r)) for i, r in routes.items()}
+    if inputs_embeds is not None:
+      x = inputs_embeds.astype(self.compute.dtype)
     else:
       x = self.embed_inputs(tokens, images, image_grid, image_index)
-    if segment_ids is None:
-      segment_ids = jnp.ones(x.shape[:2], jnp.int32)
-    if segment_ids.shape != x.shape[:2]:
-      raise ValueError(f"segment_ids has shape {segment_ids.shape}, the inputs {x.shape[:2]}")
     if cache is not None and len(cache.layers) != cfg.num_layers:
       raise ValueError(f"the cache holds {len(cache.layers)} layers, the model "
                        f"{cfg.num_layers}")
@@ -235,6 +249,9 @@ class HybridLM(nnx.Module):
         moe_stats[layer.index] = {"ffn": {"bias": stats}}
         recorded[layer.index] = experts
     h = self.final_norm(self.final_mix(stream) if cfg.attnres.enabled else stream)
+    if layout is not None:
+      h = layout.from_layout(h)
+      recorded = {i: layout.from_layout(e) for i, e in recorded.items()}
     if logits_at is not None:
       if logits_at.ndim != 2 or logits_at.shape[0] != h.shape[0]:
         raise ValueError(f"logits_at must be [B={h.shape[0]}, K] positions, got shape "

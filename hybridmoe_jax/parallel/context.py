@@ -1,39 +1,55 @@
 """Context parallelism: one sequence sharded over the mesh axis `context` (DESIGN s9b).
 
+Layouts. With n shards the sequence is cut into pieces, and `piece_table(n, zigzag)` says
+which piece each shard holds:
+- contiguous (zigzag=False): n pieces, shard r holds piece r (tokens [r T, (r + 1) T));
+- zigzag: 2n pieces of T / 2 tokens, shard r holds pieces r and 2n-1-r, in that order.
+  Under a causal mask the late pieces cost the most; pairing the r-th earliest with the
+  r-th latest gives every shard the same attention work.
+The zigzag permutation is applied once per forward, at the model's boundary: `HybridLM`
+moves its per-token inputs into the layout (`ContextParallel.to_layout`) and its last
+hidden state back (`from_layout`), so callers (train / eval steps, tests) see the natural
+order and equal results. Each move is one exchange of a shard's own tokens (ppermutes),
+never a gather of the sequence. Token-wise layers (norms, projections, MoE, head) do not
+care about the order; the mixers below read the layout from the table.
+
 Per-shard bodies, called inside `jax.shard_map` with the sequence axis split over
-`axis_name` (shard r holds tokens [r T, (r + 1) T) of every row):
+`axis_name` (T here is the local length, m = T / piece the pieces per shard):
 
-- `kda_shard`: KDA's state recurrence is affine in the incoming state. Each shard runs its
+- `kda_shard`: KDA's state recurrence is affine in the incoming state. Each piece runs its
   chunks once from the identity to get its map S_out = A S_in + B (A [K, K], B [K, V] per
-  row and value head; a segment start inside the shard zeroes A), all-gathers the maps
-  (bytes independent of T), folds the earlier shards' maps into its true initial state in
-  fp32 (a document that starts at the shard boundary drops it), then runs its local chunked
-  pass from that state. Exact; gradients by autodiff through the gather and the fold.
+  row and value head; a segment start inside the piece zeroes A); the maps of all n m
+  pieces are all-gathered (bytes independent of T) and folded in sequence order in fp32
+  into each local piece's true initial state (a document that starts at a piece boundary
+  drops it); then each piece runs its chunked pass from that state. Exact; gradients by
+  autodiff through the gather and the fold.
 - `latent_attention_shard`: MLA in the absorbed form, one shared latent KV head [c ; k_r].
-  The latents are all-gathered over `context` and the local queries attend the gathered
-  prefix with the blockwise core (`ops.blockwise_attention`, O(T x block) memory) at the
-  shard's offset; key blocks past the shard's last query are never read.
-- `previous_tokens`: the last `width` tokens of the previous shard (zeros on shard 0), for
-  the short convolutions' left context (a halo exchange with `ppermute`).
+  The latents are all-gathered over `context` (and put in sequence order); each local
+  piece's queries attend them with the blockwise core (`ops.blockwise_attention`,
+  O(T x block) memory) at the piece's offset: key blocks past the piece's last query are
+  never read.
+- `previous_tokens` / `short_conv_shard`: the short convolutions' left halo, explicit: each
+  piece gets the last W-1 tokens (and segment ids) of the piece before it in sequence order
+  by ppermute (zeros for the first piece), then convolves with `layers.conv.short_conv`.
+  Used in both layouts (with zigzag XLA's automatic halo would read the wrong neighbours).
 
-`ContextParallel(mesh)` is what a model is built with (`HybridLM(..., context=...)`, like the
-MoE dispatch): its `kda` / `latent_attention` take global arrays (batch over data x fsdp,
-sequence over `context`) and run the shard bodies in one shard_map each. Everything else in
-the model is token-wise and left to XLA's partitioner (the short convolutions included: it
-inserts their halo itself).
-
-Conventions as in `ops.kda` / `ops.blockwise_attention`; T here is the local (per-shard)
-length, n the number of shards.
+`ContextParallel(mesh, block, zigzag)` is what a model is built with (`HybridLM(...,
+context=...)`, like the MoE dispatch): its methods take global arrays (batch over data x
+fsdp, sequence over `context`, in the layout) and run the shard bodies in one shard_map
+each. Conventions as in `ops.kda` / `ops.blockwise_attention`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from hybridmoe_jax.layers.conv import short_conv
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.sharding import BATCH_AXES
@@ -42,121 +58,267 @@ CONTEXT_AXIS = "context"
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _shard_index_and_count(axis_name: str) -> tuple[jax.Array, int]:
-  return jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+@functools.lru_cache(maxsize=None)
+def piece_table(n: int, zigzag: bool) -> np.ndarray:
+  """[n, m] int: the sequence piece held in slot j of shard r (m = 2 with zigzag, else 1)."""
+  r = np.arange(n)
+  table = np.stack([r, 2 * n - 1 - r], axis=1) if zigzag else r[:, None]
+  table.setflags(write=False)
+  return table
 
 
-def previous_tokens(x: jax.Array, width: int, axis_name: str = CONTEXT_AXIS) -> jax.Array:
-  """x: [B, T, ...] local tokens -> [B, width, ...]: the previous shard's last `width`
-  tokens (zeros on shard 0)."""
+def _location(table: np.ndarray, piece: int) -> tuple[int, int]:
+  shard, slot = np.argwhere(table == piece)[0]
+  return int(shard), int(slot)
+
+
+def _route(parts: jax.Array, sources, axis_name: str) -> jax.Array:
+  """Move pieces between shards: parts [B, m_in, ...] local -> [B, m_out, ...] where slot j
+  of shard d is parts[:, i] of shard s for sources[d][j] = (s, i), zeros for None.
+
+  One ppermute per (i, j) slot pair that crosses shards (each shard sends and receives one
+  piece per ppermute: the bytes of the pieces moved, no gather); same-shard moves are local.
+  A received zero is added where nothing arrives, so the sum is exact.
+  """
+  n, m_out = len(sources), len(sources[0])
+  r = jax.lax.axis_index(axis_name)
+  out = []
+  for j in range(m_out):
+    acc = jnp.zeros_like(parts[:, 0])
+    for i in range(parts.shape[1]):
+      pairs = [(sources[d][j][0], d) for d in range(n)
+               if sources[d][j] is not None and sources[d][j][1] == i and sources[d][j][0] != d]
+      if pairs:
+        acc = acc + jax.lax.ppermute(parts[:, i], axis_name, pairs)
+      local = [d for d in range(n) if sources[d][j] == (d, i)]
+      if local:
+        acc = acc + jnp.where(jnp.isin(r, jnp.asarray(local)), parts[:, i], 0)
+    out.append(acc)
+  return jnp.stack(out, axis=1)
+
+
+def _split(x: jax.Array, m: int) -> jax.Array:
+  """[B, T, ...] -> [B, m, T / m, ...]."""
+  return x.reshape(x.shape[0], m, x.shape[1] // m, *x.shape[2:])
+
+
+def _flat(x: jax.Array) -> jax.Array:
+  """[B, m, ...] -> [B m, ...] (row-major: row b, piece j at b m + j)."""
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _check_pieces(t: int, m: int, what: str, at_least: int = 1) -> None:
+  if t % m or t // m < at_least:
+    raise ValueError(f"{what}: {t} local tokens do not split into {m} pieces of >= "
+                     f"{at_least} tokens (zigzag needs the sequence to be a multiple of "
+                     f"2 x mesh.context)")
+
+
+def previous_tokens(x: jax.Array, width: int, axis_name: str = CONTEXT_AXIS, *,
+                    zigzag: bool = False) -> jax.Array:
+  """x: [B, T, ...] local tokens -> [B, m, width, ...]: for each local piece, the last
+  `width` tokens of the piece before it in sequence order (zeros for the first piece)."""
   n = jax.lax.axis_size(axis_name)
-  tail = x[:, x.shape[1] - width:]
-  # ppermute leaves shard 0 (no source) with zeros.
-  return jax.lax.ppermute(tail, axis_name, [(i, i + 1) for i in range(n - 1)])
+  table = piece_table(n, zigzag)
+  m = table.shape[1]
+  _check_pieces(x.shape[1], m, "previous_tokens", width)
+  tails = _split(x, m)[:, :, -width:]
+  sources = [[None if table[d, j] == 0 else _location(table, table[d, j] - 1)
+              for j in range(m)] for d in range(n)]
+  return _route(tails, sources, axis_name)
+
+
+def short_conv_shard(x: jax.Array, w: jax.Array, *, segment_ids: jax.Array | None = None,
+                     axis_name: str = CONTEXT_AXIS, zigzag: bool = False) -> jax.Array:
+  """One shard of the short convolution (inside shard_map): x [B, T, C] local tokens,
+  w [W, C] fp32, segment_ids [B, T] int32 or None -> [B, T, C] in x's dtype, equal to
+  `layers.conv.short_conv` over the whole sequence (taps never cross a change of id)."""
+  b, t = x.shape[:2]
+  m = piece_table(jax.lax.axis_size(axis_name), zigzag).shape[1]
+  lag = w.shape[0] - 1
+  if lag == 0:
+    return short_conv(x, w, segment_ids=segment_ids)
+  halo = previous_tokens(x, lag, axis_name, zigzag=zigzag)                  # [B, m, W-1, C]
+  opts = {}
+  if segment_ids is not None:
+    halo_ids = previous_tokens(segment_ids, lag, axis_name, zigzag=zigzag)  # first: 0s
+    opts = dict(segment_ids=_flat(_split(segment_ids, m)), history_ids=_flat(halo_ids))
+  y = short_conv(_flat(_split(x, m)), w, history=_flat(halo), **opts)
+  return y.reshape(x.shape)
 
 
 def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
               segment_ids: jax.Array | None = None, axis_name: str = CONTEXT_AXIS,
-              scale: float | None = None, chunk_size: int = 64,
+              zigzag: bool = False, scale: float | None = None, chunk_size: int = 64,
               lower_bound: float | None = None, impl: str = "chunked") -> jax.Array:
   """One shard of a context-parallel KDA (call inside shard_map over `axis_name`).
 
   Args:
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]: this shard's
-      tokens (as `ops.kda.kda`).
+      tokens in the layout of `piece_table(n, zigzag)` (as `ops.kda.kda`).
     segment_ids: [B, T] int32 packed document ids of this shard's tokens (documents may
-      cross shard boundaries: the state carries over iff the id continues).
+      cross piece boundaries: the state carries over iff the id continues).
   Returns:
     o: [B, T, HV, V] in v's dtype, equal to the single-device kda over the whole sequence.
   """
   b, t, hv, kd = g.shape
-  r, n = _shard_index_and_count(axis_name)
-  common = dict(scale=scale, segment_ids=segment_ids, chunk_size=chunk_size,
-                lower_bound=lower_bound, impl=impl)
-  # The affine map of this shard in one pass: values [0 | v] from the state [I | 0] end as
-  # [A | B] (A = the state's linear part, B = what the shard writes from zero).
-  v_ext = jnp.concatenate([jnp.zeros((b, t, hv, kd), v.dtype), v], axis=-1)
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=jnp.float32), (b, hv, kd, kd))
-  s0 = jnp.concatenate([eye, jnp.zeros((b, hv, kd, v.shape[-1]), jnp.float32)], axis=-1)
+  r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  table = piece_table(n, zigzag)
+  m = table.shape[1]
+  _check_pieces(t, m, "kda_shard")
+  pieces = lambda x: _flat(_split(x, m))                 # [B m, T / m, ...]
+  q, k, v, g, beta = map(pieces, (q, k, v, g, beta))
+  seg = None if segment_ids is None else pieces(segment_ids)
+  common = dict(scale=scale, segment_ids=seg, chunk_size=chunk_size, lower_bound=lower_bound,
+                impl=impl)
+  # The affine map of each piece in one pass: values [0 | v] from the state [I | 0] end as
+  # [A | B] (A = the state's linear part, B = what the piece writes from zero).
+  v_ext = jnp.concatenate([jnp.zeros(g.shape, v.dtype), v], axis=-1)
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=jnp.float32), (b * m, hv, kd, kd))
+  s0 = jnp.concatenate([eye, jnp.zeros((b * m, hv, kd, v.shape[-1]), jnp.float32)], axis=-1)
   _, maps = kda(q, k, v_ext, g, beta, initial_state=s0, output_final_state=True, **common)
-  maps_all = jax.lax.all_gather(maps, axis_name)                    # [n, B, HV, K, K + V]
-  if segment_ids is None:
-    starts = jnp.zeros((n, b), bool)
-  else:  # shard i begins a new document iff its first id differs from shard i-1's last
-    ends = jax.lax.all_gather(jnp.stack([segment_ids[:, 0], segment_ids[:, -1]]), axis_name)
+  # Gathered [n, m, ...] (shard, slot) -> [n m, ...] in sequence order.
+  order = np.argsort(table.reshape(-1))
+  in_sequence = lambda x: x.reshape(n * m, *x.shape[2:])[order]
+  maps = maps.reshape(b, m, *maps.shape[1:]).swapaxes(0, 1)
+  maps_all = in_sequence(jax.lax.all_gather(maps, axis_name))      # [n m, B, HV, K, K + V]
+  total = n * m
+  if seg is None:
+    starts = jnp.zeros((total, b), bool)
+  else:  # piece p begins a new document iff its first id differs from piece p-1's last
+    ends = jnp.stack([seg[:, 0], seg[:, -1]]).reshape(2, b, m).transpose(2, 0, 1)
+    ends = in_sequence(jax.lax.all_gather(ends, axis_name))        # [n m, 2, B]
     starts = jnp.concatenate([jnp.zeros((1, b), bool), ends[1:, 0] != ends[:-1, 1]])
+  mine = jnp.asarray(table)[r]                                       # [m] my pieces
 
-  def fold(state, i):
-    a, bm = maps_all[i, ..., :kd], maps_all[i, ..., kd:]
+  def fold(carry, p):
+    state, picked = carry   # state entering piece p; picked [m, ...]: my pieces' states
+    picked = jnp.where((mine == p)[:, None, None, None, None], state[None], picked)
+    a, bm = maps_all[p, ..., :kd], maps_all[p, ..., kd:]
     out = jnp.einsum("bhkj,bhjv->bhkv", a, state, precision=_HIGHEST) + bm
-    out = jnp.where(starts[jnp.minimum(i + 1, n - 1)][:, None, None, None], 0.0, out)
-    return jnp.where(i < r, out, state), None
+    out = jnp.where(starts[jnp.minimum(p + 1, total - 1)][:, None, None, None], 0.0, out)
+    return (out, picked), None
 
-  state, _ = jax.lax.scan(fold, jnp.zeros((b, hv, kd, v.shape[-1]), jnp.float32),
-                          jnp.arange(n))
+  zero = jnp.zeros((b, hv, kd, v.shape[-1]), jnp.float32)
+  (_, picked), _ = jax.lax.scan(fold, (zero, jnp.zeros((m,) + zero.shape, jnp.float32)),
+                                jnp.arange(total))
+  state = _flat(picked.swapaxes(0, 1))                               # [B m, HV, K, V]
   o, _ = kda(q, k, v, g, beta, initial_state=state, **common)
-  return o
+  return o.reshape(b, t, *o.shape[2:])
 
 
 def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
                            segment_ids: jax.Array | None = None,
-                           axis_name: str = CONTEXT_AXIS, scale: float, block: int = 128
-                           ) -> jax.Array:
+                           axis_name: str = CONTEXT_AXIS, zigzag: bool = False, scale: float,
+                           block: int = 128) -> jax.Array:
   """One shard of context-parallel absorbed MLA attention (inside shard_map).
 
   Args:
-    q: [B, T, H, d_c + Dr] absorbed queries ([W_uk q_nope ; q_rope]).
+    q: [B, T, H, d_c + Dr] absorbed queries ([W_uk q_nope ; q_rope]), in the layout of
+      `piece_table(n, zigzag)`.
     c: [B, T, d_c] this shard's latents (keys and values); k_r: [B, T, Dr] rope-slot keys.
     segment_ids: [B, T] int32 packed document ids of this shard's tokens.
     scale: logit scale (1 / sqrt(Dn + Dr) of the expanded form).
   Returns:
     [B, T, H, d_c] float32-accumulated sum_j softmax_j c_j in c's dtype (apply W_uv after).
   """
-  r = jax.lax.axis_index(axis_name)
-  t = c.shape[1]
-  keys = jnp.concatenate([c, k_r.astype(c.dtype)], axis=-1)
-  keys_all = jax.lax.all_gather(keys, axis_name, axis=1, tiled=True)   # [B, n T, d_c + Dr]
+  r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  table = piece_table(n, zigzag)
+  m = table.shape[1]
+  b, t = c.shape[:2]
+  _check_pieces(t, m, "latent_attention_shard")
+  size = t // m
+  order = np.argsort(table.reshape(-1))
+
+  def gathered(x):  # [B, T, ...] local -> [B, n T, ...] all pieces in sequence order
+    x_all = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    if m == 1:
+      return x_all
+    x_all = x_all.reshape(b, n * m, size, *x.shape[2:])[:, order]
+    return x_all.reshape(b, n * t, *x.shape[2:])
+
+  keys_all = gathered(jnp.concatenate([c, k_r.astype(c.dtype)], axis=-1))
   values_all = keys_all[..., :c.shape[-1]]
-  seg = segment_ids if segment_ids is not None else jnp.zeros(c.shape[:2], jnp.int32)
-  seg_all = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)
-  return blockwise_attention(q, keys_all[:, :, None], values_all[:, :, None],
-                             q_segment_ids=seg, kv_segment_ids=seg_all, q_offset=r * t,
-                             scale=scale, block_q=block, block_kv=block)
+  seg = segment_ids if segment_ids is not None else jnp.zeros((b, t), jnp.int32)
+  seg_all = gathered(seg)
+  outs = []
+  for j in range(m):   # each piece's queries at its own offset: later key blocks unread
+    lo = slice(j * size, (j + 1) * size)
+    outs.append(blockwise_attention(
+        q[:, lo], keys_all[:, :, None], values_all[:, :, None], q_segment_ids=seg[:, lo],
+        kv_segment_ids=seg_all, q_offset=jnp.asarray(table[:, j])[r] * size, scale=scale,
+        block_q=block, block_kv=block))
+  return outs[0] if m == 1 else jnp.concatenate(outs, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
   """The sequence-sharded mixers of a model on `mesh` (axis `context`, size > 1).
 
-  Global arrays come in laid out [B over (data, fsdp), T over context, ...]; each method is
-  one shard_map over that layout.
+  Global arrays come in laid out [B over (data, fsdp), T over context, ...] in the layout
+  (`piece_table(size, zigzag)`); each method is one shard_map over that layout.
+  zigzag: 2 pieces per shard (causal load balance); the model moves its inputs into the
+  layout with `to_layout` and its output back with `from_layout` (identities without).
   """
 
   mesh: Mesh
   block: int = 128          # tokens per block of the MLA attention
+  zigzag: bool = False
 
   @property
   def size(self) -> int:
     return self.mesh.shape[CONTEXT_AXIS]
 
-  def _map(self, body, n_args: int):
+  def _map(self, body, n_args: int, replicated: int = 0):
     spec = P(BATCH_AXES, CONTEXT_AXIS)
-    return jax.shard_map(body, mesh=self.mesh, in_specs=(spec,) * n_args, out_specs=spec,
+    return jax.shard_map(body, mesh=self.mesh,
+                         in_specs=(spec,) * n_args + (P(),) * replicated, out_specs=spec,
                          check_vma=False)
 
   def _segments(self, segment_ids, shape):
     return jnp.zeros(shape, jnp.int32) if segment_ids is None else segment_ids
 
+  def _move(self, x: jax.Array, src: np.ndarray, dst: np.ndarray) -> jax.Array:
+    """Global [B, T, ...]: the 2n pieces from layout `src` to layout `dst` ([n, 2] tables)."""
+    sources = [[_location(src, p) for p in row] for row in dst]
+
+    def body(x):
+      _check_pieces(x.shape[1], 2, "ContextParallel layout")
+      y = _route(_split(x, 2), sources, CONTEXT_AXIS)
+      return y.reshape(x.shape)
+
+    return self._map(body, 1)(x)
+
+  def _natural(self) -> np.ndarray:   # 2n pieces, contiguous: shard r holds 2r, 2r + 1
+    return np.arange(2 * self.size).reshape(self.size, 2)
+
+  def to_layout(self, x: jax.Array) -> jax.Array:
+    """[B, T, ...] per-token array in sequence order -> the same in the layout (identity
+    unless zigzag): one exchange of each shard's own tokens."""
+    return self._move(x, self._natural(), piece_table(self.size, True)) if self.zigzag else x
+
+  def from_layout(self, x: jax.Array) -> jax.Array:
+    """The inverse of `to_layout`."""
+    return self._move(x, piece_table(self.size, True), self._natural()) if self.zigzag else x
+
+  def short_conv(self, x, w, *, segment_ids=None) -> jax.Array:
+    """`layers.conv.short_conv(x, w, segment_ids=...)` over the whole sequence, each shard
+    reading its left halo explicitly (`short_conv_shard`); w [W, C] is replicated."""
+    seg = self._segments(segment_ids, x.shape[:2])
+    body = lambda x, s, w: short_conv_shard(x, w, segment_ids=s, zigzag=self.zigzag)
+    return self._map(body, 2, replicated=1)(x, seg, w)
+
   def kda(self, q, k, v, g, beta, *, segment_ids=None, **opts) -> jax.Array:
     """`ops.kda.kda(...)[0]` over the whole sequence (opts: scale, chunk_size, lower_bound,
     impl), computed shard by shard (`kda_shard`)."""
     seg = self._segments(segment_ids, q.shape[:2])
-    body = lambda q, k, v, g, b, s: kda_shard(q, k, v, g, b, segment_ids=s, **opts)
+    body = lambda q, k, v, g, b, s: kda_shard(q, k, v, g, b, segment_ids=s,
+                                              zigzag=self.zigzag, **opts)
     return self._map(body, 6)(q, k, v, g, beta, seg)
 
   def latent_attention(self, q, c, k_r, *, segment_ids=None, scale: float) -> jax.Array:
     """Absorbed MLA attention over the whole sequence (`latent_attention_shard`)."""
     seg = self._segments(segment_ids, c.shape[:2])
     body = lambda q, c, k_r, s: latent_attention_shard(q, c, k_r, segment_ids=s, scale=scale,
-                                                       block=self.block)
+                                                       zigzag=self.zigzag, block=self.block)
     return self._map(body, 4)(q, c, k_r, seg)

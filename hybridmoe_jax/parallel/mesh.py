@@ -95,11 +95,12 @@ def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
 
 
 def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum: int,
-                    seq_len: int) -> None:
+                    seq_len: int, context_zigzag: bool = False) -> None:
   """One clear ConfigError per mismatch between the model/batch and the mesh (before compile).
 
   - experts must divide evenly over `expert` (each shard owns E / expert whole experts);
   - each microbatch (batch_size / grad_accum sequences) must split over data x fsdp;
+  - each sequence must split over `context` (in 2 x context pieces with context_zigzag);
   - its tokens must split over data x fsdp x expert (the MoE dispatch's token shards).
   """
   ep = mesh.shape["expert"]
@@ -116,10 +117,15 @@ def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum
         f"{mesh.shape['fsdp']} = {grad_accum * dp} (every data shard needs whole sequences "
         "in each microbatch)")
   cp = mesh.shape["context"]
-  if seq_len % cp:
+  if context_zigzag and cp == 1:
+    raise ConfigError("config field `mesh.context_zigzag` = True is invalid: allowed False "
+                      "unless mesh.context > 1 (the context axis resolved to 1)")
+  pieces = 2 * cp if context_zigzag else cp
+  if seq_len % pieces:
     raise ConfigError(f"config field `train.seq_len` = {seq_len} is invalid: allowed a "
-                      f"multiple of mesh.context={cp} (each context shard holds seq_len / "
-                      f"{cp} tokens of every sequence)")
+                      f"multiple of {'2 x ' if context_zigzag else ''}mesh.context={cp} "
+                      f"(each context shard holds seq_len / {cp} tokens of every sequence"
+                      f"{', in 2 zigzag pieces' if context_zigzag else ''})")
   tokens = micro * seq_len
   if tokens % (dp * ep):
     raise ConfigError(

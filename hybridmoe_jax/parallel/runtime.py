@@ -63,7 +63,9 @@ def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfi
   """Mesh, checks and MoE dispatch of a run. Raises ConfigError naming the field.
 
   Args:
-    mesh_sizes: {axis: size} (the `mesh` config section; one -1 = the remaining devices).
+    mesh_sizes: {axis: size} (the `mesh` config section; one -1 = the remaining devices),
+      optionally with `context_zigzag` (bool, default False): the zigzag sequence layout of
+      the context-parallel mixers (`parallel.context`).
     cfg: the model (its expert count must split over the `expert` axis).
     compute: runtime knobs; moe_impl "ragged" on a multi-device mesh gets the
       expert-parallel dispatch with `moe_capacity_factor`, "dense" stays local.
@@ -71,7 +73,9 @@ def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfi
       the mesh and the process count.
     devices: the mesh's devices (default: all of them).
   """
-  mesh = mesh_lib.build_mesh(mesh_sizes, devices)
+  zigzag = bool(mesh_sizes.get("context_zigzag", False))
+  mesh = mesh_lib.build_mesh({a: v for a, v in mesh_sizes.items() if a != "context_zigzag"},
+                             devices)
   count = jax.process_count()
   if batch_size % count:
     raise ConfigError(f"config field `train.batch_size` = {batch_size} is invalid: allowed "
@@ -81,12 +85,19 @@ def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfi
     raise NotImplementedError("multi-process runs of vision models: the image-text pipeline "
                               "has no per-host sharding yet (text-only models shard by host)")
   mesh_lib.check_mesh_fits(mesh, num_experts=cfg.moe.num_experts, batch_size=batch_size,
-                           grad_accum=grad_accum, seq_len=seq_len)
+                           grad_accum=grad_accum, seq_len=seq_len, context_zigzag=zigzag)
+  cp = mesh.shape["context"]
+  piece = seq_len // (2 * cp if zigzag else cp)
+  if cp > 1 and "kda" in cfg.layer_kinds and piece < cfg.kda.conv_size - 1:
+    raise ConfigError(f"config field `train.seq_len` = {seq_len} is invalid: allowed pieces "
+                      f"of >= model.kda.conv_size - 1 = {cfg.kda.conv_size - 1} tokens per "
+                      f"context shard{' (2 zigzag pieces each)' if zigzag else ''}: the short "
+                      "convolutions' halo comes from the previous piece only")
   if mesh.size == 1 and count == 1:
     return Runtime(mesh=None)
   dispatch = (ExpertParallelDispatch(mesh, capacity_factor=compute.moe_capacity_factor)
               if compute.moe_impl == "ragged" else None)
-  context = (ContextParallel(mesh, block=compute.mla_block) if mesh.shape["context"] > 1
-             else None)
+  context = (ContextParallel(mesh, block=compute.mla_block, zigzag=zigzag)
+             if mesh.shape["context"] > 1 else None)
   return Runtime(mesh=mesh, moe_dispatch=dispatch, context=context,
                  process_index=jax.process_index(), process_count=count)

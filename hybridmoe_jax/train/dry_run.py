@@ -65,9 +65,9 @@ def resolve_mesh(mesh: MeshConfig) -> dict[str, int]:
   """-1 takes the local devices; without -1 the configured sizes define the device count."""
   sizes = [getattr(mesh, a) for a in MESH_AXES]
   if -1 in sizes:
-    return mesh_shape(dataclasses.asdict(mesh),
+    return mesh_shape(mesh.axis_sizes(),
                       max(jax.device_count(), math.prod(v for v in sizes if v != -1)))
-  return mesh_shape(dataclasses.asdict(mesh), math.prod(sizes))
+  return mesh_shape(mesh.axis_sizes(), math.prod(sizes))
 
 
 def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:

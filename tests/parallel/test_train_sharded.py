@@ -169,6 +169,10 @@ class _Untouchable:
     (dict(data=8, fsdp=1), {}, {"batch_size": 4}, "train.batch_size"),
     (dict(data=2, fsdp=4), {}, {"batch_size": 8, "grad_accum": 4}, "train.batch_size"),
     (dict(data=1, fsdp=1, context=8), {}, {"seq_len": 12}, "train.seq_len.*mesh.context"),
+    (dict(data=1, fsdp=4, expert=2, context_zigzag=True), {}, {}, "mesh.context_zigzag"),
+    (dict(data=1, fsdp=4, context=2, context_zigzag=True), {}, {"seq_len": 6},
+     r"train.seq_len.*2 x mesh.context"),
+    (dict(data=1, fsdp=4, context=2, context_zigzag=True), {}, {}, "train.seq_len.*conv_size"),
 ])
 def test_bad_mesh_input_fails_before_compile(tmp_path, mesh, model, train, match):
   c = _config()
@@ -180,6 +184,15 @@ def test_bad_mesh_input_fails_before_compile(tmp_path, mesh, model, train, match
   with pytest.raises(ConfigError, match=match):
     train_and_evaluate(c, str(tmp_path / "run"), data=_Untouchable())
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_zigzag_flag_reaches_the_context_runner():
+  c = _config()
+  c.train.seq_len = 16
+  sizes = dict(data=2, expert=2, context=2)
+  assert not _setup(c, sizes).context.zigzag
+  rt = _setup(c, dict(sizes, context_zigzag=True))
+  assert rt.context.zigzag and rt.context.size == 2
 
 
 def test_single_device_mesh_is_the_plain_path():

@@ -36,7 +36,7 @@ def test_sections_present():
   assert c.rl.envs.to_dict() == {}    # not an RL run
   assert c.hardware.to_dict() == {"device": "", "memory_gib": 0.0, "margin": 0.1}
   assert c.mesh.to_dict() == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1,
-                                "context": 1}
+                                "context": 1, "context_zigzag": False}
   assert c.compute.to_dict() == dataclasses.asdict(ComputeConfig())
   assert c.model.layer_kinds == ()  # the default pattern follows num_layers
   c.model.num_layers = 8
@@ -144,7 +144,7 @@ def test_typed_sections_are_frozen():
 
 
 def test_mesh():
-  shape = lambda m, n: mesh_shape(dataclasses.asdict(m), n)
+  shape = lambda m, n: mesh_shape(m.axis_sizes(), n)
   assert shape(MeshConfig(), 1) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1, "context": 1}
   assert shape(MeshConfig(), 8)["fsdp"] == 8
   assert shape(MeshConfig(expert=4), 8) == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1,
@@ -155,3 +155,6 @@ def test_mesh():
     shape(MeshConfig(fsdp=2), 8)
   with pytest.raises(ConfigError, match="mesh.expert"):
     MeshConfig(expert=0)
+  assert MeshConfig(context=4, context_zigzag=True).axis_sizes()["context"] == 4
+  with pytest.raises(ConfigError, match=r"mesh.context_zigzag.*mesh.context > 1"):
+    MeshConfig(context_zigzag=True)
