@@ -29,7 +29,12 @@ first slots decode fills).
 The short convolutions and everything token-wise are left to XLA's partitioner; the conv
 tails (last W-1 real inputs) are gathered from wherever they live (W-1 tokens). The local
 MoE's sort by expert would make XLA gather every token of the prompt: `ShardLocalExperts`
-runs the routed experts on each device's own tokens instead.
+runs the routed experts on each device's own tokens instead. Left: XLA (CPU, this
+version) does not partition the router's top_k custom call along the tokens and gathers
+the [B T, E] router scores (fp32) once per MoE layer in prefill; routing inside a shard_map
+over the token axes would remove it.
+Measured (tiny model, compiled prefill, B = 1): temp memory per device 28.8 MB at T = 8192
+on one device, 7.5 MB on 4 shards; the decode step's collectives are 80 bytes at any T.
 """
 
 from __future__ import annotations
