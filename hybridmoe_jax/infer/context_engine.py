@@ -6,7 +6,9 @@ longer than one device holds (`parallel.context_decode` for the layout and the m
 along N over `context` (N / n slots per device; KDA states and conv tails replicated). The
 prompt is fed in ONE sharded chunk (padded on the right to a multiple of n, the padding
 masked), into a fresh cache; decoding, `generate` and sampling are `Engine`'s own jitted
-steps. Greedy generation equals the single-device `Engine` token for token.
+steps. Greedy generation equals the single-device `Engine` token for token. `score`
+(teacher-forced nll of a long text) is the same sharded forward with every position's
+logits.
 
 Parameters are replicated over the mesh (other mesh axes than `context` and the batch axes
 are not used here). One compilation per padded prompt length and batch.
@@ -22,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hybridmoe_jax.infer.engine import Engine, _prefill_chunk
+from hybridmoe_jax.infer.engine import Engine, _prefill_chunk, _score_chunk
 from hybridmoe_jax.layers.kda import KDACache
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.model.decoder import HybridLM
@@ -110,6 +112,18 @@ class ContextParallelEngine(Engine):
     with jax.set_mesh(self.mesh):
       return super().generate(prompt, **kwargs)
 
-  def score(self, tokens):
-    raise NotImplementedError("score: use Engine (chunked, one device); the context-parallel "
-                              "engine serves prefill, decode_step and generate")
+  def score(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """As `Engine.score` (nll [B, T-1] of tokens[:, 1:], argmax predictions [B, T-1]), the
+    text fed as one sharded chunk."""
+    tokens, _ = self._check_tokens(tokens, None, "text")
+    b, t = tokens.shape
+    pad = ((0, 0), (0, -t % self.shards))
+    targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    seq = NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXIS))
+    with jax.set_mesh(self.mesh):
+      nll, pred, _ = _score_chunk(
+          self.graphdef, self.state, jax.device_put(np.pad(tokens, pad), seq),
+          jax.device_put(np.pad(targets, pad), seq), self.init_cache(b),
+          jax.device_put(np.full((b,), t, np.int32), NamedSharding(self.mesh, P(BATCH_AXES))),
+          kv_block=self.kv_block)
+    return np.asarray(nll)[:, :t - 1], np.asarray(pred)[:, :t - 1]

@@ -133,6 +133,15 @@ def test_greedy_generate_equals_one_device(engines, prompt):
   np.testing.assert_array_equal(got.lengths, want.lengths)
 
 
+@pytest.mark.slow
+def test_score_equals_one_device(engines, prompt):
+  ref, cp = engines
+  tokens = prompt[0]
+  want, got = ref.score(tokens), cp.score(tokens)
+  assert _max_rel(got[0], want[0]) < 1e-5
+  np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_decode_collectives_do_not_grow_with_the_prompt(model, mesh):
   """The compiled decode step at 64 and 1024 cached tokens a row: the same collectives with
   the same bytes (one pmax and two psums of [B, 1, H(, d_c)] fp32 per MLA layer), and no
