@@ -10,8 +10,9 @@ steps. Greedy generation equals the single-device `Engine` token for token. `sco
 (teacher-forced nll of a long text) is the same sharded forward with every position's
 logits.
 
-Parameters are replicated over the mesh (other mesh axes than `context` and the batch axes
-are not used here). One compilation per padded prompt length and batch.
+Parameters are placed by the project's rules (`parallel.rules`: replicated on a mesh of
+`context` alone, split over fsdp / tensor / expert where the mesh has them); rows split
+over (data, fsdp). One compilation per padded prompt length and batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.context_decode import (ContextDecode, ShardedMLACache,
                                                    ShardLocalExperts)
+from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.sharding import BATCH_AXES
 
 
@@ -63,7 +65,7 @@ class ContextParallelEngine(Engine):
         layer.ffn.dispatch = experts
     super().__init__(copy, max_len=self.slots_per_shard * self.shards,
                      prefill_chunk=self.slots_per_shard * self.shards, kv_block=kv_block)
-    self.state = jax.device_put(self.state, NamedSharding(mesh, P()))
+    self.state = jax.device_put(self.state, tree_shardings(self.state, mesh))
 
   def init_cache(self, batch: int) -> DecodeCache:
     """An empty cache: MLA latents sharded along N over `context`, the rest replicated."""

@@ -87,7 +87,8 @@ def _check_caches(got, want, filled_history):
   np.testing.assert_array_equal(got.length, want.length)
   for g, w in zip(got.layers, want.layers):
     if hasattr(g, "filled"):
-      assert g.c.sharding.spec == P(None, CONTEXT_AXIS), g.c.sharding
+      b, n_all, d_c = g.c.shape                # each device holds N_loc = n_all / N slots
+      assert g.c.sharding.shard_shape(g.c.shape) == (b, n_all // N, d_c), g.c.sharding
       pos = _positions(filled_history, g.c.shape[1] // N)
       for name in ("c", "k_r"):
         gv, wv = np.asarray(getattr(g, name)), np.asarray(getattr(w, name))
@@ -200,3 +201,24 @@ def test_bad_inputs_raise_naming_the_field(engines, mesh, model):
     ContextDecode(mesh).cached_latent_attention(q, q[:, :, 0, :8], q[:, :, 0, :4], layer,
                                                 jnp.ones((1,), jnp.int32), scale=1.0,
                                                 kv_block=4)
+
+
+@pytest.mark.slow
+def test_rows_over_data_and_prompt_over_context(engines, model, prompt):
+  """8 devices, data=2 x context=4: each row on its own 4 devices; prefill and two decode
+  steps == one device."""
+  ref = engines[0]
+  cp = ContextParallelEngine(model, build_mesh({"data": 2, CONTEXT_AXIS: N}),
+                             max_len=MAX_LEN, kv_block=KV_BLOCK)
+  tokens, lengths = prompt
+  want, ref_cache = ref.prefill(tokens, lengths=lengths)
+  got, cache = cp.prefill(tokens, lengths=lengths)
+  assert _max_rel(got, want) < 1e-5
+  mla = next(layer for layer in cache.layers if hasattr(layer, "filled"))
+  assert mla.c.sharding.shard_shape(mla.c.shape) == (1, MAX_LEN // N, mla.c.shape[2])
+  token = np.argmax(np.asarray(want), -1)
+  for _ in range(2):
+    want, ref_cache = ref.decode_step(token, ref_cache)
+    got, cache = cp.decode_step(token, cache)
+    assert _max_rel(got, want) < 1e-5
+    token = np.argmax(np.asarray(want), -1)
