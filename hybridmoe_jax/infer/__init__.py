@@ -1,5 +1,6 @@
 """Inference: chunked prefill, cached decode, scoring and sampling over the model's caches."""
 
+from hybridmoe_jax.infer.context_engine import ContextParallelEngine
 from hybridmoe_jax.infer.engine import Engine
 from hybridmoe_jax.infer.engine import GenerateOutput
 from hybridmoe_jax.infer.engine import decode_step

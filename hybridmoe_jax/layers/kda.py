@@ -57,7 +57,9 @@ class KDALayer(nnx.Module):
                compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None):
     """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
     the training forward then runs the recurrence and the short convolutions (explicit
-    left halo) shard by shard over the sequence."""
+    left halo) shard by shard over the sequence; a runner with `shards_cache`
+    (`parallel.context_decode.ContextDecode`) runs the recurrence of a cached chunk of T > 1
+    tokens (a sharded prompt) the same way and returns the final state."""
     self.cfg = cfg
     self.context = context
     self.dtype = jnp.dtype(compute.dtype)
@@ -139,9 +141,16 @@ class KDALayer(nnx.Module):
         real = segment_ids > 0                                             # [B, T]
         beta = jnp.where(real[..., None], beta, 0.0)
         g = jnp.where(real[..., None, None], g, 0.0)
-      impl = "recurrent" if t == 1 else self.impl
-      o, state = kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
-                     chunk_size=self.chunk_size, impl=impl, lower_bound=lower_bound)
+      if t > 1 and getattr(self.context, "shards_cache", False):
+        # A prompt sharded over the context axis (`parallel.context_decode`): each shard
+        # folds the earlier shards' maps; the final state comes back replicated.
+        o, state = self.context.kda_continue(q, k, v, g, beta, initial_state=cache.state,
+                                             chunk_size=self.chunk_size, impl=self.impl,
+                                             lower_bound=lower_bound)
+      else:
+        impl = "recurrent" if t == 1 else self.impl
+        o, state = kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
+                       chunk_size=self.chunk_size, impl=impl, lower_bound=lower_bound)
       new_cache = KDACache(q_tail, k_tail, v_tail, state)
     o = rms_norm(o, self.o_norm_scale[...], self.norm_eps)
     gate = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(o.dtype)

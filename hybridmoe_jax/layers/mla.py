@@ -54,10 +54,12 @@ def _write(buf: jax.Array, new: jax.Array, start: jax.Array, n_valid: jax.Array)
   return buf.at[jnp.arange(b)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
 
 
-def _latent_attention(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
-                      q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
-                      ) -> jax.Array:
-  """Causal attention of T queries over one shared latent KV head, blockwise (flash style).
+def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
+                             q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
+                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Causal attention of T queries over one shared latent KV head, blockwise (flash style),
+  left unnormalised so that attention over pieces of a cache can be merged exactly
+  (`parallel.context_decode` merges the pieces held by different devices).
 
   Args:
     q_c: [B, T, H, d_c] absorbed queries; q_r: [B, T, H, Dr] rope-slot queries.
@@ -68,7 +70,8 @@ def _latent_attention(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Arr
     scale: logit scale.
     kv_block: keys per block.
   Returns:
-    [B, T, H, d_c] float32: sum_j softmax_j c_j per query and head.
+    (m [B, T, H] running max of the logits (-1e30 where no key is visible), l [B, T, H] sum
+    of exp(s - m), acc [B, T, H, d_c] sum of exp(s - m) c), all float32.
   """
   b, t, h, d_c = q_c.shape
   n = c.shape[1]
@@ -96,7 +99,14 @@ def _latent_attention(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Arr
 
   init = (jnp.full((b, t, h), _NEG, _F32), jnp.zeros((b, t, h), _F32),
           jnp.zeros((b, t, h, d_c), _F32))
-  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def _latent_attention(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
+                      q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
+                      ) -> jax.Array:
+  """`latent_attention_partial` normalised: [B, T, H, d_c] float32 sum_j softmax_j c_j."""
+  _, l, acc = latent_attention_partial(q_c, q_r, c, k_r, q_pos, total, scale, kv_block)
   return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
@@ -108,7 +118,9 @@ class MLALayer(nnx.Module):
                interpret: bool = False):
     """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
     the training forward then attends in the absorbed form over latents gathered across the
-    sequence shards (one shared [c ; k_r] head instead of H expanded ones).
+    sequence shards (one shared [c ; k_r] head instead of H expanded ones). A runner with
+    `shards_cache` (`parallel.context_decode.ContextDecode`) also serves the cached
+    forward: its cache stays sharded along N and the runner writes and attends it.
     interpret: tests only: the Pallas cores (compute.mla_impl "triton", "splash") run in
     Pallas' interpreter, on any backend."""
     self.cfg = cfg
@@ -239,10 +251,24 @@ class MLALayer(nnx.Module):
         k_r = jnp.zeros((b, t, 0), c.dtype)
       n_valid = (jnp.full((b,), t, jnp.int32) if segment_ids is None
                  else jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32))
-      cache = MLACache(_write(cache.c, c, length, n_valid), _write(cache.k_r, k_r, length, n_valid))
-      q_pos = length[:, None] + jnp.arange(t)[None, :]
-      o = self.absorbed_attention(q, cache, q_pos, length + n_valid, kv_block=kv_block)
-      o = o.astype(x.dtype)
+      if getattr(self.context, "shards_cache", False):
+        # The cache is sharded over the context axis (`parallel.context_decode`): the
+        # runner writes the latents and attends shard by shard.
+        w_uk, w_uv = self._up_kernels()
+        dn = cfg.qk_nope_head_dim
+        q_c = jnp.einsum("bthn,chn->bthc", q[..., :dn], w_uk,
+                         preferred_element_type=_F32).astype(q.dtype)
+        o_c, cache = self.context.cached_latent_attention(
+            jnp.concatenate([q_c, q[..., dn:]], axis=-1), c, k_r, cache, n_valid,
+            scale=cfg.qk_head_dim ** -0.5, kv_block=kv_block)
+        o = jnp.einsum("bthc,chv->bthv", o_c.astype(q.dtype), w_uv,
+                       preferred_element_type=_F32).astype(x.dtype)
+      else:
+        cache = MLACache(_write(cache.c, c, length, n_valid),
+                         _write(cache.k_r, k_r, length, n_valid))
+        q_pos = length[:, None] + jnp.arange(t)[None, :]
+        o = self.absorbed_attention(q, cache, q_pos, length + n_valid, kv_block=kv_block)
+        o = o.astype(x.dtype)
     o = o.reshape(b, t, -1)
     if cfg.output_gate:
       o = o * jax.nn.sigmoid(self.gate(x).astype(jnp.float32)).astype(o.dtype)
