@@ -5,6 +5,8 @@ widths and MoE, batch 1, fp32, random weights and tokens. For each context lengt
   cache_bytes    a cache sized for exactly L tokens (KDA: constant; MLA: L (d_c + Dr) layers
                  bytes, asserted here and in tests/infer/test_cache.py)
   ttft_s         chunked prefill of L tokens (--prefill_chunk per jitted step) + first sample
+  peak_rss_gib   the process's peak resident memory after that L (the 1M-token target:
+                 `--models hybrid --contexts 1048576 --decode_steps 64 --budget_s 1e9`, < 8 GiB)
   decode_ms      median over --decode_steps jitted decode steps right after that prefill
 One engine per model (capacity max(L) + steps) serves every L: compilation is excluded and
 the MLA attention reads only the filled blocks, so time follows L, not the capacity.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -81,6 +84,10 @@ def bench_model(name, cfg, contexts, steps, chunk, kv_block, deadline):
                  "mla_bytes_per_token": mla_bytes_per_token(cfg), "ttft_s": round(ttft, 4),
                  "prefill_tok_per_s": round(ctx / ttft, 1), "decode_ms": round(decode_ms, 3),
                  "compile_s": round(compile_s, 2), "prefill_chunk": chunk,
+                 # the process's peak so far (Linux: KiB): one model and L per process
+                 # (--models hybrid --contexts L) makes it the peak of that L alone
+                 "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                       / 2**20, 3),
                  "backend": jax.default_backend()})
     print(json.dumps(rows[-1]), flush=True)
   return rows
