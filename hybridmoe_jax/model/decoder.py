@@ -67,7 +67,8 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
-      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch)
+      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch,
+                     context=context)
     else:
       self.ffn = GLUMLP(d, cfg.moe.dense_intermediate, glu=cfg.moe.glu, dtype=dtype, rngs=rngs)
     self.attnres = cfg.attnres.enabled
