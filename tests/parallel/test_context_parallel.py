@@ -15,6 +15,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.layers.conv import short_conv
+from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
 from hybridmoe_jax.ops.kda import kda
@@ -353,3 +354,49 @@ def test_expert_parallel_routing_gathers_no_scores():
   assert grown, "the expert exchange should grow with T"
   scores = [c for c in grown if any(dims and dims[-1] == _E for _, dims in c[1])]
   assert not scores, scores
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_moe_layer_on_token_shards_equals_one_device(replayed):
+  """The MoE with the context runner on 8 devices (rows over data, 2 rows a device; the
+  sequence over context) == the plain MoE: outputs and the experts run, the QB statistics
+  exactly (integer sums over all token shards, padding left out), and the gradients of
+  every parameter and of the input; with routing replay (given experts, weighted by the
+  router) too."""
+  mesh = make_mesh(data=2, context=N)
+  cfg = dataclasses.replace(tiny_model_config(num_experts=_E, experts_per_token=2).moe,
+                            latent_dim=8, balancing="qb")
+  rng = np.random.default_rng(4)
+  b, d = 4, 16
+  x = jnp.asarray(rng.standard_normal((b, T, d)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((b, T, d)), jnp.float32)
+  mask = jnp.asarray(np.arange(T)[None] < np.array([[T], [T - 3], [50], [T]]))
+  replay = (jnp.asarray(np.argsort(rng.random((b, T, _E)), -1)[..., :2], jnp.int32)
+            if replayed else None)
+  make = lambda context: MoE(d, cfg, norm_eps=1e-6, compute=ComputeConfig(),
+                             rngs=nnx.Rngs(0), context=context)
+
+  def run(model, x, mask, replay):
+    def loss(model, x):
+      y, stats, experts = model(x, mask=mask, replay=replay)
+      return jnp.sum(y * w), (y, stats, experts)
+    (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+    return out, (nnx.to_pure_dict(grads[0]), grads[1])
+
+  want = nnx.jit(run)(make(None), x, mask, replay)
+  put = lambda a: None if a is None else jax.device_put(a, batch_sharding(mesh, sequence=True))
+  with jax.set_mesh(mesh):
+    got = nnx.jit(run)(make(ContextParallel(mesh)), put(x), put(mask), put(replay))
+  (y, stats, experts), grads = got
+  assert _max_rel(y, want[0][0]) < 1e-5
+  np.testing.assert_array_equal(experts, want[0][2])
+  if replayed:
+    np.testing.assert_array_equal(experts, replay)
+  for key in want[0][1]:
+    np.testing.assert_array_equal(stats[key], want[0][1][key], err_msg=key)
+  assert int(stats["load"].sum()) == 2 * int(mask.sum())
+  flat_want = jax.tree_util.tree_flatten_with_path(want[1])[0]
+  flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+  assert len(flat_got) == len(flat_want)
+  for path, g in flat_want:
+    assert _max_rel(flat_got[path], g) < 1e-5, jax.tree_util.keystr(path)
