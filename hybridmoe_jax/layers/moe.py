@@ -44,6 +44,8 @@ class ExpertDispatch(Protocol):
   Expert(x), `routing_stats` of all m tokens computed from `stats_routes`, or from
   `routes` when it is None). The MoE passes `stats_routes` only under routing replay (the
   router's fresh top-k), so a dispatch without replay support may omit the keyword.
+  Under a context runner the m tokens come split over (data, fsdp, context), each device's
+  block flattened in place (`parallel.context.ContextParallel.flatten_tokens`).
   Must be hashable: it is static model structure (part of the graphdef).
   """
 
@@ -212,7 +214,7 @@ class MoE(nnx.Module):
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
     # Under a context runner every token-wise step runs where the tokens are: XLA does not
     # partition top_k (nor the experts' sort) along the tokens and would gather the whole
-    # sequence's [B T, E] scores onto every device.
+    # sequence's [B T, E] scores (or its [B T, d] inputs) onto every device.
     ctx = self.context if self.context is not None and self.context.splits(b, t) else None
     if ctx is None:
       flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
@@ -251,9 +253,10 @@ class MoE(nnx.Module):
 
       (y, chosen), stats = run(local, (xf, h, valid, replay), weights + experts)
     else:
-      (fresh, routes), _ = run(lambda xf, replay, router, bias: (route(xf, replay, router,
-                                                                       bias), {}),
-                               (xf, replay), weights)
+      def routed(xf, replay, router, bias):
+        return route(xf, replay, router, bias), {}
+
+      (fresh, routes), _ = run(routed, (xf, replay), weights)
       ok = jnp.ones(h.shape[:1], bool) if valid is None else valid
       replayed = {} if replay is None else {"stats_routes": fresh}
       y, stats = self.dispatch(h, routes, bias, ok, *experts, cfg=cfg, glu=glu, dtype=dtype,

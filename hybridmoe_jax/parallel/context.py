@@ -33,6 +33,12 @@ Per-shard bodies, called inside `jax.shard_map` with the sequence axis split ove
   by ppermute (zeros for the first piece), then convolves with `layers.conv.short_conv`.
   Used in both layouts (with zigzag XLA's automatic halo would read the wrong neighbours).
 
+- token-wise work (the MoE): XLA does not partition the router's top_k (nor the experts'
+  sort by expert) along the tokens, and a plain [B, T] -> [B T] reshape is no local op when
+  a device holds several rows: either gathers the sequence onto every device.
+  `flatten_tokens` flattens each device's own block in place and `tokenwise` runs the
+  routing, the local experts and the (psum-ed) statistics on it (`layers.moe.MoE`).
+
 `ContextParallel(mesh, block, zigzag)` is what a model is built with (`HybridLM(...,
 context=...)`, like the MoE dispatch): its methods take global arrays (batch over data x
 fsdp, sequence over `context`, in the layout) and run the shard bodies in one shard_map
