@@ -30,8 +30,7 @@ from hybridmoe_jax.layers.kda import KDACache
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
-from hybridmoe_jax.parallel.context_decode import (ContextDecode, ShardedMLACache,
-                                                   ShardLocalExperts)
+from hybridmoe_jax.parallel.context_decode import ContextDecode, ShardedMLACache
 from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.sharding import BATCH_AXES
 
@@ -56,13 +55,12 @@ class ContextParallelEngine(Engine):
     self.mesh = mesh
     self.shards = mesh.shape[CONTEXT_AXIS]
     self.slots_per_shard = math.ceil(max_len / self.shards)
-    runner, experts = ContextDecode(mesh), ShardLocalExperts(mesh)
+    runner = ContextDecode(mesh)
     copy = nnx.merge(*nnx.split(model))
     for layer in copy.layers:
       layer.mixer.context = runner
-      # The local sorted MoE would gather the whole prompt; an expert-parallel one is kept.
-      if layer.is_moe and layer.ffn.dispatch is None and layer.ffn.impl == "ragged":
-        layer.ffn.dispatch = experts
+      if layer.is_moe:   # routing and local experts on each device's own prompt tokens
+        layer.ffn.context = runner
     super().__init__(copy, max_len=self.slots_per_shard * self.shards,
                      prefill_chunk=self.slots_per_shard * self.shards, kv_block=kv_block)
     self.state = jax.device_put(self.state, tree_shardings(self.state, mesh))

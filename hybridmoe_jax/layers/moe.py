@@ -44,12 +44,31 @@ class ExpertDispatch(Protocol):
   Expert(x), `routing_stats` of all m tokens computed from `stats_routes`, or from
   `routes` when it is None). The MoE passes `stats_routes` only under routing replay (the
   router's fresh top-k), so a dispatch without replay support may omit the keyword.
+  Under a context runner the m tokens come split over (data, fsdp, context), each device's
+  block flattened in place (`parallel.context.ContextParallel.flatten_tokens`).
   Must be hashable: it is static model structure (part of the graphdef).
   """
 
   def __call__(self, x, routes: Routes, bias, valid, w_gate, w_up, w_down, *,
                cfg: MoEConfig, glu, dtype, stats_routes: Routes | None = None
                ) -> tuple[jax.Array, Stats]: ...
+
+
+class TokenRunner(Protocol):
+  """Runs token-wise work where the tokens live (`parallel.context.ContextParallel`).
+
+  splits(B, T) -> bool: the [B, T] batch is laid out over the runner's token axes;
+  flatten_tokens([B, T, ...]) -> [m, ...] and unflatten_tokens([m, ...], B, T): each
+  device's own block, flattened in place (device-major token order);
+  tokenwise(fn, per_token, shared) -> fn(*per_token, *shared) = (per-token outputs, additive
+  outputs) run on each device's tokens, the additive part summed over all of them.
+  Must be hashable: static model structure.
+  """
+
+  def splits(self, b: int, t: int) -> bool: ...
+  def flatten_tokens(self, x: jax.Array) -> jax.Array: ...
+  def unflatten_tokens(self, y: jax.Array, b: int, t: int) -> jax.Array: ...
+  def tokenwise(self, fn, per_token: tuple, shared: tuple = ()): ...
 
 
 class RoutingBias(nnx.Variable):
@@ -127,10 +146,14 @@ class MoE(nnx.Module):
   `dispatch`: None runs the routed experts on this device with `compute.moe_impl`; else an
   `ExpertDispatch` (built outside the layers, e.g. expert-parallel over a mesh), which
   needs moe_impl "ragged" (the dense one-hot path is a local reference only).
+  `context`: None, or the model's context-parallel runner (`TokenRunner`): when a batch is
+  laid out over its token axes the routing (and the local experts and the statistics) run
+  on each device's own tokens, never on the gathered sequence.
   """
 
   def __init__(self, d_model: int, cfg: MoEConfig, *, norm_eps: float,
-               compute: ComputeConfig, rngs: nnx.Rngs, dispatch: ExpertDispatch | None = None):
+               compute: ComputeConfig, rngs: nnx.Rngs, dispatch: ExpertDispatch | None = None,
+               context: TokenRunner | None = None):
     if dispatch is not None and compute.moe_impl != "ragged":
       raise ValueError(f"compute.moe_impl={compute.moe_impl!r} is invalid with an "
                        "expert-parallel dispatch: allowed 'ragged' (the dense one-hot path "
@@ -138,6 +161,7 @@ class MoE(nnx.Module):
     self.cfg = cfg
     self.impl = compute.moe_impl
     self.dispatch = dispatch
+    self.context = context
     self.dtype = jnp.dtype(compute.dtype)
     e, i_dim = cfg.num_experts, cfg.expert_intermediate
     n_in = cfg.latent_dim or d_model
@@ -188,33 +212,62 @@ class MoE(nnx.Module):
       raise ValueError(f"replay must be integer expert ids [B, T, k] = {(b, t, k)}, got "
                        f"{replay.dtype} {tuple(replay.shape)}")
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
-    xf = x.reshape(b * t, d)
-    valid = None if mask is None else mask.reshape(b * t)
-    bias = self.bias[...]
-    # Router in fp32 at full precision: bf16/TF32 logits would flip near-tied routes.
-    logits = jnp.dot(xf.astype(_F32), self.router[...], precision=jax.lax.Precision.HIGHEST)
-    fresh = sigmoid_topk_route(logits, bias, k, routed_scale=cfg.routed_scale,
-                               renormalize=cfg.renormalize)
-    routes = fresh
-    if replay is not None:
-      routes = replay_route(logits, replay.reshape(b * t, k), bias=bias,
-                            routed_scale=cfg.routed_scale, renormalize=cfg.renormalize)
-    h = xf.astype(dtype)
+    # Under a context runner every token-wise step runs where the tokens are: XLA does not
+    # partition top_k (nor the experts' sort) along the tokens and would gather the whole
+    # sequence's [B T, E] scores (or its [B T, d] inputs) onto every device.
+    ctx = self.context if self.context is not None and self.context.splits(b, t) else None
+    if ctx is None:
+      flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
+      unflat = lambda a: a.reshape(b, t, *a.shape[1:])
+      run = lambda fn, per_token, shared: fn(*per_token, *shared)
+    else:
+      flat = lambda a: None if a is None else ctx.flatten_tokens(a)
+      unflat = lambda a: ctx.unflatten_tokens(a, b, t)
+      run = ctx.tokenwise
+    h = x.astype(dtype)
     if cfg.latent_dim:
       h = _mm(h, self.latent_down[...], dtype).astype(dtype)
+    xf, h, valid, replay = flat(x), flat(h), flat(mask), flat(replay)
     glu = get_glu(cfg.glu)
+
+    def route(xf, replay, router, bias):
+      """Fresh top-k of these tokens, and the routes they run (replayed or fresh)."""
+      # Router in fp32 at full precision: bf16/TF32 logits would flip near-tied routes.
+      logits = jnp.dot(xf.astype(_F32), router, precision=jax.lax.Precision.HIGHEST)
+      fresh = sigmoid_topk_route(logits, bias, k, routed_scale=cfg.routed_scale,
+                                 renormalize=cfg.renormalize)
+      if replay is None:
+        return fresh, fresh
+      return fresh, replay_route(logits, replay.astype(jnp.int32), bias=bias,
+                                 routed_scale=cfg.routed_scale, renormalize=cfg.renormalize)
+
+    weights = (self.router[...], self.bias[...])
+    experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    bias = weights[1]
     if self.dispatch is None:
-      y = _EXPERT_IMPLS[self.impl](h, routes.experts, routes.weights, self.w_gate[...],
-                                   self.w_up[...], self.w_down[...], glu, dtype)
-      stats = routing_stats(fresh, bias, valid, cfg)
+      def local(xf, h, valid, replay, router, bias, w_gate, w_up, w_down):
+        fresh, routes = route(xf, replay, router, bias)
+        y = _EXPERT_IMPLS[self.impl](h, routes.experts, routes.weights, w_gate, w_up,
+                                     w_down, glu, dtype)
+        return (y, routes.experts), routing_stats(fresh, bias, valid, cfg)
+
+      (y, chosen), stats = run(local, (xf, h, valid, replay), weights + experts)
     else:
-      ok = jnp.ones((b * t,), bool) if valid is None else valid
+      def routed(xf, replay, router, bias):
+        return route(xf, replay, router, bias), {}
+
+      (fresh, routes), _ = run(routed, (xf, replay), weights)
+      ok = jnp.ones(h.shape[:1], bool) if valid is None else valid
       replayed = {} if replay is None else {"stats_routes": fresh}
-      y, stats = self.dispatch(h, routes, bias, ok, self.w_gate[...], self.w_up[...],
-                               self.w_down[...], cfg=cfg, glu=glu, dtype=dtype, **replayed)
+      y, stats = self.dispatch(h, routes, bias, ok, *experts, cfg=cfg, glu=glu, dtype=dtype,
+                               **replayed)
+      chosen = routes.experts
+    # Back to [B, T, ...] before the rest: there the token-wise matmuls see one layout
+    # (an expert-parallel y comes back split over `expert` too).
+    y = unflat(y)
     if cfg.latent_dim:
       y = _mm(self.latent_norm(y), self.latent_up[...], dtype)
     if self.shared is not None:
-      y = y + self.shared(xf).astype(_F32)
-    y = sharding.constrain(y.astype(dtype).reshape(b, t, d), ("batch", "length", "act_embed"))
-    return y, stats, routes.experts.reshape(b, t, k)
+      y = y + self.shared(x).astype(_F32)
+    y = sharding.constrain(y.astype(dtype), ("batch", "length", "act_embed"))
+    return y, stats, unflat(chosen)

@@ -67,7 +67,8 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
-      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch)
+      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch,
+                     context=context)
     else:
       self.ffn = GLUMLP(d, cfg.moe.dense_intermediate, glu=cfg.moe.glu, dtype=dtype, rngs=rngs)
     self.attnres = cfg.attnres.enabled
@@ -118,8 +119,8 @@ class HybridLM(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
                compute: ComputeConfig = ComputeConfig(), moe_dispatch=None, context=None):
     """moe_dispatch: the routed experts' dispatch (None: local; `parallel.ep_moe`);
-    context: sequence-sharded mixers for the training forward (None: whole sequences on each
-    device; `parallel.context.ContextParallel`). With a zigzag context layout the training
+    context: sequence-sharded mixers for the training forward, and the MoE's token-wise
+    routing (None: whole sequences on each device; `parallel.context.ContextParallel`). With a zigzag context layout the training
     forward moves its per-token inputs into the layout and its last hidden state back, so
     inputs and outputs stay in sequence order."""
     self.cfg = cfg

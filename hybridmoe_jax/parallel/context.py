@@ -33,6 +33,12 @@ Per-shard bodies, called inside `jax.shard_map` with the sequence axis split ove
   by ppermute (zeros for the first piece), then convolves with `layers.conv.short_conv`.
   Used in both layouts (with zigzag XLA's automatic halo would read the wrong neighbours).
 
+- token-wise work (the MoE): XLA does not partition the router's top_k (nor the experts'
+  sort by expert) along the tokens, and a plain [B, T] -> [B T] reshape is no local op when
+  a device holds several rows: either gathers the sequence onto every device.
+  `flatten_tokens` flattens each device's own block in place and `tokenwise` runs the
+  routing, the local experts and the (psum-ed) statistics on it (`layers.moe.MoE`).
+
 `ContextParallel(mesh, block, zigzag)` is what a model is built with (`HybridLM(...,
 context=...)`, like the MoE dispatch): its methods take global arrays (batch over data x
 fsdp, sequence over `context`, in the layout) and run the shard bodies in one shard_map
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -300,6 +307,62 @@ class ContextParallel:
   def from_layout(self, x: jax.Array) -> jax.Array:
     """The inverse of `to_layout`."""
     return self._move(x, piece_table(self.size, True), self._natural()) if self.zigzag else x
+
+  # ---- token-wise work (the MoE): each device's own tokens, never the whole sequence ----
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    """The mesh axes the tokens of a [B, T] batch are split over: (data, fsdp, context)."""
+    return tuple(a for a in (*BATCH_AXES, CONTEXT_AXIS) if a in self.mesh.axis_names)
+
+  def splits(self, b: int, t: int) -> bool:
+    """Whether a [B, T] batch is laid out over the token axes (B over data x fsdp, T over
+    context); False e.g. for a decode step (T = 1, replicated over context)."""
+    dp = math.prod(self.mesh.shape[a] for a in BATCH_AXES if a in self.mesh.axis_names)
+    return b % dp == 0 and t % self.size == 0
+
+  def flatten_tokens(self, x: jax.Array) -> jax.Array:
+    """[B, T, ...] laid out (B over data x fsdp, T over context) -> [B T, ...] split over
+    `token_axes`, device-major: each device flattens its own [B_loc, T_loc] block, no data
+    moves. (A plain reshape is not a local op when a device holds several rows: XLA
+    re-lays the tokens out, gathering whole sequences.) Token-wise code does not care about
+    the order; `unflatten_tokens` undoes it."""
+    spec = P(BATCH_AXES, CONTEXT_AXIS)
+    body = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return jax.shard_map(body, mesh=self.mesh, in_specs=spec, out_specs=P(self.token_axes),
+                         check_vma=False)(x)
+
+  def unflatten_tokens(self, y: jax.Array, b: int, t: int) -> jax.Array:
+    """The inverse of `flatten_tokens`: [B T, ...] -> [B, T, ...]."""
+    dp = math.prod(self.mesh.shape[a] for a in BATCH_AXES if a in self.mesh.axis_names)
+    shape = (b // dp, t // self.size)
+    body = lambda y: y.reshape(*shape, *y.shape[1:])
+    return jax.shard_map(body, mesh=self.mesh, in_specs=P(self.token_axes),
+                         out_specs=P(BATCH_AXES, CONTEXT_AXIS), check_vma=False)(y)
+
+  def tokenwise(self, fn, per_token: tuple, shared: tuple = ()):
+    """fn on each device's own tokens: one shard_map over `token_axes`.
+
+    Args:
+      fn: (*per_token, *shared) -> (per-token pytree, additive pytree), computed token by
+        token (e.g. routing: top_k, which XLA does not partition along the tokens and
+        would otherwise run on a gathered [B T, E] array) plus sums over the tokens.
+      per_token: [m, ...] arrays from `flatten_tokens` (None entries allowed).
+      shared: arrays every device needs whole (replicated; their gradients are summed
+        over the shards).
+    Returns:
+      (the per-token outputs [m, ...] split over `token_axes`, the additive outputs
+      psum-ed over `token_axes`: the whole batch's sums, exact for integers).
+    """
+    axes = self.token_axes
+
+    def body(*args):
+      out, summed = fn(*args)
+      return out, jax.lax.psum(summed, axes)
+
+    tok = P(axes)
+    return jax.shard_map(body, mesh=self.mesh,
+                         in_specs=(tok,) * len(per_token) + (P(),) * len(shared),
+                         out_specs=(tok, P()), check_vma=False)(*per_token, *shared)
 
   def short_conv(self, x, w, *, segment_ids=None) -> jax.Array:
     """`layers.conv.short_conv(x, w, segment_ids=...)` over the whole sequence, each shard

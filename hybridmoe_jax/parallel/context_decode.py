@@ -26,13 +26,11 @@ cached latent and their order does not matter: only which slots are in use.
 Capacity: n * N_loc tokens per row, all usable (holes left by the prompt's padding are the
 first slots decode fills).
 
-The short convolutions and everything token-wise are left to XLA's partitioner; the conv
-tails (last W-1 real inputs) are gathered from wherever they live (W-1 tokens). The local
-MoE's sort by expert would make XLA gather every token of the prompt: `ShardLocalExperts`
-runs the routed experts on each device's own tokens instead. Left: XLA (CPU, this
-version) does not partition the router's top_k custom call along the tokens and gathers
-the [B T, E] router scores (fp32) once per MoE layer in prefill; routing inside a shard_map
-over the token axes would remove it.
+The short convolutions and the token-wise projections are left to XLA's partitioner; the
+conv tails (last W-1 real inputs) are gathered from wherever they live (W-1 tokens). The
+MoE runs its routing (top_k, which XLA does not partition along the tokens) and its local
+experts (a sort by expert) on each device's own prompt tokens (`ContextParallel.tokenwise`,
+the runner installed as the MoE's `context`), so no whole-prompt array is gathered.
 Measured (tiny model, compiled prefill, B = 1): temp memory per device 28.8 MB at T = 8192
 on one device, 7.5 MB on 4 shards; the decode step's collectives are 80 bytes at any T.
 """
@@ -40,19 +38,15 @@ on one device, 7.5 MB on 4 shards; the decode step's collectives are 80 bytes at
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hybridmoe_jax.config import MLAConfig, MoEConfig
-from hybridmoe_jax.layers.balancing import Stats, routing_stats
+from hybridmoe_jax.config import MLAConfig
 from hybridmoe_jax.layers.mla import latent_attention_partial
-from hybridmoe_jax.layers.moe import _ragged_experts
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.ops.routing import Routes
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel
 from hybridmoe_jax.sharding import BATCH_AXES
 
@@ -274,35 +268,3 @@ class ContextDecode(ContextParallel):
                                         q, c, k_r, cache.c, cache.k_r, n_valid)
     filled = jnp.clip(n_valid[:, None] - jnp.arange(n)[None, :] * t_loc, 0, t_loc)
     return o, ShardedMLACache(new_c, new_r, filled.astype(jnp.int32))
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardLocalExperts:
-  """An `ExpertDispatch` (layers.moe) running the routed experts of each device's own tokens
-  there, weights replicated: the tokens [m] split over (data, fsdp, context). The plain
-  local path sorts all m tokens by expert, which under a sequence-sharded prompt gathers the
-  whole prompt's activations onto every device. m not divisible by the token shards (a
-  decode step of few rows) runs unsharded."""
-
-  mesh: Mesh
-
-  def __call__(self, x: jax.Array, routes: Routes, bias: jax.Array, valid: jax.Array,
-               w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, cfg: MoEConfig,
-               glu, dtype, stats_routes: Routes | None = None) -> tuple[jax.Array, Stats]:
-    """x [m, n] -> (y [m, n] fp32, routing statistics of the m tokens), as the local path."""
-    axes = tuple(a for a in (*BATCH_AXES, CONTEXT_AXIS) if a in self.mesh.axis_names)
-    shards = math.prod(self.mesh.shape[a] for a in axes)
-
-    def body(x, routes, stats_routes, bias, valid, w_gate, w_up, w_down):
-      y = _ragged_experts(x, routes.experts, routes.weights, w_gate, w_up, w_down, glu, dtype)
-      stats = routing_stats(routes if stats_routes is None else stats_routes, bias, valid, cfg)
-      return y, stats
-
-    args = (x, routes, stats_routes, bias, valid, w_gate, w_up, w_down)
-    if x.shape[0] % shards:
-      return body(*args)
-    tok, rep = P(axes), P()
-    run = jax.shard_map(lambda *a: (lambda y, s: (y, jax.lax.psum(s, axes)))(*body(*a)),
-                        mesh=self.mesh, in_specs=(tok, tok, tok, rep, tok, rep, rep, rep),
-                        out_specs=(tok, rep), check_vma=False)
-    return run(*args)

@@ -3,7 +3,8 @@
 Conventions (per shard): m local tokens, k experts per token, a = m k assignments, E experts,
 G = size of `expert`, E_l = E / G experts owned by each shard (shard g owns experts
 [g E_l, (g + 1) E_l)), n = expert input width, I = expert width, R = receive-buffer rows.
-Tokens are split over (data, fsdp, expert); expert weights over `expert` only.
+Tokens are split over (data, fsdp, expert) (and `context`, see `token_axes`); expert weights
+over `expert` only.
 
 One step:
   1. sort the a assignments by expert (stable), so the rows for shard j are contiguous;
@@ -34,15 +35,27 @@ from hybridmoe_jax.config import MoEConfig
 from hybridmoe_jax.layers.balancing import Stats, routing_stats
 from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
 from hybridmoe_jax.ops.routing import Routes
+from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all, resolve_impl
-from hybridmoe_jax.sharding import TOKEN_AXES
+from hybridmoe_jax.sharding import BATCH_AXES, TOKEN_AXES
 
 _F32 = jnp.float32
 EXPERT_AXIS = "expert"
 
 
-def token_axes(mesh) -> tuple[str, ...]:
-  return tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+def token_axes(mesh, num_tokens: int | None = None) -> tuple[str, ...]:
+  """The axes the m tokens are split over: (data, fsdp, expert), and `context` before
+  `expert` when m splits over it. Under context parallelism the MoE hands over its tokens
+  split over (data, fsdp, context) (`ContextParallel.flatten_tokens`): adding `expert` as
+  the minor axis is then a local slice, while leaving `context` out would gather the
+  sequence. A decode step's few rows (replicated over context) keep the plain axes."""
+  plain = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+  if CONTEXT_AXIS not in mesh.axis_names or num_tokens is None:
+    return plain
+  with_context = tuple(a for a in (*BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS)
+                       if a in mesh.axis_names)
+  size = math.prod(mesh.shape[a] for a in with_context)
+  return with_context if num_tokens % size == 0 else plain
 
 
 def buffer_rows(assignments: int, num_shards: int, capacity_factor: float) -> int:
@@ -184,7 +197,7 @@ class ExpertParallelDispatch:
       over the whole batch (always 0 when capacity_factor == 0). Integer psums: exactly
       the single-device statistics.
     """
-    toks = token_axes(self.mesh)
+    toks = token_axes(self.mesh, x.shape[0])
     num_shards = self.mesh.shape[EXPERT_AXIS]
     num_experts = w_gate.shape[0]
     if num_experts % num_shards:

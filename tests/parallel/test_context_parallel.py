@@ -2,6 +2,7 @@
 forward and gradients, in the contiguous and the zigzag layout (shard r holds pieces r and
 2n-1-r of 2n); KDA's cross-shard bytes do not grow with T."""
 
+import collections
 import dataclasses
 import re
 
@@ -14,6 +15,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.layers.conv import short_conv
+from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
 from hybridmoe_jax.ops.kda import kda
@@ -284,3 +286,117 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   for path, w in flat_want:
     tol = max(1e-5, 2 * _max_rel(flat_scan[path], w))
     assert _max_rel(flat_got[path], w) < tol, (jax.tree_util.keystr(path), tol)
+
+
+# --------------------------------------------------------------------------- MoE routing
+_MOVES = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter|collective-permute|"
+                    r"all-to-all)(?:-start)?\((.*)$", re.M)
+_ALONE = re.compile(r"replica_groups=(\{\{\d+\}(,\{\d+\})*\}|\[\d+,1\])")
+
+
+def _moving_collectives(hlo: str) -> collections.Counter:
+  """(kind, result arrays ((dtype, dims), ...)) -> count, over the collectives of compiled
+  HLO text that move data: all-reduces over size-1 mesh axes (groups of one device, left
+  by shard_map's transpose) are left out."""
+  out = collections.Counter()
+  for m in _MOVES.finditer(hlo):
+    if _ALONE.search(m.group(3)):
+      continue
+    arrays = tuple((dt, tuple(int(d) for d in dims.split(",") if d))
+                   for dt, dims in _ARRAY.findall(m.group(1)))
+    out[(m.group(2), arrays)] += 1
+  return out
+
+
+_E = 6   # experts: no other array of the model has a trailing dimension of 6
+
+
+def _routing_hlo(mesh, t, dispatch=None):
+  """Compiled forward + backward of a one-layer KDA + MoE model on B = 2 rows of t tokens,
+  sequence-sharded: both rows on every device (a plain [B, T] -> [B T] reshape of the
+  tokens is then no local op)."""
+  cfg = tiny_model_config(num_experts=_E, experts_per_token=2)
+  cfg = dataclasses.replace(cfg, layer_kinds=("kda",), num_layers=1,
+                            moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
+  model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=ComputeConfig(kda_chunk_size=16),
+                   moe_dispatch=dispatch, context=ContextParallel(mesh))
+  graphdef, state = nnx.split(model)
+
+  def loss(state, tokens, seg):
+    logits, aux = nnx.merge(graphdef, state)(tokens, segment_ids=seg, record_routes=True)
+    return jnp.mean(logits[..., 0] * (seg > 0)) + 0 * jnp.sum(aux["routes"][0])
+
+  ids = jax.ShapeDtypeStruct((2, t), jnp.int32, sharding=batch_sharding(mesh, sequence=True))
+  with jax.set_mesh(mesh):
+    return jax.jit(jax.grad(loss)).lower(state, ids, ids).compile().as_text()
+
+
+def test_moe_routing_moves_nothing_that_grows_with_length(mesh):
+  """The MoE under context parallelism (routing, its statistics, the local experts and
+  the recorded routes) on each device's own tokens: the compiled training step at T = 64
+  and 128 has the same collectives with the same shapes (before, XLA gathered the [B T, d]
+  inputs, or with one row per device the [B T, E] router scores, onto every device)."""
+  mesh4 = jax.make_mesh((1, 1, N), ("data", "fsdp", CONTEXT_AXIS),
+                        axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:N])
+  short, long = (_moving_collectives(_routing_hlo(mesh4, t)) for t in (64, 128))
+  assert short, "no collectives parsed"
+  assert short == long, (short - long, long - short)
+
+
+@pytest.mark.slow
+def test_expert_parallel_routing_gathers_no_scores():
+  """With the experts over `expert` (2) and the sequence over `context` (4): what grows with
+  T is the expert exchange of each device's own tokens, never a [*, E] router array."""
+  mesh = make_mesh(expert=2, context=N)
+  short, long = (_moving_collectives(_routing_hlo(mesh, t, ExpertParallelDispatch(mesh)))
+                 for t in (64, 128))
+  grown = list(short - long) + list(long - short)
+  assert grown, "the expert exchange should grow with T"
+  scores = [c for c in grown if any(dims and dims[-1] == _E for _, dims in c[1])]
+  assert not scores, scores
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_moe_layer_on_token_shards_equals_one_device(replayed):
+  """The MoE with the context runner on 8 devices (rows over data, 2 rows a device; the
+  sequence over context) == the plain MoE: outputs and the experts run, the QB statistics
+  exactly (integer sums over all token shards, padding left out), and the gradients of
+  every parameter and of the input; with routing replay (given experts, weighted by the
+  router) too."""
+  mesh = make_mesh(data=2, context=N)
+  cfg = dataclasses.replace(tiny_model_config(num_experts=_E, experts_per_token=2).moe,
+                            latent_dim=8, balancing="qb")
+  rng = np.random.default_rng(4)
+  b, d = 4, 16
+  x = jnp.asarray(rng.standard_normal((b, T, d)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((b, T, d)), jnp.float32)
+  mask = jnp.asarray(np.arange(T)[None] < np.array([[T], [T - 3], [50], [T]]))
+  replay = (jnp.asarray(np.argsort(rng.random((b, T, _E)), -1)[..., :2], jnp.int32)
+            if replayed else None)
+  make = lambda context: MoE(d, cfg, norm_eps=1e-6, compute=ComputeConfig(),
+                             rngs=nnx.Rngs(0), context=context)
+
+  def run(model, x, mask, replay):
+    def loss(model, x):
+      y, stats, experts = model(x, mask=mask, replay=replay)
+      return jnp.sum(y * w), (y, stats, experts)
+    (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+    return out, (nnx.to_pure_dict(grads[0]), grads[1])
+
+  want = nnx.jit(run)(make(None), x, mask, replay)
+  put = lambda a: None if a is None else jax.device_put(a, batch_sharding(mesh, sequence=True))
+  with jax.set_mesh(mesh):
+    got = nnx.jit(run)(make(ContextParallel(mesh)), put(x), put(mask), put(replay))
+  (y, stats, experts), grads = got
+  assert _max_rel(y, want[0][0]) < 1e-5
+  np.testing.assert_array_equal(experts, want[0][2])
+  if replayed:
+    np.testing.assert_array_equal(experts, replay)
+  for key in want[0][1]:
+    np.testing.assert_array_equal(stats[key], want[0][1][key], err_msg=key)
+  assert int(stats["load"].sum()) == 2 * int(mask.sum())
+  flat_want = jax.tree_util.tree_flatten_with_path(want[1])[0]
+  flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+  assert len(flat_got) == len(flat_want)
+  for path, g in flat_want:
+    assert _max_rel(flat_got[path], g) < 1e-5, jax.tree_util.keystr(path)
