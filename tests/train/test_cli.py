@@ -1,7 +1,7 @@
 """run_train.py as a user runs it: bad input stops with one message; dry run; resume; signals.
 
 The fast tests stop before training (one interpreter start per kind of error; the other bad
-values of a kind are checked in process). The slow ones train the tiny model: the embedded
+values of a kind are checked in process; the K3 dry run's counts in process). The slow ones train the tiny model: the embedded
 default run, SIGKILL-and-resume exactness, SIGINT, QB vs none.
 """
 
@@ -21,6 +21,8 @@ import pytest
 from hybridmoe_jax import cli_flags
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.train import dry_run
+from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.train.checkpoint import load_exported_params
 from tests.conftest import ROOT, load_config
 
@@ -114,14 +116,23 @@ def test_incompatible_workdir(tmp_path):
   _one_error(_run(f"--workdir={tmp_path}"), "incompatible", "d_model")
 
 
-def test_dry_run_tiny_and_k3():
+def test_dry_run_tiny():
+  """run_train.py --dry_run wiring: counts, memory per device and the per-stage estimate."""
   p = _run("--dry_run")
   assert p.returncode == 0, p.stderr
   assert "parameters: total" in p.stdout and "per device" in p.stdout
-  p = _run("--config=configs/kimi_k3.py", "--dry_run", "--config.mesh.fsdp=64",
-           "--config.mesh.expert=16")
-  assert p.returncode == 0, p.stderr
-  assert "1024 device(s)" in p.stdout and "B)" in p.stdout, p.stdout
+  assert "fits with compute.remat=" in p.stdout, p.stdout
+
+
+def test_dry_run_counts_of_k3_on_1024_devices():
+  """The K3 preset's counts and per-device split on a 1024-device mesh, in process (the
+  flags path is test_dry_run_tiny's; the whole K3 dry run through run_train.py, with its
+  ~30 CPU-s per-stage memory trace, is test_dry_run_k3_cli, slow)."""
+  config = load_config("kimi_k3")
+  config.mesh.update(fsdp=64, expert=16)
+  run = run_config_from_dict(config)
+  out = dry_run.report(dry_run.estimate(run, plan_lib.build_plan(run)))
+  assert "1024 device(s)" in out and "B)" in out, out
 
 
 # ------------------------------------------------------------------------------------ slow
@@ -150,6 +161,14 @@ def _wait_for_step(workdir, step, proc, timeout=300):
       return
     time.sleep(0.05)
   raise AssertionError("timed out waiting for training progress")
+
+
+@pytest.mark.slow
+def test_dry_run_k3_cli():
+  p = _run("--config=configs/kimi_k3.py", "--dry_run", "--config.mesh.fsdp=64",
+           "--config.mesh.expert=16")
+  assert p.returncode == 0, p.stderr
+  assert "1024 device(s)" in p.stdout and "B)" in p.stdout, p.stdout
 
 
 @pytest.mark.slow
