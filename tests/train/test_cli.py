@@ -1,8 +1,8 @@
 """run_train.py as a user runs it: bad input stops with one message; dry run; resume; signals.
 
 The fast tests stop before training (one interpreter start per kind of error; the other bad
-values of a kind are checked in process; the K3 dry run's counts in process). The slow ones train the tiny model: the embedded
-default run, SIGKILL-and-resume exactness, SIGINT, QB vs none.
+values of a kind are checked in process; the K3 dry run runs in process). The slow ones train
+the tiny model: the embedded default run, SIGKILL-and-resume exactness, SIGINT, QB vs none.
 """
 
 import functools
@@ -22,7 +22,6 @@ from hybridmoe_jax import cli_flags
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train import dry_run
-from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.train.checkpoint import load_exported_params
 from tests.conftest import ROOT, load_config
 
@@ -124,15 +123,18 @@ def test_dry_run_tiny():
   assert "fits with compute.remat=" in p.stdout, p.stdout
 
 
-def test_dry_run_counts_of_k3_on_1024_devices():
-  """The K3 preset's counts and per-device split on a 1024-device mesh, in process (the
-  flags path is test_dry_run_tiny's; the whole K3 dry run through run_train.py, with its
-  ~30 CPU-s per-stage memory trace, is test_dry_run_k3_cli, slow)."""
+def test_dry_run_of_k3_on_1024_devices(capsys):
+  """The K3 preset's dry run in process: counts, the per-device split on a 1024-device mesh
+  and the per-stage memory of a model deeper than memory_model.FULL_TRACE_MAX_LAYERS (traced
+  per layer variant). The flags path is test_dry_run_tiny's; the same run through
+  run_train.py is test_dry_run_k3_cli (slow: one more interpreter start)."""
   config = load_config("kimi_k3")
   config.mesh.update(fsdp=64, expert=16)
-  run = run_config_from_dict(config)
-  out = dry_run.report(dry_run.estimate(run, plan_lib.build_plan(run)))
+  e = dry_run.dry_run(config)
+  out = capsys.readouterr().out
   assert "1024 device(s)" in out and "B)" in out, out
+  assert e["devices"] == 1024 and len(e["fits"]) == 1
+  assert "memory per device, per stage" in out and "activations" in out, out
 
 
 # ------------------------------------------------------------------------------------ slow
