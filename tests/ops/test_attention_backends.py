@@ -32,10 +32,14 @@ def _packed(seed, b, t):
 
 
 def _value_and_grads(fn, q, k, v, w):
-  out = fn(q, k, v)
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(
-      q, k, v)
-  return (out,) + grads
+  """fn's output and the gradients of <fn, w>, in one jitted program (op by op, every
+  primitive of the interpreted kernels' grid loops compiles on its own: several times the
+  CPU)."""
+  @jax.jit
+  def run(q, k, v, w):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return (out,) + pullback(w.astype(out.dtype))
+  return run(q, k, v, w)
 
 
 def _max_rel(a, b):
@@ -230,7 +234,11 @@ def test_mla_layer_kernel_equals_dense(impl, monkeypatch):
     def loss(layer):
       return jnp.sum(jnp.sin(layer(x, segment_ids=seg)[0]))
 
-    outs[name] = (layer(x, segment_ids=seg)[0], nnx.grad(loss)(layer))
+    @nnx.jit   # one program, not op by op (see _value_and_grads)
+    def out_and_grads(layer):
+      return layer(x, segment_ids=seg)[0], nnx.grad(loss)(layer)
+
+    outs[name] = out_and_grads(layer)
   assert set(ran) == {"dense", impl}     # the kernel itself ran, not a fallback
   assert _max_rel(outs[impl][0], outs["dense"][0]) < 1e-5
   g_kernel, g_dense = (jax.tree.leaves(nnx.to_pure_dict(outs[i][1])) for i in (impl, "dense"))

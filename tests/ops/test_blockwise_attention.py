@@ -31,10 +31,13 @@ def _packed(seed, b, t):
 
 
 def _value_and_grads(fn, q, k, v, w):
-  out = fn(q, k, v)
-  grads = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(
-      q, k, v)
-  return (out,) + grads
+  """fn's output and the gradients of <fn, w>, in one jitted program (op-by-op dispatch of
+  the blockwise scans compiles every primitive on its own: several times the CPU)."""
+  @jax.jit
+  def run(q, k, v, w):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return (out,) + pullback(w.astype(out.dtype))
+  return run(q, k, v, w)
 
 
 def _max_rel(a, b):
@@ -65,8 +68,8 @@ def test_reference_equals_the_dense_mla_core():
   q, k, v, _ = _inputs(0, 2, 29, 29, 2, 2, 8, 8)
   seg = _packed(1, 2, 29)
   np.testing.assert_allclose(
-      attention_reference(q, k, v, q_segment_ids=seg, kv_segment_ids=seg),
-      causal_attention(q, k, v, segment_ids=seg), rtol=1e-6, atol=1e-6)
+      jax.jit(attention_reference)(q, k, v, q_segment_ids=seg, kv_segment_ids=seg),
+      jax.jit(causal_attention)(q, k, v, segment_ids=seg), rtol=1e-6, atol=1e-6)
 
 
 def test_query_shard_against_gathered_keys_and_fully_masked_rows():
@@ -150,7 +153,11 @@ def test_mla_layer_blockwise_equals_dense():
     def loss(layer):
       return jnp.sum(jnp.sin(layer(x, segment_ids=seg)[0]))
 
-    outs[impl] = (layer(x, segment_ids=seg)[0], nnx.grad(loss)(layer))
+    @nnx.jit   # one program, not op-by-op (see _value_and_grads)
+    def out_and_grads(layer):
+      return layer(x, segment_ids=seg)[0], nnx.grad(loss)(layer)
+
+    outs[impl] = out_and_grads(layer)
   assert _max_rel(outs["blockwise"][0], outs["dense"][0]) < 1e-5
   g_block, g_dense = (jax.tree.leaves(nnx.to_pure_dict(outs[i][1]))
                       for i in ("blockwise", "dense"))

@@ -87,18 +87,21 @@ def random_segments(seed, B, T, p=0.04):
 
 # (T, chunk, H, HV, initial state, lower_bound, segments): every listed T, chunk size, head
 # layout and gate path appears, without the full cartesian product; most T span several
-# scan steps (kda_chunked runs max(64 tokens, 2 chunks) per step).
+# scan steps (kda_chunked runs max(64 tokens, 2 chunks) per step). The slow ones repeat a
+# default case's path at another size: 64/16 bounded with h0 (15/32 and 500/32), 500/64
+# bounded (500/32 bounded, 200/64 unbounded), 600/16 segments over 10 scan steps (200/16
+# segments over 4 steps).
 CASES = [
     (1, 16, 2, 2, False, None, False),
     (15, 32, 1, 2, True, -5.0, False),
     (63, 32, 2, 4, True, None, False),
     (64, 64, 2, 2, False, None, False),
-    (64, 16, 1, 2, True, -5.0, False),
+    pytest.param(64, 16, 1, 2, True, -5.0, False, marks=pytest.mark.slow),
     (200, 64, 2, 4, False, None, False),
     (200, 16, 1, 2, True, None, True),
-    (500, 64, 1, 2, True, -3.0, False),
+    pytest.param(500, 64, 1, 2, True, -3.0, False, marks=pytest.mark.slow),
     (500, 32, 2, 4, False, -5.0, True),
-    (600, 16, 1, 2, True, None, True),  # 10 scan steps, segments across them
+    pytest.param(600, 16, 1, 2, True, None, True, marks=pytest.mark.slow),
 ]
 
 

@@ -76,6 +76,7 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
   s = trainer.train_rl(_config(), str(part))       # resumes at iteration 2
   assert s["iteration"] == 3
   assert _iteration_losses(part) == _iteration_losses(ref)
+  assert len(_records(part, "rl")) == 3 and len(_records(part, "sft")) == 2   # no redo
   assert [r["iteration"] for r in _records(part, "eval")] == [0, 2, 3]
 
   # data 2 x expert 2: the expert-parallel learner and SFT step, rollouts with the local-MoE

@@ -271,8 +271,9 @@ def test_dry_run_prints_plan_and_memory(capsys):
 def test_stage_memory_components_scale():
   """Activations, KDA states and logits grow linearly with the tokens on a device; remat
   keeps less and pays one layer's recompute; the context axis divides the activations and
-  adds the gathered MLA latents; remat='full' keeps one layer's KDA states."""
-  config = load_config("small")
+  adds the gathered MLA latents; remat='full' keeps one layer's KDA states. On the tiny
+  preset (3 KDA + 1 MLA layers: every component present, half small's trace time)."""
+  config = load_config("tiny")
   config.mesh.update(data=1, fsdp=8, context=1)
   run = run_config_from_dict(config)
   e = dry_run.estimate(run, build_plan(run))
