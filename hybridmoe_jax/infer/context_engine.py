@@ -26,8 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.infer.engine import Engine, _prefill_chunk, _score_chunk
-from hybridmoe_jax.layers.kda import KDACache
-from hybridmoe_jax.model.cache import DecodeCache
+from hybridmoe_jax.model.cache import DecodeCache, KDACache
 from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.context_decode import ContextDecode, ShardedMLACache
