@@ -154,6 +154,20 @@ def short_conv_shard(x: jax.Array, w: jax.Array, *, segment_ids: jax.Array | Non
   return y.reshape(x.shape)
 
 
+def affine_maps(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                **opts) -> jax.Array:
+  """Each row's KDA state map S_out = A S_in + B over its tokens, in one pass: values
+  [0 | v] from the state [I | 0] end as [A | B] (A the state's linear part, B what the
+  tokens write from zero). Shapes as `ops.kda.kda` (opts: its keywords); returns
+  [B, HV, K, K + V] float32."""
+  b, _, hv, kd = g.shape
+  v_ext = jnp.concatenate([jnp.zeros(g.shape, v.dtype), v], axis=-1)
+  eye = jnp.broadcast_to(jnp.eye(kd, dtype=jnp.float32), (b, hv, kd, kd))
+  s0 = jnp.concatenate([eye, jnp.zeros((b, hv, kd, v.shape[-1]), jnp.float32)], axis=-1)
+  _, maps = kda(q, k, v_ext, g, beta, initial_state=s0, output_final_state=True, **opts)
+  return maps
+
+
 def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
               segment_ids: jax.Array | None = None, axis_name: str = CONTEXT_AXIS,
               zigzag: bool = False, scale: float | None = None, chunk_size: int = 64,
@@ -178,12 +192,7 @@ def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   seg = None if segment_ids is None else pieces(segment_ids)
   common = dict(scale=scale, segment_ids=seg, chunk_size=chunk_size, lower_bound=lower_bound,
                 impl=impl)
-  # The affine map of each piece in one pass: values [0 | v] from the state [I | 0] end as
-  # [A | B] (A = the state's linear part, B = what the piece writes from zero).
-  v_ext = jnp.concatenate([jnp.zeros(g.shape, v.dtype), v], axis=-1)
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=jnp.float32), (b * m, hv, kd, kd))
-  s0 = jnp.concatenate([eye, jnp.zeros((b * m, hv, kd, v.shape[-1]), jnp.float32)], axis=-1)
-  _, maps = kda(q, k, v_ext, g, beta, initial_state=s0, output_final_state=True, **common)
+  maps = affine_maps(q, k, v, g, beta, **common)                   # [B m, HV, K, K + V]
   # Gathered [n, m, ...] (shard, slot) -> [n m, ...] in sequence order.
   order = np.argsort(table.reshape(-1))
   in_sequence = lambda x: x.reshape(n * m, *x.shape[2:])[order]

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from hybridmoe_jax.config import MLAConfig
 from hybridmoe_jax.layers.mla import latent_attention_partial
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel
+from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel, affine_maps
 from hybridmoe_jax.sharding import BATCH_AXES
 
 _F32 = jnp.float32
@@ -111,13 +111,9 @@ def kda_continue_shard(q, k, v, g, beta, *, initial_state: jax.Array,
     the same on every shard): equal to `kda(..., initial_state, output_final_state=True)`
     over the whole sequence.
   """
-  b, t, hv, kd = g.shape
+  kd = g.shape[-1]
   r = jax.lax.axis_index(axis_name)
-  # The shard's affine map S_out = A S_in + B in one pass: values [0 | v] from [I | 0].
-  v_ext = jnp.concatenate([jnp.zeros((b, t, hv, kd), v.dtype), v], axis=-1)
-  eye = jnp.broadcast_to(jnp.eye(kd, dtype=_F32), (b, hv, kd, kd))
-  s0 = jnp.concatenate([eye, jnp.zeros((b, hv, kd, v.shape[-1]), _F32)], axis=-1)
-  _, maps = kda(q, k, v_ext, g, beta, initial_state=s0, output_final_state=True, **opts)
+  maps = affine_maps(q, k, v, g, beta, **opts)                      # [B, HV, K, K + V]
   maps_all = jax.lax.all_gather(maps, axis_name)                     # [n, B, HV, K, K + V]
 
   def fold(state, m):

@@ -13,38 +13,12 @@ from hybridmoe_jax.model.impls import describe_impls, log_impls
 from hybridmoe_jax.ops import attention_backends as ab
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
 from hybridmoe_jax.train import dry_run
+from tests.ops.attention_helpers import (attention_inputs, max_rel, packed_segments,
+                                        value_and_grads)
 
 
 def _inputs(seed, b, t, h, hk, d, dv, dtype=jnp.float32):
-  rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
-  k = jnp.asarray(rng.standard_normal((b, t, hk, d)), dtype)
-  v = jnp.asarray(rng.standard_normal((b, t, hk, dv)), dtype)
-  w = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)  # a random cotangent
-  return q, k, v, w
-
-
-def _packed(seed, b, t):
-  """Sorted document ids 1..3 per row with a padding (0) suffix: packed rows."""
-  seg = np.sort(np.random.default_rng(seed).integers(1, 4, (b, t)), axis=1).astype(np.int32)
-  seg[:, t - 2:] = 0
-  return jnp.asarray(seg)
-
-
-def _value_and_grads(fn, q, k, v, w):
-  """fn's output and the gradients of <fn, w>, in one jitted program (op by op, every
-  primitive of the interpreted kernels' grid loops compiles on its own: several times the
-  CPU)."""
-  @jax.jit
-  def run(q, k, v, w):
-    out, pullback = jax.vjp(fn, q, k, v)
-    return (out,) + pullback(w.astype(out.dtype))
-  return run(q, k, v, w)
-
-
-def _max_rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+  return attention_inputs(seed, b, t, t, h, hk, d, dv, dtype)
 
 
 def _reference(seg, scale=None):
@@ -55,7 +29,7 @@ def _reference(seg, scale=None):
 def _assert_matches(got, ref, tol):
   for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
     assert a.shape == r.shape and a.dtype == r.dtype, name
-    assert _max_rel(a, r) < tol, (name, _max_rel(a, r))
+    assert max_rel(a, r) < tol, (name, max_rel(a, r))
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -65,10 +39,10 @@ def _assert_matches(got, ref, tol):
 ])
 def test_triton_interpret_matches_reference(b, t, h, hk, d, dv, block, packed):
   q, k, v, w = _inputs(t, b, t, h, hk, d, dv)
-  seg = _packed(t, b, t) if packed else None
-  got = _value_and_grads(lambda *a: ab.triton_attention(
+  seg = packed_segments(t, b, t) if packed else None
+  got = value_and_grads(lambda *a: ab.triton_attention(
       *a, segment_ids=seg, scale=0.3, block=block, block_bwd=16, interpret=True), q, k, v, w)
-  _assert_matches(got, _value_and_grads(_reference(seg, 0.3), q, k, v, w), 1e-5)
+  _assert_matches(got, value_and_grads(_reference(seg, 0.3), q, k, v, w), 1e-5)
 
 
 @pytest.mark.parametrize("b,t,h,hk,d,dv,packed", [
@@ -77,31 +51,31 @@ def test_triton_interpret_matches_reference(b, t, h, hk, d, dv, block, packed):
 ])
 def test_splash_interpret_matches_reference(b, t, h, hk, d, dv, packed):
   q, k, v, w = _inputs(t, b, t, h, hk, d, dv)
-  seg = _packed(t, b, t) if packed else None
-  got = _value_and_grads(lambda *a: ab.splash_attention(*a, segment_ids=seg, interpret=True),
+  seg = packed_segments(t, b, t) if packed else None
+  got = value_and_grads(lambda *a: ab.splash_attention(*a, segment_ids=seg, interpret=True),
                          q, k, v, w)
-  _assert_matches(got, _value_and_grads(_reference(seg), q, k, v, w), 1e-5)
+  _assert_matches(got, value_and_grads(_reference(seg), q, k, v, w), 1e-5)
 
 
 def test_kernels_bfloat16_forward():
   """bf16 in, bf16 out, within bf16 rounding of the fp32 reference (splash scales q first)."""
   q, k, v, _ = _inputs(1, 1, 70, 2, 1, 24, 16, jnp.bfloat16)
-  seg = _packed(1, 1, 70)
+  seg = packed_segments(1, 1, 70)
   ref = _reference(seg)(*(x.astype(jnp.float32) for x in (q, k, v)))
   for out in (ab.triton_attention(q, k, v, segment_ids=seg, block=16, interpret=True),
               ab.splash_attention(q, k, v, segment_ids=seg, interpret=True)):
-    assert out.dtype == jnp.bfloat16 and _max_rel(out, ref) < 1e-2
+    assert out.dtype == jnp.bfloat16 and max_rel(out, ref) < 1e-2
 
 
 def test_cudnn_wrapper_argument_mapping_through_xla():
   """The cuDNN call needs a GPU; its argument mapping (head-dim padding to a multiple of 8,
   grouped heads, scale, causal) is the same through implementation="xla"."""
   q, k, v, w = _inputs(0, 2, 37, 4, 2, 12, 6)
-  got = _value_and_grads(lambda *a: ab.cudnn_attention(*a, scale=0.25, implementation="xla"),
+  got = value_and_grads(lambda *a: ab.cudnn_attention(*a, scale=0.25, implementation="xla"),
                          q, k, v, w)
-  _assert_matches(got, _value_and_grads(_reference(None, 0.25), q, k, v, w), 1e-5)
+  _assert_matches(got, value_and_grads(_reference(None, 0.25), q, k, v, w), 1e-5)
   with pytest.raises(NotImplementedError, match="segment ids"):
-    ab.cudnn_attention(q, k, v, segment_ids=_packed(0, 2, 37), implementation="xla")
+    ab.cudnn_attention(q, k, v, segment_ids=packed_segments(0, 2, 37), implementation="xla")
 
 
 def test_wrappers_reject_bad_input():
@@ -225,7 +199,7 @@ def test_mla_layer_kernel_equals_dense(impl, monkeypatch):
   cfg = MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                   v_head_dim=8)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 45, 32)), jnp.float32)
-  seg = _packed(7, 2, 45)
+  seg = packed_segments(7, 2, 45)
   outs = {}
   for name in ("dense", impl):
     layer = MLALayer(32, cfg, norm_eps=1e-6, rngs=nnx.Rngs(0), interpret=True,
@@ -240,10 +214,10 @@ def test_mla_layer_kernel_equals_dense(impl, monkeypatch):
 
     outs[name] = out_and_grads(layer)
   assert set(ran) == {"dense", impl}     # the kernel itself ran, not a fallback
-  assert _max_rel(outs[impl][0], outs["dense"][0]) < 1e-5
+  assert max_rel(outs[impl][0], outs["dense"][0]) < 1e-5
   g_kernel, g_dense = (jax.tree.leaves(nnx.to_pure_dict(outs[i][1])) for i in (impl, "dense"))
   for a, r in zip(g_kernel, g_dense):
-    assert _max_rel(a, r) < 1e-4
+    assert max_rel(a, r) < 1e-4
   with pytest.raises(ValueError, match=f"compute.mla_impl='{impl}' runs on backend"):
     MLALayer(32, cfg, norm_eps=1e-6, rngs=nnx.Rngs(0),
              compute=ComputeConfig(mla_impl=impl))(x, segment_ids=seg)

@@ -12,37 +12,8 @@ from hybridmoe_jax.ops.attention import causal_attention
 from hybridmoe_jax.ops.attention_backends import resolve_impl
 from hybridmoe_jax.ops.blockwise_attention import attention_reference, blockwise_attention
 from tests.conftest import rel_rms
-
-
-def _inputs(seed, b, tq, tk, h, hk, d, dv, dtype=jnp.float32):
-  rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.standard_normal((b, tq, h, d)), dtype)
-  k = jnp.asarray(rng.standard_normal((b, tk, hk, d)), dtype)
-  v = jnp.asarray(rng.standard_normal((b, tk, hk, dv)), dtype)
-  w = jnp.asarray(rng.standard_normal((b, tq, h, dv)), jnp.float32)  # a random cotangent
-  return q, k, v, w
-
-
-def _packed(seed, b, t):
-  """Sorted document ids 1..3 per row with a padding (0) suffix: packed rows."""
-  seg = np.sort(np.random.default_rng(seed).integers(1, 4, (b, t)), axis=1).astype(np.int32)
-  seg[:, t - 2:] = 0
-  return jnp.asarray(seg)
-
-
-def _value_and_grads(fn, q, k, v, w):
-  """fn's output and the gradients of <fn, w>, in one jitted program (op-by-op dispatch of
-  the blockwise scans compiles every primitive on its own: several times the CPU)."""
-  @jax.jit
-  def run(q, k, v, w):
-    out, pullback = jax.vjp(fn, q, k, v)
-    return (out,) + pullback(w.astype(out.dtype))
-  return run(q, k, v, w)
-
-
-def _max_rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+from tests.ops.attention_helpers import (attention_inputs, max_rel, packed_segments,
+                                        value_and_grads)
 
 
 @pytest.mark.parametrize("b,t,h,hk,d,dv,bq,bk,packed", [
@@ -52,21 +23,21 @@ def _max_rel(a, b):
     (1, 33, 2, 2, 8, 8, 64, 64, True),    # one block larger than T
 ])
 def test_matches_dense_reference_fp32(b, t, h, hk, d, dv, bq, bk, packed):
-  q, k, v, w = _inputs(t, b, t, t, h, hk, d, dv)
-  seg = _packed(t, b, t) if packed else None
-  got = _value_and_grads(lambda *a: blockwise_attention(*a, segment_ids=seg, block_q=bq,
+  q, k, v, w = attention_inputs(t, b, t, t, h, hk, d, dv)
+  seg = packed_segments(t, b, t) if packed else None
+  got = value_and_grads(lambda *a: blockwise_attention(*a, segment_ids=seg, block_q=bq,
                                                         block_kv=bk), q, k, v, w)
   kw = dict(q_segment_ids=seg, kv_segment_ids=seg) if packed else {}
-  ref = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, w)
+  ref = value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, w)
   for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
     assert a.shape == r.shape and a.dtype == r.dtype
-    assert _max_rel(a, r) < 1e-5, name
+    assert max_rel(a, r) < 1e-5, name
 
 
 def test_reference_equals_the_dense_mla_core():
   """The reference's semantics are those of ops.attention.causal_attention (same heads)."""
-  q, k, v, _ = _inputs(0, 2, 29, 29, 2, 2, 8, 8)
-  seg = _packed(1, 2, 29)
+  q, k, v, _ = attention_inputs(0, 2, 29, 29, 2, 2, 8, 8)
+  seg = packed_segments(1, 2, 29)
   np.testing.assert_allclose(
       jax.jit(attention_reference)(q, k, v, q_segment_ids=seg, kv_segment_ids=seg),
       jax.jit(causal_attention)(q, k, v, segment_ids=seg), rtol=1e-6, atol=1e-6)
@@ -76,28 +47,28 @@ def test_query_shard_against_gathered_keys_and_fully_masked_rows():
   """Queries at positions 30..42 of 45 keys (a context-parallel shard); some queries hold a
   segment id no key has: output 0 and zero gradient, as in the reference."""
   b, tk, tq, off = 2, 45, 13, 30
-  q, k, v, w = _inputs(3, b, tq, tk, 4, 2, 8, 8)
-  kv_seg = _packed(4, b, tk)
+  q, k, v, w = attention_inputs(3, b, tq, tk, 4, 2, 8, 8)
+  kv_seg = packed_segments(4, b, tk)
   q_seg = kv_seg[:, off:off + tq].at[:, 3:6].set(9)       # 9: no key has it
   kw = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off)
-  got = _value_and_grads(lambda *a: blockwise_attention(*a, block_q=4, block_kv=8, **kw),
+  got = value_and_grads(lambda *a: blockwise_attention(*a, block_q=4, block_kv=8, **kw),
                          q, k, v, w)
-  ref = _value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, w)
+  ref = value_and_grads(lambda *a: attention_reference(*a, **kw), q, k, v, w)
   assert np.all(np.asarray(got[0])[:, 3:6] == 0) and np.all(np.asarray(got[1])[:, 3:6] == 0)
   for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
     assert np.all(np.isfinite(np.asarray(a))), name
-    assert _max_rel(a, r) < 1e-5, name
+    assert max_rel(a, r) < 1e-5, name
 
 
 def test_bf16_within_flash_tolerance():
   """bf16 inputs (fp32 softmax statistics) against the fp32 reference: fla's bf16
   tolerance (relative RMS error <= 1e-2), forward and gradients."""
-  q, k, v, w = _inputs(5, 2, 70, 70, 4, 2, 16, 16)
-  seg = _packed(6, 2, 70)
+  q, k, v, w = attention_inputs(5, 2, 70, 70, 4, 2, 16, 16)
+  seg = packed_segments(6, 2, 70)
   bf = lambda x: x.astype(jnp.bfloat16)
-  got = _value_and_grads(lambda *a: blockwise_attention(*a, segment_ids=seg, block_q=16,
+  got = value_and_grads(lambda *a: blockwise_attention(*a, segment_ids=seg, block_q=16,
                                                         block_kv=16), bf(q), bf(k), bf(v), w)
-  ref = _value_and_grads(lambda *a: attention_reference(*a, q_segment_ids=seg,
+  ref = value_and_grads(lambda *a: attention_reference(*a, q_segment_ids=seg,
                                                         kv_segment_ids=seg), q, k, v, w)
   for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
     assert a.dtype == jnp.bfloat16
@@ -105,7 +76,7 @@ def test_bf16_within_flash_tolerance():
 
 
 def _temp_bytes(fn, t):
-  q, k, v, w = (jax.ShapeDtypeStruct(s.shape, s.dtype) for s in _inputs(0, 1, t, t, 1, 1, 8, 8))
+  q, k, v, w = (jax.ShapeDtypeStruct(s.shape, s.dtype) for s in attention_inputs(0, 1, t, t, 1, 1, 8, 8))
   loss = lambda q, k, v, w: jnp.sum(fn(q, k, v) * w)
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, w).compile()
   return compiled.memory_analysis().temp_size_in_bytes
@@ -129,10 +100,10 @@ def test_auto_rule_and_bad_input():
   assert resolve_impl("auto", seq_len=512, **cpu)[0] == "dense"
   assert resolve_impl("auto", seq_len=513, **cpu)[0] == "blockwise"
   assert resolve_impl("blockwise", seq_len=16, **cpu)[0] == "blockwise"
-  q, k, v, _ = _inputs(0, 1, 8, 8, 3, 2, 8, 8)
+  q, k, v, _ = attention_inputs(0, 1, 8, 8, 3, 2, 8, 8)
   with pytest.raises(ValueError, match="multiple of key/value heads"):
     blockwise_attention(q, k, v)
-  q, k, v, _ = _inputs(0, 1, 8, 8, 2, 2, 8, 8)
+  q, k, v, _ = attention_inputs(0, 1, 8, 8, 2, 2, 8, 8)
   with pytest.raises(ValueError, match="q_offset=4"):
     blockwise_attention(q, k, v, q_offset=4)
   with pytest.raises(ValueError, match="segment ids must be"):
@@ -144,7 +115,7 @@ def test_mla_layer_blockwise_equals_dense():
   cfg = MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                   v_head_dim=8)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 45, 32)), jnp.float32)
-  seg = _packed(7, 2, 45)
+  seg = packed_segments(7, 2, 45)
   outs = {}
   for impl in ("dense", "blockwise"):
     layer = MLALayer(32, cfg, norm_eps=1e-6, rngs=nnx.Rngs(0),
@@ -158,8 +129,8 @@ def test_mla_layer_blockwise_equals_dense():
       return layer(x, segment_ids=seg)[0], nnx.grad(loss)(layer)
 
     outs[impl] = out_and_grads(layer)
-  assert _max_rel(outs["blockwise"][0], outs["dense"][0]) < 1e-5
+  assert max_rel(outs["blockwise"][0], outs["dense"][0]) < 1e-5
   g_block, g_dense = (jax.tree.leaves(nnx.to_pure_dict(outs[i][1]))
                       for i in ("blockwise", "dense"))
   for a, r in zip(g_block, g_dense):
-    assert _max_rel(a, r) < 1e-4
+    assert max_rel(a, r) < 1e-4
