@@ -152,17 +152,22 @@ def test_conv_cache_equals_short_conv():
     conv(x, cache=jnp.zeros((2, 2, 6)))
 
 
-@pytest.mark.parametrize("kw", [{}, {"qk_rope_head_dim": 0, "q_lora_rank": 8}])
-def test_absorbed_mla_attention_equals_expanded(kw):
+@pytest.mark.parametrize("kw,q_pos", [
+    ({}, [[2, 3, 4, 5], [7, 8, 9, 10]]),
+    ({"qk_rope_head_dim": 0, "q_lora_rank": 8}, [[2, 3, 4, 5], [7, 8, 9, 10]]),
+    ({}, [[6, 7, 8, 9], [7, 8, 9, 10]]),      # two unmasked blocks before the edge ones
+    ({}, [[0, 1, 2, 3], [7, 8, 9, 10]])])     # none
+def test_absorbed_mla_attention_equals_expanded(kw, q_pos):
   """On a partly filled cache with per-row query positions, blocks of 3 keys (the last one
-  overhanging the capacity 11) == the expanded training form over the whole cache."""
+  overhanging the capacity 11; the blocks every query sees whole skip the mask) == the
+  expanded training form over the whole cache."""
   layer = _layer("mla", **kw)
   keys = jax.random.split(jax.random.PRNGKey(7), 3)
   cfg = layer.cfg
   cache = MLACache(jax.random.normal(keys[0], (2, 11, cfg.kv_lora_rank)),
                    jax.random.normal(keys[1], (2, 11, cfg.qk_rope_head_dim)))
   q = jax.random.normal(keys[2], (2, 4, cfg.num_heads, cfg.qk_head_dim))
-  q_pos = jnp.array([[2, 3, 4, 5], [7, 8, 9, 10]])
+  q_pos = jnp.array(q_pos)
   a = layer.absorbed_attention(q, cache, q_pos, q_pos[:, -1] + 1, kv_block=3)
   e = layer.expanded_attention(q, cache, q_pos)
   assert a.shape == (2, 4, cfg.num_heads, cfg.v_head_dim) and a.dtype == jnp.float32
