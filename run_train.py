@@ -86,7 +86,12 @@ def main(argv):
       from hybridmoe_jax.rl import trainer as rl_trainer
       summary = rl_trainer.train_rl(run, _WORKDIR.value)
     else:
-      summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value)
+      on_stage_end = None
+      if run.curriculum.enabled and run.curriculum.niah_lengths:
+        from hybridmoe_jax.evals.stage_niah import StageNiah
+        on_stage_end = StageNiah.from_run(run, _WORKDIR.value)
+      summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value,
+                                        on_stage_end=on_stage_end)
   except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState,
           checkpoint.CheckpointWriteError) as e:
     sys.exit(f"error: {e}")

@@ -1,9 +1,11 @@
-"""Staged context curriculum on the tiny model for CPU: 256 -> 1K -> 4K -> 8K tokens.
+"""Staged context curriculum on the tiny model for CPU: 256 -> 1K -> 4K -> 8K -> 32K -> 64K.
 
-8,192 tokens per step throughout (batch 32 -> 8 -> 2 -> 1), the mix shifting from pydoc help
-texts toward standard-library packages (long documents, upsampled in the later stages) plus a
-small share of synthetic passkey / key-value recall documents. Held-out loss is measured at
-8K after every stage. About 300 steps (~2.5M tokens); see BENCHMARKS.md for the measured run.
+8,192 tokens per step up to 8K (batch 32 -> 8 -> 2 -> 1), then one 32K and one 64K row per
+step; the mix shifts from pydoc help texts toward standard-library packages (long documents,
+upsampled in the later stages) plus a share of synthetic passkey / key-value recall
+documents. After every stage: held-out loss at that stage's length and at 64K, and a passkey
+NIAH grid at 1K-64K (workdir/eval/niah_stage<k>.{json,png}). 326 steps (3.6M tokens); see
+BENCHMARKS.md for the measured run.
 
   python run_train.py --config=configs/curriculum_cpu.py --workdir=runs/curriculum_cpu
 """
@@ -33,12 +35,21 @@ def get_config():
            lr=1e-3, warmup=5, schedule="wsd", min_lr_ratio=0.5, decay_fraction=0.3),
       dict(name="8k", seq_len=8192, steps=40, weights={"pydoc": 0.2, "stdlib": 0.8},
            long_upsample=3, retrieval_fraction=0.05,
-           lr=7e-4, warmup=5, schedule="cosine", min_lr_ratio=0.1),
+           lr=7e-4, warmup=5, schedule="wsd", min_lr_ratio=0.5, decay_fraction=0.3),
+      dict(name="32k", seq_len=32768, steps=16, tokens_per_step=32768,
+           weights={"pydoc": 0.1, "stdlib": 0.9}, long_upsample=3, retrieval_fraction=0.1,
+           lr=5e-4, warmup=2, schedule="wsd", min_lr_ratio=0.5, decay_fraction=0.3),
+      dict(name="64k", seq_len=65536, steps=10, tokens_per_step=65536,
+           weights={"pydoc": 0.1, "stdlib": 0.9}, long_upsample=3, retrieval_fraction=0.1,
+           lr=4e-4, warmup=2, schedule="cosine", min_lr_ratio=0.1),
   )
+  c.niah_lengths = (1024, 4096, 16384, 65536)
+  c.niah_depths = (0.1, 0.5, 0.9)
+  c.niah_samples = 2
   t = config.train
   t.steps = sum(s["steps"] for s in c.stages)
   t.eval_every = 0                  # held-out eval at every stage end (and at the end)
-  t.eval_batches = 4                # 4 x 8K held-out tokens
+  t.eval_batches = 2                # 2 x 64K held-out tokens (and as many at each stage's length)
   t.checkpoint_every = 50
   t.heatmap_every = 100
   return config

@@ -277,13 +277,17 @@ class StageConfig:
   long_upsample: documents of >= long_min_tokens bytes (0: seq_len // 2) appear this many
   times per epoch; retrieval_fraction: share of synthetic passkey / key-value documents;
   lr (None: train.lr), warmup, warmup_from (None: where the previous stage ended),
-  schedule, min_lr_ratio, decay_fraction: the stage's learning rate.
+  schedule, min_lr_ratio, decay_fraction: the stage's learning rate;
+  tokens_per_step: this stage's global tokens per optimizer step (0: the curriculum's), for
+  stages whose one sequence holds more than the curriculum's step (e.g. 32K rows on an 8K
+  budget).
   """
 
   name: str = ""
   seq_len: int | None = None
   steps: int = 0
   tokens: int = 0
+  tokens_per_step: int = 0
   weights: dict[str, float] | None = None
   long_upsample: int = 1
   long_min_tokens: int = 0
@@ -300,8 +304,13 @@ class StageConfig:
 class CurriculumConfig:
   """`curriculum`: the staged context curriculum (no stages: a plain run, see train/plan.py)."""
 
-  tokens_per_step: int = 0      # global tokens per optimizer step, constant over stages
+  tokens_per_step: int = 0      # global tokens per optimizer step (a stage may raise it)
   stages: tuple[StageConfig, ...] = ()  # ordered stages of increasing seq_len
+  # Passkey needle-in-a-haystack grid after every stage (run_train.py; empty: none):
+  # context lengths, needle depths in [0, 1] and prompts per cell.
+  niah_lengths: tuple[int, ...] = ()
+  niah_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+  niah_samples: int = 2
   sources: dict[str, SourceConfig] = dataclasses.field(default_factory=dict)
   num_workers: int = 0          # grain worker processes per host; 0 packs in a thread
   num_packing_bins: int = 16    # rows the first-fit packer fills at once
@@ -317,6 +326,11 @@ class CurriculumConfig:
     _ints(p, 1, num_packing_bins=self.num_packing_bins)
     require(self.eval_seq_len >= 0, f"{p}.eval_seq_len", self.eval_seq_len,
             "an integer >= 0 (0: the longest stage)")
+    require(all(int(n) >= 64 for n in self.niah_lengths), f"{p}.niah_lengths",
+            self.niah_lengths, "context lengths >= 64 tokens (empty: no NIAH grid)")
+    require(bool(self.niah_depths) and all(0 <= d <= 1 for d in self.niah_depths),
+            f"{p}.niah_depths", self.niah_depths, "one or more needle depths in [0, 1]")
+    _ints(p, 1, niah_samples=self.niah_samples)
     if not self.stages:
       return
     require(self.tokens_per_step >= 2, f"{p}.tokens_per_step", self.tokens_per_step,

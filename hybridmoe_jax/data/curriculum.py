@@ -75,6 +75,9 @@ class CurriculumData:
   eval_batches: list  # held-out int32 [B_eval, T_eval] batches
   tokenizer: tokenizer_lib.Tokenizer
   eval_at: frozenset  # global steps at which a stage ends (held-out eval there)
+  # Held-out text batches at each stage's own length {seq_len: batches} (the same documents
+  # packed per length), evaluated when that stage ends.
+  stage_eval_batches: dict = dataclasses.field(default_factory=dict)
 
 
 def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: int,
@@ -177,4 +180,9 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
         shard_count=shard_count, num_packing_bins=curriculum.num_packing_bins,
         num_workers=curriculum.num_workers)
   it = stages_lib.StagedIterator(datas, build)
-  return CurriculumData(it, evals, tokenizer, frozenset(s.end_step for s in stages[:-1]))
+  at_len = {s.seq_len: pipeline_lib.eval_batches(
+      _ConcatSource(heldout), tokenizer, s.seq_len,
+      max(1, curriculum.tokens_per_step // s.seq_len), eval_batches)
+            for s in stages if s.seq_len != eval_len}
+  return CurriculumData(it, evals, tokenizer, frozenset(s.end_step for s in stages[:-1]),
+                        at_len)

@@ -88,15 +88,25 @@ def exact_match(predictions: Sequence[str], answers: Sequence[str]) -> float:
   return float(np.mean([p[:len(a)] == a for p, a in zip(predictions, answers)]))
 
 
+def digit_accuracy(predictions: Sequence[str], answers: Sequence[str]) -> float:
+  """Fraction of the answers' digits predicted at their place (chance 0.1): a graded signal
+  where whole keys are rarely right."""
+  if not answers:
+    return float("nan")
+  return float(np.mean([np.mean([i < len(p) and p[i] == ch for i, ch in enumerate(a)])
+                        for p, a in zip(predictions, answers)]))
+
+
 def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float], *,
                   samples: int = 4, num_digits: int = 5, seed: int = 0,
                   output_dir: str | None = None, tokenizer: Tokenizer | None = None) -> dict:
-  """Accuracy over the grid [depths, lengths]; with `output_dir`, also niah_heatmap.png
+  """Exact-match and digit accuracy over the grid [depths, lengths]; with `output_dir`, also niah_heatmap.png
   (`plots.niah_figure`: labelled axes, the accuracy written in each cell). tokenizer: the
   model's (default bytes)."""
   rng = np.random.default_rng(seed)
   tok = tokenizer or ByteTokenizer()
   acc = np.zeros((len(depths), len(lengths)))
+  digits = np.zeros_like(acc)
   for j, n in enumerate(lengths):
     if n + num_digits > engine.max_len:
       raise ValueError(f"niah length {n} + {num_digits} answer tokens exceeds max_len="
@@ -106,9 +116,11 @@ def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float
       out = engine.generate(np.stack([e.prompt for e in exs]), max_new_tokens=num_digits)
       preds = [tok.decode(row) for row in out.tokens]
       acc[i, j] = exact_match(preds, [e.answer for e in exs])
+      digits[i, j] = digit_accuracy(preds, [e.answer for e in exs])
   result = {"lengths": list(lengths), "depths": list(depths), "samples": samples,
             "num_digits": num_digits, "chance": 10.0 ** -num_digits,
-            "accuracy": acc.tolist(), "mean_accuracy": float(acc.mean())}
+            "accuracy": acc.tolist(), "mean_accuracy": float(acc.mean()),
+            "digit_accuracy": digits.tolist(), "mean_digit_accuracy": float(digits.mean())}
   if output_dir:
     result["heatmap"] = plots.save(plots.niah_figure(result),
                                    os.path.join(output_dir, "niah_heatmap.png"))

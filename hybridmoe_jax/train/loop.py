@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from absl import logging
+from flax import nnx
 import jax
 import ml_collections
 import numpy as np
@@ -248,18 +249,43 @@ def _warn_changed_data(saved_json: str | None, run: RunConfig, step: int) -> Non
                     step, "; ".join(diffs), step)
 
 
-def _stage_info(it, step: int, tokens_per_step: int) -> dict[str, int]:
+def _stage_info(it, step: int, plan: plan_lib.Plan) -> dict[str, int]:
   """Curriculum runs: stage, seq_len of the last batch and tokens seen; else {}."""
   stage = getattr(it, "stage", None)
   if stage is None:
     return {}
-  return {"stage": stage, "seq_len": it.batch_shape[1], "tokens_seen": step * tokens_per_step}
+  return {"stage": stage, "seq_len": it.batch_shape[1], "tokens_seen": plan.tokens_seen(step)}
 
 
-def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, data,
+def _eval_info(data, step: int, plan: plan_lib.Plan, batches=None) -> dict[str, int]:
+  """`_stage_info` plus the held-out batches' length (curriculum runs)."""
+  info = _stage_info(data.train, step, plan)
+  batches = data.eval_batches if batches is None else batches
+  if info and batches:
+    info["eval_seq_len"] = int(np.asarray(batches[0]["tokens"]).shape[1])
+  return info
+
+
+def _stage_end(step: int, state, *, plan: plan_lib.Plan, data, eval_step, monitor: Monitor,
+               token_bytes: np.ndarray, on_stage_end) -> None:
+  """A curriculum stage ended at `step`: held-out loss at the stage's own length and at the
+  evaluation length, then `on_stage_end(step, stage, state)` (its dict goes to the JSONL)."""
+  stage = plan.stage_at(step - 1)
+  own = getattr(data, "stage_eval_batches", {}).get(stage.seq_len)
+  for batches in ([own] if own else []) + [data.eval_batches]:
+    monitor.log_eval(step, evaluate(eval_step, state, batches, token_bytes),
+                     _eval_info(data, step, plan, batches))
+  if on_stage_end is not None:
+    record = on_stage_end(step, stage, state)
+    if record:
+      monitor.write_jsonl({"step": step, "stage": stage.index, **record})
+
+
+def _run_steps(state, step: int, *, t, plan: plan_lib.Plan, cfg: ModelConfig, data,
                train_step, eval_step, monitor: Monitor, ckpt, meta: dict, saved_at: int,
-               token_bytes: np.ndarray):
-  """Steps until `t.steps` or a signal; periodic eval and checkpoints.
+               token_bytes: np.ndarray, on_stage_end=None):
+  """Steps until `t.steps` or a signal; periodic eval and checkpoints; a curriculum's
+  stage-end evaluations (`_stage_end`).
 
   Returns:
     (state, step, saved_at: the last checkpointed step, stopped_by: signal name or None).
@@ -273,7 +299,7 @@ def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, d
       step += 1
       metrics = jax.device_get(metrics)
       streak = 0 if bool(metrics["finite"]) else streak + 1
-      monitor.step(step, {**metrics, **_stage_info(data.train, step, tokens_per_step)})
+      monitor.step(step, {**metrics, **_stage_info(data.train, step, plan)})
       if streak >= t.max_consecutive_skips:
         last = ckpt.latest_step()
         raise TrainingDiverged(
@@ -283,11 +309,12 @@ def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, d
             f"after it; the newest checkpoint is " +
             (f"step {last}" if last is not None else "none") +
             ". Lower train.lr, raise train.warmup or set train.clip > 0, then rerun")
-      # A curriculum also evaluates (at the longest length) at the end of every stage.
-      if ((t.eval_every and step % t.eval_every == 0) or step in getattr(data, "eval_at", ())
-          ) and step < t.steps:
+      if step in getattr(data, "eval_at", ()) and step < t.steps:
+        _stage_end(step, state, plan=plan, data=data, eval_step=eval_step, monitor=monitor,
+                   token_bytes=token_bytes, on_stage_end=on_stage_end)
+      elif t.eval_every and step % t.eval_every == 0 and step < t.steps:
         monitor.log_eval(step, evaluate(eval_step, state, data.eval_batches, token_bytes),
-                         _stage_info(data.train, step, tokens_per_step))
+                         _eval_info(data, step, plan))
       due = t.checkpoint_every and step % t.checkpoint_every == 0
       if due and streak:  # the state may be a dead end: keep the older checkpoints newest
         logging.warning("step %d: checkpoint deferred (the last %d updates were skipped)",
@@ -301,7 +328,8 @@ def _run_steps(state, step: int, *, t, tokens_per_step: int, cfg: ModelConfig, d
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: str, *,
-                       export_params_to: str | None = None, data=None) -> dict[str, Any]:
+                       export_params_to: str | None = None, data=None,
+                       on_stage_end=None) -> dict[str, Any]:
   """Train `config` in `workdir` (resuming from its newest good checkpoint).
 
   Args:
@@ -311,6 +339,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
     export_params_to: if set, write a params-only checkpoint there at the end.
     data: object with `.train` (checkpointable iterator) and `.eval_batches` (default:
       `build_data(config, plan)`).
+    on_stage_end: curriculum runs: called as on_stage_end(step, stage: StagePlan, model)
+      after each stage's held-out evaluation (the last stage's at the end of the run), with
+      the model (`HybridLM`) holding the current parameters; a dict it returns is written
+      to metrics.jsonl (e.g. `evals.stage_niah.StageNiah`: a NIAH grid per stage).
 
   Returns:
     A summary: steps, first/last loss, final eval, tokens/s, wall time, alerts, final state.
@@ -338,7 +370,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
           if jax.process_index() == 0 else contextlib.nullcontext())
   try:
     with lock:
-      return _train_locked(config, workdir, plan, export_params_to, data, wall0, tokenizer)
+      return _train_locked(config, workdir, plan, export_params_to, data, wall0, tokenizer,
+                           on_stage_end)
   except workdir_lock.WorkdirBusy as e:
     raise InputError(str(e)) from None
 
@@ -366,7 +399,7 @@ def _save_tokenizer(tokenizer, directory: str) -> None:
 
 def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
                   export_params_to: str | None, data, wall0: float,
-                  tokenizer: tokenizer_lib.Tokenizer) -> dict[str, Any]:
+                  tokenizer: tokenizer_lib.Tokenizer, on_stage_end=None) -> dict[str, Any]:
   """train_and_evaluate's body, run while holding the workdir lock."""
   cfg, t = config.model, config.train
   model_dict = dataclasses.asdict(cfg)
@@ -407,15 +440,18 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
       workdir, f"process_{jax.process_index()}")
   os.makedirs(logdir, exist_ok=True)
   monitor = Monitor(logdir, t, start_step=start, total_steps=t.steps,
-                    tokens_per_step=plan.tokens_per_step)
+                    tokens_seen=plan.tokens_seen)
   monitor.write_jsonl({"event": "resume" if restored is not None else "start", "step": start,
                        **hardware()})
   profiler = StepProfiler(t.profile_steps, logdir, start)
   logging.info("training steps %d..%d in %s", start, t.steps, workdir)
   eval_metrics = {}
+  stage_hook = None if on_stage_end is None else (
+      lambda step, stage, st: on_stage_end(
+          step, stage, nnx.merge(graphdef, st.params, st.biases, st.rest)))
   try:
     state, step, saved_at, stopped = _run_steps(
-        state, start, t=t, tokens_per_step=plan.tokens_per_step, cfg=cfg, data=data,
+        state, start, t=t, plan=plan, cfg=cfg, data=data, on_stage_end=stage_hook,
         eval_step=eval_step, monitor=monitor, token_bytes=token_bytes,
         train_step=profiler.wrap(step_lib.make_train_step(
             graphdef, cfg, tx, grad_accum=t.grad_accum, schedule=schedule,
@@ -424,7 +460,11 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
         saved_at=start if restored is not None else -1)
     if stopped is None:
       eval_metrics = evaluate(eval_step, state, data.eval_batches, token_bytes)
-      monitor.log_eval(step, eval_metrics, _stage_info(data.train, step, plan.tokens_per_step))
+      monitor.log_eval(step, eval_metrics, _eval_info(data, step, plan))
+      if plan.curriculum and stage_hook is not None and step == plan.total_steps:
+        record = stage_hook(step, plan.stages[-1], state)  # the last stage ends the run
+        if record:
+          monitor.write_jsonl({"step": step, "stage": plan.stages[-1].index, **record})
       if saved_at != step:
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -66,10 +66,12 @@ class Monitor:
   """Progress line, TensorBoard events, JSONL metrics, alerts and expert-load heatmaps."""
 
   def __init__(self, workdir: str, t, *, start_step: int, total_steps: int,
-               tokens_per_step: int):
+               tokens_seen: Callable[[int], int]):
+    """tokens_seen(step): training tokens in the first `step` steps (`Plan.tokens_seen`;
+    a curriculum stage may change the tokens per step)."""
     self.workdir, self.t = workdir, t
     self.start_step, self.total_steps = start_step, total_steps
-    self.tokens_per_step = tokens_per_step
+    self.tokens_seen = tokens_seen
     self.writer = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
     self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
     self.alerts: collections.Counter[str] = collections.Counter()
@@ -145,10 +147,11 @@ class Monitor:
     # A log right after the run's first step has no compile-free interval yet: that one step,
     # timed from the Monitor's creation, compilation included, and said so.
     with_compile = steps == 0 and step == self._t0_step
+    first = step - steps
     if with_compile:
-      dt, steps = now - self._built, 1
-    if steps > 0 and dt > 0:
-      self.tokens_per_sec = steps * self.tokens_per_step / dt
+      dt, first = now - self._built, step - 1
+    if step > first and dt > 0:
+      self.tokens_per_sec = (self.tokens_seen(step) - self.tokens_seen(first)) / dt
     self._last_log_time, self._last_log_step = now, step
     elapsed, done = now - self._t0, step - self._t0_step
     eta = (self.total_steps - step) * elapsed / done if done > 0 else float("nan")

@@ -1,8 +1,9 @@
 """The run's plan: its stages (global batch, length, mix, learning-rate piece), built once.
 
 A curriculum (`curriculum.stages`) is an ordered list of stages of strictly increasing
-sequence length. Tokens per optimizer step are constant (`curriculum.tokens_per_step`), so
-each stage's global batch is tokens_per_step // seq_len (an error if that does not divide),
+sequence length. Tokens per optimizer step are `curriculum.tokens_per_step` unless a stage
+raises its own (`stages[k].tokens_per_step`: one 32K row cannot fit an 8K step), and each
+stage's global batch is its tokens_per_step // seq_len (an error if that does not divide),
 and the learning rate is one piecewise function of the global step: one `optim.LRPiece` per
 stage (`optim.make_schedule`). A run without a curriculum is a one-stage plan of
 train.batch_size x train.seq_len for train.steps whose piece is the train section's
@@ -34,6 +35,8 @@ class StagePlan:
   batch_size: int
   steps: int
   start_step: int
+  tokens_per_step: int        # seq_len * batch_size
+  start_tokens: int           # tokens seen before this stage
   weights: dict[str, float]   # {source name: weight > 0}; {} for a plain run
   long_upsample: int
   long_min_bytes: int
@@ -47,13 +50,18 @@ class StagePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  tokens_per_step: int
+  tokens_per_step: int  # the curriculum's (a stage may raise its own)
   stages: tuple[StagePlan, ...]
   curriculum: bool  # False: the one stage of a plain run (its data: the `data` section)
 
   @property
   def total_steps(self) -> int:
     return self.stages[-1].end_step
+
+  def tokens_seen(self, step: int) -> int:
+    """Training tokens in the first `step` optimizer steps."""
+    s = self.stage_at(max(step - 1, 0))
+    return s.start_tokens + (min(step, s.end_step) - s.start_step) * s.tokens_per_step
 
   def stage_at(self, step: int) -> StagePlan:
     """The stage that step `step` (0-based: the step run from state.step == step) belongs to."""
@@ -76,7 +84,8 @@ def _plain_plan(run: RunConfig) -> Plan:
                      warmup=min(t.warmup, t.steps), schedule=t.schedule,
                      min_lr_ratio=t.min_lr_ratio, decay_fraction=t.decay_fraction)
   stage = StagePlan(index=0, name="train", seq_len=t.seq_len, batch_size=t.batch_size,
-                    steps=t.steps, start_step=0, weights={}, long_upsample=1,
+                    steps=t.steps, start_step=0, tokens_per_step=t.batch_size * t.seq_len,
+                    start_tokens=0, weights={}, long_upsample=1,
                     long_min_bytes=t.seq_len // 2, retrieval_fraction=0.0, lr=lr)
   return Plan(t.batch_size * t.seq_len, (stage,), curriculum=False)
 
@@ -116,10 +125,14 @@ def build_plan(run: RunConfig) -> Plan:
   names = sorted(c.sources)
   chunk = run.compute.kda_chunk_size
   has_kda = "kda" in run.model.layer_kinds
-  tps = c.tokens_per_step
-  plans, start, prev_len, prev_lr = [], 0, 0, None
+  plans, start, seen, prev_len, prev_lr = [], 0, 0, 0, None
   for k, st in enumerate(c.stages):
     w, T = f"curriculum.stages[{k}]", st.seq_len
+    require(st.tokens_per_step >= 0, f"{w}.tokens_per_step", st.tokens_per_step,
+            "an integer >= 0 (0: curriculum.tokens_per_step)")
+    tps = st.tokens_per_step or c.tokens_per_step
+    where = (f"{w}.tokens_per_step={tps}" if st.tokens_per_step
+             else f"curriculum.tokens_per_step={tps}")
     require(T is not None and T >= 2, f"{w}.seq_len", T, "an integer >= 2")
     require(T > prev_len, f"{w}.seq_len", T,
             f"a length > the previous stage's {prev_len} (stage lengths must increase)")
@@ -127,7 +140,7 @@ def build_plan(run: RunConfig) -> Plan:
       require(T % chunk == 0, f"{w}.seq_len", T,
               f"a multiple of the KDA chunk size compute.kda_chunk_size={chunk}")
     require(tps % T == 0, f"{w}.seq_len", T,
-            f"a divisor of curriculum.tokens_per_step={tps} (batch = tokens_per_step / seq_len)")
+            f"a divisor of {where} (batch = tokens_per_step / seq_len)")
     batch = tps // T
     require(batch % t.grad_accum == 0, f"{w}.seq_len", T,
             f"a length whose batch {batch} is a multiple of train.grad_accum={t.grad_accum}")
@@ -135,8 +148,7 @@ def build_plan(run: RunConfig) -> Plan:
     require(steps >= 0 and tokens >= 0 and (steps > 0) != (tokens > 0), f"{w}.steps/tokens",
             (steps, tokens), "exactly one of `steps` or `tokens` > 0")
     if tokens:
-      require(tokens % tps == 0, f"{w}.tokens", tokens,
-              f"a multiple of curriculum.tokens_per_step={tps}")
+      require(tokens % tps == 0, f"{w}.tokens", tokens, f"a multiple of {where}")
       steps = tokens // tps
     weights = st.weights
     require(bool(weights), f"{w}.weights", weights,
@@ -156,11 +168,11 @@ def build_plan(run: RunConfig) -> Plan:
     lr = _lr_piece(st, w, start, steps, t.lr, prev_lr)
     plans.append(StagePlan(
         index=k, name=st.name or f"stage{k}", seq_len=T, batch_size=batch, steps=steps,
-        start_step=start, weights={n: v for n, v in weights.items() if v > 0},
+        start_step=start, tokens_per_step=tps, start_tokens=seen, weights={n: v for n, v in weights.items() if v > 0},
         long_upsample=st.long_upsample, long_min_bytes=st.long_min_tokens or T // 2,
         retrieval_fraction=rf, lr=lr))
-    start, prev_len, prev_lr = start + steps, T, lr
-  plan = Plan(tps, tuple(plans), curriculum=True)
+    start, seen, prev_len, prev_lr = start + steps, seen + steps * tps, T, lr
+  plan = Plan(c.tokens_per_step, tuple(plans), curriculum=True)
   require(t.steps <= plan.total_steps, "train.steps", t.steps,
           f"at most the curriculum's {plan.total_steps} steps (the sum of the stage lengths)")
   return plan
@@ -169,14 +181,16 @@ def build_plan(run: RunConfig) -> Plan:
 def describe(plan: Plan) -> str:
   """The plan as a table (one line per stage)."""
   lines = [f"curriculum: {len(plan.stages)} stages, {plan.tokens_per_step:,} tokens/step, "
-           f"{plan.total_steps:,} steps, {plan.total_steps * plan.tokens_per_step:,} tokens"]
+           f"{plan.total_steps:,} steps, {plan.tokens_seen(plan.total_steps):,} tokens"]
   for s in plan.stages:
     mix = ", ".join(f"{n} {w:g}" for n, w in s.weights.items())
     extra = f", retrieval {s.retrieval_fraction:g}" if s.retrieval_fraction else ""
     up = f", long x{s.long_upsample} (>= {s.long_min_bytes} B)" if s.long_upsample > 1 else ""
     lr = s.lr
     lines.append(
-        f"  {s.index} {s.name}: seq_len {s.seq_len:,} x batch {s.batch_size} | steps "
+        f"  {s.index} {s.name}: seq_len {s.seq_len:,} x batch {s.batch_size}"
+        + (f" ({s.tokens_per_step:,} tokens/step)" if s.tokens_per_step != plan.tokens_per_step
+           else "") + " | steps "
         f"{s.start_step:,}..{s.end_step:,} | mix {mix}{extra}{up} | lr {lr.lr_from:.2e} -> "
         f"{lr.lr:.2e} (warmup {lr.warmup}) {lr.schedule}"
         + (f" to x{lr.min_lr_ratio:g}" if lr.schedule != "constant" else ""))

@@ -30,6 +30,9 @@ def test_niah_scoring_oracle_and_constant_guess():
   assert niah.exact_match(answers, answers) == 1.0
   assert niah.exact_match([a + "junk" for a in answers], answers) == 1.0   # prefix match
   assert abs(niah.exact_match(["7"] * 2000, answers) - 0.1) < 0.025        # chance = 1/10
+  assert niah.digit_accuracy(["12345", "1", "92300"], ["12345", "12345", "12345"]) == (
+      pytest.approx((1 + 0.2 + 0.4) / 3))                 # per place; short predictions miss
+  assert abs(niah.digit_accuracy(["7"] * 2000, answers) - 0.1) < 0.025
   with pytest.raises(ValueError, match="too short"):
     niah.make_example(rng, 40, 0.5)
   with pytest.raises(ValueError, match="depth"):

@@ -66,6 +66,15 @@ def test_plan_batches_tokens_and_lengths():
   config.train.steps = 6
   assert [s.steps for s in build_plan(config).stages] == [2, 2, 2]
   # Without stages: one stage of train.batch_size x train.seq_len for train.steps.
+  # A stage may raise its own tokens per step (one row longer than the curriculum's step).
+  config = _config(steps=(3, 2, 2))
+  config.curriculum.stages = config.curriculum.stages[:2] + (
+      dict(config.curriculum.stages[2], seq_len=1024, tokens_per_step=2048),)
+  plan = build_plan(config)
+  assert [(s.batch_size, s.tokens_per_step) for s in plan.stages] == [(32, 512), (16, 512),
+                                                                      (2, 2048)]
+  assert [plan.tokens_seen(k) for k in (0, 3, 5, 6, 7, 9)] == [
+      0, 1536, 2560, 4608, 6656, 6656]
   plain = build_plan(default_config())
   t = run_config_from_dict(default_config()).train
   assert not plain.curriculum and len(plain.stages) == 1
@@ -122,6 +131,12 @@ def _with_stage(k, **fields):
     (lambda: _with_curriculum(num_packing_bins=0), r"curriculum.num_packing_bins"),
     (lambda: _config(grad_accum=3, tps=768, lens=(16, 32, 64)), r"train.grad_accum"),
     (lambda: _config(tps=500), r"seq_len.*divisor of curriculum.tokens_per_step=500"),
+    (lambda: _with_stage(2, tokens_per_step=100), r"stages\[2\].seq_len.*divisor of "
+                                                  r"curriculum.stages\[2\].tokens_per_step=100"),
+    (lambda: _with_stage(2, tokens_per_step=-1), r"stages\[2\].tokens_per_step"),
+    (lambda: _with_curriculum(niah_lengths=(1024, 8)), r"curriculum.niah_lengths"),
+    (lambda: _with_curriculum(niah_depths=(0.5, 1.5)), r"curriculum.niah_depths"),
+    (lambda: _with_curriculum(niah_samples=0), r"curriculum.niah_samples"),
     (lambda: _config(train_steps=99), r"train.steps.*at most"),
 ])
 def test_bad_curriculum_config_is_refused_before_training(config, match, tmp_path):
@@ -221,6 +236,38 @@ def test_plain_run_schedule_equals_the_optax_schedule(preset, train):
   got = np.array([float(optim.learning_rate(schedule, np.int32(i))) for i in steps])
   want = np.array([float(_optax_schedule(t)(i)) for i in steps])
   np.testing.assert_array_equal(got, want)  # the same float32 values
+
+
+def test_stage_end_evaluates_at_the_stage_length_and_runs_the_niah_grid(tmp_path):
+  """Two stages, the second with a raised tokens_per_step: at each stage end the held-out
+  loss at that stage's length and at the longest, then the hook (here the NIAH grid of
+  run_train.py) on the model; its summary joins metrics.jsonl, its grid eval/."""
+  from hybridmoe_jax.evals.stage_niah import StageNiah  # pylint: disable=g-import-not-at-top
+  config = _config(steps=(2, 1), lens=(16, 64))
+  config.curriculum.stages = (config.curriculum.stages[0],
+                              dict(config.curriculum.stages[1], tokens_per_step=1024))
+  config.curriculum.update(niah_lengths=(64, 96), niah_depths=(0.5,), niah_samples=1)
+  with pytest.raises(ConfigError, match=r"curriculum.niah_lengths.*>= 75"):  # 5-digit key
+    StageNiah.from_run(run_config_from_dict(config), str(tmp_path))
+  config.curriculum.niah_lengths = (96, 128)
+  run = run_config_from_dict(config)
+  calls = []
+  niah = StageNiah.from_run(run, str(tmp_path))
+  out = train_and_evaluate(run, str(tmp_path), on_stage_end=lambda step, stage, model: (
+      calls.append((step, stage.index, type(model).__name__)) or niah(step, stage, model)))
+  assert out["end_step"] == 3 and calls == [(2, 0, "HybridLM"), (3, 1, "HybridLM")]
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  evals = [(r["step"], r["eval_seq_len"]) for r in records if r.get("split") == "eval"]
+  assert evals == [(2, 16), (2, 64), (3, 64)]
+  train = {r["step"]: r for r in records if r.get("split") == "train"}
+  assert [train[s]["tokens_seen"] for s in (1, 2, 3)] == [512, 1024, 2048]
+  grids = [r for r in records if r.get("split") == "niah"]
+  assert [(r["step"], r["stage"], r["stage_seq_len"]) for r in grids] == [(2, 0, 16), (3, 1, 64)]
+  for k, r in enumerate(grids):
+    saved = json.load(open(tmp_path / "eval" / f"niah_stage{k}.json"))
+    assert saved["lengths"] == [96, 128] and saved["accuracy"] == r["niah_accuracy"]
+    assert np.shape(saved["digit_accuracy"]) == (1, 2)
+    assert os.path.exists(tmp_path / "eval" / f"niah_stage{k}.png")
 
 
 @pytest.mark.slow  # ~150 s on 2 cores: four training runs (the data-level resume is fast-tested)

@@ -24,7 +24,7 @@ def test_alerts_and_outputs(tmp_path, caplog):
   t = default_config().train
   t.update(dict(log_every=5, maxvio_alert_threshold=0.4, maxvio_alert_steps=4,
                 loss_spike_factor=1.5, heatmap_every=10))
-  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=30, tokens_per_step=64)
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=30, tokens_seen=lambda s: 64 * s)
   for step in range(1, 31):
     loss = 10.0 if step == 20 else 2.0
     vio = 0.5 if step <= 9 else 0.1           # above threshold for 9 steps -> 2 alerts
@@ -51,7 +51,7 @@ def test_heatmap_title_and_window(tmp_path, monkeypatch):
   overload marks at 1 + the alert threshold."""
   t = default_config().train
   t.update(dict(log_every=100, heatmap_every=2, maxvio_alert_threshold=0.4))
-  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=4, tokens_per_step=64)
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=4, tokens_seen=lambda s: 64 * s)
   figs = []
   monkeypatch.setattr("hybridmoe_jax.plots.save", lambda fig, path: figs.append(fig) or path)
   for step in range(1, 5):
@@ -71,7 +71,7 @@ def test_first_log_tokens_per_sec_is_a_number(tmp_path):
   included, flagged); later logs time the interval between logs."""
   t = default_config().train
   t.update(dict(log_every=1, heatmap_every=0))
-  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=3, tokens_per_step=64)
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=3, tokens_seen=lambda s: 64 * s)
   for step in range(1, 4):
     mon.step(step, _metrics(2.0, 0.1))
   mon.close()
