@@ -15,6 +15,8 @@ import dataclasses
 import os
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax import plots
@@ -97,30 +99,71 @@ def digit_accuracy(predictions: Sequence[str], answers: Sequence[str]) -> float:
                         for p, a in zip(predictions, answers)]))
 
 
+def _continue(engine: Engine, logits, cache, feed: np.ndarray | None, steps: int):
+  """From the prompt's last logits [B, V] and its cache: feed `feed` [B, steps - 1] (None:
+  the greedy choice) one token at a time -> (tokens [B, steps] the greedy choices, log-probs
+  [B, steps, V] before each fed token). Works on a copy of the cache (decode donates it)."""
+  cache = jax.tree.map(jnp.copy, cache)
+  toks, logps = [], []
+  for i in range(steps):
+    logps.append(np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)))
+    toks.append(np.asarray(jnp.argmax(logits, -1)))
+    if i + 1 < steps:
+      nxt = toks[-1] if feed is None else feed[:, i]
+      logits, cache = engine.decode_step(np.asarray(nxt, np.int32), cache)
+  return np.stack(toks, 1), np.stack(logps, 1)
+
+
+def _key_nll(engine: Engine, logits, cache, keys: np.ndarray) -> np.ndarray:
+  """[B] summed NLL (nats) of the key tokens [B, n] teacher-forced after the prompt."""
+  _, logp = _continue(engine, logits, cache, keys, keys.shape[1])
+  return -np.take_along_axis(logp, keys[..., None], axis=-1)[..., 0].sum(1)
+
+
 def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float], *,
                   samples: int = 4, num_digits: int = 5, seed: int = 0,
                   output_dir: str | None = None, tokenizer: Tokenizer | None = None) -> dict:
-  """Exact-match and digit accuracy over the grid [depths, lengths]; with `output_dir`, also niah_heatmap.png
+  """Exact-match and digit accuracy over the grid [depths, lengths] of the greedy answer,
+  and a graded retrieval signal that does not need a right answer: the key's NLL per digit
+  teacher-forced after the prompt ("key_nll"), against a random other key of the same length
+  after the same prompt ("key_nll_gain" = NLL(other) - NLL(key), nats per digit: > 0 when the
+  model reads the needle, ~0 when it ignores it). With `output_dir`, also niah_heatmap.png
   (`plots.niah_figure`: labelled axes, the accuracy written in each cell). tokenizer: the
   model's (default bytes)."""
   rng = np.random.default_rng(seed)
   tok = tokenizer or ByteTokenizer()
   acc = np.zeros((len(depths), len(lengths)))
-  digits = np.zeros_like(acc)
+  digits, key_nll, gain = np.zeros_like(acc), np.zeros_like(acc), np.zeros_like(acc)
   for j, n in enumerate(lengths):
     if n + num_digits > engine.max_len:
       raise ValueError(f"niah length {n} + {num_digits} answer tokens exceeds max_len="
                        f"{engine.max_len}")
     for i, d in enumerate(depths):
       exs = [make_example(rng, n, d, num_digits, tok) for _ in range(samples)]
-      out = engine.generate(np.stack([e.prompt for e in exs]), max_new_tokens=num_digits)
-      preds = [tok.decode(row) for row in out.tokens]
+      others = ["".join(str(x) for x in rng.integers(0, 10, num_digits)) for _ in exs]
+      logits, cache = engine.prefill(np.stack([e.prompt for e in exs]))
+      out, _ = _continue(engine, logits, cache, None, num_digits)
+      preds = [tok.decode(row) for row in out]
       acc[i, j] = exact_match(preds, [e.answer for e in exs])
       digits[i, j] = digit_accuracy(preds, [e.answer for e in exs])
+      nll = {}
+      for name, keys in (("key", [e.answer for e in exs]), ("other", others)):
+        ids = [tok.encode(k) for k in keys]
+        if len({len(x) for x in ids}) == 1:   # one length: scored as one batch
+          nll[name] = _key_nll(engine, logits, cache, np.stack(ids)) / num_digits
+        else:                                 # a BPE may split keys unevenly: row by row
+          nll[name] = np.array([_key_nll(engine, logits[r:r + 1],
+                                         jax.tree.map(lambda a, r=r: a[r:r + 1], cache),
+                                         np.asarray([x]))[0] for r, x in enumerate(ids)]
+                               ) / num_digits
+      key_nll[i, j] = float(nll["key"].mean())
+      gain[i, j] = float((nll["other"] - nll["key"]).mean())
   result = {"lengths": list(lengths), "depths": list(depths), "samples": samples,
             "num_digits": num_digits, "chance": 10.0 ** -num_digits,
             "accuracy": acc.tolist(), "mean_accuracy": float(acc.mean()),
-            "digit_accuracy": digits.tolist(), "mean_digit_accuracy": float(digits.mean())}
+            "digit_accuracy": digits.tolist(), "mean_digit_accuracy": float(digits.mean()),
+            "key_nll": key_nll.tolist(), "key_nll_gain": gain.tolist(),
+            "mean_key_nll_gain": float(gain.mean())}
   if output_dir:
     result["heatmap"] = plots.save(plots.niah_figure(result),
                                    os.path.join(output_dir, "niah_heatmap.png"))

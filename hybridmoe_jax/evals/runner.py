@@ -15,6 +15,8 @@ import os
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
@@ -168,7 +170,12 @@ def format_table(task: str, r: dict[str, Any]) -> str:
     lines = [f"{'depth':>7} " + " ".join(f"{n:>7}" for n in r["lengths"])]
     for d, row in zip(r["depths"], r["accuracy"]):
       lines.append(f"{d:>7.2f} " + " ".join(f"{a:>7.2f}" for a in row))
-    return "\n".join(lines + [f"mean accuracy {r['mean_accuracy']:.3f} (chance {r['chance']:.0e})"])
+    lines.append(f"mean accuracy {r['mean_accuracy']:.3f} (chance {r['chance']:.0e}), digit "
+                 f"accuracy {r['mean_digit_accuracy']:.3f} (chance 0.1)")
+    lines.append(f"{'gain':>7} " + " ".join(
+        f"{np.mean(col):>7.3f}" for col in zip(*r["key_nll_gain"])) +
+                 "  key NLL gain, nats/digit (other key - true key; 0: needle unused)")
+    return "\n".join(lines)
   if task == "mqar":
     lines = [f"{'length':>7} {'pairs':>6} {'accuracy':>9}"]
     lines += [f"{c['length']:>7} {c['pairs']:>6} {c['accuracy']:>9.3f}" for c in r["cells"]]

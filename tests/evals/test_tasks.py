@@ -95,3 +95,29 @@ def test_options_and_tasks():
     cli.options_from_flags({"niah_lengths": ["x"]})
   with pytest.raises(ValueError, match="max_new_tokens"):
     cli.options_from_flags({"max_new_tokens": 0})
+
+
+def test_niah_key_nll_is_the_teacher_forced_score_and_greedy_is_generate():
+  """The graded NIAH signal: a key's NLL from the prompt's cache == Engine.score of prompt +
+  key; the greedy continuation == Engine.generate (tiny random model, fp32)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.infer import Engine  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.model import HybridLM  # pylint: disable=g-import-not-at-top
+  from tests.conftest import load_config  # pylint: disable=g-import-not-at-top
+  model = HybridLM(model_config_from_dict(load_config("tiny").model), rngs=nnx.Rngs(0))
+  engine = Engine(model, max_len=136, prefill_chunk=64, kv_block=32)
+  rng = np.random.default_rng(3)
+  prompts = np.stack([niah.make_example(rng, 128, d).prompt for d in (0.2, 0.8)])
+  keys = rng.integers(48, 58, (2, 5)).astype(np.int32)        # digit bytes
+  logits, cache = engine.prefill(prompts)
+  got = niah._key_nll(engine, logits, cache, keys)  # pylint: disable=protected-access
+  nll, _ = engine.score(np.concatenate([prompts, keys], 1))
+  np.testing.assert_allclose(got, nll[:, -5:].sum(1), rtol=1e-5)
+  greedy, _ = niah._continue(engine, logits, cache, None, 5)  # pylint: disable=protected-access
+  want = engine.generate(prompts, max_new_tokens=5).tokens
+  np.testing.assert_array_equal(greedy, want)
+  assert int(jax.device_get(cache.length)[0]) == 128   # the prompt's cache was not consumed
+  r = niah.evaluate_niah(engine, [128], [0.5], samples=2, tokenizer=ByteTokenizer())
+  assert np.shape(r["key_nll_gain"]) == (1, 1) and r["key_nll"][0][0] > 0
