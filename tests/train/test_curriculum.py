@@ -353,13 +353,21 @@ def test_hardware_section_checks_its_fields():
   assert run_config_from_dict(config).hardware.usable_bytes == pytest.approx(0.9 * 95 * 2**30)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~45-60 min on 2 idle cores (the 32K / 64K stages and six NIAH grids)
 def test_cpu_curriculum_preset_end_to_end(tmp_path):
-  """All four stages of configs/curriculum_cpu.py; held-out loss at 8K improves each stage."""
-  config = load_config("curriculum_cpu")
-  out = train_and_evaluate(config, str(tmp_path), export_params_to=None)
-  assert out["end_step"] == config.train.steps and out["stopped_by"] is None
-  evals = _records(tmp_path, "eval")
-  losses = [evals[s.end_step]["loss"] for s in build_plan(config).stages]
-  print("held-out loss at 8K per stage:", losses)
+  """configs/curriculum_cpu.py (256 -> 64K) as run_train.py runs it: the held-out loss at 64K
+  improves at every stage end, every stage is also evaluated at its own length, and a NIAH
+  grid follows every stage."""
+  from hybridmoe_jax.evals.stage_niah import StageNiah  # pylint: disable=g-import-not-at-top
+  run = run_config_from_dict(load_config("curriculum_cpu"))
+  out = train_and_evaluate(run, str(tmp_path),
+                           on_stage_end=StageNiah.from_run(run, str(tmp_path)))
+  assert out["end_step"] == run.train.steps and out["stopped_by"] is None
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  at = {(r["step"], r["eval_seq_len"]): r["loss"] for r in records if r.get("split") == "eval"}
+  stages = plan_lib.build_plan(run).stages
+  losses = [at[(s.end_step, stages[-1].seq_len)] for s in stages]
+  print("held-out loss at 64K per stage:", losses)
   assert all(b < a for a, b in zip(losses, losses[1:]))
+  assert all((s.end_step, s.seq_len) in at for s in stages)
+  assert [r["stage"] for r in records if r.get("split") == "niah"] == list(range(len(stages)))
