@@ -4,8 +4,8 @@
 step; the mix shifts from pydoc help texts toward standard-library packages (long documents,
 upsampled in the later stages) plus a share of synthetic passkey / key-value recall
 documents. After every stage: held-out loss at that stage's length and at 64K, and a passkey
-NIAH grid at 1K-64K (workdir/eval/niah_stage<k>.{json,png}). 326 steps (3.6M tokens); see
-BENCHMARKS.md for the measured run.
+NIAH grid at 1K-64K (workdir/eval/niah_stage<k>.{json,png}). 320 steps, 3.2M tokens, ~45 min
+on an idle 2-core box; see BENCHMARKS.md for the measured run.
 
   python run_train.py --config=configs/curriculum_cpu.py --workdir=runs/curriculum_cpu
 """
@@ -39,9 +39,9 @@ def get_config():
       dict(name="32k", seq_len=32768, steps=16, tokens_per_step=32768,
            weights={"pydoc": 0.1, "stdlib": 0.9}, long_upsample=3, retrieval_fraction=0.1,
            lr=5e-4, warmup=2, schedule="wsd", min_lr_ratio=0.5, decay_fraction=0.3),
-      dict(name="64k", seq_len=65536, steps=10, tokens_per_step=65536,
+      dict(name="64k", seq_len=65536, steps=4, tokens_per_step=65536,
            weights={"pydoc": 0.1, "stdlib": 0.9}, long_upsample=3, retrieval_fraction=0.1,
-           lr=4e-4, warmup=2, schedule="cosine", min_lr_ratio=0.1),
+           lr=4e-4, warmup=1, schedule="cosine", min_lr_ratio=0.1),
   )
   c.niah_lengths = (1024, 4096, 16384, 65536)
   c.niah_depths = (0.1, 0.5, 0.9)
