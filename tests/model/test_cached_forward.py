@@ -89,7 +89,10 @@ def test_ragged_rows_equal_each_row_alone():
   l2, cache, _ = _feed(model, cache, jnp.stack([jnp.zeros(3, a.dtype), b[8:11]]), [0, 3], 8)
   l3, cache, _ = _feed(model, cache, jnp.stack([a[5:6], b[11:12]]), [1, 1], 1)
   assert cache.length.tolist() == [6, 12]
-  ref_a = _full(model, a[None], jnp.ones((1, 6), jnp.int32))[0]
+  # Row a alone, right-padded to b's length (one compiled forward for both): causal, and
+  # padding (id 0) is left out of routing, so its first 6 logits are a's alone
+  ref_a = _full(model, jnp.pad(a, (0, 6))[None],
+                (jnp.arange(12) < 6).astype(jnp.int32)[None])[0, :6]
   ref_b = _full(model, b[None], jnp.ones((1, 12), jnp.int32))[0]
   assert _rel_max(ref_a, jnp.concatenate([l1[0, :5], l3[0]])) < 1e-5
   assert _rel_max(ref_b, jnp.concatenate([l1[1], l2[1, :3], l3[1]])) < 1e-5
