@@ -78,14 +78,7 @@ def _traced(cfg: ModelConfig, compute: ComputeConfig, rows: int, t: int) -> int:
     logits, _ = nnx.merge(graphdef, params, rest)(tokens)
     return logits
 
-  out = {}
-
-  def trace(params, rest, tokens):  # abstract params: trace only, nothing allocated
-    out["bytes"] = _residual_bytes(forward, params, rest, tokens)
-    return 0
-
-  jax.eval_shape(trace, params, rest, tokens)
-  return out["bytes"]
+  return _residual_bytes(forward, params, rest, tokens)  # abstract: nothing allocated
 
 
 def _layer_variants(cfg: ModelConfig) -> list[ModelConfig]:
