@@ -44,9 +44,14 @@ class Runtime:
 
   def init_state(self, build: Callable[[], Any], abstract_state):
     """A fresh state: `build()` (zero-arg, returns the state) unsharded, or traced once and
-    initialised straight into the shards of `abstract_state`'s layout."""
+    initialised straight into the shards of `abstract_state`'s layout.
+
+    Unsharded, the state is committed to the first device, as a restored one is (orbax
+    commits what it reads): jit keys its programs on that, so a resumed run finds the
+    programs of a fresh one in the persistent compilation cache instead of compiling all
+    of them again."""
     if self.mesh is None:
-      return build()
+      return jax.device_put(build(), jax.devices()[0])
     state, self.state_shardings = shard_state.init_sharded(build, abstract_state, self.mesh)
     return state
 

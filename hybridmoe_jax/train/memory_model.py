@@ -54,25 +54,31 @@ def _residual_bytes(fn, *args) -> int:
   return total
 
 
+@functools.lru_cache(maxsize=64)
+def _abstract_model(cfg: ModelConfig, compute: ComputeConfig):
+  """HybridLM(cfg, compute) built abstractly (no arrays) and split into (graphdef, params,
+  rest). Building costs about as much as one trace: one build serves both lengths and all
+  three remat policies (`_traced` swaps the policy in)."""
+  model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute))
+  return nnx.split(model, nnx.Param, ...)
+
+
 @functools.lru_cache(maxsize=256)
 def _traced(cfg: ModelConfig, compute: ComputeConfig, rows: int, t: int) -> int:
   """Residual bytes of HybridLM(cfg) on [rows, t] tokens (one document per row)."""
-  model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = _abstract_model(cfg, dataclasses.replace(compute, remat="none"))
+  if compute.remat != "none":  # only HybridLM.__call__ reads the policy (it wraps each layer
+    # in nnx.remat): the same parameters with the model's own `compute` swapped
+    model = nnx.merge(graphdef, params, rest)
+    model.compute = compute
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.ShapeDtypeStruct((rows, t), jnp.int32)
 
   def forward(params, rest, tokens):
     logits, _ = nnx.merge(graphdef, params, rest)(tokens)
     return logits
 
-  out = {}
-
-  def trace(params, rest, tokens):  # abstract params: trace only, nothing allocated
-    out["bytes"] = _residual_bytes(forward, params, rest, tokens)
-    return 0
-
-  jax.eval_shape(trace, params, rest, tokens)
-  return out["bytes"]
+  return _residual_bytes(forward, params, rest, tokens)  # abstract: nothing allocated
 
 
 def _layer_variants(cfg: ModelConfig) -> list[ModelConfig]:

@@ -65,9 +65,9 @@ def test_shapes_and_stats(tiny):
 
 def test_causal(tiny):
   _, model = tiny
-  tokens = _tokens(1, 1, 70)
+  tokens = _tokens(1, 2, 37)    # test_shapes_and_stats' shape: its compiled program
   base, _ = _forward(model, tokens)
-  t = 41
+  t = 21
   changed, _ = _forward(model, tokens.at[0, t].set((tokens[0, t] + 7) % 256))
   np.testing.assert_array_equal(np.asarray(base[0, :t]), np.asarray(changed[0, :t]))
   assert not np.allclose(base[0, t:], changed[0, t:])
@@ -94,13 +94,14 @@ def test_packed_documents_equal_separate_runs(tiny):
 
 def test_padding_excluded_from_routing_stats(tiny):
   cfg, model = tiny
-  tokens = _tokens(3, 1, 30)
-  seg = jnp.concatenate([jnp.ones((1, 20), jnp.int32), jnp.zeros((1, 10), jnp.int32)], 1)
+  # [1, 70] with segment ids: test_chunked_kda_in_model_matches_recurrent's program
+  tokens = _tokens(3, 1, 70)
+  seg = jnp.concatenate([jnp.ones((1, 47), jnp.int32), jnp.zeros((1, 23), jnp.int32)], 1)
   _, aux = _forward(model, tokens, seg)
   for layer in aux["moe"]["layers"].values():
     stats = layer["ffn"]["bias"]
-    assert int(stats["load"].sum()) == 20 * cfg.moe.experts_per_token
-    assert int(stats["qb_hist"].sum()) == 20 * cfg.moe.num_experts
+    assert int(stats["load"].sum()) == 47 * cfg.moe.experts_per_token
+    assert int(stats["qb_hist"].sum()) == 47 * cfg.moe.num_experts
 
 
 @pytest.mark.parametrize("overrides, dtype", [
@@ -119,7 +120,9 @@ def test_variants_run_and_are_finite(overrides, dtype):
 
 
 def test_remat_matches_plain_gradients():
-  cfg = tiny_cfg()
+  # One KDA + one MLA layer (dense FFN, then MoE) in two AttnRes blocks: every kind of
+  # layer remat wraps, and a block boundary, at half the tiny preset's compile time
+  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), attnres={"block_size": 1})
   grads = []
   for remat in ("none", "full"):
     compute = ComputeConfig(remat=remat, kda_impl="recurrent")

@@ -22,6 +22,7 @@ from hybridmoe_jax import cli_flags
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train.checkpoint import load_exported_params
+from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config
 
 RUN = [sys.executable, str(ROOT / "run_train.py")]
@@ -104,11 +105,20 @@ def test_misspelt_override_of_a_named_config_file_is_one_line(tmp_path, cmd):
 def test_missing_and_empty_data(tmp_path):
   _one_error(_run("--config.data.source=text", f"--config.data.paths={tmp_path}/nope.txt",
                   f"--workdir={tmp_path}/w1"), "nope.txt")
+  # An empty file takes the same path through main (an InputError printed as the one
+  # `error:` line above): checked in process, without a second interpreter start.
   (tmp_path / "empty.txt").write_text("")
-  _one_error(_run("--config.data.source=text", f"--config.data.paths={tmp_path}/empty.txt",
-                  f"--workdir={tmp_path}/w2"), "empty")
+  config = load_config("tiny")
+  config.data.update(source="text", paths=(str(tmp_path / "empty.txt"),))
+  with pytest.raises(InputError, match="empty") as e:
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path / "w2"))
+  assert "\n" not in str(e.value)
 
 
+# The refusal itself is tests/train/test_loop.py::test_incompatible_workdir_is_refused (in
+# process); main prints its ConfigError as one `error:` line as for
+# test_bad_flags_stop_with_one_message[--config.train.schedule=linear].
+@pytest.mark.slow
 def test_incompatible_workdir(tmp_path):
   (tmp_path / "model_config.json").write_text(json.dumps({"d_model": 32}))
   _one_error(_run(f"--workdir={tmp_path}"), "incompatible", "d_model")

@@ -138,6 +138,10 @@ def test_resume_after_crash_is_exact(ref, tmp_path):
   assert _train_losses(tmp_path / "run") == _train_losses(ref_dir)
   for a, b in zip(jax.tree.leaves(ref["state"]), jax.tree.leaves(res["state"])):
     np.testing.assert_array_equal(a, b)
+  # A fresh run's state is committed to its device as a restored one is: jit keys its
+  # programs on that, so the resumed run reused the crashed run's compiled steps.
+  leaves = jax.tree.leaves(ref["state"]) + jax.tree.leaves(res["state"])
+  assert all(x.committed for x in leaves if isinstance(x, jax.Array))
 
 
 def test_corrupt_latest_checkpoint_falls_back(ref, tmp_path):
