@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
-import functools
 import json
 import math
 import os
@@ -196,20 +195,6 @@ def _log_sizes(state) -> None:
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   n_bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.biases))
   logging.info("model: %s parameters, %s routing-bias entries", f"{n_params:,}", f"{n_bias:,}")
-
-
-@functools.lru_cache(maxsize=4)
-def _unsharded_steps(graphdef, cfg: ModelConfig, t, lr_pieces: tuple[optim.LRPiece, ...],
-                     image_ids: tuple[int, ...]):
-  """(train_step, eval_step) of a one-device run, kept for the next run of the same graph,
-  model, train config and LR plan in this process (a resume, a notebook's second run, a
-  test session): jit keeps its traced and compiled programs per function object, so fresh
-  closures would trace, lower and compile (or read back) every program again."""
-  schedule = optim.make_schedule(lr_pieces)
-  train_step = step_lib.make_train_step(graphdef, cfg, optim.make_optimizer(t, schedule),
-                                        grad_accum=t.grad_accum, schedule=schedule,
-                                        image_ids=image_ids)
-  return train_step, step_lib.make_eval_step(graphdef, image_ids=image_ids)
 
 
 def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dict,
@@ -448,14 +433,11 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
   log_impls(cfg, config.compute, moe_dispatch=rt.moe_dispatch)
   meta = {"model_config": model_dict, "signature": signature,
           "config": json.dumps(dataclasses.asdict(config))}
-  if rt.mesh is None:
-    train_step, eval_step = _unsharded_steps(graphdef, cfg, t, plan.lr_pieces(), image_ids)
-  else:
-    eval_step = step_lib.make_eval_step(graphdef, image_ids=image_ids,
-                                        **rt.step_kwargs(train=False))
-    train_step = step_lib.make_train_step(graphdef, cfg, tx, grad_accum=t.grad_accum,
-                                          schedule=schedule, image_ids=image_ids,
-                                          **rt.step_kwargs())
+  eval_step = step_lib.make_eval_step(graphdef, image_ids=image_ids,
+                                      **rt.step_kwargs(train=False))
+  train_step = step_lib.make_train_step(graphdef, cfg, tx, grad_accum=t.grad_accum,
+                                        schedule=schedule, image_ids=image_ids,
+                                        **rt.step_kwargs())
   # Multi-process: only process 0 writes the run's logs; the others log under process_<i>/.
   logdir = workdir if jax.process_index() == 0 else os.path.join(
       workdir, f"process_{jax.process_index()}")
