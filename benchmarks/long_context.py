@@ -11,6 +11,10 @@ The ratio columns compare the two cores in the same run (blockwise / dense).
   python benchmarks/long_context.py [--lengths 8192,16384,32768,65536] [--repeats 2]
                                     [--max_gib 8] [--block 128]
 Prints one JSON line per (T, core), then a table.
+
+Inference at 1M tokens (chunked prefill time, peak RSS, decode ms/token) is measured by the
+prefill / decode benchmark: `python benchmarks/decode.py --models hybrid --contexts 1048576
+--decode_steps 64 --budget_s 1e9`.
 """
 
 from __future__ import annotations

@@ -13,11 +13,15 @@ import json
 import os
 from typing import Any, Sequence
 
+import jax
+
+from hybridmoe_jax import plots
 from hybridmoe_jax.config import require
 from hybridmoe_jax.data.tokenizer import Tokenizer
 from hybridmoe_jax.evals import niah
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.run_config import RunConfig
+from hybridmoe_jax.train import loop
 
 
 class StageNiah:
@@ -44,7 +48,6 @@ class StageNiah:
   @classmethod
   def from_run(cls, run: RunConfig, workdir: str) -> "StageNiah":
     """The grid `run.curriculum` asks for, with the run's tokenizer."""
-    from hybridmoe_jax.train import loop  # pylint: disable=g-import-not-at-top
     c = run.curriculum
     return cls(os.path.join(workdir, "eval"), c.niah_lengths, c.niah_depths,
                samples=c.niah_samples, tokenizer=loop.run_tokenizer(run))
@@ -58,12 +61,12 @@ class StageNiah:
                                 tokenizer=self.tokenizer)
     result.update(step=step, stage=stage.index, stage_name=stage.name,
                   stage_seq_len=stage.seq_len)
-    os.makedirs(self.out_dir, exist_ok=True)
-    name = f"niah_stage{stage.index}"
-    from hybridmoe_jax import plots  # pylint: disable=g-import-not-at-top
-    plots.save(plots.niah_figure(result), os.path.join(self.out_dir, name + ".png"))
-    with open(os.path.join(self.out_dir, name + ".json"), "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
+    if jax.process_index() == 0:  # every process computes the grid; one writes it
+      os.makedirs(self.out_dir, exist_ok=True)
+      name = f"niah_stage{stage.index}"
+      plots.save(plots.niah_figure(result), os.path.join(self.out_dir, name + ".png"))
+      with open(os.path.join(self.out_dir, name + ".json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
     return {"split": "niah", "stage_seq_len": stage.seq_len,
             "niah_lengths": result["lengths"], "niah_depths": result["depths"],
             "niah_accuracy": result["accuracy"], "niah_digit_accuracy": result["digit_accuracy"],
