@@ -65,8 +65,9 @@ def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: 
     q_c: [B, T, H, d_c] absorbed queries; q_r: [B, T, H, Dr] rope-slot queries.
     c: [B, N, d_c] cached latents (keys and values); k_r: [B, N, Dr] cached rope keys.
     q_pos: [B, T] int32 positions of the queries in their row (key j visible iff j <= q_pos).
-    total: [B] int32 filled positions per row; only ceil(max(total) / kv_block) blocks are
-      read, so the cost grows with the context, not with the capacity N.
+    total: [B] int32 filled positions per row; only ceil(total / kv_block) blocks of a row
+      are read, so the cost grows with the context, not with the capacity N (queries past
+      `total`, i.e. padding, see no keys beyond it).
     scale: logit scale.
     kv_block: keys per block.
   Returns:
@@ -76,47 +77,53 @@ def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: 
   b, t, h, d_c = q_c.shape
   n = c.shape[1]
   blk = min(kv_block, n)
-  n_blocks = (jnp.max(total) + blk - 1) // blk
-  # Blocks that every query sees whole need no mask: on CPU the masks cost as much as the
-  # block's matmuls (2.4x slower at 128K), and at long context nearly every block is such.
-  n_full = jnp.clip((jnp.min(q_pos) + 1) // blk, 0, jnp.minimum(n_blocks, n // blk))
   q = jnp.concatenate([q_c, q_r], axis=-1).reshape(b, t * h, -1)   # heads share the keys
 
-  def scores(start):
-    kb = jnp.concatenate([jax.lax.dynamic_slice_in_dim(c, start, blk, axis=1),
-                          jax.lax.dynamic_slice_in_dim(k_r, start, blk, axis=1)], axis=-1)
-    s = jnp.einsum("bqd,bnd->bqn", q, kb, preferred_element_type=_F32) * scale
-    return s, kb[..., :d_c]
+  def row(q, c, k_r, q_pos, total):
+    """One row: q [T*H, D], c [N, d_c], k_r [N, Dr], q_pos [T], total []. Vmapped, so each
+    row's blocks take the masked or the unmasked path by its own positions alone (a row's
+    bits do not depend on which other rows share the batch)."""
+    n_blocks = (total + blk - 1) // blk
+    # Blocks that every query sees whole need no mask: on CPU the masks cost as much as the
+    # block's matmuls (2.4x slower at 128K), and at long context nearly every block is such.
+    n_full = jnp.clip((jnp.min(q_pos) + 1) // blk, 0, jnp.minimum(n_blocks, n // blk))
 
-  def update(carry, s, cb, seen):
-    m, l, acc = carry
-    if seen is not None:
-      s = jnp.where(seen, s, _NEG)
-    m_new = jnp.maximum(m, s.max(-1))
-    e = jnp.exp(s - m_new[..., None])
-    if seen is not None:
-      e = jnp.where(seen, e, 0.0)
-    corr = jnp.exp(m - m_new)
-    acc = acc * corr[..., None] + jnp.einsum("bqn,bnc->bqc", e.astype(cb.dtype), cb,
+    def scores(start):
+      kb = jnp.concatenate([jax.lax.dynamic_slice_in_dim(c, start, blk, axis=0),
+                            jax.lax.dynamic_slice_in_dim(k_r, start, blk, axis=0)], axis=-1)
+      return jnp.einsum("qd,nd->qn", q, kb, preferred_element_type=_F32) * scale, kb[:, :d_c]
+
+    def update(carry, s, cb, seen):
+      m, l, acc = carry
+      if seen is not None:
+        s = jnp.where(seen, s, _NEG)
+      m_new = jnp.maximum(m, s.max(-1))
+      e = jnp.exp(s - m_new[:, None])
+      if seen is not None:
+        e = jnp.where(seen, e, 0.0)
+      corr = jnp.exp(m - m_new)
+      acc = acc * corr[:, None] + jnp.einsum("qn,nc->qc", e.astype(cb.dtype), cb,
                                              preferred_element_type=_F32)
-    return m_new, l * corr + e.sum(-1), acc
+      return m_new, l * corr + e.sum(-1), acc
 
-  def full_block(j, carry):
-    s, cb = scores(j * blk)
-    return update(carry, s, cb, None)
+    def full_block(j, carry):
+      s, cb = scores(j * blk)
+      return update(carry, s, cb, None)
 
-  def edge_block(j, carry):
-    # The last block may overhang N: slide it back and mask what earlier blocks covered.
-    start = jnp.minimum(j * blk, n - blk)
-    s, cb = scores(start)
-    k_pos = (start + jnp.arange(blk))[None, None, :]
-    seen = (k_pos >= j * blk) & (k_pos <= q_pos[..., None])                 # [B, T, blk]
-    return update(carry, s, cb, jnp.repeat(seen, h, axis=1))                # [B, T*H, blk]
+    def edge_block(j, carry):
+      # The last block may overhang N: slide it back and mask what earlier blocks covered.
+      start = jnp.minimum(j * blk, n - blk)
+      s, cb = scores(start)
+      k_pos = (start + jnp.arange(blk))[None, :]
+      seen = (k_pos >= j * blk) & (k_pos <= q_pos[:, None])                  # [T, blk]
+      return update(carry, s, cb, jnp.repeat(seen, h, axis=0))               # [T*H, blk]
 
-  init = (jnp.full((b, t * h), _NEG, _F32), jnp.zeros((b, t * h), _F32),
-          jnp.zeros((b, t * h, d_c), _F32))
-  carry = jax.lax.fori_loop(0, n_full, full_block, init)
-  m, l, acc = jax.lax.fori_loop(n_full, n_blocks, edge_block, carry)
+    init = (jnp.full((t * h,), _NEG, _F32), jnp.zeros((t * h,), _F32),
+            jnp.zeros((t * h, d_c), _F32))
+    carry = jax.lax.fori_loop(0, n_full, full_block, init)
+    return jax.lax.fori_loop(n_full, n_blocks, edge_block, carry)
+
+  m, l, acc = jax.vmap(row)(q, c, k_r, q_pos, total)
   return m.reshape(b, t, h), l.reshape(b, t, h), acc.reshape(b, t, h, d_c)
 
 
