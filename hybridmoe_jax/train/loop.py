@@ -275,6 +275,12 @@ def _stage_end(step: int, state, *, plan: plan_lib.Plan, data, eval_step, monito
   for batches in ([own] if own else []) + [data.eval_batches]:
     monitor.log_eval(step, evaluate(eval_step, state, batches, token_bytes),
                      _eval_info(data, step, plan, batches))
+  _stage_hook(on_stage_end, step, stage, state, monitor)
+
+
+def _stage_hook(on_stage_end, step: int, stage: plan_lib.StagePlan, state,
+                monitor: Monitor) -> None:
+  """on_stage_end(step, stage, state) if given; a dict it returns goes to metrics.jsonl."""
   if on_stage_end is not None:
     record = on_stage_end(step, stage, state)
     if record:
@@ -462,10 +468,8 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
     if stopped is None:
       eval_metrics = evaluate(eval_step, state, data.eval_batches, token_bytes)
       monitor.log_eval(step, eval_metrics, _eval_info(data, step, plan))
-      if plan.curriculum and stage_hook is not None and step == plan.total_steps:
-        record = stage_hook(step, plan.stages[-1], state)  # the last stage ends the run
-        if record:
-          monitor.write_jsonl({"step": step, "stage": plan.stages[-1].index, **record})
+      if plan.curriculum and step == plan.total_steps:  # the last stage ends the run
+        _stage_hook(stage_hook, step, plan.stages[-1], state, monitor)
       if saved_at != step:
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()
