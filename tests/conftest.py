@@ -94,3 +94,29 @@ def _single_device_outside_parallel(request, monkeypatch):
   import jax  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
                       lambda: list(jax.devices())[:1])
+
+
+# Every program XLA:CPU compiles stays mapped (three memory mappings per code object) while a
+# jit cache holds it, and a worker runs ~500 tests: past the kernel's vm.max_map_count
+# (65,530 by default) the next compile's mmap fails and XLA segfaults. Drop the compiled
+# programs whenever a worker holds a third of that (the persistent cache above serves any
+# program needed again).
+def _map_count_limit() -> int | None:
+  try:
+    return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text()) // 3
+  except (OSError, ValueError):   # not Linux
+    return None
+
+
+_MAP_LIMIT = _map_count_limit()
+
+
+def pytest_runtest_teardown(item, nextitem):  # pylint: disable=unused-argument
+  if _MAP_LIMIT is None:
+    return
+  with open("/proc/self/maps", "rb") as f:
+    mappings = f.read().count(b"\n")
+  if mappings > _MAP_LIMIT:
+    import gc  # pylint: disable=g-import-not-at-top
+    jax.clear_caches()
+    gc.collect()

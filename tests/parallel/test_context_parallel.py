@@ -257,10 +257,12 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   cross shard and piece boundaries) and, with `expert`, its experts over `expert`: logits
   and every parameter gradient == the plain model's, to 1e-5 relative.
 
-  A few gradients are scalar-like sums over all tokens with heavy cancellation (the KDA
-  gate's a_log, f_a, f_b): there the plain model's two exact KDA forms (chunked and the
-  token scan) already differ by up to ~1.5e-5 in fp32, so such a leaf may deviate by twice
-  that measured floor instead (a summation-order bound; a wrong carry or halo is >= 1e-3)."""
+  The KDA layer's gradients carry fp32 summation-order noise near 1e-5: the plain model's
+  two exact KDA forms (chunked and the token scan) already differ by up to ~1.5e-5 on its
+  leaves (a_log, f_b, k_conv). Every leaf of one module gets its gradient through the same
+  backward, so a leaf may deviate by twice the largest chunked-vs-scan difference within its
+  module (the measured floor; on this box the CP model's worst leaf is at about 1x that
+  floor). A wrong carry, halo or layout is >= 1e-3."""
   cfg = _hybrid_config()
   compute = ComputeConfig(kda_chunk_size=16)
   tokens, seg = _tokens_and_segments()
@@ -283,8 +285,13 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   flat_got = dict(jax.tree_util.tree_flatten_with_path(got[1])[0])
   flat_want = jax.tree_util.tree_flatten_with_path(want[1])[0]
   assert len(flat_got) == len(flat_want)
+  # ['layers'][i]['mixer' | 'ffn' | ...] or the top-level module (embed, lm_head, ...)
+  module = lambda path: path[:3] if path[0].key == "layers" else path[:1]
+  floor = collections.defaultdict(float)   # module -> worst chunked-vs-scan leaf in it
   for path, w in flat_want:
-    tol = max(1e-5, 2 * _max_rel(flat_scan[path], w))
+    floor[module(path)] = max(floor[module(path)], _max_rel(flat_scan[path], w))
+  for path, w in flat_want:
+    tol = max(1e-5, 2 * floor[module(path)])
     assert _max_rel(flat_got[path], w) < tol, (jax.tree_util.keystr(path), tol)
 
 
