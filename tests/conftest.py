@@ -31,7 +31,9 @@ if os.environ.get("HYBRIDMOE_TESTS_XLA_OPT") != "1":
 # step, built afresh by each training run) is read back instead of recompiled. A fresh
 # temporary directory per run, removed at exit by the process that made it (a
 # JAX_COMPILATION_CACHE_DIR already set is used as is and never removed);
-# HYBRIDMOE_TESTS_JAX_CACHE=0 turns it off.
+# HYBRIDMOE_TESTS_JAX_CACHE=0 turns it off. Only programs that took a second or more to
+# compile are written: serialising the many cheap ones costs more than compiling them again
+# (tests/layers/test_mixers.py alone: 79 CPU-s with every program written, 64 without them).
 if (os.environ.get("HYBRIDMOE_TESTS_JAX_CACHE") != "0"
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
   import atexit  # pylint: disable=g-import-not-at-top
@@ -39,7 +41,7 @@ if (os.environ.get("HYBRIDMOE_TESTS_JAX_CACHE") != "0"
   import tempfile  # pylint: disable=g-import-not-at-top
   _cache_dir = tempfile.mkdtemp(prefix="hybridmoe_tests_jax_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 # XLA reads the device count when the backend starts, lazily at the first computation; the
