@@ -65,7 +65,13 @@ CONTAINED = {
 def test_runaway_code_is_contained_with_reward_zero(case):
   body, kinds = CONTAINED[case]
   calls, want = _double_calls()
-  limits = SandboxLimits(timeout_s=1.0) if case == "sleep_past_wall_clock" else FAST
+  limits = FAST
+  if case == "sleep_past_wall_clock":
+    limits = SandboxLimits(timeout_s=1.0)
+  elif case == "memory_bomb":
+    # Touching 256 MB can cost over a CPU-second of page reclaim on a loaded machine
+    # (charged to the process as system time): only the memory limit may end this run.
+    limits = SandboxLimits(timeout_s=20.0, cpu_s=20, memory_mb=256)
   res = run_calls(body + "def double(x):\n  return 2 * x\n", calls, want, limits)
   assert res.run.killed in kinds, (res.run.killed, res.run.detail, res.run.stderr_tail)
   assert res.pass_rate == 0.0
