@@ -1,9 +1,10 @@
 """Shared test helpers.
 
 The suite runs with 8 simulated CPU devices (set below, before anything imports jax) so that
-tests/parallel can build real meshes, and with XLA's most costly optimisation passes off
-(HYBRIDMOE_TESTS_XLA_OPT=1 turns them back on). Every other test sees a one-device world for meshes:
-the train loop's mesh uses only the first device and CLI subprocesses get one device.
+tests/parallel can build real meshes, with XLA's most costly optimisation passes off and
+XLA:CPU's older loop emitters (HYBRIDMOE_TESTS_XLA_OPT=1: XLA's defaults). Every other test
+sees a one-device world for meshes: the train loop's mesh uses only the first device and CLI
+subprocesses get one device.
 All processes of one run (xdist workers, CLI subprocesses) share a persistent JAX compilation
 cache in a fresh temporary directory.
 """
@@ -17,14 +18,22 @@ _SAVED = "HYBRIDMOE_TESTS_USER_XLA_FLAGS"
 if _SAVED not in os.environ:
   os.environ[_SAVED] = os.environ.get("XLA_FLAGS", "<unset>")
 _USER_XLA_FLAGS = None if os.environ[_SAVED] == "<unset>" else os.environ[_SAVED]
-if _DEVICE_FLAG not in (_USER_XLA_FLAGS or ""):
-  os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {_DEVICE_FLAG}=8".strip()
 
 # Tests are dominated by XLA compiles: the suite compiles with most optimisation passes off
-# (about 30% less CPU; results are checked against references, not timed). The programs are
-# the same; HYBRIDMOE_TESTS_XLA_OPT=1 runs the suite on fully optimised XLA.
+# (about 30% less CPU; results are checked against references, not timed) and with XLA:CPU's
+# older loop emitters instead of its MLIR fusion emitters (the tiny model's train step
+# compiles in 4.2 CPU-s instead of 8.7). The programs are the same;
+# HYBRIDMOE_TESTS_XLA_OPT=1 runs the suite on XLA's defaults.
+_COMPILE_FLAGS = ""
 if os.environ.get("HYBRIDMOE_TESTS_XLA_OPT") != "1":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  _COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+
+# XLA_FLAGS for processes that must see one device (CLI subprocesses): the user's flags and
+# the compile settings above, without the simulated device count.
+SUBPROCESS_XLA_FLAGS = f"{_USER_XLA_FLAGS or ''} {_COMPILE_FLAGS}".strip()
+os.environ["XLA_FLAGS"] = (SUBPROCESS_XLA_FLAGS if _DEVICE_FLAG in SUBPROCESS_XLA_FLAGS
+                           else f"{SUBPROCESS_XLA_FLAGS} {_DEVICE_FLAG}=8".strip())
 
 # One persistent compilation cache for the whole run: the xdist workers and every CLI
 # subprocess inherit this directory, so a program compiled once (the tiny model's train
@@ -89,10 +98,10 @@ def _single_device_outside_parallel(request, monkeypatch):
   """Outside tests/parallel, runs see one device, as on a single-device machine."""
   if "parallel" in pathlib.Path(str(request.node.fspath)).parts:
     return
-  if _USER_XLA_FLAGS is None:
-    monkeypatch.delenv("XLA_FLAGS", raising=False)   # subprocesses: one CPU device
+  if SUBPROCESS_XLA_FLAGS:
+    monkeypatch.setenv("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)   # subprocesses: one CPU device
   else:
-    monkeypatch.setenv("XLA_FLAGS", _USER_XLA_FLAGS)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
   import jax  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
                       lambda: list(jax.devices())[:1])

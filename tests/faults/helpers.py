@@ -15,7 +15,7 @@ import time
 import types
 
 from hybridmoe_jax.train.loop import train_and_evaluate
-from tests.conftest import ROOT, one_device
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS, one_device
 from tests.train.test_loop import _config, _train_losses
 from tests.train.train_fakes import FakeIterator
 
@@ -126,8 +126,8 @@ def subprocess_env(cache_dir=None) -> dict[str, str]:
   """The repo on PYTHONPATH (this worktree's code), one CPU device, and a persistent compile
   cache shared by a trial's runs (a resume then skips the ~20 s compile; same executables,
   so the numbers stay bitwise equal)."""
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": SUBPROCESS_XLA_FLAGS}
   if cache_dir:
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -12,7 +12,7 @@ import pytest
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.parallel import distributed
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS
 
 RUN = [sys.executable, str(ROOT / "run_train.py")]
 _ARGS = ["--config.train.batch_size=4", "--config.train.seq_len=32", "--config.train.warmup=1",
@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 
 def _two_processes(tmp_path, tag, steps, data, expert):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ,
+             XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=4")
   port = _free_port()
   procs = []
   for pid in range(2):
