@@ -30,15 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
 from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.infer import Engine, cache_bytes, init_cache, mla_bytes_per_token
 from hybridmoe_jax.model import HybridLM
-from tests.conftest import load_config
+from hybridmoe_jax.train.config import load_config_file
 
 
 def model_configs():
-  base = load_config("tiny").model
+  base = load_config_file(os.path.join(_ROOT, "configs", "tiny.py")).model
   hybrid = model_config_from_dict(base)
   base.layer_kinds = ("mla",) * hybrid.num_layers
   return {"hybrid": hybrid, "all_mla": model_config_from_dict(base)}

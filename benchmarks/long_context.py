@@ -30,11 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
 from hybridmoe_jax.config import ComputeConfig, model_config_from_dict  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.timing import time_fn
-from tests.conftest import load_config
+from hybridmoe_jax.train.config import load_config_file
 
 
 def step_fn(cfg, compute):
@@ -72,7 +73,7 @@ def main():
   p.add_argument("--max_gib", type=float, default=8.0)
   p.add_argument("--block", type=int, default=128)
   args = p.parse_args()
-  cfg = model_config_from_dict(load_config("tiny").model)
+  cfg = model_config_from_dict(load_config_file(os.path.join(_ROOT, "configs", "tiny.py")).model)
   base = ComputeConfig(kda_chunk_size=64, mla_block=args.block)
   rows = []
   for t in (int(x) for x in args.lengths.split(",")):

@@ -34,14 +34,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
 from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from tests.conftest import load_config
+from hybridmoe_jax.train.config import load_config_file
 
 
 def episodes(batch: int, forced: bool) -> list[EpisodeSpec]:
@@ -73,7 +74,7 @@ def main():
   p.add_argument("--repeats", type=int, default=3)
   a = p.parse_args()
   tok = ByteTokenizer(chat=True)
-  base = load_config("tiny").model
+  base = load_config_file(os.path.join(_ROOT, "configs", "tiny.py")).model
   base.vocab_size = tok.vocab_size
   model = HybridLM(model_config_from_dict(base), rngs=nnx.Rngs(0))
   engine = Engine(model, max_len=a.max_tokens, prefill_chunk=a.prefill_chunk, kv_block=256)

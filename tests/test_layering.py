@@ -203,3 +203,17 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
   assert not _violation("hybridmoe_jax.evals.loading", "hybridmoe_jax.train.state")
   assert not _violation("hybridmoe_jax.ops.kda", "pallas_kernels.kda")
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_nothing_outside_tests_imports_the_test_package():
+  """tests/conftest.py sets compile flags for speed (most XLA optimisations off, 8 simulated
+  devices): a benchmark or tool importing it would time, and report, those programs."""
+  bad = []
+  for path in sorted(ROOT.glob("*.py")) + sorted(
+      p for d in ("benchmarks", "examples", *PACKAGES) for p in (ROOT / d).rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+               else [])
+      bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tests"]
+  assert not bad, bad
