@@ -212,8 +212,11 @@ def test_nothing_outside_tests_imports_the_test_package():
   for path in sorted(ROOT.glob("*.py")) + sorted(
       p for d in ("benchmarks", "examples", *PACKAGES) for p in (ROOT / d).rglob("*.py")):
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-               else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
-               else [])
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and not node.level:   # relative: same package
+        names = [node.module]
+      else:
+        continue
       bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tests"]
   assert not bad, bad

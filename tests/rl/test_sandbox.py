@@ -60,18 +60,20 @@ CONTAINED = {
     "output_flood": ("while True:\n  print('x' * 100000)\n", ("output",)),
 }
 
+# Cases whose own limit must be the one that ends them: the sleep needs a short wall clock;
+# touching 256 MB can cost over a CPU-second of page reclaim on a loaded machine (charged to
+# the process as system time), so the memory bomb gets CPU time to spare.
+CASE_LIMITS = {
+    "sleep_past_wall_clock": SandboxLimits(timeout_s=1.0),
+    "memory_bomb": SandboxLimits(timeout_s=20.0, cpu_s=20, memory_mb=256),
+}
+
 
 @pytest.mark.parametrize("case", sorted(CONTAINED))
 def test_runaway_code_is_contained_with_reward_zero(case):
   body, kinds = CONTAINED[case]
   calls, want = _double_calls()
-  limits = FAST
-  if case == "sleep_past_wall_clock":
-    limits = SandboxLimits(timeout_s=1.0)
-  elif case == "memory_bomb":
-    # Touching 256 MB can cost over a CPU-second of page reclaim on a loaded machine
-    # (charged to the process as system time): only the memory limit may end this run.
-    limits = SandboxLimits(timeout_s=20.0, cpu_s=20, memory_mb=256)
+  limits = CASE_LIMITS.get(case, FAST)
   res = run_calls(body + "def double(x):\n  return 2 * x\n", calls, want, limits)
   assert res.run.killed in kinds, (res.run.killed, res.run.detail, res.run.stderr_tail)
   assert res.pass_rate == 0.0
