@@ -2,8 +2,8 @@
 
 HF directory: config.json, model.safetensors or shards + model.safetensors.index.json, and
 tokenizer files. Our params export (`train/checkpoint.py`): params.safetensors (leaf names,
-dtypes as stored), model_config.json, and here also hf_config.json (the HF fields without
-effect on the forward, restored on the way back) plus the tokenizer files in tokenizer/
+dtypes as stored), model_config.json, and here also hf_config.json (the imported config.json,
+whole: exported back unchanged while it describes the model, `hf_config.export_config`) plus the tokenizer files in tokenizer/
 (where runs keep theirs: `data.tokenizer.TOKENIZER_DIR`).
 
 Both directions check the whole source against the config first (`hf_weights.check_source`:
@@ -149,7 +149,7 @@ def from_hf(hf_dir: str, out_dir: str, *, sparse: bool = True) -> dict[str, Any]
         metadata={"format": "hybridmoe_jax params export",
                   "source": "huggingface kimi_linear"}), rules, reader, specs, to="ours")
   _json(os.path.join(tmp, MODEL_CONFIG), hf_config.model_dict(cfg))
-  _json(os.path.join(tmp, HF_EXTRA), hf_config.passthrough(hf))
+  _json(os.path.join(tmp, HF_EXTRA), hf)
   copied = _copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
   os.replace(tmp, out_dir)
   return _summary(specs, out_dir, copied)
@@ -215,7 +215,7 @@ def to_hf(src_dir: str, out_dir: str, *, dtype: str | None = None, sparse: bool 
     if os.path.isfile(extra_file):
       with open(extra_file, encoding="utf-8") as f:
         extra = json.load(f)
-    hf = hf_config.hf_config_from_model(cfg, extra)
+    hf = hf_config.export_config(cfg, extra)
     rules = hf_weights.weight_rules(cfg)
     specs = hf_weights.check_source(rules, src, names, to="hf", where=src_dir)
     if dtype is not None:

@@ -5,7 +5,9 @@ The HF fields are those of the released Kimi-Linear-48B-A3B config (the same nam
 checked: a value we cannot express raises `UnsupportedConfig` naming the field, its value
 and what is allowed, before any weight is touched. Fields without effect on the forward
 (token ids, rope_theta of a NoPE model, max length, ...) are kept as they were when a
-converted model is exported back (`passthrough`).
+converted model is exported back (`passthrough`), and an imported config.json that still
+describes the model is exported back unchanged (`export_config`): `num_shared_experts: null`
+stays null, an unread `head_dim` keeps its value, a top-1 model keeps its `moe_renormalize`.
 
 Mapping (HF -> ours):
   hidden_size -> d_model; num_hidden_layers -> num_layers; rms_norm_eps -> norm_eps (every
@@ -27,6 +29,7 @@ enters the forward the same way (sigmoid + bias chooses, the unbiased scores wei
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Mapping
 
 from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConfig, MoEConfig,
@@ -210,7 +213,9 @@ def hf_config_from_model(cfg: ModelConfig, extra: Mapping[str, Any] | None = Non
       "mla_use_nope": True,
       "num_experts": moe.num_experts, "num_experts_per_token": moe.experts_per_token,
       "moe_intermediate_size": moe.expert_intermediate,
-      "num_shared_experts": shared // moe.expert_intermediate,
+      # null, not 0, without shared experts: Transformers builds a shared MLP for any non-null
+      # count (a zero-width one for 0).
+      "num_shared_experts": shared // moe.expert_intermediate or None,
       "moe_router_activation_func": "sigmoid", "moe_renormalize": moe.renormalize,
       "routed_scaling_factor": moe.routed_scale,
       "first_k_dense_replace": moe.first_dense_layers, "moe_layer_freq": 1,
@@ -218,6 +223,36 @@ def hf_config_from_model(cfg: ModelConfig, extra: Mapping[str, Any] | None = Non
       "intermediate_size": moe.dense_intermediate,
   })
   return out
+
+
+def _forward_only(cfg: ModelConfig) -> ModelConfig:
+  """`cfg` without the fields that only train (the balancing rule: "sign" on import)."""
+  return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, balancing="sign"))
+
+
+def export_config(cfg: ModelConfig, imported: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
+  """The config.json to write for `cfg`.
+
+  imported: the config.json the model was converted from (`convert.from_hf` keeps it beside
+    the export), or only its passthrough fields (exports written before it was kept whole).
+  When `imported` is a whole Kimi-Linear config that maps to this same model it is returned
+  unchanged, field for field, so import -> export -> import is the identity on config.json.
+  Otherwise the mapped fields are generated from `cfg` and `imported`'s fields without effect
+  on the forward are kept.
+
+  Raises:
+    UnsupportedConfig: naming the first of our fields HF Kimi-Linear cannot express.
+  """
+  imported = dict(imported or {})
+  if imported.get("model_type") == MODEL_TYPE:
+    try:
+      same = _forward_only(model_config_from_hf(imported)) == _forward_only(cfg)
+    except ConfigError:
+      same = False
+    if same:
+      return json.loads(json.dumps(imported))    # a deep copy of plain JSON values
+  return hf_config_from_model(cfg, passthrough(imported))
 
 
 def model_dict(cfg: ModelConfig) -> dict[str, Any]:

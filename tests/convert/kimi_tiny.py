@@ -85,7 +85,7 @@ def tiny_hf_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     for j in range(e):
       w[m + f"experts.{j}.w1.weight"], w[m + f"experts.{j}.w3.weight"] = lin(f, d), lin(f, d)
       w[m + f"experts.{j}.w2.weight"] = lin(d, f)
-    s = f * cfg["num_shared_experts"]
+    s = f * (cfg["num_shared_experts"] or 0)     # null: no shared expert
     if s:
       w[m + "shared_experts.gate_proj.weight"] = lin(s, d)
       w[m + "shared_experts.up_proj.weight"] = lin(s, d)

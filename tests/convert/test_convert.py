@@ -76,6 +76,57 @@ def test_hf_to_ours_to_hf_is_bit_exact(hf_dir, ours_dir, tmp_path):
   assert os.path.isfile(os.path.join(back, "tokenizer_config.json"))
 
 
+def _read_dir(path):
+  """(config.json, {name: (dtype, shape, bytes)}) of an HF dir."""
+  with CheckpointReader(path) as r:
+    tensors = {n: (r.info(n).dtype, tuple(r.info(n).shape), r.read(n).tobytes())
+               for n in r.tensors}
+  return json.load(open(os.path.join(path, "config.json"))), tensors
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"num_shared_experts": None}, {"head_dim": 72},
+    {"num_experts_per_token": 1, "moe_renormalize": True},
+    {"num_shared_experts": 0, "moe_renormalize": False, "rope_theta": None}],
+    ids=["reference", "shared-null", "head_dim-unread", "top1-renormalize", "shared-0"])
+def test_import_export_import_is_the_identity(change, tmp_path):
+  """config.json and every tensor survive HF -> ours -> HF -> ours, on the reference config
+  and the variants a released config carries (null shared count, unread head_dim, top-1)."""
+  hf = write_hf_dir(tmp_path / "hf", tiny_hf_config(**change), shards=1)
+  convert.from_hf(hf, str(tmp_path / "ours"))
+  convert.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
+  config, tensors = _read_dir(hf)
+  config_back, tensors_back = _read_dir(tmp_path / "back")
+  assert config_back == config == tiny_hf_config(**change)
+  assert tensors_back == tensors
+  convert.from_hf(str(tmp_path / "back"), str(tmp_path / "again"))
+  for name in (convert.MODEL_CONFIG, convert.HF_EXTRA):
+    assert (json.load(open(tmp_path / "ours" / name)) ==
+            json.load(open(tmp_path / "again" / name))), name
+  assert (open(tmp_path / "ours" / convert.PARAMS_FILE, "rb").read() ==
+          open(tmp_path / "again" / convert.PARAMS_FILE, "rb").read())
+
+
+def test_generated_config_keeps_hf_conventions():
+  """Without an imported config.json (our own presets, old exports holding only the fields
+  without effect on the forward): no shared experts export as null, the passthrough fields
+  stay, and an imported config that no longer describes the model is not reused."""
+  no_shared = _kimi_like(num_shared_experts=0)
+  hf = hf_config.export_config(no_shared, {"rope_theta": 5.0, "bos_token_id": 7})
+  assert hf["num_shared_experts"] is None and (hf["rope_theta"], hf["bos_token_id"]) == (5.0, 7)
+  assert hf_config.model_config_from_hf(hf).moe.num_shared_experts == 0
+  imported = tiny_hf_config(head_dim=72)
+  cfg = hf_config.model_config_from_hf(imported)
+  assert hf_config.export_config(cfg, imported) == imported
+  # The same model trained with QB balancing still exports the imported file.
+  qb = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, balancing="qb"))
+  assert hf_config.export_config(qb, imported) == imported
+  wider = dataclasses.replace(cfg, d_model=64)
+  out = hf_config.export_config(wider, imported)
+  assert out["hidden_size"] == 64 and out["head_dim"] == cfg.mla.qk_nope_head_dim
+  assert out["rope_theta"] == imported["rope_theta"]
+
+
 def test_export_loads_like_the_hf_dir(hf_dir, ours_dir):
   """--from_hf output is a normal params export; it and load_hf_model give one model."""
   a, info = load_from_params(ours_dir)
