@@ -385,12 +385,21 @@ class LoadedModel:
         row_nll = nll[j].astype(np.float32)
         total = float(row_nll.astype(np.float64).sum())
         item = items[i]
-        num_bytes = len((item if isinstance(item, str)
-                         else self.tokenizer.decode(rows[i][1:])).encode("utf-8"))
+        num_bytes = (len(item.encode("utf-8")) if isinstance(item, str)
+                     else self._num_bytes(rows[i][1:]))
         out[i] = TextScore(tokens=rows[i], logprobs=-row_nll, nll=total,
                            perplexity=math.exp(total / len(row_nll)), num_bytes=num_bytes,
                            bits_per_byte=total / math.log(2) / max(num_bytes, 1))
     return out[0] if single else out
+
+  def _num_bytes(self, ids: np.ndarray) -> int:
+    """UTF-8 bytes that token ids stand for, by the tokenizer's `token_bytes` (what
+    bits/byte counts in training). Ids past the tokenizer's vocabulary (a model whose
+    embedding is larger, e.g. an HF dir without tokenizer files read with the byte
+    tokenizer) stand for no text: 0 bytes, never a decode error."""
+    per_id = self.tokenizer.token_bytes()
+    ids = np.asarray(ids)
+    return int(per_id[ids[ids < len(per_id)]].sum())
 
   def forward(self, inputs, *, bos: bool = True, return_cache: bool = False):
     """The model's logits at every position.

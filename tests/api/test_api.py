@@ -217,3 +217,20 @@ def test_hugging_face_dir_loads_with_its_tiktoken_tokenizer(tmp_path):
   assert isinstance(out, str)
   score = lm.score("the cat sat on the mat")
   assert np.isfinite(score.nll) and score.bits_per_byte > 0
+
+
+def test_score_of_ids_past_the_byte_vocabulary_in_a_tokenizerless_hf_dir(tmp_path):
+  """An HF dir without tokenizer files is read with the byte tokenizer (259 ids) while its
+  embedding has 300 rows: scoring ids >= 259 works (they stand for 0 bytes) and equals
+  the same ids' nll from the engine, instead of failing in the byte decoder."""
+  from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
+  hf = write_hf_dir(tmp_path / "hf", tiny_hf_config(vocab_size=300), shards=1)
+  lm = api.load(hf, max_len=32, prefill_chunk=8, kv_block=8)
+  assert isinstance(lm.tokenizer, ByteTokenizer) and lm.config.vocab_size == 300
+  ids = [ByteTokenizer.bos_id, 65, 280, 299, 66]
+  got = lm.score(ids)
+  nll, _ = lm.engine.score(np.asarray([ids]))
+  assert got.num_bytes == 2                     # "A" and "B"; 280 and 299 are not text
+  np.testing.assert_allclose(got.logprobs, -nll[0], rtol=1e-6)
+  assert math.isclose(got.bits_per_byte, got.nll / math.log(2) / 2, rel_tol=1e-9)
+  assert lm.score([ids, ids[:3]])[1].num_bytes == 1
