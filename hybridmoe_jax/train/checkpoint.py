@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -223,11 +222,26 @@ class Checkpointer:
         raise ValueError(f"{workdir} has no checkpoints/ directory")
       options = ocp.CheckpointManagerOptions(read_only=True)
     else:
-      os.makedirs(self.directory, exist_ok=True)
+      self._check_writable()
       self._quarantine_partial()
       options = ocp.CheckpointManagerOptions(max_to_keep=keep,
                                              enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def _check_writable(self) -> None:
+    """Create checkpoints/ and a probe directory in it: a read-only or foreign-owned
+    directory stops the run here, in one line, not at the first save (where orbax's save
+    threads would wait for a step directory that never appears)."""
+    probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      os.mkdir(probe)
+      os.rmdir(probe)
+    except OSError as e:
+      what, fix = io_noise.describe_write_error(e)
+      raise CheckpointWriteError(
+          f"cannot write checkpoints to {self.directory}: {what} ({e.filename or probe}); "
+          f"nothing was trained or changed. {fix[0].upper() + fix[1:]}, then rerun") from None
 
   # ----------------------------------------------------------------------------- save
   def save(self, step: int, state, data_state: dict[str, Any] | None,
@@ -269,16 +283,14 @@ class Checkpointer:
       if err is None:
         raise
       self._failed = True
-      full = err.errno in (errno.ENOSPC, errno.EDQUOT)
-      what = "no space left on device" if err.errno == errno.ENOSPC else (
-          err.strerror or io_noise.one_line(err))
+      io_noise.release_stuck_writers()  # else Python waits 300 s for them at exit
+      what, fix = io_noise.describe_write_error(err)
       good = [s for s in self.manager.all_steps() if s != self._pending]
       raise CheckpointWriteError(
           f"cannot write checkpoint step {self._pending} to {self.directory}: {what} "
           f"({err.filename or self.workdir}); the checkpoints before it are intact (newest: "
-          f"{f'step {max(good)}' if good else 'none'}). "
-          f"{'Free space in' if full else 'Check the file system of'} {self.workdir}, then "
-          "rerun to resume") from None
+          f"{f'step {max(good)}' if good else 'none'}). {fix[0].upper() + fix[1:]} "
+          f"({self.workdir}), then rerun to resume") from None
 
   def wait(self) -> None:
     with self._write_errors():

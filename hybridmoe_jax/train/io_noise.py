@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import errno
 import logging as std_logging
+import os
 import sys
+import threading
+import warnings
 
 from absl import logging
 
@@ -22,6 +25,26 @@ def one_line(e: BaseException, limit: int = 240) -> str:
   return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
 
 
+# The OS errors that mean "this file system cannot take the write": disk full, quota, a file
+# bigger than the file-size limit (RLIMIT_FSIZE / the file system's), read-only, permission.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def describe_write_error(err: OSError) -> tuple[str, str]:
+  """(what happened, what to do) for a failed write, in words a user can act on."""
+  what = {errno.ENOSPC: "no space left on device",
+          errno.EDQUOT: "disk quota exceeded",
+          errno.EFBIG: "file too large for the file-size limit (ulimit -f) or file system",
+          errno.EROFS: "read-only file system",
+          errno.EACCES: "permission denied",
+          errno.EPERM: "operation not permitted"}.get(err.errno, err.strerror or one_line(err))
+  fix = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the quota",
+         errno.EFBIG: "raise the file-size limit (ulimit -f) or use another file system"
+         }.get(err.errno, "fix the permissions or use a writable directory")
+  return what, fix
+
+
 def os_error(e: BaseException) -> OSError | None:
   """The OSError behind `e` (orbax re-raises background-thread errors wrapped; tensorstore
   raises ValueErrors that only name the OS error), if any."""
@@ -29,8 +52,9 @@ def os_error(e: BaseException) -> OSError | None:
   while e is not None and id(e) not in seen:
     if isinstance(e, OSError) and e.errno is not None:
       return e
-    if "No space left on device" in str(e):
-      return OSError(errno.ENOSPC, "No space left on device")
+    for code in _WRITE_ERRNOS:  # tensorstore names the OS error only in a message
+      if os.strerror(code) in str(e):
+        return OSError(code, os.strerror(code))
     seen.add(id(e))
     e = e.__cause__ or e.__context__
   return None
@@ -110,6 +134,31 @@ def _drop_abandoned_read_reports() -> None:
 
   hook.drops_closed_loop = True
   sys.unraisablehook = hook
+
+
+def release_stuck_writers() -> int:
+  """Cancel orbax's background save threads that wait for a step directory that will never
+  exist (its creation failed: read-only or permission denied). Each waits on a signal for
+  the coordination timeout (300 s) and is not a daemon, so Python would wait for them at
+  exit; setting the signal they wait for lets each see its cancel flag and return.
+  Returns how many were released. Their never-started write coroutines are then collected
+  unawaited, which Python reports at exit: those reports are dropped too."""
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                          category=RuntimeWarning)
+  try:
+    from orbax.checkpoint._src.futures import future  # pylint: disable=g-import-not-at-top
+  except ImportError:  # another orbax layout: nothing known to release
+    return 0
+  released = 0
+  for t in threading.enumerate():
+    if isinstance(t, future._SignalingThread) and t.is_alive():  # pylint: disable=protected-access
+      t.cancel()
+      try:
+        future.set_signals(t._receive_signals, operation_id=t._operation_id)  # pylint: disable=protected-access
+      except Exception:  # pylint: disable=broad-except
+        continue
+      released += 1
+  return released
 
 
 def install() -> None:

@@ -153,6 +153,28 @@ def run_train(workdir, *overrides: str, cache_dir=None, timeout=600):
                         timeout=timeout, check=False)
 
 
+INJECT = ROOT / "tests" / "faults" / "inject.py"
+
+
+def injected_cmd(fault: str, *cmd: str) -> list[str]:
+  """`cmd` (a script path and its args, or "-m", module, args) run under tests/faults/inject.py
+  with `fault` injected at the OS-call level."""
+  return [sys.executable, str(INJECT), fault, *cmd]
+
+
+def run_cli(cmd: list[str], *, cache_dir=None, timeout=600, fault: str | None = None):
+  """Any CLI of the repo (`[script or -m module, args...]`), optionally with a fault
+  injected -> CompletedProcess (stdout and stderr together in .stdout)."""
+  full = injected_cmd(fault, *cmd) if fault else [sys.executable, *cmd]
+  return subprocess.run(full, cwd=ROOT, env=subprocess_env(cache_dir), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
+
+
+def train_args(workdir, *overrides: str) -> list[str]:
+  """run_train.py's argv (without the interpreter) for the fault config."""
+  return train_cmd(workdir, *overrides)[1:]
+
+
 def error_lines(output: str) -> list[str]:
   """The user-facing `error: ...` lines of a run's output."""
   return [l for l in output.splitlines() if l.startswith("error:")]
