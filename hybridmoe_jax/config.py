@@ -147,9 +147,10 @@ class MLAConfig:
   q_lora_rank: int = 0          # 0: direct query projection
   kv_lora_rank: int = 32        # d_c, the cached latent
   qk_nope_head_dim: int = 16
-  qk_rope_head_dim: int = 8     # shared key slot, never rotated (NoPE)
+  qk_rope_head_dim: int = 8     # shared key slot, never rotated (NoPE) unless rope_theta > 0
   v_head_dim: int = 16
   output_gate: bool = True      # sigmoid(W_gate x) elementwise on each head's output
+  rope_theta: float = 0.0       # > 0: rotate the rope slot (RoPE, this base); 0: NoPE (ablation)
 
   def validate(self, d_model: int) -> None:
     p = "model.mla"
@@ -157,6 +158,11 @@ class MLAConfig:
               qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
     require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, ">= 0 (0: none)")
     require(self.qk_rope_head_dim >= 0, f"{p}.qk_rope_head_dim", self.qk_rope_head_dim, ">= 0")
+    require(self.rope_theta >= 0, f"{p}.rope_theta", self.rope_theta, ">= 0 (0: NoPE)")
+    if self.rope_theta:
+      require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+              f"{p}.qk_rope_head_dim", self.qk_rope_head_dim,
+              "an even number > 0 when model.mla.rope_theta > 0 (RoPE rotates pairs)")
 
   @property
   def qk_head_dim(self) -> int:

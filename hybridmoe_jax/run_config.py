@@ -311,6 +311,7 @@ class CurriculumConfig:
   niah_lengths: tuple[int, ...] = ()
   niah_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
   niah_samples: int = 2
+  niah_max_factor: float = 0.0  # > 0: after a stage, only lengths <= factor x its seq_len
   sources: dict[str, SourceConfig] = dataclasses.field(default_factory=dict)
   num_workers: int = 0          # grain worker processes per host; 0 packs in a thread
   num_packing_bins: int = 16    # rows the first-fit packer fills at once
@@ -331,6 +332,8 @@ class CurriculumConfig:
     require(bool(self.niah_depths) and all(0 <= d <= 1 for d in self.niah_depths),
             f"{p}.niah_depths", self.niah_depths, "one or more needle depths in [0, 1]")
     _ints(p, 1, niah_samples=self.niah_samples)
+    require(self.niah_max_factor >= 0, f"{p}.niah_max_factor", self.niah_max_factor,
+            "a number >= 0 (0: every NIAH length after every stage)")
     if not self.stages:
       return
     require(self.tokens_per_step >= 2, f"{p}.tokens_per_step", self.tokens_per_step,

@@ -1,72 +1,214 @@
-"""Synthetic long-range retrieval documents: passkey and key-value recall, made on demand.
+"""Synthetic long-range retrieval documents (passkey, multi-key NIAH, key-value recall).
 
-Mixed in at a small share in later curriculum stages, they give the model examples where the
-answer sits thousands of tokens before the question, which natural text rarely forces.
+Mixed into the curriculum's text as one more source (`curriculum.stages[k].retrieval_fraction`),
+they give the model examples where the answer sits far before the question, which natural
+text rarely forces. Every document is plain text the packer handles like any other:
 
-  passkey:  filler ... "The pass key is 48213. Remember it. 48213 is the pass key." ...
-            filler ... "What is the pass key? The pass key is 48213."
-  kv:       "k3f9a=71; k0b2c=05; ..." (pairs spread over the document between filler) then
-            "Recall: k0b2c=05; k3f9a=71; ..." (queries in a shuffled order)
+  passkey:   hay ... "The pass key is 48213. Remember it. " ... hay
+             "What is the pass key? The pass key is 48213."
+  multikey:  2-4 needles "The pass key of the red door is 48213. " (the others are
+             distractors) at random depths, then 1-4 of them asked in a shuffled order:
+             "What is the pass key of the red door? The pass key of the red door is 48213. "
+  kv:        " k3f9a=71;" pairs spread through the hay, then " Recall: k0b2c=05; k3f9a=71; ..."
+             (MQAR in text: every pair queried once, shuffled)
 
-Document i is a pure function of (seed, i): the source has a fixed (virtual) length and needs
-no storage, so it is indexed, sharded and checkpointed like any other source.
+The hay is short sentences drawn from small word lists (no digits), so a key's digits occur
+only in its needle and its answer. The evaluation (`evals.niah`, `evals.mqar.kv_recall`) builds
+its prompts from the same pieces, with held-out content: keys come from a disjoint key space
+(`key_split`: a fixed hash puts every key in "train" or "eval"), and hay, depths and keys from a
+disjoint seed stream (`rng_for`). Nothing the evaluation asks was trained on.
+
+Document i is a pure function of (split, seed, i): the source has a fixed (virtual) length
+and needs no storage, so it is indexed, sharded and checkpointed like any other source.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterator
+
 import numpy as np
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
+KINDS = ("passkey", "multikey", "kv")
+SPLITS = ("train", "eval")
+QUESTION = "What is the pass key? The pass key is "
+
+_SUBJECTS = ("grass", "sky", "sun", "river", "old house", "small bird", "garden", "mountain",
+             "city", "forest", "lake", "road", "tree", "cloud", "field", "bridge")
+_STATES = ("green", "blue", "yellow", "quiet", "far away", "very old", "warm", "cold",
+           "bright", "wide", "calm", "busy", "dark", "soft", "tall", "empty")
+_TEMPLATES = ("The {s} is {a}. ", "Here the {s} looks {a}. ", "We saw that the {s} was {a}. ",
+              "The {s} will be {a} again. ")
+_NAME_COLORS = ("red", "blue", "green", "gray", "white", "black", "brown", "pink")
+_NAME_THINGS = ("door", "box", "car", "boat", "lamp", "chair", "key ring", "garden gate")
+NAMES = tuple(f"{c} {t}" for c in _NAME_COLORS for t in _NAME_THINGS)
 
 
-def _filler(n: int) -> str:
-  reps = n // len(FILLER) + 1
-  return (FILLER * reps)[:max(n, 0)]
+def needle_text(key: str) -> str:
+  """The passkey needle (the key occurs once in a document besides its answer)."""
+  return f"The pass key is {key}. Remember it. "
 
 
-def passkey_document(rng: np.random.Generator, target_bytes: int) -> str:
-  """A passkey at a random depth inside ~target_bytes of filler, asked for at the end."""
-  key = "".join(str(d) for d in rng.integers(0, 10, 5))
-  needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-  question = f" What is the pass key? The pass key is {key}."
-  room = max(target_bytes - len(needle) - len(question), 0)
-  before = int(rng.integers(0, room + 1))
-  return _filler(before) + needle + _filler(room - before) + question
+def named_needle(name: str, key: str) -> str:
+  return f"The pass key of the {name} is {key}. "
 
 
-def kv_document(rng: np.random.Generator, target_bytes: int, max_pairs: int = 64) -> str:
-  """Key-value pairs spread through ~target_bytes of filler, then all of them queried."""
-  n = int(min(max_pairs, max(2, target_bytes // 64)))
-  keys = [f"k{x:04x}" for x in rng.choice(1 << 16, n, replace=False)]
-  vals = [f"{v:02d}" for v in rng.integers(0, 100, n)]
+def named_question(name: str) -> str:
+  """The question of a multi-key document; the key and ". " follow."""
+  return f"What is the pass key of the {name}? The pass key of the {name} is "
+
+
+# --------------------------------------------------------------------------- held-out split
+def key_split(key: str) -> str:
+  """"eval" for about a quarter of all keys (crc32 % 4 == 0), else "train": a fixed hash, so
+  the two key spaces are disjoint and neither follows a digit pattern a model could learn."""
+  return "eval" if zlib.crc32(key.encode()) % 4 == 0 else "train"
+
+
+def _check_split(split: str) -> None:
+  if split not in SPLITS:
+    raise ValueError(f"retrieval split must be one of {SPLITS}, got {split!r}")
+
+
+def rng_for(split: str, seed: int, index: int) -> np.random.Generator:
+  """The generator of document `index`: train and eval documents draw from disjoint seed
+  streams (the split is part of the seed), so no evaluation hay or depth is ever trained on."""
+  _check_split(split)
+  return np.random.default_rng([SPLITS.index(split), seed, index])
+
+
+def draw_key(rng: np.random.Generator, split: str, num_digits: int = 5) -> str:
+  """A random `num_digits`-digit key from `split`'s key space (rejection sampling)."""
+  _check_split(split)
+  if num_digits < 1:  # both key spaces are non-empty from 1 digit on (2 of 10 keys are eval)
+    raise ValueError(f"keys need num_digits >= 1, got {num_digits}")
+  while True:
+    key = "".join(str(d) for d in rng.integers(0, 10, num_digits))
+    if key_split(key) == split:
+      return key
+
+
+def _draw_keys(rng: np.random.Generator, split: str, n: int, num_digits: int) -> list[str]:
+  keys: list[str] = []
+  while len(keys) < n:
+    k = draw_key(rng, split, num_digits)
+    if k not in keys:
+      keys.append(k)
+  return keys
+
+
+# --------------------------------------------------------------------------- hay
+def hay_sentences(rng: np.random.Generator) -> Iterator[str]:
+  """Endless filler sentences, each ending in ". " (no digits)."""
+  while True:
+    t, s, a = rng.integers(len(_TEMPLATES)), rng.integers(len(_SUBJECTS)), rng.integers(
+        len(_STATES))
+    yield _TEMPLATES[t].format(s=_SUBJECTS[s], a=_STATES[a])
+
+
+def hay(rng: np.random.Generator, n_bytes: int) -> tuple[str, list[int]]:
+  """(exactly n_bytes of filler, its sentence boundaries incl. 0 and n_bytes); the last
+  sentence is cut to fit."""
+  parts, cuts, n = [], [0], 0
+  it = hay_sentences(rng)
+  while n < n_bytes:
+    s = next(it)[:n_bytes - n]
+    parts.append(s)
+    n += len(s)
+    cuts.append(n)
+  return "".join(parts), cuts
+
+
+def _insert(text: str, cuts: list[int], depths: np.ndarray, pieces: list[str]) -> str:
+  """`pieces` inserted into `text` at the sentence boundaries nearest depth * len(text)."""
+  at = [int(min(cuts, key=lambda c, d=d: abs(c - d * len(text)))) for d in depths]
+  order = np.argsort(at, kind="stable")
+  out, prev = [], 0
+  for j in order:
+    out += [text[prev:at[j]], pieces[j]]
+    prev = at[j]
+  return "".join(out) + text[prev:]
+
+
+# --------------------------------------------------------------------------- documents
+def passkey_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
+                     num_digits: int = 5) -> str:
+  """A passkey at a uniform random depth inside ~target_bytes of hay, asked for at the end."""
+  key = draw_key(rng, split, num_digits)
+  needle, question = needle_text(key), QUESTION + key + "."
+  text, cuts = hay(rng, max(target_bytes - len(needle) - len(question), 0))
+  return _insert(text, cuts, rng.uniform(0, 1, 1), [needle]) + question
+
+
+def multikey_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
+                      num_digits: int = 5) -> str:
+  """2-4 named needles (each a distractor for the others) at random depths, then 1-4 of
+  them asked for (shuffled)."""
+  n = int(rng.integers(2, 5))
+  names = [NAMES[j] for j in rng.choice(len(NAMES), n, replace=False)]
+  keys = _draw_keys(rng, split, n, num_digits)
+  asked = rng.permutation(n)[:int(rng.integers(1, n + 1))]
+  questions = "".join(named_question(names[j]) + keys[j] + ". " for j in asked)
+  needles = [named_needle(nm, k) for nm, k in zip(names, keys)]
+  room = max(target_bytes - sum(map(len, needles)) - len(questions), 0)
+  text, cuts = hay(rng, room)
+  return _insert(text, cuts, rng.uniform(0, 1, n), needles) + questions
+
+
+def kv_pairs(rng: np.random.Generator, split: str, n: int) -> tuple[list[str], list[str]]:
+  """n distinct keys "k3f9a" from `split`'s key space and their 2-digit values."""
+  keys: list[str] = []
+  while len(keys) < n:
+    k = f"k{int(rng.integers(1 << 16)):04x}"
+    if key_split(k) == split and k not in keys:
+      keys.append(k)
+  return keys, [f"{v:02d}" for v in rng.integers(0, 100, n)]
+
+
+def kv_pieces(rng: np.random.Generator, target_bytes: int, split: str = "train",
+              num_pairs: int | None = None) -> list[tuple[str, bool]]:
+  """A key-value document as [(text, is_answer)]: the answers are the values in the recall
+  part (what a model must retrieve); joined, the texts are `kv_document`."""
+  n = num_pairs or int(min(64, max(2, target_bytes // 64)))
+  keys, vals = kv_pairs(rng, split, n)
   pairs = [f" {k}={v};" for k, v in zip(keys, vals)]
-  order = rng.permutation(n)
-  recall = " Recall:" + "".join(pairs[j] for j in order)
-  room = max(target_bytes - 2 * sum(len(p) for p in pairs) - len(" Recall:"), 0)
-  cuts = np.sort(rng.integers(0, room + 1, n))
-  gaps = np.diff(np.concatenate([[0], cuts]))
-  return "".join(_filler(int(g)) + p for g, p in zip(gaps, pairs)) + _filler(room - int(cuts[-1])) + recall
+  room = max(target_bytes - 2 * sum(map(len, pairs)) - len(" Recall:"), 0)
+  text, cuts = hay(rng, room)
+  out = [(_insert(text, cuts, rng.uniform(0, 1, n), pairs) + " Recall:", False)]
+  for j in rng.permutation(n):
+    out += [(f" {keys[j]}=", False), (vals[j], True), (";", False)]
+  return out
+
+
+def kv_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
+                num_pairs: int | None = None) -> str:
+  """Key-value pairs spread through ~target_bytes of hay, then all of them queried."""
+  return "".join(t for t, _ in kv_pieces(rng, target_bytes, split, num_pairs))
+
+
+_MAKERS = {"passkey": passkey_document, "multikey": multikey_document, "kv": kv_document}
 
 
 class RetrievalSource:
-  """`num_documents` synthetic documents of ~`target_bytes` bytes, alternating kinds.
+  """`num_documents` synthetic documents of ~`target_bytes` bytes, cycling through `kinds`.
 
   Args:
     target_bytes: document length in bytes (e.g. a stage's seq_len minus BOS/EOS).
-    seed: documents depend only on (seed, index).
+    seed: documents depend only on (split, seed, index).
     num_documents: the virtual length (one "epoch").
-    kinds: which generators to alternate ("passkey", "kv").
+    kinds: which generators to cycle through (`KINDS`).
+    split: "train" (the curriculum's) or "eval" (held-out keys and seed stream).
   """
 
   def __init__(self, target_bytes: int, *, seed: int = 0, num_documents: int = 1 << 16,
-               kinds: tuple[str, ...] = ("passkey", "kv")):
+               kinds: tuple[str, ...] = KINDS, split: str = "train"):
     if target_bytes < 64:
       raise ValueError(f"retrieval documents need target_bytes >= 64, got {target_bytes}")
-    bad = [k for k in kinds if k not in ("passkey", "kv")]
+    bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
-      raise ValueError(f"retrieval kinds must be among ('passkey', 'kv'), got {kinds}")
-    self.target_bytes, self.seed, self.kinds = target_bytes, seed, tuple(kinds)
+      raise ValueError(f"retrieval kinds must be among {KINDS}, got {kinds}")
+    _check_split(split)
+    self.target_bytes, self.seed, self.kinds, self.split = target_bytes, seed, tuple(kinds), split
     self.num_documents = num_documents
     self.lengths = np.full(num_documents, target_bytes, np.int64)
 
@@ -77,7 +219,5 @@ class RetrievalSource:
     i = int(i)
     if not 0 <= i < self.num_documents:
       raise IndexError(f"document index {i} out of range for {self.num_documents} documents")
-    rng = np.random.default_rng([self.seed, i])
     kind = self.kinds[i % len(self.kinds)]
-    make = passkey_document if kind == "passkey" else kv_document
-    return make(rng, self.target_bytes)
+    return _MAKERS[kind](rng_for(self.split, self.seed, i), self.target_bytes, self.split)

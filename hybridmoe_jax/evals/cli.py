@@ -95,5 +95,7 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
     echo(f"implementation: {line}")
   results = run_evals(model, tasks, opts, output_dir, info=info,
                       data_cfg=data, echo=echo, tokenizer=tok)
+  if "niah" in results:  # a grid of zeros is expected from a small run: say so, and what is not
+    echo(f"niah: what to expect: {niah.EXPECTATION}")
   echo(f"results in {output_dir}")
   return results

@@ -1,12 +1,15 @@
 """Passkey needle-in-a-haystack (Mohtashami & Jaggi 2023, arXiv:2305.16300), any tokenizer.
 
-A prompt of exactly `context_len` tokens: BOS, repeated filler sentences with the needle
-"The pass key is 48213. Remember it." inserted at a sentence boundary nearest to
-depth * haystack, then "What is the pass key? The pass key is". The filler and the question
-hold no digits, so the key occurs exactly once. Scored by exact match of the greedy
-continuation's first `num_digits` characters. Each filler sentence, the needle and the
-question are tokenized alone and joined, so the haystack is counted (and cut) in tokens;
-with the byte tokenizer a token is a character.
+A prompt of exactly `context_len` tokens in the format of the training documents
+(`data.retrieval.passkey_document`): BOS, filler sentences with the needle
+"The pass key is 48213. Remember it. " inserted at the sentence boundary nearest to
+depth * haystack, then "What is the pass key? The pass key is ". Held out from training: the
+key comes from the evaluation key space and the filler from the evaluation seed stream
+(`retrieval.key_split`, `retrieval.rng_for`). The filler and the question hold no digits, so
+the key occurs exactly once. Scored by exact match of the greedy continuation's first
+`num_digits` characters (chance 10^-num_digits). Each filler sentence, the needle and the
+question are tokenized alone and joined, so the haystack is counted (and cut) in tokens; with
+the byte tokenizer a token is a character.
 """
 
 from __future__ import annotations
@@ -20,29 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax import plots
+from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from hybridmoe_jax.infer import Engine
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
-QUESTION = "What is the pass key? The pass key is "
-
-
-def _needle(answer: str) -> str:
-  return f"The pass key is {answer}. Remember it. "
+QUESTION = retrieval.QUESTION
+# What to expect, printed with every NIAH result (`run_eval --task=niah`).
+EXPECTATION = ("a tiny model after the default 300-step run scores at chance (10^-digits); "
+               "retrieval is shown by `python run_train.py --config=configs/long_context_cpu.py` "
+               "(BENCHMARKS.md, 'Long-context retrieval')")
 
 
 def min_length(num_digits: int, tokenizer: Tokenizer | None = None) -> int:
   """Shortest prompt holding BOS, the needle and the question (no filler); for a BPE the
   needle's length may differ by a token or so with the digits."""
   tok = tokenizer or ByteTokenizer()
-  return 1 + len(tok.encode(_needle("0" * num_digits))) + len(tok.encode(QUESTION))
-
-
-def _filler_sentences(tok: Tokenizer) -> list[np.ndarray]:
-  """FILLER split after each ". ", each sentence tokenized alone."""
-  parts = [s + ". " for s in FILLER.split(". ") if s]
-  return [tok.encode(p) for p in parts]
+  return 1 + len(tok.encode(retrieval.needle_text("0" * num_digits))) + len(tok.encode(QUESTION))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,27 +50,29 @@ class NiahExample:
 
 
 def make_example(rng: np.random.Generator, context_len: int, depth: float,
-                 num_digits: int = 5, tokenizer: Tokenizer | None = None) -> NiahExample:
+                 num_digits: int = 5, tokenizer: Tokenizer | None = None,
+                 split: str = "eval") -> NiahExample:
   """One prompt of exactly `context_len` tokens with the needle at ~`depth` (default
-  tokenizer: bytes)."""
+  tokenizer: bytes); the key is drawn from `split`'s key space (held out: "eval")."""
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"needle depth must be in [0, 1], got {depth}")
   tok = tokenizer or ByteTokenizer()
-  answer = "".join(str(d) for d in rng.integers(0, 10, num_digits))
-  needle, question = tok.encode(_needle(answer)), tok.encode(QUESTION)
+  answer = retrieval.draw_key(rng, split, num_digits)
+  needle, question = tok.encode(retrieval.needle_text(answer)), tok.encode(QUESTION)
   budget = context_len - 1 - len(needle) - len(question)
   if budget < 0:
     raise ValueError(f"niah context length {context_len} is too short for the needle and "
                      f"question (needs >= {min_length(num_digits, tok)})")
-  sentences = _filler_sentences(tok)
   pieces, cuts, n = [], [0], 0
+  memo: dict[str, np.ndarray] = {}
+  sentences = retrieval.hay_sentences(rng)
   while n < budget:  # whole sentences, the last one cut to fill the budget exactly
-    s = sentences[len(pieces) % len(sentences)][:budget - n]
+    text = next(sentences)
+    s = memo.setdefault(text, np.asarray(tok.encode(text), np.int32))[:budget - n]
     pieces.append(s)
     n += len(s)
     cuts.append(n)
   hay = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
-  # Sentence boundaries of the haystack, plus both ends.
   cuts = np.array(sorted(set(cuts + [budget])))
   cut = int(cuts[np.argmin(np.abs(cuts - depth * budget))])
   prompt = np.concatenate([[tok.bos_id], hay[:cut], needle, hay[cut:], question]
@@ -130,7 +128,7 @@ def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float
   model reads the needle, ~0 when it ignores it). With `output_dir`, also niah_heatmap.png
   (`plots.niah_figure`: labelled axes, the accuracy written in each cell). tokenizer: the
   model's (default bytes)."""
-  rng = np.random.default_rng(seed)
+  rng = retrieval.rng_for("eval", seed, 0)
   tok = tokenizer or ByteTokenizer()
   acc = np.zeros((len(depths), len(lengths)))
   digits, key_nll, gain = np.zeros_like(acc), np.zeros_like(acc), np.zeros_like(acc)
@@ -140,7 +138,7 @@ def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float
                        f"{engine.max_len}")
     for i, d in enumerate(depths):
       exs = [make_example(rng, n, d, num_digits, tok) for _ in range(samples)]
-      others = ["".join(str(x) for x in rng.integers(0, 10, num_digits)) for _ in exs]
+      others = [retrieval.draw_key(rng, "eval", num_digits) for _ in exs]
       logits, cache = engine.prefill(np.stack([e.prompt for e in exs]))
       out, _ = _continue(engine, logits, cache, None, num_digits)
       preds = [tok.decode(row) for row in out]
@@ -160,6 +158,7 @@ def evaluate_niah(engine: Engine, lengths: Sequence[int], depths: Sequence[float
       gain[i, j] = float((nll["other"] - nll["key"]).mean())
   result = {"lengths": list(lengths), "depths": list(depths), "samples": samples,
             "num_digits": num_digits, "chance": 10.0 ** -num_digits,
+            "expectation": EXPECTATION,
             "accuracy": acc.tolist(), "mean_accuracy": float(acc.mean()),
             "digit_accuracy": digits.tolist(), "mean_digit_accuracy": float(digits.mean()),
             "key_nll": key_nll.tolist(), "key_nll_gain": gain.tolist(),

@@ -29,9 +29,12 @@ class StageNiah:
 
   def __init__(self, out_dir: str, lengths: Sequence[int], depths: Sequence[float], *,
                samples: int, tokenizer: Tokenizer, num_digits: int = 5,
-               prefill_chunk: int = 1024, kv_block: int = 1024, seed: int = 0):
+               prefill_chunk: int = 1024, kv_block: int = 1024, seed: int = 0,
+               max_factor: float = 0.0):
     """lengths: prompt lengths in tokens; depths: needle depths in [0, 1]; samples:
-    prompts per cell; prefill_chunk / kv_block: the engine's (memory O(chunk x block)).
+    prompts per cell; prefill_chunk / kv_block: the engine's (memory O(chunk x block));
+    max_factor > 0: after a stage of seq_len T only the lengths <= max_factor * T (at least
+    the shortest), so early stages skip the long prompts (0: every length every time).
 
     Raises:
       ConfigError: a length too short for the needle and the question in this tokenizer
@@ -44,19 +47,29 @@ class StageNiah:
     self.out_dir, self.lengths, self.depths = out_dir, tuple(lengths), tuple(depths)
     self.samples, self.tokenizer, self.num_digits = samples, tokenizer, num_digits
     self.prefill_chunk, self.kv_block, self.seed = prefill_chunk, kv_block, seed
+    self.max_factor = max_factor
+
+  def lengths_after(self, seq_len: int) -> tuple[int, ...]:
+    """The lengths evaluated after a stage of `seq_len` tokens."""
+    if not self.max_factor:
+      return self.lengths
+    keep = tuple(n for n in self.lengths if n <= self.max_factor * seq_len)
+    return keep or (min(self.lengths),)
 
   @classmethod
   def from_run(cls, run: RunConfig, workdir: str) -> "StageNiah":
     """The grid `run.curriculum` asks for, with the run's tokenizer."""
     c = run.curriculum
     return cls(os.path.join(workdir, "eval"), c.niah_lengths, c.niah_depths,
-               samples=c.niah_samples, tokenizer=loop.run_tokenizer(run))
+               samples=c.niah_samples, tokenizer=loop.run_tokenizer(run),
+               max_factor=c.niah_max_factor)
 
   def __call__(self, step: int, stage, model) -> dict[str, Any]:
     """stage: the `train.plan.StagePlan` that just ended; model: a `HybridLM`."""
-    engine = Engine(model, max_len=max(self.lengths) + self.num_digits,
+    lengths = self.lengths_after(stage.seq_len)
+    engine = Engine(model, max_len=max(lengths) + self.num_digits,
                     prefill_chunk=self.prefill_chunk, kv_block=self.kv_block)
-    result = niah.evaluate_niah(engine, self.lengths, self.depths, samples=self.samples,
+    result = niah.evaluate_niah(engine, lengths, self.depths, samples=self.samples,
                                 num_digits=self.num_digits, seed=self.seed,
                                 tokenizer=self.tokenizer)
     result.update(step=step, stage=stage.index, stage_name=stage.name,

@@ -14,6 +14,11 @@ absorbed form. With W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
     o_h  = W_uv_h^T sum_j softmax(s)_j c_j
 i.e. one shared KV head [c ; k_r] of width d_c + Dr, attended blockwise with an online
 softmax, so memory is O(T * kv_block), not O(T * N).
+
+`cfg.rope_theta > 0` (an ablation of the NoPE design) rotates the rope slot, q_rope_h and k_r,
+by RoPE at each token's position: its place in its own packed document when training, its
+cache position when decoding (the cache then holds rotated k_r). Not under context
+parallelism (the layer does not see the shards' positions).
 """
 
 from typing import NamedTuple
@@ -29,6 +34,28 @@ from hybridmoe_jax.ops import attention_backends as backends
 
 _F32 = jnp.float32
 _NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
+
+
+def rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+  """RoPE of x [B, T, ..., D] (D even; halves rotated against each other) at positions
+  pos [B, T] int32, base `theta`; computed in fp32, returned in x's dtype."""
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=_F32) / half)                 # [D/2]
+  ang = pos.astype(_F32).reshape(pos.shape + (1,) * (x.ndim - 3))[..., None] * freq
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  x1, x2 = x[..., :half].astype(_F32), x[..., half:].astype(_F32)
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+def segment_positions(segment_ids: jax.Array | None, batch: int, t: int) -> jax.Array:
+  """[B, T] int32: each token's position inside its own packed document (segment), counted
+  from the segment's first token; without segment ids, 0..T-1."""
+  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+  if segment_ids is None:
+    return idx
+  new = jnp.concatenate([jnp.ones((batch, 1), bool),
+                         segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return idx - jax.lax.cummax(jnp.where(new, idx, 0), axis=1)
 
 
 class MLACache(NamedTuple):
@@ -148,6 +175,10 @@ class MLALayer(nnx.Module):
     forward: its cache stays sharded along N and the runner writes and attends it.
     interpret: tests only: the Pallas cores (compute.mla_impl "triton", "splash") run in
     Pallas' interpreter, on any backend."""
+    if cfg.rope_theta and context is not None:
+      raise NotImplementedError("model.mla.rope_theta > 0 (RoPE) under context parallelism: "
+                                "the context runner does not pass the shards' positions; use "
+                                "rope_theta=0 (NoPE, the design) or no context axis")
     self.cfg = cfg
     self.context = context
     self.dtype = jnp.dtype(compute.dtype)
@@ -245,6 +276,14 @@ class MLALayer(nnx.Module):
     x = x.astype(self.dtype)
     q = self.queries(x)
     c, k_r = self.latents(x)
+    if cfg.rope_theta and k_r is not None:
+      pos = (segment_positions(segment_ids, b, t) if cache is None
+             else length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+             if length is not None else None)
+      if pos is not None:  # (a cache without length fails below)
+        dn = cfg.qk_nope_head_dim
+        q = jnp.concatenate([q[..., :dn], rope(q[..., dn:], pos, cfg.rope_theta)], axis=-1)
+        k_r = rope(k_r, pos, cfg.rope_theta)
     if cache is None and self.context is not None:
       w_uk, w_uv = self._up_kernels()
       dn = cfg.qk_nope_head_dim

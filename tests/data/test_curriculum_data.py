@@ -163,24 +163,6 @@ def test_bad_state_is_refused():
     it.set_state({"stage": 5, "step_in_stage": 0, "iterator": None})
 
 
-def test_retrieval_documents():
-  src = retrieval.RetrievalSource(400, seed=3)
-  assert src[7] == retrieval.RetrievalSource(400, seed=3)[7] != retrieval.RetrievalSource(
-      400, seed=4)[7]
-  for i in range(6):
-    doc = src[i]
-    assert abs(len(doc) - 400) <= 2
-    if i % 2 == 0:
-      key = doc.rsplit("The pass key is ", 1)[1].rstrip(".")
-      assert len(key) == 5 and doc.count(f"The pass key is {key}.") == 2
-    else:
-      pairs, recall = doc.split(" Recall:")
-      want = dict(p.strip().split("=") for p in recall.split(";") if p.strip())
-      assert want and all(f" {k}={v};" in pairs for k, v in want.items())
-  with pytest.raises(ValueError, match="target_bytes"):
-    retrieval.RetrievalSource(10)
-
-
 def test_stdlib_long_documents(tmp_path):
   (tmp_path / "pkg" / "sub").mkdir(parents=True)
   (tmp_path / "pkg" / "tests").mkdir()

@@ -19,14 +19,13 @@ def test_niah_needle_once_at_depth(length, depth):
   assert text.index(needle) == ex.needle_start - 1          # BOS is not text
   haystack = length - 1 - len(needle + " Remember it. ") - len(niah.QUESTION)
   # Snapped to a sentence boundary: within half the longest filler sentence of the depth.
-  assert abs((ex.needle_start - 1) - depth * haystack) <= 12
+  assert abs((ex.needle_start - 1) - depth * haystack) <= 22
   assert text.endswith(niah.QUESTION)
 
 
 def test_niah_scoring_oracle_and_constant_guess():
   rng = np.random.default_rng(0)
-  exs = [niah.make_example(rng, 96, 0.5, num_digits=1) for _ in range(2000)]
-  answers = [e.answer for e in exs]
+  answers = [str(d) for d in rng.integers(0, 10, 2000)]
   assert niah.exact_match(answers, answers) == 1.0
   assert niah.exact_match([a + "junk" for a in answers], answers) == 1.0   # prefix match
   assert abs(niah.exact_match(["7"] * 2000, answers) - 0.1) < 0.025        # chance = 1/10

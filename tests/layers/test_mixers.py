@@ -64,7 +64,8 @@ def _cached(layer, x, cache, length, n_valid, width):
 MIXERS = [("kda", {}), ("kda", {"gate": "unbounded"}), ("kda", {"output_gate_rank": 0}),
           ("kda", {"num_heads": 1, "conv_size": 3}),
           ("mla", {}), ("mla", {"q_lora_rank": 8}),
-          ("mla", {"qk_rope_head_dim": 0, "output_gate": False})]
+          ("mla", {"qk_rope_head_dim": 0, "output_gate": False}),
+          ("mla", {"rope_theta": 100.0})]   # RoPE on the rope slot (the NoPE ablation)
 
 
 @pytest.mark.parametrize("kind, kw", MIXERS)

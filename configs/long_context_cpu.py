@@ -1,0 +1,89 @@
+"""Long-context retrieval on CPU: a small hybrid (KDA + NoPE MLA, 3:1) taught passkey retrieval
+through a short staged curriculum, 512 -> 2K -> 8K, with NIAH after every stage up to 8x its
+length (512 -> 4K, 2K -> 16K, 8K -> 64K).
+
+Data: bundled pydoc help texts plus synthetic retrieval documents (`data.retrieval`: passkey,
+multi-key NIAH with distractors, key-value recall) through the pipeline's retrieval source, at a
+high share since this budget is small. The NIAH prompts are held out (evaluation key space and
+seed stream). Model: 4 layers K K K M, d_model 64, dense FFN (no routed experts: on CPU a routed
+layer costs as much as all its experts, and retrieval is the attention's job).
+
+  python run_train.py --config=configs/long_context_cpu.py --workdir=runs/long_context_cpu
+
+Variants for the ablation (same data, seeds and budget), as the config string:
+  configs/long_context_cpu.py:hybrid       K K K M, MLA without positions (NoPE), the default
+  configs/long_context_cpu.py:hybrid_rope  K K K M, RoPE on the MLA rope slot
+  configs/long_context_cpu.py:kda          K K K K
+  configs/long_context_cpu.py:mla          M M M M (NoPE)
+and ",stages=N" keeps the first N stages (e.g. `:hybrid,stages=1` is the 512-token stage
+alone), ",seed=S" sets the run seed. BENCHMARKS.md ("Long-context retrieval") has the numbers;
+benchmarks/long_context_retrieval.py runs the variants and draws the figures.
+"""
+
+import pathlib
+
+from hybridmoe_jax.train.config import load_config_file
+
+VARIANTS = {
+    "hybrid": (("kda", "kda", "kda", "mla"), 0.0),
+    "hybrid_rope": (("kda", "kda", "kda", "mla"), 10000.0),
+    "kda": (("kda",) * 4, 0.0),
+    "mla": (("mla",) * 4, 0.0),
+}
+
+STAGES = (
+    dict(name="512", seq_len=512, steps=400, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+         lr=3e-3, warmup=30, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.2),
+    dict(name="2k", seq_len=2048, steps=40, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+         lr=1.5e-3, warmup=5, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
+    dict(name="8k", seq_len=8192, steps=16, tokens_per_step=8192, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+         lr=1e-3, warmup=2, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
+)
+
+
+def _parse(spec: str) -> dict:
+  """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
+  out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0}
+  for i, part in enumerate(p for p in (spec or "").split(",") if p):
+    key, _, value = part.partition("=")
+    if not value and i == 0:
+      key, value = "variant", key
+    if key not in out:
+      raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
+                       "(allowed: <variant>, stages=N, seed=S)")
+    out[key] = value if key == "variant" else int(value)
+  if out["variant"] not in VARIANTS:
+    raise ValueError(f"long_context_cpu variant {out['variant']!r} is not one of "
+                     f"{tuple(VARIANTS)}")
+  if not 1 <= out["stages"] <= len(STAGES):
+    raise ValueError(f"long_context_cpu stages={out['stages']} must be in [1, {len(STAGES)}]")
+  return out
+
+
+def get_config(spec: str = ""):
+  opts = _parse(spec)
+  config = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
+  m = config.model
+  kinds, rope_theta = VARIANTS[opts["variant"]]
+  m.num_layers = len(kinds)
+  m.layer_kinds = kinds
+  m.mla.rope_theta = rope_theta
+  m.moe.first_dense_layers = len(kinds)   # dense FFN everywhere
+  m.moe.dense_intermediate = 2 * m.d_model
+  c = config.curriculum
+  c.tokens_per_step = 4096          # 512 x 8, 2K x 2, 8K x 1 (a stage's own, see STAGES)
+  c.sources = {"pydoc": {"kind": "bundled"}}
+  c.num_workers = 0
+  c.stages = STAGES[:opts["stages"]]
+  c.niah_lengths = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+  c.niah_depths = (0.1, 0.5, 0.9)
+  c.niah_samples = 4
+  c.niah_max_factor = 8
+  t = config.train
+  t.seed = opts["seed"]
+  t.steps = sum(s["steps"] for s in c.stages)
+  t.eval_every = 0
+  t.eval_batches = 1
+  t.checkpoint_every = 100
+  t.heatmap_every = 0
+  return config

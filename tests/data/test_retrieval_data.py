@@ -1,0 +1,118 @@
+"""Retrieval documents (data/retrieval.py) and the held-out NIAH / key-value prompts built from
+the same pieces: each answer occurs once before its question, at the requested depth; the text
+survives the tokenizers; train and eval keys and seed streams are disjoint."""
+
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+from hybridmoe_jax.data import retrieval
+from hybridmoe_jax.data.tokenizer import ByteTokenizer, make_tokenizer
+from hybridmoe_jax.evals import mqar, niah
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_key_spaces_are_disjoint_and_cover_all_keys():
+  keys = [f"{i:05d}" for i in range(100_000)]
+  evals = {k for k in keys if retrieval.key_split(k) == "eval"}
+  assert 0.2 < len(evals) / len(keys) < 0.3                 # about a quarter held out
+  rng = np.random.default_rng(0)
+  train = {retrieval.draw_key(rng, "train") for _ in range(3000)}
+  held = {retrieval.draw_key(rng, "eval") for _ in range(3000)}
+  assert not train & evals and held <= evals
+  # Every key inside every training document is a train key; every NIAH answer an eval key.
+  src = retrieval.RetrievalSource(2000, seed=5)
+  for i in range(30):
+    for k in re.findall(r"pass key (?:of the [a-z ]+ )?is (\d{5})", src[i]):
+      assert retrieval.key_split(k) == "train"
+    for k in re.findall(r"(k[0-9a-f]{4})=", src[i]):
+      assert retrieval.key_split(k) == "train"
+  for seed in range(20):
+    ex = niah.make_example(retrieval.rng_for("eval", seed, 0), 300, 0.5)
+    assert retrieval.key_split(ex.answer) == "eval"
+  with pytest.raises(ValueError, match="split"):
+    retrieval.RetrievalSource(400, split="test")
+  with pytest.raises(ValueError, match="target_bytes"):
+    retrieval.RetrievalSource(10)
+  with pytest.raises(ValueError, match="kinds"):
+    retrieval.RetrievalSource(400, kinds=("passkey", "poem"))
+
+
+def test_train_and_eval_seed_streams_differ():
+  a = retrieval.RetrievalSource(500, seed=0)[3]
+  b = retrieval.RetrievalSource(500, seed=0, split="eval")[3]
+  assert a == retrieval.RetrievalSource(500, seed=0)[3] and a != b
+  assert a != retrieval.RetrievalSource(500, seed=1)[3]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_passkey_document_answer_once_at_depth(depth):
+  """A training passkey document: the key once in the needle, once as the answer; no other
+  digits; the needle where asked (the generator's depth is uniform: check by fixing it)."""
+  for i in range(20):
+    doc = retrieval.RetrievalSource(1000, seed=i, kinds=("passkey",))[0]
+    assert len(doc) == 1000
+    key = doc.rsplit(retrieval.QUESTION, 1)[1].rstrip(".")
+    assert len(key) == 5 and doc.count(key) == 2 and sum(c.isdigit() for c in doc) == 10
+    assert doc.index(retrieval.needle_text(key)) < doc.index(retrieval.QUESTION)
+  text, cuts = retrieval.hay(np.random.default_rng(0), 900)
+  assert len(text) == 900 and cuts[0] == 0 and cuts[-1] == 900 and not re.search(r"\d", text)
+  out = retrieval._insert(text, cuts, np.array([depth]), ["NEEDLE "])  # pylint: disable=protected-access
+  assert abs(out.index("NEEDLE") - depth * 900) <= 25          # nearest sentence boundary
+
+
+def test_multikey_and_kv_documents():
+  src = retrieval.RetrievalSource(1500, seed=2)
+  for i in range(1, 30, 3):                                       # multikey documents
+    doc = src[i]
+    needles = dict(re.findall(r"The pass key of the ([a-z ]+?) is (\d{5})\. ", doc))
+    asked = re.findall(r"What is the pass key of the ([a-z ]+?)\? The pass key of the \1 is "
+                       r"(\d{5})\. ", doc)
+    assert 2 <= len(needles) <= 4 and 1 <= len(asked) <= len(needles)
+    for name, key in asked:
+      assert needles[name] == key and doc.count(key) == 2       # the needle and the answer
+  for i in range(2, 30, 3):                                       # kv documents
+    doc = src[i]
+    pairs, recall = doc.split(" Recall:")
+    want = dict(p.strip().split("=") for p in recall.split(";") if p.strip())
+    assert len(want) >= 2 and all(pairs.count(f" {k}={v};") == 1 for k, v in want.items())
+
+
+def test_niah_prompt_is_the_training_format():
+  """The NIAH prompt (BOS + hay + needle + hay + question) is a prefix of a passkey document
+  in form: the same needle and question strings, the hay from the same sentence generator."""
+  tok = ByteTokenizer()
+  ex = niah.make_example(np.random.default_rng(1), 700, 0.3)
+  text = tok.decode(ex.prompt)
+  assert text.endswith(retrieval.QUESTION) and text.count(ex.answer) == 1
+  assert text.index(retrieval.needle_text(ex.answer)) == ex.needle_start - 1
+  sentences = set(re.findall(r"[A-Z][a-z ]+\. ", text.replace(retrieval.needle_text(ex.answer),
+                                                              "")))
+  gen = retrieval.hay_sentences(np.random.default_rng(0))
+  vocabulary = {next(gen) for _ in range(5000)}
+  assert sentences - {"Remember it. "} <= vocabulary | {s[4:] for s in vocabulary}
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bundled_bpe1024"])
+def test_tokenizer_round_trip(tokenizer):
+  tok = ByteTokenizer() if tokenizer == "bytes" else make_tokenizer(str(ROOT / "configs" / "tokenizers" / tokenizer))
+  src = retrieval.RetrievalSource(600, seed=9)
+  for i in range(6):
+    ids = tok.encode(src[i], bos=True, eos=True)
+    assert tok.decode(ids[1:-1]) == src[i]
+  ex = niah.make_example(np.random.default_rng(2), 400, 0.5, tokenizer=tok)
+  assert len(ex.prompt) == 400 and ex.answer in tok.decode(ex.prompt[1:])
+  digits = tok.encode(ex.answer)
+  assert tok.decode(digits) == ex.answer
+  toks, mask = mqar.kv_recall_example(np.random.default_rng(3), 600, 8, tok)
+  values = [tok.decode(toks[s:e]) for s, e in _runs(mask)]
+  assert len(values) == 8 and all(re.fullmatch(r"\d\d", v) for v in values)
+  assert tok.decode(toks[1:]).count(" Recall:") == 1
+
+
+def _runs(mask):
+  d = np.diff(np.concatenate([[0], mask.astype(int), [0]]))
+  return zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1))
