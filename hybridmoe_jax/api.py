@@ -33,7 +33,7 @@ import functools
 import glob
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from hybridmoe_jax.convert import load_hf_model
 from hybridmoe_jax.data.tokenizer import TOKENIZER_DIR, check_vocab, tokenizer_from_dir
 from hybridmoe_jax.evals.loading import load_from_params, load_from_workdir
 from hybridmoe_jax.infer import Engine, SamplingConfig, init_cache
+from hybridmoe_jax.infer.streaming import TextStream, stream_text
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import cache_bytes, mla_bytes_per_token
 from hybridmoe_jax.parallel.mesh import build_mesh
@@ -335,18 +336,10 @@ class LoadedModel:
     Returns:
       The continuation (new text only): a str for one prompt, else a list in prompt order.
     """
-    if not (isinstance(max_new_tokens, (int, np.integer)) and not isinstance(
-        max_new_tokens, bool) and max_new_tokens >= 1):
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: allowed an integer "
-                       f">= 1")
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                              vocab_limit=self.tokenizer.vocab_size)
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if stop_tokens is None:
-      stop_tokens = (self.tokenizer.eos_id,)
+    sampling, stop, stop_set = self._generation_args(max_new_tokens, temperature, top_k,
+                                                     top_p, stop, stop_tokens)
     rows, single, _ = self._as_rows(prompts, "prompt", bos=True)
     self._check_fits(rows, int(max_new_tokens), "prompt")
-    stop_set = set(int(s) for s in stop_tokens)
     texts: list[str] = [""] * len(rows)
     for group in self._groups(rows):
       out = self.engine.generate(np.stack([rows[i] for i in group]),
@@ -357,8 +350,55 @@ class LoadedModel:
         ids = out.tokens[j, :out.lengths[j]]
         if len(ids) and int(ids[-1]) in stop_set:
           ids = ids[:-1]
-        texts[i] = _cut(self.tokenizer.decode(ids), stop)
+        texts[i] = stream_text(self.tokenizer, ids, stop)
     return texts[0] if single else texts
+
+  def generate_stream(self, prompt, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                      stop: str | Sequence[str] = (), stop_tokens: Sequence[int] | None = None,
+                      bos: bool = True) -> Iterator[str]:
+    """Token streaming: yield the continuation of ONE prompt as text pieces, as they are
+    generated (`infer.Engine.generate_stream` + `infer.streaming.TextStream`).
+
+    Same arguments as `generate` for one prompt (bos: encode text with BOS first); the
+    pieces joined equal `generate(prompt, ...)` with the same seed. A stop string ends the
+    stream (cut before it); a stop token ends it and is not shown.
+    """
+    sampling, stop, stop_set = self._generation_args(max_new_tokens, temperature, top_k,
+                                                     top_p, stop, stop_tokens)
+    rows, single, _ = self._as_rows(prompt, "prompt", bos=bos)
+    if not single:
+      raise ValueError(f"generate_stream takes one prompt (a str or token ids [T]), got "
+                       f"{len(rows)}; use generate for a batch")
+    self._check_fits(rows, int(max_new_tokens), "prompt")
+    text = TextStream(self.tokenizer, stop)
+    for tok in self.engine.generate_stream(rows[0], max_new_tokens=int(max_new_tokens),
+                                           sampling=sampling, stop_tokens=tuple(stop_set),
+                                           seed=seed):
+      if tok in stop_set:
+        break
+      piece = text.push(tok)
+      if piece:
+        yield piece
+      if text.stopped:
+        return
+    piece = text.finish()
+    if piece:
+      yield piece
+
+  def _generation_args(self, max_new_tokens, temperature, top_k, top_p, stop, stop_tokens
+                       ) -> tuple[SamplingConfig, tuple[str, ...], set[int]]:
+    """Checked generation arguments -> (SamplingConfig, stop strings, stop ids)."""
+    if not (isinstance(max_new_tokens, (int, np.integer)) and not isinstance(
+        max_new_tokens, bool) and max_new_tokens >= 1):
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: allowed an integer "
+                       f">= 1")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                              vocab_limit=self.tokenizer.vocab_size)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if stop_tokens is None:
+      stop_tokens = (self.tokenizer.eos_id,)
+    return sampling, stop, set(int(s) for s in stop_tokens)
 
   def score(self, texts, *, bos: bool = True, eos: bool = False
             ) -> TextScore | list[TextScore]:
@@ -452,9 +492,3 @@ def cache_sizes(config: ModelConfig, max_len: int, batch: int = 1, *,
   out = cache_bytes(shapes)   # ShapeDtypeStructs carry the size and dtype it reads
   out["mla_per_token"] = mla_bytes_per_token(config, dtype=dtype)
   return out
-
-
-def _cut(text: str, stop: Sequence[str]) -> str:
-  """text up to the first occurrence of any stop string."""
-  ends = [text.find(s) for s in stop if s and s in text]
-  return text[:min(ends)] if ends else text

@@ -8,6 +8,8 @@ Ranks (a module may import modules of its own group or of a lower rank only):
     (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format)
   7 top-level tools (describe.py, timing.py, api.py, ...: any other hybridmoe_jax/<name>.py);
     they may import everything, and no package module may import them.
+  8 apps built on the tools' `load` API: serve (the OpenAI server), chat (the REPL),
+    lm_eval_adapter (lm-evaluation-harness); they may import tools, nothing imports them.
 data: imports only config, run_config, sharding and data; only train, infer, evals and the tools
   (rank >= 5) import it.
 __init__ modules belong to their package (same group, same rules); the root
@@ -26,8 +28,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
 RANKS = {"config": 0, "run_config": 0, "rl_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
          "ops": 1, "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5,
-         "infer": 5, "evals": 6, "convert": 6, "rl": 6}
+         "infer": 5, "evals": 6, "convert": 6, "rl": 6, "serve": 8, "chat": 8,
+         "lm_eval_adapter": 8}
 TOOLS_RANK = 7
+APPS_RANK = 8
 DATA_IMPORTS = {"config", "run_config", "sharding", "data"}
 DATA_IMPORTERS_MIN_RANK = 5
 SIBLINGS_APART = {frozenset({"train", "infer"})}
@@ -111,7 +115,7 @@ def _violation(src: str, dst: str) -> str | None:
                  "may import data")
   if frozenset({a, b}) in SIBLINGS_APART:
     return f"{a} and {b} must not import each other"
-  if rb == TOOLS_RANK:
+  if rb == TOOLS_RANK and ra < APPS_RANK:
     return f"top-level tool {b} is not importable from the package"
   if rb > ra:
     return f"{a} (rank {ra}) may not import {b} (rank {rb})"

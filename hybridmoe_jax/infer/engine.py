@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,8 @@ _TRACES: collections.Counter = collections.Counter()
 
 def trace_counts() -> dict[str, int]:
   """Traces (= compilations) so far of each jitted entry point: "prefill_chunk",
-  "score_chunk", "decode_step", "generate", "embed_inputs" (for tests and benchmarks)."""
+  "score_chunk", "decode_step", "generate", "embed_inputs", "feed_and_draw", "clear_row"
+  (for tests and benchmarks)."""
   return dict(_TRACES)
 
 
@@ -132,6 +133,61 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
   carry = (jnp.int32(1), tok, out, lengths, done, cache, key)
   _, _, out, lengths, _, cache, _ = jax.lax.while_loop(cond, body, carry)
   return out, lengths, cache
+
+
+def _feed_and_draw(graphdef, state, tokens, n_valid, cache, keys, draw, temperature, top_k,
+                   top_p, vocab_limit, kv_block):
+  """One cached forward over a ragged chunk, then one draw per row with the row's own key
+  and sampling settings (jitted per graphdef by `feed_and_draw_fn`).
+
+  Args:
+    tokens: int32 [B, W]; row b's first n_valid[b] tokens are real, the rest padding
+      (segment id 0: a row with n_valid 0 leaves its cache untouched).
+    n_valid: int32 [B] in [0, W].
+    cache: the DecodeCache (donated).
+    keys: uint32 [B, 2] per-row PRNG keys; draw: bool [B], the rows whose key advances.
+    temperature, top_p: float32 [B]; top_k: int32 [B]; vocab_limit: int32 scalar.
+
+  Returns:
+    (token int32 [B] drawn from each row's last real token's logits, keys [B, 2], cache).
+    A row draws as `generate` does for one prompt: key, sub = split(key), then `sample`
+    with sub, so a stream of one prompt equals `generate`'s tokens with the same seed.
+  """
+  _TRACES["feed_and_draw"] += 1
+  model = nnx.merge(graphdef, state)
+  last = jnp.maximum(n_valid - 1, 0)[:, None]
+  logits, cache = _forward(model, tokens, None, cache, n_valid, kv_block, logits_at=last)
+
+  def one(row_logits, key, t, k, p):
+    key, sub = jax.random.split(key)
+    return sample(row_logits[None], sub, t, k, p, vocab_limit)[0], key
+
+  tok, advanced = jax.vmap(one)(logits[:, 0], keys, temperature, top_k, top_p)
+  return tok, jnp.where(draw[:, None], advanced, keys), cache
+
+
+@functools.lru_cache(maxsize=None)
+def feed_and_draw_fn(graphdef, kv_block: int):
+  """The jitted `_feed_and_draw` of one model graph (the graphdef is closed over: hashing
+  it as a static argument on every call costs milliseconds per decoded token). Used by
+  `Engine.generate_stream` and the server's continuous-batching scheduler."""
+  return jax.jit(functools.partial(_feed_and_draw, graphdef, kv_block=kv_block),
+                 donate_argnames=("cache",))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def clear_row(cache: DecodeCache, b) -> DecodeCache:
+  """Row b emptied (length 0, zero KDA states / conv tails / MLA latents): a slot of a
+  shared cache handed to a new sequence."""
+  _TRACES["clear_row"] += 1
+  return jax.tree.map(lambda x: x.at[b].set(jnp.zeros_like(x[0])), cache)
+
+
+def row_sampling(sampling: "SamplingConfig", batch: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(temperature float32 [B], top_k int32 [B], top_p float32 [B]) of one setting."""
+  return (np.full(batch, sampling.temperature, np.float32),
+          np.full(batch, sampling.top_k, np.int32), np.full(batch, sampling.top_p, np.float32))
 
 
 class GenerateOutput(NamedTuple):
@@ -314,6 +370,43 @@ class Engine:
         jnp.int32(min(max_new_tokens, room)), sampling.as_arrays(), jnp.int32(pad_id),
         kv_block=self.kv_block, max_new=int(max_new_tokens))
     return GenerateOutput(np.asarray(out), np.asarray(lengths), cache)
+
+
+  def generate_stream(self, prompt, *, max_new_tokens: int,
+                      sampling: SamplingConfig = SamplingConfig(),
+                      stop_tokens: Sequence[int] = (), seed: int = 0) -> Iterator[int]:
+    """Token streaming: yield generated ids of ONE prompt [T] (or [1, T]) as they are drawn.
+
+    The same tokens as `generate(prompt[None], ...)` with the same seed and sampling (the
+    same chunked prefill, cached decode and key chain), one host round trip per token; a
+    stop token is yielded, then the stream ends. Stops after max_new_tokens or when the
+    cache is full. The server's scheduler runs the same jitted step over many rows.
+    """
+    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    tokens, _ = self._check_tokens(prompt, None, "prompt")
+    if tokens.shape[0] != 1:
+      raise ValueError(f"generate_stream takes one prompt, got a batch of {tokens.shape[0]}")
+    room = self.max_len - tokens.shape[1]
+    if room < 1:
+      raise ValueError(f"prompt of {tokens.shape[1]} tokens leaves no room to generate "
+                       f"within max_len={self.max_len}")
+    step = feed_and_draw_fn(self.graphdef, self.kv_block)
+    row = (*row_sampling(sampling, 1), jnp.int32(sampling.vocab_limit))
+    keys = np.asarray(jax.random.PRNGKey(seed))[None]
+    stop, cache, tok = set(int(t) for t in stop_tokens), self.init_cache(1), None
+    chunks = list(self._chunks(tokens))
+    for i, (_, part, _, n_valid) in enumerate(chunks):
+      draw = np.array([i == len(chunks) - 1])
+      tok, keys, cache = step(self.state, part, n_valid, cache, keys, draw, *row)
+    for n in range(min(int(max_new_tokens), room)):
+      if n:
+        tok, keys, cache = step(self.state, np.asarray(tok)[:, None], np.ones(1, np.int32),
+                                cache, keys, np.ones(1, bool), *row)
+      t = int(np.asarray(tok)[0])
+      yield t
+      if t in stop:
+        return
 
 
 def prefill(model: HybridLM, tokens, *, max_len: int, chunk_size: int = 256,

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+`create_app(model, slots=S)` -> a FastAPI app over a `LoadedModel` (hybridmoe_jax.api.load)
+whose requests all run on one continuous-batching `Scheduler` (scheduler.py: S cache rows,
+chunked prefill interleaved with decoding). Each prompt becomes one scheduler Job; its token
+events come back to the request's coroutine through an asyncio queue, and
+`infer.streaming.TextStream` turns them into text (held back across incomplete characters
+and possible stop strings), the same way `LoadedModel.generate` / `generate_stream` do, so a
+streamed response, a non-streamed one and `generate` give the same text.
+
+Completions: text prompts are encoded with BOS first (as `generate` does); a list of token
+ids is used as given; a list of prompts gives one choice per prompt. Generation ends at the
+tokenizer's EOS (not shown), a stop string (cut before it) or max_tokens (default 16).
+Chat: the messages are rendered with the RL chat format (rl/chat_format.py; the tokenizer
+needs the chat roles, e.g. the byte tokenizer with chat=True) and end at <end_turn>. A turn
+the model ends with a tool call ("<tool_call> name argument") comes back as `tool_calls`
+with finish_reason "tool_calls"; free text and an <answer> come back as `content`; see
+protocol.py for the argument's JSON form. `tools` in the request are listed in the system
+turn (chat_format.system_prompt).
+
+Refused with 4xx before any compute, in OpenAI's error shape: malformed fields, n > 1,
+unsupported options (logprobs, penalties, ...), an unknown model id (404), token ids outside
+the vocabulary, and a prompt whose tokens + max_tokens exceed the cache row (max_len): never
+truncated silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from hybridmoe_jax.data.token_roles import TokenizerError
+from hybridmoe_jax.infer.streaming import TextStream
+from hybridmoe_jax.rl import chat_format
+from hybridmoe_jax.rl.chat_format import Message
+from hybridmoe_jax.rl.envs.base import ToolCall
+from hybridmoe_jax.serve.protocol import (ApiError, Sampling, parse_chat, parse_completion,
+                                          tool_arguments)
+from hybridmoe_jax.serve.scheduler import Job, Scheduler
+
+_ids = itertools.count()
+
+
+def _response_id(prefix: str) -> str:
+  return f"{prefix}-{int(time.time())}-{next(_ids)}"
+
+
+class _TextChoice:
+  """One choice of a completion: token events -> text pieces and a finish reason."""
+
+  def __init__(self, tokenizer, stop: tuple[str, ...], stop_ids: frozenset):
+    self.text = TextStream(tokenizer, stop)
+    self.stop_ids = stop_ids
+    self.finish: str | None = None
+    self.tokens = 0
+
+  def shown(self, token: int) -> bool:
+    """Whether a token's text belongs to the visible output."""
+    return token not in self.stop_ids
+
+  def on_token(self, token: int) -> str:
+    if self.finish is not None:
+      return ""                      # drawn after a stop string, before the cancel landed
+    self.tokens += 1
+    if not self.shown(token):
+      return ""
+    piece = self.text.push(token)
+    if self.text.stopped:
+      self.finish = "stop"
+    return piece
+
+  def on_done(self, reason: str) -> str:
+    tail = self.text.finish()
+    if self.finish is None:
+      self.finish = "length" if reason == "length" else "stop"
+    return tail
+
+
+class _ChatChoice(_TextChoice):
+  """A chat turn: text before a <tool_call> (special ids dropped) is content; a turn ending
+  in a well-formed tool call becomes `tool_call` (name, argument)."""
+
+  def __init__(self, tokenizer, stop, stop_ids):
+    super().__init__(tokenizer, stop, stop_ids)
+    self.tokenizer = tokenizer
+    self.roles = chat_format.chat_ids(tokenizer)
+    self.special = frozenset(tokenizer.special_ids.values())
+    self.ids: list[int] = []
+    self.tool_call: ToolCall | None = None
+
+  def shown(self, token: int) -> bool:
+    self.ids.append(token)
+    return self.roles["tool_call"] not in self.ids and token not in self.special
+
+  def on_done(self, reason: str) -> str:
+    tail = super().on_done(reason)
+    if self.roles["tool_call"] in self.ids and self.finish == "stop" and reason == "stop":
+      action = chat_format.parse_assistant(self.tokenizer, self.ids)
+      if isinstance(action, ToolCall):
+        self.tool_call, self.finish = action, "tool_calls"
+    return tail
+
+
+@dataclasses.dataclass
+class _Prepared:
+  """A checked request: prompts as ids and one choice object per prompt."""
+  ids: list[np.ndarray]
+  choices: list[_TextChoice]
+  sampling: Sampling
+  max_tokens: list[int]
+  stop_ids: frozenset
+
+
+class Server:
+  """The routes' state: the model, its tokenizer, the scheduler and the served id."""
+
+  def __init__(self, model, *, slots: int = 8, model_name: str | None = None):
+    self.lm, self.tokenizer = model, model.tokenizer
+    self.name = model_name or str(model.info.get("path", "hybridmoe_jax")).rstrip("/").split(
+        "/")[-1]
+    self.scheduler = Scheduler(model.engine, slots=slots,
+                               vocab_limit=int(self.tokenizer.vocab_size))
+    self.created = int(time.time())
+
+  # ---- checks --------------------------------------------------------------------------------
+  def _check_model(self, name: str) -> None:
+    if name != self.name:
+      raise ApiError(404, f"model: {name!r} is not served here; this server serves "
+                          f"{self.name!r} (GET /v1/models)", "model", "model_not_found")
+
+  def _fit(self, ids: np.ndarray, max_tokens: int | None, param: str) -> int:
+    """-> max_tokens (None: the room left), after checking prompt + max_tokens <= max_len."""
+    cap, n = self.lm.max_len, len(ids)
+    if max_tokens is None and n >= cap:
+      raise ApiError(400, f"{param}: {n} prompt tokens leave no room to generate in this "
+                          f"model's context of {cap} tokens (the cache row); shorten the "
+                          "prompt (nothing is truncated)", param, "context_length_exceeded")
+    if max_tokens is None:
+      max_tokens = cap - n
+    if n + max_tokens > cap:
+      raise ApiError(400, f"{param}: {n} prompt tokens + max_tokens {max_tokens} exceed this "
+                          f"model's context of {cap} tokens (the cache row); shorten the "
+                          f"prompt or lower max_tokens (nothing is truncated)", param,
+                     "context_length_exceeded")
+    return max_tokens
+
+  def _prepare_completion(self, body) -> _Prepared:
+    req = parse_completion(body)
+    self._check_model(req.model)
+    vocab = self.lm.config.vocab_size
+    ids, limits = [], []
+    for i, p in enumerate(req.prompts):
+      param = f"prompt[{i}]" if len(req.prompts) > 1 else "prompt"
+      if isinstance(p, str):
+        row = np.asarray(self.tokenizer.encode(p, bos=True), np.int32)
+      else:
+        row = np.asarray(p, np.int64)
+        if row.min() < 0 or row.max() >= vocab:
+          raise ApiError(400, f"{param}: token id {int(row[(row < 0) | (row >= vocab)][0])} "
+                              f"is outside the vocabulary [0, {vocab})", param)
+        row = row.astype(np.int32)
+      limits.append(self._fit(row, req.sampling.max_tokens, param))
+      ids.append(row)
+    stop_ids = frozenset({int(self.tokenizer.eos_id)})
+    choices = [_TextChoice(self.tokenizer, req.sampling.stop, stop_ids) for _ in ids]
+    return _Prepared(ids, choices, req.sampling, limits, stop_ids)
+
+  def _prepare_chat(self, body) -> _Prepared:
+    req = parse_chat(body)
+    self._check_model(req.model)
+    try:
+      roles = chat_format.chat_ids(self.tokenizer)
+    except TokenizerError as e:
+      raise ApiError(400, f"this model cannot chat: {e}; use /v1/completions") from None
+    messages = list(req.messages)
+    if req.tools:
+      tools = chat_format.system_prompt(req.tools)
+      if messages[0].role == "system":
+        messages[0] = Message("system", tools + "\n" + messages[0].text)
+      else:
+        messages.insert(0, Message("system", tools))
+    ids = chat_format.render(self.tokenizer, messages, add_generation_prompt=True).ids
+    limit = self._fit(ids, req.sampling.max_tokens, "messages")
+    stop_ids = frozenset({roles["end_turn"], int(self.tokenizer.eos_id)})
+    return _Prepared([ids], [_ChatChoice(self.tokenizer, req.sampling.stop, stop_ids)],
+                     req.sampling, [limit], stop_ids)
+
+  # ---- running -------------------------------------------------------------------------------
+  async def _events(self, prep: _Prepared) -> AsyncIterator[tuple[int, str, Any]]:
+    """Submit one Job per prompt; yield (choice index, kind, value) as they come. A choice
+    that saw a stop string is cancelled; leaving early cancels all (client gone)."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(i, event):
+      loop.call_soon_threadsafe(queue.put_nowait, (i, *event))
+
+    s = prep.sampling
+    jobs = [Job(ids, limit, functools.partial(emit, i), temperature=s.temperature,
+                top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop_tokens=prep.stop_ids)
+            for i, (ids, limit) in enumerate(zip(prep.ids, prep.max_tokens))]
+    try:
+      for job in jobs:
+        self.scheduler.submit(job)
+      left = len(jobs)
+      while left:
+        i, kind, value = await queue.get()
+        if kind != "token":
+          left -= 1
+          if kind == "error":
+            raise ApiError(500, f"generation failed: {value}")
+        yield i, kind, value
+        if prep.choices[i].finish is not None and kind == "token":
+          self.scheduler.cancel(jobs[i])
+    finally:
+      for job in jobs:
+        self.scheduler.cancel(job)
+
+  def _usage(self, prep: _Prepared) -> dict[str, int]:
+    prompt = sum(len(i) for i in prep.ids)
+    completion = sum(c.tokens for c in prep.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+  async def _pieces(self, prep: _Prepared) -> AsyncIterator[tuple[int, str, bool]]:
+    """(choice index, text piece, whether the choice just finished)."""
+    async for i, kind, value in self._events(prep):
+      choice = prep.choices[i]
+      if kind == "token":
+        was_done = choice.finish is not None
+        piece = choice.on_token(value)
+        if piece or (choice.finish is not None and not was_done):
+          yield i, piece, False
+      else:
+        yield i, choice.on_done(value), True
+
+  # ---- responses -----------------------------------------------------------------------------
+  async def completion(self, body) -> dict | AsyncIterator[dict]:
+    prep = self._prepare_completion(body)
+    rid, head = _response_id("cmpl"), {"object": "text_completion", "created": int(time.time()),
+                                       "model": self.name}
+    if prep.sampling.stream:
+      return self._completion_chunks(prep, rid, head)
+    texts = [""] * len(prep.ids)
+    async for i, piece, _ in self._pieces(prep):
+      texts[i] += piece
+    choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": c.finish}
+               for i, (t, c) in enumerate(zip(texts, prep.choices))]
+    return {"id": rid, **head, "choices": choices, "usage": self._usage(prep)}
+
+  async def _completion_chunks(self, prep, rid, head) -> AsyncIterator[dict]:
+    async for i, piece, done in self._pieces(prep):
+      finish = prep.choices[i].finish if done else None
+      if piece or done:
+        yield {"id": rid, **head, "choices": [{"index": i, "text": piece, "logprobs": None,
+                                                "finish_reason": finish}]}
+    if prep.sampling.include_usage:
+      yield {"id": rid, **head, "choices": [], "usage": self._usage(prep)}
+
+  async def chat(self, body) -> dict | AsyncIterator[dict]:
+    prep = self._prepare_chat(body)
+    rid, head = _response_id("chatcmpl"), {"object": "chat.completion",
+                                           "created": int(time.time()), "model": self.name}
+    if prep.sampling.stream:
+      return self._chat_chunks(prep, rid, dict(head, object="chat.completion.chunk"))
+    content = ""
+    async for _, piece, _ in self._pieces(prep):
+      content += piece
+    choice = prep.choices[0]
+    message = {"role": "assistant", "content": content or None}
+    if choice.tool_call is not None:
+      message["tool_calls"] = [_tool_call_json(choice.tool_call, rid)]
+    else:
+      message["content"] = content
+    return {"id": rid, **head, "usage": self._usage(prep), "choices": [
+        {"index": 0, "message": message, "finish_reason": choice.finish, "logprobs": None}]}
+
+  async def _chat_chunks(self, prep, rid, head) -> AsyncIterator[dict]:
+    chunk = lambda delta, finish=None: {"id": rid, **head, "choices": [  # noqa: E731
+        {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    yield chunk({"role": "assistant", "content": ""})
+    async for _, piece, done in self._pieces(prep):
+      if piece:
+        yield chunk({"content": piece})
+      if done:
+        choice = prep.choices[0]
+        if choice.tool_call is not None:
+          call = dict(_tool_call_json(choice.tool_call, rid), index=0)
+          yield chunk({"tool_calls": [call]})
+        yield chunk({}, choice.finish)
+    if prep.sampling.include_usage:
+      yield {"id": rid, **head, "choices": [], "usage": self._usage(prep)}
+
+  def models(self) -> dict:
+    return {"object": "list", "data": [{"id": self.name, "object": "model",
+                                        "created": self.created, "owned_by": "hybridmoe_jax",
+                                        "max_model_len": self.lm.max_len}]}
+
+
+def _tool_call_json(call: ToolCall, rid: str) -> dict:
+  return {"id": f"call-{rid}", "type": "function",
+          "function": {"name": call.name, "arguments": tool_arguments(call.argument)}}
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+  """Server-sent events in OpenAI's form: `data: {json}` per chunk, then `data: [DONE]`."""
+  try:
+    async for chunk in chunks:
+      yield f"data: {json.dumps(chunk)}\n\n"
+  except ApiError as e:
+    yield f"data: {json.dumps(e.body())}\n\n"
+  yield "data: [DONE]\n\n"
+
+
+async def _body(request: Request) -> Any:
+  try:
+    return json.loads(await request.body())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def create_app(model, *, slots: int = 8, model_name: str | None = None) -> FastAPI:
+  """The FastAPI app serving `model` (a LoadedModel) with `slots` cache rows; its scheduler
+  thread runs while the app does (lifespan)."""
+  server = Server(model, slots=slots, model_name=model_name)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_app):
+    server.scheduler.start()
+    try:
+      yield
+    finally:
+      server.scheduler.stop()
+
+  app = FastAPI(title="hybridmoe_jax", lifespan=lifespan)
+  app.state.server = server
+
+  @app.exception_handler(ApiError)
+  async def _api_error(_request, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+  @app.exception_handler(HTTPException)
+  async def _http_error(_request, e: HTTPException):
+    return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+  async def respond(result):
+    if isinstance(result, dict):
+      return JSONResponse(result)
+    return StreamingResponse(_sse(result), media_type="text/event-stream")
+
+  @app.get("/v1/models")
+  async def models():
+    return server.models()
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    return await respond(await server.completion(await _body(request)))
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    return await respond(await server.chat(await _body(request)))
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "busy": server.scheduler.busy, "slots": server.scheduler.slots}
+
+  return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 60.0):
+  """Run `app` with uvicorn on a free port of `host` in a daemon thread (tests, benchmarks,
+  notebooks) -> yields the base URL ("http://host:port/v1"); shut down on exit."""
+  import uvicorn
+  sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, 0))
+  port = sock.getsockname()[1]
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + timeout
+  while not server.started:
+    if not thread.is_alive() or time.monotonic() > deadline:
+      server.should_exit = True
+      sock.close()
+      raise RuntimeError(f"the server on {host}:{port} did not start within {timeout} s")
+    time.sleep(0.02)
+  try:
+    yield f"http://{host}:{port}/v1"
+  finally:
+    server.should_exit = True
+    thread.join(timeout)
+    sock.close()

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against uvicorn on
+127.0.0.1: outputs equal `generate`'s token for token (greedy and seeded sampling, alone and
+concurrent), streaming equals non-streaming, 4xx errors in OpenAI's shape; the scheduler's
+interleaving of prefill chunks with decode steps; tool calls through the chat format."""
+
+import concurrent.futures
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="the `serve` extra (fastapi) is not installed")
+pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not installed")
+openai = pytest.importorskip("openai", reason="the `openai` client (test extra) is not installed")
+
+from hybridmoe_jax import api  # noqa: E402
+from hybridmoe_jax.infer import SamplingConfig  # noqa: E402
+from hybridmoe_jax.rl import chat_format  # noqa: E402
+from hybridmoe_jax.rl.chat_format import Message  # noqa: E402
+from hybridmoe_jax.rl.envs.base import Answer, ToolCall  # noqa: E402
+from hybridmoe_jax.serve.app import create_app, serve_in_thread  # noqa: E402
+from hybridmoe_jax.serve.scheduler import Job, Scheduler  # noqa: E402
+from tests.serve.fixtures import write_chat_model  # noqa: E402
+
+NAME = "tiny"
+LONGEST = 24    # every reference generates this many tokens (one compilation) and is cut
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+  return write_chat_model(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def lm(model_path):
+  return api.load(model_path, max_len=64, prefill_chunk=8, kv_block=16)
+
+
+def reference(lm, ids, max_tokens, stop_tokens=None, seed=0, **sampling):
+  """`Engine.generate`'s ids for one prompt, cut to max_tokens (greedy and seeded sampling
+  both continue a shorter run's tokens: the same key chain), through its first stop id."""
+  stop = (lm.tokenizer.eos_id,) if stop_tokens is None else tuple(stop_tokens)
+  out = lm.engine.generate(np.asarray(ids)[None], max_new_tokens=LONGEST, stop_tokens=stop,
+                           sampling=SamplingConfig(vocab_limit=lm.tokenizer.vocab_size,
+                                                   **sampling), seed=seed)
+  return out.tokens[0, :min(max_tokens, out.lengths[0])].tolist()
+
+
+def reference_text(lm, prompt, max_tokens, **sampling):
+  """What `LoadedModel.generate` returns, from `reference`'s ids."""
+  ids = reference(lm, lm.tokenizer.encode(prompt, bos=True), max_tokens, **sampling)
+  return lm.tokenizer.decode([t for t in ids if t != lm.tokenizer.eos_id])
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+  app = create_app(lm, slots=4, model_name=NAME)
+  with serve_in_thread(app) as url:
+    yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120), app
+
+
+def test_completion_stream_and_not_equal_generate(lm, server):
+  client, _ = server
+  models = client.models.list()
+  assert [m.id for m in models.data] == [NAME]
+  want = reference_text(lm, "Hello there", 12)
+  got = client.completions.create(model=NAME, prompt="Hello there", max_tokens=12,
+                                  temperature=0)
+  assert got.choices[0].text == want
+  ids = reference(lm, lm.tokenizer.encode("Hello there", bos=True), 12)
+  assert got.usage.completion_tokens == len(ids)
+  assert got.usage.prompt_tokens == len("Hello there") + 1
+  assert got.choices[0].finish_reason == ("stop" if len(ids) < 12 else "length")
+  pieces = list(client.completions.create(model=NAME, prompt="Hello there", max_tokens=12,
+                                          temperature=0, stream=True))
+  assert "".join(c.choices[0].text for c in pieces) == want
+  assert pieces[-1].choices[0].finish_reason == got.choices[0].finish_reason
+  # Token-id prompts are used as given; a list of prompts gives one choice each.
+  both = client.completions.create(model=NAME, prompt=[[257, 72, 105], "Hi"], max_tokens=5,
+                                   temperature=0)
+  assert [c.text for c in both.choices] == [reference_text(lm, "Hi", 5)] * 2
+
+
+def test_concurrent_requests_equal_generate_one_at_a_time(lm, server):
+  """7 requests (prompts of 2..40 tokens: 1 to 5 prefill chunks, different max_tokens, one
+  sampled with a seed) on 4 slots: they join and leave the batch, queue, and each equals
+  `generate` of its prompt alone."""
+  client, app = server
+  prompts = ["a", "The quick brown fox jumps over the lazy dog, then", "Once upon",
+             "x" * 39, "0123456789", "To be or not", "Hi!"]
+  limits = [20, 6, 15, 9, 24, 3, 12]
+  sampled = {4: dict(temperature=0.9, top_p=0.8, seed=11)}
+  want = [reference_text(lm, p, m, **sampled.get(i, {}))
+          for i, (p, m) in enumerate(zip(prompts, limits))]
+  assert want[0] == lm.generate(prompts[0], max_new_tokens=limits[0])   # the reference
+  before = dict(app.state.server.scheduler.stats)
+
+  def ask(i):
+    kw = sampled.get(i, dict(temperature=0))
+    if i % 2:
+      return "".join(c.choices[0].text for c in client.completions.create(
+          model=NAME, prompt=prompts[i], max_tokens=limits[i], stream=True, **kw))
+    return client.completions.create(model=NAME, prompt=prompts[i], max_tokens=limits[i],
+                                     **kw).choices[0].text
+
+  with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+    got = list(pool.map(ask, range(len(prompts)), timeout=300))
+  assert got == want
+  stats = app.state.server.scheduler.stats
+  assert stats["admitted"] - before.get("admitted", 0) == len(prompts)
+  assert stats["max_rows"] > 1          # requests really shared model calls
+
+
+def test_chat_stream_and_not_equal_generate_of_the_rendered_turn(lm, server):
+  client, _ = server
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+  rendered = chat_format.render(lm.tokenizer, [Message("system", "Be brief."),
+                                               Message("user", "2+2?")],
+                                add_generation_prompt=True).ids
+  roles = chat_format.chat_ids(lm.tokenizer)
+  ids = reference(lm, rendered, 10, stop_tokens=(roles["end_turn"], lm.tokenizer.eos_id))
+  got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+                                       temperature=0)
+  assert got.usage.prompt_tokens == len(rendered)
+  assert got.usage.completion_tokens == len(ids)
+  if roles["tool_call"] not in ids:
+    specials = set(lm.tokenizer.special_ids.values())
+    assert got.choices[0].message.content == lm.tokenizer.decode(
+        [t for t in ids if t not in specials])
+  stream = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+  assert stream[0].choices[0].delta.role == "assistant"
+  text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+  assert text == (got.choices[0].message.content or "")
+  assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == \
+      got.choices[0].finish_reason
+  assert stream[-1].usage.completion_tokens == len(ids)
+
+
+class _Scripted:
+  """A scheduler stand-in that answers every job with fixed token ids."""
+
+  def __init__(self, ids):
+    self.ids, self.jobs, self.slots, self.busy = ids, [], 1, 0
+
+  def start(self):
+    return self
+
+  def stop(self):
+    pass
+
+  def submit(self, job):
+    self.jobs.append(job)
+    for t in self.ids:
+      job.emit(("token", t))
+    job.emit(("done", "stop"))
+
+  def cancel(self, job):
+    pass
+
+
+def test_tool_calls_round_trip_through_the_chat_format(model_path):
+  lm = api.load(model_path, max_len=512, prefill_chunk=8, kv_block=16)   # the tools' prompt
+  tok = lm.tokenizer
+  roles = chat_format.chat_ids(tok)
+  turn = chat_format.assistant_body(tok, Message("assistant", "let me see ",
+                                                 ToolCall("calc", "6*7"))).tolist()
+  app = create_app(lm, slots=1, model_name=NAME)
+  scripted = _Scripted(turn)
+  app.state.server.scheduler = scripted
+  tools = [{"type": "function", "function": {"name": "calc", "description": "integers"}}]
+  messages = [{"role": "user", "content": "6*7?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "c1", "type": "function",
+                   "function": {"name": "calc", "arguments": json.dumps({"argument": "3+3"})}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "6"}]
+  with serve_in_thread(app) as url:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    got = client.chat.completions.create(model=NAME, messages=messages, tools=tools)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, tools=tools,
+                                                 stream=True))
+  # The prompt: the tools' system turn, then the conversation in the RL chat format.
+  want = chat_format.render(tok, [
+      Message("system", chat_format.system_prompt(
+          [type("T", (), {"name": "calc", "description": "integers"})])),
+      Message("user", "6*7?"), Message("assistant", "", ToolCall("calc", "3+3")),
+      Message("tool_result", "6")], add_generation_prompt=True).ids
+  np.testing.assert_array_equal(scripted.jobs[0].prompt, want)
+  assert scripted.jobs[0].stop_tokens == {roles["end_turn"], tok.eos_id}
+  choice = got.choices[0]
+  assert choice.finish_reason == "tool_calls" and choice.message.content == "let me see "
+  call = choice.message.tool_calls[0]
+  assert call.function.name == "calc" and json.loads(call.function.arguments) == {
+      "argument": "6*7"}
+  deltas = [c.choices[0].delta for c in chunks]
+  assert "".join(d.content or "" for d in deltas) == "let me see "
+  streamed = [d.tool_calls[0] for d in deltas if d.tool_calls]
+  assert len(streamed) == 1 and streamed[0].function.arguments == call.function.arguments
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  # An answer turn comes back as content.
+  scripted.ids = chat_format.assistant_body(tok, Message("assistant", "", Answer("42"))).tolist()
+  with serve_in_thread(app) as url:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    answer = client.chat.completions.create(model=NAME, messages=messages[:1])
+  assert answer.choices[0].message.content == "42"
+  assert answer.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_4xx_with_a_message(lm, server):
+  client, _ = server
+  cases = [
+      (dict(prompt="hi", n=2), 400, "n"),
+      (dict(prompt="x" * 60, max_tokens=10), 400, "exceed this model's context of 64"),
+      (dict(prompt="hi", temperature=3.0), 400, "temperature"),
+      (dict(prompt="hi", top_p=0.0), 400, "top_p"),
+      (dict(prompt=[1, 999], max_tokens=2), 400, "token id 999 is outside"),
+      (dict(prompt="hi", logprobs=2), 400, "logprobs"),
+      (dict(prompt="", max_tokens=2), 400, "prompt"),
+      (dict(prompt="hi", max_tokens=0), 400, "max_tokens"),
+      (dict(prompt="hi", stop=[1]), 400, "stop"),
+  ]
+  for kwargs, status, words in cases:
+    with pytest.raises(openai.APIStatusError) as e:
+      client.completions.create(model=NAME, **kwargs)
+    assert e.value.status_code == status and words in e.value.message, (kwargs, e.value)
+    assert e.value.body["type"] == "invalid_request_error"
+  with pytest.raises(openai.NotFoundError, match="not served here"):
+    client.completions.create(model="gpt-9", prompt="hi")
+  with pytest.raises(openai.BadRequestError, match="role"):
+    client.chat.completions.create(model=NAME, messages=[{"role": "robot", "content": "x"}])
+  with pytest.raises(openai.BadRequestError, match="leave no room"):
+    client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "y" * 70}])
+  request = urllib.request.Request(str(client.base_url) + "completions", data=b"{not json",
+                                   headers={"Content-Type": "application/json"})
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(request, timeout=30)
+  assert e.value.code == 400
+  assert "not valid JSON" in json.loads(e.value.read())["error"]["message"]
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(lm):
+  """While a 5-chunk prompt is prefilled, a running request still gets one token per
+  iteration (chunked prefill interleaved with decoding), and both equal generate."""
+  # 4 slots: the server fixture's compiled shapes. Driven by hand: no thread.
+  sched = Scheduler(lm.engine, slots=4, vocab_limit=lm.tokenizer.vocab_size)
+  sched._cache = lm.engine.init_cache(4)
+  events = {"a": [], "b": []}
+  short = lm.tokenizer.encode("ab", bos=True)
+  long = lm.tokenizer.encode("z" * 36, bos=True)           # 37 tokens: 5 chunks of 8
+  a = Job(short, LONGEST, events["a"].append)
+  b = Job(long, 4, events["b"].append)
+  sched.submit(a)
+  sched._iteration()          # prefill (draws the first token), then a decode step
+  sched._iteration()
+  assert len(events["a"]) == 3
+  sched.submit(b)
+  for k in range(5):
+    sched._iteration()
+    assert b.fed == min(8 * (k + 1), 37) and len(events["a"]) == 4 + k
+  assert sched.stats["prefill_calls"] == 6 and sched.stats["max_rows"] == 2
+  while sched.busy:
+    sched._iteration()
+  for job, name in ((a, "a"), (b, "b")):
+    toks = [v for kind, v in events[name] if kind == "token"]
+    assert toks == reference(lm, job.prompt, job.max_tokens, stop_tokens=())
+    assert events[name][-1] == ("done", "length")
