@@ -14,14 +14,27 @@ What is guaranteed (kernel-enforced):
     after every normal exit, for anything left behind).
   - RLIMIT_NPROC = max_procs (default 0): no fork / threads for a non-root user. Root
     ignores RLIMIT_NPROC, so as root only the audit hook stops process creation.
+  - Disk: each file <= file_size_mb (RLIMIT_FSIZE), and at most max_files files opened for
+    writing or directories made (counted by the hook), so a run leaves at most about
+    (max_files + 2) x file_size_mb in its temp dir, which is deleted afterwards
+    (`SandboxResult.disk_bytes` reports what it left).
 What is best effort (Python level, PEP 578 audit hooks are explicitly NOT a security
-boundary): the hook refuses sockets, process creation, ctypes and writes outside the temp
-dir, and keeps its own references so patching modules does not disable it; but code that
-corrupts interpreter memory, or finds a path the hook does not see (a C extension that
-does its own I/O), escapes it. Reads are not restricted: the child can read any file the
-user can. Without OS namespaces (bubblewrap, nsjail, gVisor, a container with no network
-and a read-only root) there is no real network or filesystem isolation: run RL with
-untrusted or adversarial code only inside one.
+boundary): the hook refuses sockets, process creation, ctypes and any change to a path
+outside the temp dir: writes, creates, deletes, renames / replaces, mode and owner changes,
+links, truncation, through open / io.open / pathlib / os.* alike. Each path is read as the
+characters of a fresh exact str (str and bytes subclasses cannot answer for it: no method of
+theirs is called; PathLike objects are converted by CPython before the hook sees them), made
+absolute, and resolved with its own symlink walk, so `..`, /proc/self/root, /proc/self/cwd
+and /dev/fd/N point where the kernel would go. Writes through os.open or a dir_fd, and to
+anything but a regular file (a device node or FIFO made in the dir), are refused. The hook
+keeps its own references (functions, builtins, the exit code), so patching os / builtins /
+__main__ does not disable it; but code that corrupts interpreter memory, or finds a path
+the hook does not see (a C extension that does its own I/O), escapes it.
+Reading is allowed by design: the child can read any file the user can (environments
+need the standard library; secrets must not be readable by the user running RL).
+Without OS namespaces (bubblewrap, nsjail, gVisor, a container with no network and a
+read-only root) there is no real network or filesystem isolation: run RL with untrusted
+or adversarial code only inside one.
 
 Results never raise for what the code does: the caller gets a SandboxResult with `killed`
 set ("timeout", "cpu", "memory", "output", "violation", "signal", "error") and continues.
@@ -57,6 +70,9 @@ class SandboxLimits:
     file_size_mb: largest file the child may write, stdout/stderr included, [1, 1024].
     max_procs: RLIMIT_NPROC, int in [0, 4096] (0: no new processes or threads).
     max_open_files: RLIMIT_NOFILE, int in [16, 4096].
+    max_files: files opened for writing plus directories created, int in [1, 4096]: with
+      file_size_mb it bounds the disk a run can use to about
+      (max_files + 2) x file_size_mb (the 2: stdout and stderr).
   """
   timeout_s: float = 2.0
   cpu_s: int = 1
@@ -64,10 +80,12 @@ class SandboxLimits:
   file_size_mb: int = 4
   max_procs: int = 0
   max_open_files: int = 64
+  max_files: int = 32
 
   def __post_init__(self):
     checks = [("timeout_s", 0.0, 600.0), ("cpu_s", 1, 600), ("memory_mb", 64, 65536),
-              ("file_size_mb", 1, 1024), ("max_procs", 0, 4096), ("max_open_files", 16, 4096)]
+              ("file_size_mb", 1, 1024), ("max_procs", 0, 4096), ("max_open_files", 16, 4096),
+              ("max_files", 1, 4096)]
     for name, lo, hi in checks:
       v = getattr(self, name)
       ok_type = isinstance(v, (int, float)) if name == "timeout_s" else isinstance(v, int)
@@ -89,6 +107,8 @@ class SandboxResult:
     detail: the violation line or the last exception line, "" if none.
     stdout_tail, stderr_tail: the last TAIL_CHARS characters of each stream.
     wall_s: seconds from start to the end of the process group.
+    disk_bytes: bytes the run left in its temp dir (stdout and stderr included), measured
+      before the dir is deleted.
   """
   exit_code: int
   killed: str | None
@@ -97,6 +117,7 @@ class SandboxResult:
   stderr_tail: str
   wall_s: float
   stdout: str = dataclasses.field(default="", repr=False)
+  disk_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +151,18 @@ def _tail(path: str) -> str:
   except OSError:
     return ""
   return data.decode("utf-8", "replace")
+
+
+def _disk_bytes(directory: str) -> int:
+  """Bytes allocated under `directory` (st_blocks: a sparse file counts what it uses)."""
+  total = 0
+  for d, dirs, files in os.walk(directory):
+    for n in dirs + files:
+      try:
+        total += os.lstat(os.path.join(d, n)).st_blocks * 512
+      except OSError:
+        pass
+  return total
 
 
 def _classify(code: int, timed_out: bool, stderr: str) -> tuple[str | None, str]:
@@ -191,7 +224,7 @@ def _run(source: str, job: dict, limits: SandboxLimits) -> SandboxResult:
     stdout, stderr = _tail(out_path), _tail(err_path)
     killed, detail = _classify(proc.returncode, timed_out, stderr)
     return SandboxResult(proc.returncode, killed, detail, stdout[-TAIL_CHARS:],
-                         stderr[-TAIL_CHARS:], wall, stdout)
+                         stderr[-TAIL_CHARS:], wall, stdout, _disk_bytes(workdir))
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 

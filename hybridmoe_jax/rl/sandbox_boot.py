@@ -22,6 +22,7 @@ rl/sandbox.py for what is and is not guaranteed.
 import json
 import os
 import resource
+import stat
 import sys
 
 VIOLATION_EXIT = 86
@@ -41,71 +42,140 @@ def _set_limits(limits: dict) -> None:
     resource.setrlimit(which, value)
 
 
-def _install_hook(root: str) -> None:
-  """The audit hook; every name it uses is a local bound now (closure), not a global."""
-  write, exit_, getcwd = os.write, os._exit, os.getcwd          # pylint: disable=protected-access
-  str_, bytes_, int_, isinstance_, repr_ = str, bytes, int, isinstance, repr
+def _install_hook(root: str, max_files: int) -> None:
+  """The audit hook; every name it uses is a local bound now (closure), not a global, and
+  every method it calls on a path is the unbound method of the exact builtin type, called on
+  a fresh copy: a str / bytes subclass (overriding startswith, split, __eq__, __str__ ...)
+  passed as a path is read for its characters only. PathLike objects never reach the hook
+  (CPython converts them with __fspath__ before raising the event)."""
+  write, exit_, getcwd, lstat, readlink = (os.write, os._exit, os.getcwd,  # pylint: disable=protected-access
+                                           os.lstat, os.readlink)
+  is_link, is_reg = stat.S_ISLNK, stat.S_ISREG
+  str_, bytes_, int_, isinstance_, repr_, len_, any_, type_, os_error = (
+      str, bytes, int, isinstance, repr, len, any, type, OSError)
+  violation_exit = VIOLATION_EXIT
+  str_copy, startswith, split, join = str.__str__, str.startswith, str.split, str.join
+  bytes_copy, decode = bytes.__bytes__, bytes.decode
+  fs_encoding = sys.getfilesystemencoding()
   write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-  root = root.rstrip("/") + "/"
+  root = str_copy(root).rstrip("/") + "/"
   kill_prefixes = ("os.fork", "os.forkpty", "os.exec", "os.spawn", "os.posix_spawn",
                    "os.system", "os.kill", "os.killpg", "subprocess.", "socket.", "ctypes.",
                    "resource.setrlimit", "resource.prlimit", "gc.get_", "os.link",
-                   "os.symlink", "signal.pthread_kill", "pty.", "_posixsubprocess")
+                   "os.symlink", "signal.pthread_kill", "pty.", "_posixsubprocess",
+                   "os.chroot", "os.setuid", "os.setgid")
   bad_imports = ("ctypes", "_ctypes", "_posixsubprocess", "_socket", "socket")
   path_events = ("os.remove", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown",
-                 "os.utime", "os.setxattr", "os.removexattr", "shutil.chown")
+                 "os.utime", "os.setxattr", "os.removexattr", "shutil.chown", "os.chflags",
+                 "os.lchflags", "os.lchmod", "os.lchown")
+  creations = [0]   # files opened for writing + directories made: bounds the disk used
 
   def deny(event, detail):
     write(2, ("[sandbox] denied " + event + ": " + detail + "\n").encode("utf-8", "replace"))
-    exit_(VIOLATION_EXIT)
+    exit_(violation_exit)
+
+  def show(args):
+    """The event's args for the violation line, without calling any of their methods (a
+    subclass's __repr__ would run the solution's code inside the hook)."""
+    out = []
+    for a in args:
+      t = text(a)
+      out.append(repr_(t) if t is not None else repr_(int_.__int__(a)) if isinstance_(a, int_)
+                 else "None" if a is None else "<" + "object" + ">")
+    return ("(" + join(", ", out) + ")")[:200]
+
+  def text(path):
+    """The characters of a str / bytes path as a fresh exact str, else None."""
+    if isinstance_(path, str_):
+      return str_copy(path)
+    if isinstance_(path, bytes_):
+      return decode(bytes_copy(path), fs_encoding, "surrogateescape")
+    return None
+
+  def resolve(path):
+    """Absolute path with '.', '..' and every existing symlink resolved (/proc/self/root,
+    /proc/self/cwd, /dev/fd/N ... included), by its own code: posixpath.realpath is Python
+    code the solution could patch. None for a symlink loop."""
+    if not startswith(path, "/"):
+      path = getcwd() + "/" + path
+    todo = [p for p in split(path, "/") if p not in ("", ".")]
+    done, hops = [], 0
+    while todo:
+      part = todo.pop(0)
+      if part == "..":
+        if done:
+          done.pop()
+        continue
+      here = "/" + join("/", done + [part])
+      try:
+        mode = lstat(here).st_mode
+      except os_error:  # does not exist (yet): the rest is taken as written
+        done.append(part)
+        continue
+      if not is_link(mode):
+        done.append(part)
+        continue
+      hops += 1
+      if hops > 40:
+        return None
+      target = text(readlink(here))
+      if startswith(target, "/"):
+        done = []
+      todo = [p for p in split(target, "/") if p not in ("", ".")] + todo
+    return "/" + join("/", done)
 
   def inside(path) -> bool:
-    """Is `path` (relative to the cwd) inside the temp dir? Pure string work: '..' and '.'
-    are resolved by hand; links cannot exist (creating them is denied)."""
-    if isinstance_(path, bytes_):
-      path = path.decode("utf-8", "replace")
-    if not isinstance_(path, str_):
+    """Is `path` (relative to the cwd) inside the temp dir once resolved?"""
+    path = text(path)
+    if path is None:
       return False
-    if not path.startswith("/"):
-      path = getcwd() + "/" + path
-    parts = []
-    for part in path.split("/"):
-      if part in ("", "."):
-        continue
-      if part == "..":
-        if parts:
-          parts.pop()
-      else:
-        parts.append(part)
-    return ("/" + "/".join(parts) + "/").startswith(root)
+    real = resolve(path)
+    return real is not None and startswith(real + "/", root)
+
+  def check_creation(event, path):
+    creations[0] += 1
+    if creations[0] > max_files:
+      deny(event, f"more than {max_files} files or directories created or opened for "
+                  f"writing (SandboxLimits.max_files): {repr_(text(path))[:200]}")
 
   def hook(event, args):
-    if event.startswith(kill_prefixes):
-      deny(event, repr_(args)[:200])
+    if startswith(event, kill_prefixes):
+      deny(event, show(args))
     elif event == "import":
-      if args[0] in bad_imports or args[0].split(".")[0] in bad_imports:
-        deny(event, args[0])
+      name = text(args[0]) or ""
+      if name in bad_imports or split(name, ".")[0] in bad_imports:
+        deny(event, name)
     elif event == "open":
       path, mode, flags = args
-      writing = (mode is not None and any(c in mode for c in "wax+")) or \
+      if isinstance_(mode, str_):
+        mode = str_copy(mode)
+      writing = (isinstance_(mode, str_) and any_(c in mode for c in "wax+")) or \
           (isinstance_(flags, int_) and flags & write_flags)
-      if writing and (isinstance_(path, int_) or mode is None):
-        deny(event, f"os.open / fd write {repr_(path)[:200]}: only open() by path is allowed")
-      if writing and not isinstance_(path, (str_, bytes_)):
-        # A PathLike's __fspath__ could answer differently when open() asks again.
-        deny(event, f"write to a {type(path).__name__} path: pass a str")
-      if writing and not inside(path):
-        deny(event, f"write outside the sandbox dir: {repr_(path)[:200]}")
+      if not writing:
+        return
+      if isinstance_(path, int_) or mode is None:
+        deny(event, f"os.open / fd write {show((path,))}: only open() by path is allowed")
+      if not inside(path):
+        deny(event, f"write outside the sandbox dir: {repr_(text(path))[:200]}")
+      try:
+        mode_bits = lstat(text(path)).st_mode
+      except os_error:
+        mode_bits = None
+      if mode_bits is not None and not is_reg(mode_bits):  # a device or FIFO made in the dir
+        deny(event, f"write to a non-regular file: {repr_(text(path))[:200]}")
+      check_creation(event, path)
     elif event == "os.rename":
       src, dst = args[0], args[1]
       if args[2] not in (None, -1) or args[3] not in (None, -1) or \
           not (inside(src) and inside(dst)):
-        deny(event, repr_(args)[:200])
+        deny(event, show(args))
     elif event in path_events:
       # The last arg is the dir_fd, except for os.truncate(path, length).
-      dir_fd = args[-1] if event != "os.truncate" and len(args) > 1 else None
+      dir_fd = args[-1] if event != "os.truncate" and len_(args) > 1 else None
       if isinstance_(args[0], int_) or dir_fd not in (None, -1) or not inside(args[0]):
-        deny(event, repr_(args)[:200])
+        deny(event, show(args))
+      if event == "os.mkdir":
+        check_creation(event, args[0])
 
   sys.addaudithook(hook)
 
@@ -129,7 +199,7 @@ def main() -> None:
   with open("solution.py", encoding="utf-8") as f:
     source = f.read()
   _set_limits(job["limits"])
-  _install_hook(os.getcwd())
+  _install_hook(os.path.realpath(os.getcwd()), int(job["limits"]["max_files"]))
   code = compile(source, "solution.py", "exec")
   namespace = {"__name__": "__main__" if job["mode"] == "script" else "solution"}
   exec(code, namespace)  # pylint: disable=exec-used
