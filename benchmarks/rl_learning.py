@@ -13,6 +13,7 @@ run ({"seed", "algo", "before": {cell: success}, "after": ..., "gain": ..., "pro
 writes them all to a file. Algorithms:
   grpo    advantage grpo,   clipped ratio (eps 0.2 / 0.28), token-mean
   drgrpo  advantage drgrpo, clipped ratio, seq-mean-token-sum-norm (no length / std bias)
+  gspo    advantage grpo,   sequence ratio clipped at rl.gspo_eps_low / high (3e-4 / 4e-4)
   opmd    Kimi k1.5 policy mirror descent (squared regression, tau = --opmd_tau)
 """
 
@@ -36,8 +37,7 @@ from hybridmoe_jax.train.config import load_config_file  # noqa: E402
 ALGOS = {
     "grpo": dict(advantage="grpo", loss="clip", loss_agg_mode="token-mean"),
     "drgrpo": dict(advantage="drgrpo", loss="clip", loss_agg_mode="seq-mean-token-sum-norm"),
-    "gspo": dict(advantage="grpo", loss="gspo", loss_agg_mode="seq-mean-token-mean",
-                 eps_low=3e-4, eps_high=4e-4),
+    "gspo": dict(advantage="grpo", loss="gspo", loss_agg_mode="seq-mean-token-mean"),
     "opmd": dict(advantage="drgrpo", loss="opmd"),
 }
 
@@ -48,6 +48,11 @@ def _config(args, seed: int, **rl):
   config.rl.seed = seed
   if args.sft_steps is not None:
     config.rl.sft_steps = args.sft_steps
+  if args.sft_levels:
+    config.rl.sft_levels = tuple(int(x) for x in args.sft_levels.split(","))
+  if args.start_level is not None:
+    for env in config.rl.envs.values():
+      env["start_level"] = args.start_level
   for k, v in rl.items():
     setattr(config.rl, k, v)
   return config
@@ -65,12 +70,15 @@ def _success(rec: dict) -> dict[str, float]:
 def run(args) -> list[dict]:
   out = []
   for seed in args.seeds:
-    sft_dir = os.path.join(args.out, f"sft{args.sft_steps or ''}_s{seed}")
+    tag = f"{args.sft_steps or ''}" + (f"L{args.sft_levels.replace(',', '')}"
+                                       if args.sft_levels else "")
+    sft_dir = os.path.join(args.out, f"sft{tag}_s{seed}")
     t0 = time.time()
     trainer.train_rl(_config(args, seed, iterations=0, eval_every=0), sft_dir)
     sft_s = time.time() - t0
     for algo in args.algos:
-      workdir = os.path.join(args.out, f"{algo}{args.sft_steps or ''}_s{seed}")
+      start = "" if args.start_level is None else f"_start{args.start_level}"
+      workdir = os.path.join(args.out, f"{algo}{tag}{start}_s{seed}")
       rl = dict(ALGOS[algo], init_from=sft_dir, iterations=args.iterations,
                 eval_every=args.eval_every, eval_episodes=args.eval_episodes,
                 eval_levels=tuple(int(x) for x in args.eval_levels.split(",")),
@@ -123,17 +131,21 @@ def main():
   p.add_argument("--eval_episodes", type=int, default=64)
   p.add_argument("--group_size", type=int, default=8)
   p.add_argument("--sft_steps", type=int, default=None, help="default: the config's")
+  p.add_argument("--sft_levels", default="", help="e.g. 0,1,2,3; default: the config's")
+  p.add_argument("--start_level", type=int, default=None,
+                 help="the curriculum's first frontier of every env; default: the config's")
   p.add_argument("--opmd_tau", type=float, default=1.0)
   p.add_argument("--cell", default="arithmetic/L1", help="the cell of the summary table")
   p.add_argument("--json", default=None, help="also write all records here")
   args = p.parse_args()
   args.seeds = [int(s) for s in args.seeds.split(",")]
-  args.algos = args.algos.split(",")
+  args.algos = [a for a in args.algos.split(",") if a]   # empty: the SFT warm starts only
   bad = [a for a in args.algos if a not in ALGOS]
   if bad:
     p.error(f"--algos: unknown {bad}; allowed {list(ALGOS)}")
   records = run(args)
-  print(table(records, args.cell))
+  if records:
+    print(table(records, args.cell))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(records, f, indent=1)

@@ -55,6 +55,8 @@ class RLConfig:
   max_tokens: int = 512         # per episode (prompt, turns, tool results)
   max_turn_tokens: int = 48
   token_budget: int = 0         # generated tokens per episode per iteration; 0 = no pausing
+  # The behaviour policy IS the sampling distribution (temperature, then the top_p nucleus,
+  # renormalised): rollouts record its log-probs and the learner trains it (rl/learner.py).
   temperature: float = 1.0
   top_p: float = 1.0
   prefill_chunk: int = 128
@@ -64,6 +66,12 @@ class RLConfig:
   loss_agg_mode: str = "token-mean"
   eps_low: float = 0.2
   eps_high: float = 0.28        # clip-higher (DAPO)
+  # GSPO clips the sequence ratio s_i = exp(mean_t log rho_t), which stays within ~1e-3 of 1
+  # where token ratios move by ~0.1: its own range (the GSPO paper's 3e-4 / 4e-4)
+  gspo_eps_low: float = 3e-4
+  gspo_eps_high: float = 4e-4
+  # grpo's group std: 1 = sample std (TRL, verl: torch.std), 0 = population std
+  adv_std_ddof: int = 1
   opmd_tau: float = 1.0
   kl: str = "none"              # KL to the frozen reference (the policy at RL start)
   kl_beta: float = 0.0
@@ -116,8 +124,11 @@ class RLConfig:
                           ("loss_agg_mode", AGG_MODES), ("kl", KL_KINDS)):
       require(getattr(self, name) in allowed, f"{p}.{name}", getattr(self, name),
               f"one of {allowed}")
-    for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0),
+    require(0.0 < self.temperature <= 100.0, f"{p}.temperature", self.temperature,
+            "a number in (0, 100] (training rollouts sample; greedy has no gradient)")
+    for name, lo, hi in (("top_p", 1e-6, 1.0),
                          ("eps_low", 0.0, 1.0), ("eps_high", 0.0, 10.0),
+                         ("gspo_eps_low", 0.0, 1.0), ("gspo_eps_high", 0.0, 10.0),
                          ("opmd_tau", 1e-6, 1e6), ("kl_beta", 0.0, 1e6),
                          ("overlong_penalty", 0.0, 1e6), ("curriculum_ema", 1e-3, 0.999),
                          ("curriculum_target", 0.0, 1.0), ("curriculum_width", 1e-3, 10.0),
@@ -125,6 +136,8 @@ class RLConfig:
                          ("sft_learning_rate", 0.0, 10.0)):
       v = getattr(self, name)
       require(lo <= v <= hi, f"{p}.{name}", v, f"a number in [{lo}, {hi}]")
+    require(self.adv_std_ddof in (0, 1) and not isinstance(self.adv_std_ddof, bool),
+            f"{p}.adv_std_ddof", self.adv_std_ddof, "0 or 1")
     require(self.overlong_buffer < self.max_tokens, f"{p}.overlong_buffer",
             self.overlong_buffer, f"an integer in [0, max_tokens) = [0, {self.max_tokens})")
     require(self.kl == "none" or self.kl_beta > 0, f"{p}.kl_beta", self.kl_beta,

@@ -53,18 +53,34 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
   desc = jnp.where(desc >= kth, desc, _NEG)
   probs = jax.nn.softmax(desc, axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs        # mass strictly above each entry
-  keep = before < top_p
+  keep = (before < top_p) | (top_p >= 1.0)    # top_p 1 is off exactly (cumsum rounding)
   cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
   return jnp.where((logits >= cut) & (logits >= kth), logits, _NEG)
+
+
+def sampling_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array, vocab_limit: jax.Array | int = 0) -> jax.Array:
+  """logits [..., V] -> the logits of the distribution `sample` draws from, [..., V] fp32.
+
+  ids >= vocab_limit (if > 0) removed, divided by the temperature, then top-k / top-p
+  (filter_logits, on the tempered distribution); removed ids get -1e30, so
+  log_softmax(sampling_logits(...)) is the log-prob of the renormalised truncated
+  distribution. Greedy (temperature <= 0) is the point mass on the argmax: 0 there, -1e30
+  elsewhere. The rollouts record behaviour log-probs and the RL learner computes policy
+  log-probs with this one function.
+  """
+  logits = logits.astype(jnp.float32)
+  ids = jnp.arange(logits.shape[-1])
+  logits = jnp.where((vocab_limit <= 0) | (ids < vocab_limit), logits, _NEG)
+  scaled = filter_logits(logits / jnp.maximum(temperature, 1e-6), top_k, top_p)
+  greedy = jnp.where(ids == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, _NEG)
+  return jnp.where(temperature > 0, scaled, greedy)
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, vocab_limit: jax.Array | int = 0) -> jax.Array:
   """logits [B, V] -> [B] int32; temperature/top_k/top_p/vocab_limit are traced scalars."""
-  logits = logits.astype(jnp.float32)
-  ids = jnp.arange(logits.shape[-1])
-  logits = jnp.where((vocab_limit <= 0) | (ids < vocab_limit), logits, _NEG)
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = logits / jnp.maximum(temperature, 1e-6)
-  drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
-  return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+  dist = sampling_logits(logits, temperature, top_k, top_p, vocab_limit)
+  drawn = jax.random.categorical(key, dist, axis=-1).astype(jnp.int32)
+  greedy = jnp.argmax(dist, axis=-1).astype(jnp.int32)
+  return jnp.where(temperature > 0, drawn, greedy)

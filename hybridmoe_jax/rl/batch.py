@@ -7,8 +7,11 @@ trajectory's array shifted left by one:
     tokens       int32 [R, T]    the episode's ids, then 0 (pad)
     segment_ids  int32 [R, T]    1 on real tokens, 0 on padding
     mask         float32 [R, T]  1 where the target token t + 1 was sampled by the policy
-                                 (the trajectory's loss_mask, shifted); 0 elsewhere
-    lp_old       float32 [R, T]  the behaviour log-prob of target t + 1 (rollout's `logp`)
+                                 (the trajectory's loss_mask, shifted, less forced tokens:
+                                 a script's token is not a draw of the behaviour policy)
+    lp_old       float32 [R, T]  the behaviour log-prob of target t + 1: the rollout's
+                                 `sample_logp`, under the distribution actually sampled
+                                 from (temperature, top_p nucleus, renormalised)
     advantage    float32 [R]     per episode (0 on empty rows and on dropped groups)
     centered     float32 [R]     reward - group mean (OPMD's regression target)
     reward       float32 [R]     the shaped reward (environment reward + overlong shaping)
@@ -34,6 +37,7 @@ class Shaping:
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
   max_tokens: int = 512
+  std_ddof: int = 1             # grpo's group std (rl.adv_std_ddof)
 
 
 def shaped_rewards(trajs: Sequence[Trajectory], shaping: Shaping) -> np.ndarray:
@@ -53,7 +57,7 @@ def episode_signals(trajs: Sequence[Trajectory], shaping: Shaping) -> dict[str, 
   zero-signal group when dynamic sampling is on)."""
   rewards = shaped_rewards(trajs, shaping)
   groups = np.asarray([t.group for t in trajs], np.int64)
-  adv = losses.advantages(rewards, groups, shaping.advantage)
+  adv = losses.advantages(rewards, groups, shaping.advantage, ddof=shaping.std_ddof)
   centered = losses.advantages(rewards, groups, "drgrpo")
   keep = (losses.signal_mask(rewards, groups) if shaping.dynamic_sampling
           else np.ones(len(trajs), bool))
@@ -92,8 +96,9 @@ def build_batch(trajs: Sequence[Trajectory], signals: dict[str, np.ndarray], *,
     n = len(t.ids)
     out["tokens"][r, :n] = t.ids
     out["segment_ids"][r, :n] = 1
-    out["mask"][r, :n - 1] = t.loss_mask[1:]
-    out["lp_old"][r, :n - 1] = np.where(t.loss_mask[1:] > 0, t.logp[1:], 0.0)
+    sampled = (t.loss_mask[1:] > 0) & (t.forced[1:] == 0)
+    out["mask"][r, :n - 1] = sampled
+    out["lp_old"][r, :n - 1] = np.where(sampled, t.sample_logp[1:], 0.0)
     for k in ("advantage", "centered", "reward"):
       out[k][r] = signals[k][i]
     out["valid"][r] = 1.0

@@ -9,16 +9,16 @@ order). Per-token arrays are aligned with `ids`:
     forced       int32 [n]    1 where a forced script supplied the assistant token
     logp         float32 [n]  log-softmax of the model's RAW logits (temperature 1, no
                               filter) at the token, given everything before it; 0 where
-                              loss_mask is 0. The learner's lp_old: its training forward
-                              computes exactly this (a ratio of filtered distributions would
-                              be undefined for a token the new policy's filter drops).
+                              loss_mask is 0 (a diagnostic: the trajectory log's mean_logp).
     sample_logp  float32 [n]  the same token under the distribution the rollout actually
-                              drew from: log-softmax of the vocab-limited, temperature-
-                              scaled, top-k / top-p filtered logits (greedy: 0 for the argmax,
-                              -1e30 otherwise); the true behaviour policy, for off-policy
-                              corrections. Equal to logp at temperature 1 without filters up
-                              to tokens the nucleus cut-off drops. A forced token outside the
-                              filtered set gets about -1e30.
+                              drew from (infer.sampling.sampling_logits): log-softmax of the
+                              vocab-limited, temperature-scaled, top-k / top-p filtered
+                              logits, i.e. the renormalised truncated distribution (greedy: 0
+                              for the argmax, -1e30 otherwise). The behaviour policy: the
+                              learner's lp_old, and its training forward computes the same
+                              transform (rl/learner.py sampling_logps). Equal to logp at
+                              temperature 1 without filters. A forced token outside the
+                              filtered set gets about -1e30 (forced tokens are not trained).
     turn_index   int32 [n]    the message each token belongs to (chat_format.render's
                               convention: -1 bos, i for messages[i] and its header)
 So `chat_format.render(tokenizer, trajectory.messages)` reproduces ids, loss_mask (its

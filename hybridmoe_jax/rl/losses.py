@@ -58,10 +58,13 @@ def _rewards_groups(rewards, groups) -> tuple[np.ndarray, np.ndarray]:
   return r, dense.reshape(-1)
 
 
-def advantages(rewards, groups, mode: str, *, eps: float = 1e-6) -> np.ndarray:
+def advantages(rewards, groups, mode: str, *, eps: float = 1e-6, ddof: int = 1
+               ) -> np.ndarray:
   """Per-episode advantages from rewards within each group.
 
-  grpo:   (r - mean_g) / (std_g + eps), population std (ddof=0)
+  grpo:   (r - mean_g) / (std_g + eps), std_g = sqrt(sum_g (r - mean_g)^2 / (n_g - ddof)):
+          ddof 1 (default) is the sample std of TRL and verl (torch.std), ddof 0 the
+          population std; a group of one has std 0 under either
   drgrpo: r - mean_g                      (Dr. GRPO: no std normalisation)
   rloo:   r_i - mean of the OTHER members of i's group (0 for a group of one)
   A group whose rewards are all equal gets 0 in every mode.
@@ -71,6 +74,7 @@ def advantages(rewards, groups, mode: str, *, eps: float = 1e-6) -> np.ndarray:
     groups: int [N] group ids (arbitrary, need not be contiguous or sorted).
     mode: one of ADV_MODES.
     eps: grpo's std guard, >= 0.
+    ddof: grpo's std degrees of freedom, 0 or 1.
 
   Returns:
     float32 [N].
@@ -79,6 +83,8 @@ def advantages(rewards, groups, mode: str, *, eps: float = 1e-6) -> np.ndarray:
     raise ValueError(f"mode = {mode!r}: allowed one of {ADV_MODES}")
   if not (_is_real(eps) and np.isfinite(eps) and eps >= 0):
     raise ValueError(f"eps = {eps!r}: allowed a finite float >= 0")
+  if isinstance(ddof, bool) or ddof not in (0, 1):
+    raise ValueError(f"ddof = {ddof!r}: allowed 0 or 1")
   r, g = _rewards_groups(rewards, groups)
   count = np.bincount(g).astype(np.float64)
   total = np.bincount(g, weights=r)
@@ -87,7 +93,7 @@ def advantages(rewards, groups, mode: str, *, eps: float = 1e-6) -> np.ndarray:
   if mode == "drgrpo":
     out = centred
   elif mode == "grpo":
-    std = np.sqrt(np.bincount(g, weights=centred**2) / count)
+    std = np.sqrt(np.bincount(g, weights=centred**2) / np.maximum(count - ddof, 1))
     out = centred / (std[g] + eps)
   else:
     n = count[g]

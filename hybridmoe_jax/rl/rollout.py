@@ -44,13 +44,12 @@ import numpy as np
 from flax import nnx
 
 from hybridmoe_jax.infer.engine import Engine
-from hybridmoe_jax.infer.sampling import SamplingConfig, filter_logits
+from hybridmoe_jax.infer.sampling import SamplingConfig, sampling_logits
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.episode import (TOKEN_FIELDS, EpisodeSpec, PendingEpisode, Trajectory)
 
-_NEG = -1e30
 _TRACES: collections.Counter = collections.Counter()
 
 
@@ -60,22 +59,6 @@ def trace_counts() -> dict[str, int]:
 
 
 # ---- the jitted pieces -------------------------------------------------------------------
-
-def sampling_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array, vocab_limit: jax.Array) -> jax.Array:
-  """logits [B, V] -> the logits of the distribution a rollout samples from, [B, V] fp32.
-
-  The same pipeline as infer.sampling.sample: ids >= vocab_limit (if > 0) removed, divided
-  by the temperature, then top-k / top-p (filter_logits); removed ids get -1e30. Greedy
-  (temperature <= 0) is the point mass on the argmax: 0 there, -1e30 elsewhere.
-  """
-  logits = logits.astype(jnp.float32)
-  ids = jnp.arange(logits.shape[-1])
-  logits = jnp.where((vocab_limit <= 0) | (ids < vocab_limit), logits, _NEG)
-  scaled = filter_logits(logits / jnp.maximum(temperature, 1e-6), top_k, top_p)
-  greedy = jnp.where(ids == jnp.argmax(logits, axis=-1, keepdims=True), 0.0, _NEG)
-  return jnp.where(temperature > 0, scaled, greedy)
-
 
 def _pick(logp: jax.Array, tok: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
@@ -105,7 +88,8 @@ def _feed_and_sample(graphdef, state, tokens, n_valid, cache, seeds, positions, 
 
   Returns:
     (token int32 [B], logp float32 [B] under the raw logits, sample_logp float32 [B] under
-    the sampling distribution, the new cache).
+    the sampling distribution (infer.sampling.sampling_logits: the behaviour policy), the
+    new cache).
   """
   _TRACES["feed_and_sample"] += 1
   model = nnx.merge(graphdef, state)

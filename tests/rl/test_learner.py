@@ -1,6 +1,8 @@
 """The learner on real rollouts: the batch's lp_old is what the training forward computes
 (1e-5, fp32), masks cover exactly the sampled tokens, and one update moves log-probs in the
-direction of the advantage; the QB biases stay frozen unless asked; the SFT batches."""
+direction of the advantage; the QB biases stay frozen unless asked; the SFT batches. At
+temperature 0.7 / top_p 0.9 the behaviour log-probs are those of the renormalised nucleus
+of the tempered distribution (an independent numpy computation), and the learner's."""
 
 import functools
 
@@ -25,6 +27,7 @@ from tests.infer.helpers import tiny_cfg
 TOK = ByteTokenizer(chat=True)
 GROUP = 4
 KW = (("brief", True),)
+T1 = SamplingConfig(temperature=1.0, vocab_limit=TOK.vocab_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,8 +65,8 @@ def test_batch_lp_old_is_the_training_forward_and_masks_are_the_sampled_tokens()
   cfg, model, trajs = _setup()
   b = _batch(trajs, [0.0] * len(trajs))
   graphdef, params, biases, rest = split_model(model)
-  lp = np.asarray(learner.token_logps(graphdef)(params, biases, rest, b["tokens"],
-                                                b["segment_ids"]))
+  lp = np.asarray(learner.token_logps(graphdef, T1)(params, biases, rest, b["tokens"],
+                                                    b["segment_ids"]))
   mask = b["mask"] > 0
   assert mask.sum() == sum(t.generated for t in trajs)  # every sampled token is a target
   np.testing.assert_allclose(lp[mask], b["lp_old"][mask], rtol=0, atol=1e-5)
@@ -73,6 +76,48 @@ def test_batch_lp_old_is_the_training_forward_and_masks_are_the_sampled_tokens()
     np.testing.assert_array_equal(b["mask"][r, :n - 1], t.loss_mask[1:])
     assert not b["mask"][r, n - 1:].any() and t.loss_mask[0] == 0
   assert b["tokens"].shape[1] % 8 == 0 and b["valid"].sum() == len(trajs)
+
+
+def _nucleus_logp(logits: np.ndarray, token: int, temperature: float, top_p: float) -> float:
+  """float64 numpy: log q(token), q = the tempered softmax restricted to its nucleus (the
+  smallest set of most likely ids whose mass reaches top_p), renormalised."""
+  z = logits.astype(np.float64) / temperature
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  above = np.cumsum(p[order]) - p[order]           # mass of the ids ranked before each
+  kept = order[above < top_p]
+  if token not in kept:
+    return -np.inf
+  return float(np.log(p[token]) - np.log(p[kept].sum()))
+
+
+def test_behaviour_logps_are_the_sampled_distributions_at_temperature_and_top_p():
+  """rl.temperature 0.7 / top_p 0.9: the batch's lp_old (the rollout's record) equals the
+  log-prob of the truncated, renormalised distribution computed in numpy from the raw
+  logits of a training forward, and the learner's log-probs equal it (ratio 1 on-policy)."""
+  cfg, model, _ = _setup()
+  sampling = SamplingConfig(temperature=0.7, top_p=0.9, vocab_limit=TOK.vocab_size)
+  engine = Engine(model, max_len=256, prefill_chunk=64, kv_block=128)
+  rollout = Rollout(engine, TOK, RolloutConfig(max_tokens=200, max_turn_tokens=24,
+                                               max_turns=2, sampling=sampling), batch=8)
+  trajs = rollout.run(group_specs("arithmetic", [11, 12], 0, GROUP, sample_seed=9,
+                                  env_kwargs=KW)).finished
+  b = _batch(trajs, [0.0] * len(trajs))
+  graphdef, params, biases, rest = split_model(model)
+  raw = np.asarray(jax.jit(lambda p, bi, r, t, s: nnx.merge(graphdef, p, bi, r)(
+      t, segment_ids=s)[0])(params, biases, rest, b["tokens"], b["segment_ids"]))
+  rows, cols = np.nonzero(b["mask"])
+  want = np.array([_nucleus_logp(raw[r, c], b["tokens"][r, c + 1], 0.7, 0.9)
+                   for r, c in zip(rows, cols)])
+  got = b["lp_old"][rows, cols]
+  assert np.isfinite(want).all()                    # every sampled token is in its nucleus
+  assert (want > np.log(np.asarray(jax.nn.softmax(raw[rows, cols] / 0.7, -1))[
+      np.arange(rows.size), b["tokens"][rows, cols + 1]])).any()   # truncation matters
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 / 0.7)
+  lp = np.asarray(learner.token_logps(graphdef, sampling)(params, biases, rest, b["tokens"],
+                                                          b["segment_ids"]))
+  np.testing.assert_allclose(lp[rows, cols], want, rtol=0, atol=1e-5 / 0.7)
 
 
 @pytest.mark.parametrize("loss", ["clip", "gspo", pytest.param("opmd", marks=pytest.mark.slow)])
@@ -89,18 +134,18 @@ def test_one_update_follows_the_advantage(loss):
                 groups_per_iter=2, **extra)
   tx = optax.sgd(0.05)
   graphdef, state = _state(cfg, model, tx)
-  lp_fn = learner.token_logps(graphdef)
+  lp_fn = learner.token_logps(graphdef, T1)
   before = lp_fn(state.params, state.biases, state.rest, b["tokens"], b["segment_ids"])
   lp_ref = before if loss == "clip" else None
   routes = None
   if loss == "gspo":
-    lp_rec, routes = learner.token_logps(graphdef, record_routes=True)(
+    lp_rec, routes = learner.token_logps(graphdef, T1, record_routes=True)(
         state.params, state.biases, state.rest, b["tokens"], b["segment_ids"])
     np.testing.assert_array_equal(np.asarray(lp_rec), np.asarray(before))
     assert routes and all(r.shape[:2] == b["tokens"].shape for r in routes.values())
   before = np.asarray(before)
   biases0 = jax.tree.map(np.asarray, state.biases)
-  step = learner.make_rl_step(graphdef, cfg, tx, rl, lambda c: 0.05)
+  step = learner.make_rl_step(graphdef, cfg, tx, rl, lambda c: 0.05, T1)
   state, m = step(state, {k: jnp.asarray(v) for k, v in b.items()}, lp_ref, routes)
   assert bool(m["finite"]) and float(m["grad_norm"]) > 0
   # on-policy (replayed routes are the policy's own: the same log-probs)

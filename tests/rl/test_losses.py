@@ -66,7 +66,7 @@ GROUPS = np.array([7, 2, 7, 2, 40, 40, 9, 7, 2])  # unsorted ids; {40}: all equa
 
 @pytest.mark.parametrize("mode", losses.ADV_MODES)
 def test_advantages_match_the_loop_reference(mode):
-  got = losses.advantages(REWARDS, GROUPS, mode)
+  got = losses.advantages(REWARDS, GROUPS, mode, ddof=0)   # the reference's population std
   assert got.dtype == np.float32 and got.shape == REWARDS.shape
   np.testing.assert_allclose(got, _ref_advantages(REWARDS, GROUPS, mode), rtol=1e-6, atol=1e-6)
   assert got[4] == got[5] == 0.0 and got[6] == 0.0  # all-equal group, group of one
@@ -77,7 +77,7 @@ def test_advantage_modes_relate_as_documented():
   dr = losses.advantages(REWARDS, GROUPS, "drgrpo")
   rloo = losses.advantages(REWARDS, GROUPS, "rloo")
   np.testing.assert_allclose(rloo[[0, 2, 7]], 1.5 * dr[[0, 2, 7]], rtol=1e-6)
-  grpo = losses.advantages(REWARDS[:3], np.zeros(3, int), "grpo", eps=0.0)
+  grpo = losses.advantages(REWARDS[:3], np.zeros(3, int), "grpo", eps=0.0, ddof=0)
   assert abs(float(np.mean(grpo))) < 1e-6 and abs(float(np.std(grpo)) - 1.0) < 1e-6
 
 

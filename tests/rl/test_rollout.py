@@ -18,12 +18,12 @@ from flax import nnx
 from hybridmoe_jax.data.token_roles import TokenizerError
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig
-from hybridmoe_jax.infer.sampling import filter_logits
+from hybridmoe_jax.infer.sampling import filter_logits, sampling_logits
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer, Tool, ToolCall, register_tool
 from hybridmoe_jax.rl.episode import (EpisodeSpec, PendingEpisode, group_specs, oracle_script)
-from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig, sampling_logits, trace_counts
+from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig, trace_counts
 from tests.infer.helpers import tiny_cfg
 
 TOK = ByteTokenizer(chat=True)
