@@ -23,6 +23,12 @@ either way). Then
   biases stay frozen unless `rl.update_biases` (then the QB rule runs as in pre-training).
   A step whose loss or gradient is not finite is skipped (state unchanged but the counters).
 
+Rollout vs learner log-probs: the rollout decodes token by token (KDA recurrence, MLA
+absorbed over the cache), the learner runs the chunked KDA and the expanded MLA: the same
+math in other fp32 summation orders, within 1.2e-5 on configs/rl_tiny.py at random init
+(tests/rl/test_learner.py, slow: bound 2e-5; most of it is chunked vs recurrent KDA), so
+on-policy ratios are 1 to ~1e-5, far inside every clip range.
+
 `token_logps(graphdef, sampling)` is the jitted forward that gives lp [R, T] (and, for
 routing replay, the routed experts of every MoE layer) for the reference policy and the
 rollout policy.
