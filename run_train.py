@@ -7,10 +7,14 @@
   python run_train.py --coordinator_address=host0:1234 --num_processes=2 --process_id=0 ...
   python run_train.py --config=configs/rl_tiny.py --workdir=runs/rl    # agentic RL (SFT + GRPO)
   python run_train.py --config=configs/rl_tiny.py --init_from=runs/x --workdir=runs/rl2
+  python run_train.py --print_config                    # every config field, then exit
+  python run_train.py --workdir=runs/default --export_params_to=runs/params  # a finished run
 
-The run resumes from the newest good checkpoint in --workdir. A config whose `rl.envs` is set
-is an RL run (`hybridmoe_jax.rl.trainer`), else pre-training (`hybridmoe_jax.train`); this
-file only parses flags.
+The run resumes from the newest good checkpoint in --workdir; rerunning a finished run
+trains and logs nothing (it says so; with --export_params_to it writes the export). A config
+whose `rl.envs` is set is an RL run (`hybridmoe_jax.rl.trainer`), else pre-training
+(`hybridmoe_jax.train`); this file only parses flags. Progress: clean lines (a bar on a
+terminal), then a sample, a summary and the next commands (--absl_logs: absl's lines).
 
 Exit status: 0 finished; 1 an error, told in one line (bad config or data, a workdir in use
 by another run, training diverged, a checkpoint that cannot be written: disk full); 128 + N
@@ -32,7 +36,20 @@ from hybridmoe_jax import cli_flags
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
-_CONFIG = cli_flags.define_config_flag(_DEFAULT_CONFIG)
+_CONFIG = cli_flags.define_config_flag(
+    _DEFAULT_CONFIG, "Run config file (a configs/*.py preset; default configs/tiny.py). Set "
+    "any field with --config.<section>.<field>=value, e.g. --config.train.steps=50; "
+    "--print_config lists every field.")
+flags.declare_key_flag("config")   # defined in cli_flags: shown by --help all the same
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
+                                  "Print the resolved config (after overrides) and exit.")
+_SAMPLE_TOKENS = flags.DEFINE_integer(
+    "sample_tokens", 200, "Pre-training: tokens of a sample generated after training "
+    "(temperature 0.8); 0 for none.", lower_bound=0)
+_SAMPLE_PROMPT = flags.DEFINE_string("sample_prompt", "The ", "The sample's prompt.")
+_ABSL_LOGS = flags.DEFINE_bool(
+    "absl_logs", False, "absl's log lines (level, time, thread, file:line) instead of clean "
+    "ones, and no progress bar.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default",
                                "Checkpoints, TensorBoard events, metrics and heatmaps.")
 _EXPORT = flags.DEFINE_string(
@@ -56,6 +73,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.train import terminal
+  terminal.skip_absent_tpu()  # before any backend starts: no libtpu probe on a CPU machine
+  if not _ABSL_LOGS.value:
+    terminal.install()
   from hybridmoe_jax.config import ConfigError
   from hybridmoe_jax.parallel import distributed
   try:  # before anything touches a jax backend
@@ -70,6 +91,9 @@ def main(argv):
     config.keys()  # a lazy proxy: raises here if the file failed to load
   except OSError as e:  # the --config file could not be loaded
     sys.exit(f"error: {' '.join(str(e).split())}")
+  if _PRINT_CONFIG.value:
+    print(config, end="")
+    return
   try:
     if _INIT_FROM.value:
       config.rl.init_from = _INIT_FROM.value
@@ -102,6 +126,41 @@ def main(argv):
              f"checkpoints in {_WORKDIR.value} are intact. Free space, then rerun to resume")
   if summary["stopped_by"]:  # a clean stop, checkpoint saved: the shell's 128 + signal code
     sys.exit(128 + signal.Signals[summary["stopped_by"]].value)
+  if not run.rl.enabled and not summary.get("already_finished"):
+    _print_end(summary, _WORKDIR.value)
+
+
+def _print_end(summary, workdir: str) -> None:
+  """After pre-training: a sample of the model, where the outputs are, what to run next."""
+  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax import api
+  from hybridmoe_jax.train.terminal import fmt_duration
+  if _SAMPLE_TOKENS.value:
+    try:
+      room = len(_SAMPLE_PROMPT.value.encode()) + _SAMPLE_TOKENS.value + 8   # BOS, slack
+      lm = api.load(workdir, max_len=room)
+      text = lm.generate(_SAMPLE_PROMPT.value, max_new_tokens=_SAMPLE_TOKENS.value,
+                         temperature=0.8, seed=0)
+      print(f"\nsample ({_SAMPLE_TOKENS.value} tokens, temperature 0.8):\n"
+            f"{_SAMPLE_PROMPT.value}{text}\n{'-' * 40}")
+    except (ValueError, OSError) as e:  # e.g. a prompt the tokenizer cannot encode
+      print(f"(no sample: {e})")
+    sys.stdout.flush()
+  ev = summary["eval"]
+  held_out = (f", held-out {ev['loss']:.4f} nats/token = {ev['bits_per_byte']:.3f} bits/byte"
+              if "bits_per_byte" in ev else "")
+  loss = (f", loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
+          if summary["first_loss"] is not None else "")
+  print(f"trained steps {summary['start_step']}..{summary['end_step']} in "
+        f"{fmt_duration(summary['wall_s'])}{loss}{held_out}")
+  print(f"outputs in {workdir}/: checkpoints/, metrics.jsonl, tensorboard/, "
+        "expert_load.png")
+  print("next:\n"
+        f"  python run_eval.py --workdir={workdir} --task=all     # ppl, NIAH, MQAR, generate\n"
+        f"  python run_eval.py --workdir={workdir} --task=report  # {workdir}/report.html\n"
+        f"  tensorboard --logdir={workdir}/tensorboard\n"
+        f"  python run_train.py --workdir={workdir} --config.train.steps="
+        f"{2 * summary['end_step']}   # train on")
 
 
 if __name__ == "__main__":

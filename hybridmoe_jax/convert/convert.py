@@ -3,8 +3,8 @@
 HF directory: config.json, model.safetensors or shards + model.safetensors.index.json, and
 tokenizer files. Our params export (`train/checkpoint.py`): params.safetensors (leaf names,
 dtypes as stored), model_config.json, and here also hf_config.json (the imported config.json,
-whole: exported back unchanged while it describes the model, `hf_config.export_config`) plus the tokenizer files in tokenizer/
-(where runs keep theirs: `data.tokenizer.TOKENIZER_DIR`).
+whole: exported back unchanged while it describes the model, `hf_config.export_config`) plus
+the tokenizer files in tokenizer/ (where runs keep theirs: `data.tokenizer.TOKENIZER_DIR`).
 
 Both directions check the whole source against the config first (`hf_weights.check_source`:
 one error naming every unknown / missing / mis-shaped tensor), then write tensor by tensor,

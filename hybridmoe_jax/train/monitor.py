@@ -9,9 +9,11 @@ heatmap goes to `expert_load.png`, `heatmaps/expert_load_<step>.png` and TensorB
 (`moe/expert_load`, an image next to the scalars), drawn by `hybridmoe_jax.plots`.
 
 tokens/s is measured between log steps (wall time once each step's metrics reached the host),
-from the end of the run's first step, so compilation is not counted; a log right after that
-first step (log_every = 1) times it from the Monitor's creation instead, compilation
-included, and says so ("incl. compile" in the line, `tokens_per_sec_incl_compile` in JSONL).
+from the end of the run's first step, so compilation is not counted; the log right after that
+first step (step 1 is always logged, so curves start at the run's start) times it from the
+Monitor's creation instead, compilation included, and says so ("incl. compile" in the line,
+`tokens_per_sec_incl_compile` in JSONL). On a terminal (`terminal.install`, run by the CLI)
+a progress bar is redrawn every step below the log lines.
 """
 
 from __future__ import annotations
@@ -29,18 +31,14 @@ import numpy as np
 import tensorboardX
 
 from hybridmoe_jax import plots
+from hybridmoe_jax.train import terminal
+from hybridmoe_jax.train.terminal import fmt_duration
 
 
-def _fmt_duration(seconds: float) -> str:
-  if not math.isfinite(seconds):
+def fmt_rate(x: float) -> str:
+  """'3.5k', '1.20M', '950'; '?' when unknown (NaN)."""
+  if not math.isfinite(x):
     return "?"
-  seconds = int(round(seconds))
-  h, rem = divmod(seconds, 3600)
-  m, s = divmod(rem, 60)
-  return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-def _fmt_rate(x: float) -> str:
   return f"{x / 1e6:.2f}M" if x >= 1e6 else (f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}")
 
 
@@ -113,10 +111,25 @@ class Monitor:
       load = np.asarray(layer["load"], np.float64)
       self._heat_load[name] = self._heat_load.get(name, 0.0) + load
       self._last_vio[name] = float(layer["max_vio"])
-    if step % self.t.log_every == 0 or step == self.total_steps:
+    # Step 1 too, so the curves start where the run does (its tok/s includes compilation).
+    if step % self.t.log_every == 0 or step == self.total_steps or step == 1:
       self._log(step, m, now)
+    self._draw_bar(step, loss, now)
     if self.t.heatmap_every and (step % self.t.heatmap_every == 0 or step == self.total_steps):
       self.write_heatmap(step)
+
+  def _draw_bar(self, step: int, loss: float, now: float) -> None:
+    """The terminal's progress bar (`terminal.install`; a no-op elsewhere): loss, tokens/s
+    and ETA since the first step's end (compilation excluded)."""
+    bar = terminal.active_bar()
+    if bar is None or not bar.enabled:
+      return
+    done, elapsed = step - self._t0_step, now - self._t0
+    rate = ((self.tokens_seen(step) - self.tokens_seen(self._t0_step)) / elapsed
+            if done > 0 and elapsed > 0 else float("nan"))
+    eta = (self.total_steps - step) * elapsed / done if done > 0 else float("nan")
+    bar.update(step, self.total_steps,
+               f"loss {loss:.4f} | {fmt_rate(rate)} tok/s | ETA {fmt_duration(eta)}")
 
   def _check_loss_spike(self, step: int, loss: float) -> None:
     warm = self._loss_seen >= 10
@@ -160,11 +173,11 @@ class Monitor:
     vio = f" | maxvio {float(moe[worst]['max_vio']):.3f} ({worst})" if worst else ""
     # Curriculum runs add the stage, its sequence length and the tokens seen so far.
     stage = (f" | stage {int(m['stage'])} T={int(m['seq_len'])} | "
-             f"{_fmt_rate(float(m['tokens_seen']))} tok seen") if "stage" in m else ""
+             f"{fmt_rate(float(m['tokens_seen']))} tok seen") if "stage" in m else ""
     logging.info("step %*d/%d | loss %.4f | %s tok/s%s | ETA %s | gnorm %.3f%s | lr %.2e%s",
                  len(str(self.total_steps)), step, self.total_steps, float(m["loss"]),
-                 _fmt_rate(self.tokens_per_sec), " (incl. compile)" if with_compile else "",
-                 _fmt_duration(eta), float(m["grad_norm"]), vio, float(m["lr"]), stage)
+                 fmt_rate(self.tokens_per_sec), " (incl. compile)" if with_compile else "",
+                 fmt_duration(eta), float(m["grad_norm"]), vio, float(m["lr"]), stage)
     w = self.writer
     scalars = {"train/loss": m["loss"], "train/learning_rate": m["lr"],
                "train/grad_norm": m["grad_norm"], "train/tokens_per_sec": self.tokens_per_sec,
@@ -216,9 +229,8 @@ class Monitor:
     names = sorted(self._heat_load, key=lambda s: (len(s), s))
     fig = plots.expert_load_figure(
         np.stack([self._heat_load[n] for n in names]), names, step=step,
-        max_vio=[self._last_vio[n] for n in names],
-        overload=1.0 + self.t.maxvio_alert_threshold,
-        window=f"load summed over steps {self._heat_from}-{step}; MaxVio of step {step}")
+        first_step=self._heat_from, max_vio=[self._last_vio[n] for n in names],
+        overload=1.0 + self.t.maxvio_alert_threshold)
     self._heat_load, self._heat_from = {}, step + 1
     path = plots.save(fig, os.path.join(self.workdir, "expert_load.png"))
     hist_dir = os.path.join(self.workdir, "heatmaps")
@@ -228,5 +240,8 @@ class Monitor:
     return path
 
   def close(self) -> None:
+    bar = terminal.active_bar()
+    if bar is not None:  # the finished bar stays on its own line
+      bar.close()
     self.writer.close()
     self.jsonl.close()

@@ -28,7 +28,7 @@ def test_expert_load_heatmap_content(tmp_path):
   assert [t.get_text() for t in ax.get_yticklabels()] == ["layer 1", "layer 2", "layer 10"]
   assert "1 = balanced" in cbar.get_ylabel()
   title = ax.get_title()
-  assert "step 120" in title
+  assert title.startswith("Expert load, step 120 only\nMaxVio at step 120: ")
   for label, v in zip(["layer 1", "layer 2", "layer 10"], vio):
     assert f"{label} {v:.3f}" in title
   # Cell colours are load / layer mean; the overloaded cells (> 1.4 x mean) carry an x.
@@ -38,6 +38,18 @@ def test_expert_load_heatmap_content(tmp_path):
   path = plots.save(fig, str(tmp_path / "h.png"))
   assert mpimg.imread(path).shape[2] in (3, 4)
   assert plots.rgb_array(fig).dtype == np.uint8
+
+
+def test_expert_load_window_is_the_first_words_of_the_title():
+  """The training heatmap (summed since the previous one) and the report's (one step) look
+  alike: their titles say which steps they cover."""
+  load = np.array([[1, 3], [2, 2]])
+  summed = plots.expert_load_figure(load, ["a", "b"], step=20, first_step=11, max_vio=[1, 0])
+  assert summed.axes[0].get_title().startswith(
+      "Expert load, steps 11-20 (summed)\nMaxVio at step 20: a 1.000, b 0.000")
+  computed = plots.expert_load_figure(load, ["a", "b"], step=20, first_step=11)
+  assert "MaxVio of the summed load: a 0.500" in computed.axes[0].get_title()
+  assert moe.window_label(20, 20) == "step 20 only"
 
 
 def test_expert_load_default_maxvio_and_idle_layer():
@@ -108,15 +120,38 @@ def test_loss_curves_with_stages_and_resume():
 
 def test_maxvio_curves_per_layer_and_threshold():
   fig = plots.maxvio_figure(_records(), threshold=0.5)
-  top, bottom = fig.axes
+  top, middle, bottom = fig.axes
   by_label = {line.get_label(): line for line in top.get_lines()}
   assert set(by_label) == {"layer 1", "layer 3", "alert threshold 0.5"}
   # Step 60 was redone after the resume and its last record holds no MoE stats: a gap.
   np.testing.assert_allclose(by_label["layer 1"].get_ydata(),
                              np.delete(0.1 * np.arange(1, 11), 5))
-  assert bottom.get_ylabel().startswith("routing bias")
+  # The bias: one spread line per layer (max - min, the MaxVio colours), no bands ...
+  assert not middle.collections
+  spread = {line.get_label(): line for line in middle.get_lines()}
+  assert set(spread) == {"layer 1", "layer 3"}
+  np.testing.assert_allclose(spread["layer 3"].get_ydata(), 0.5)
+  assert spread["layer 3"].get_color() == by_label["layer 3"].get_color()
+  # ... and each layer's [min, max] at its last logged step as one bar.
+  bars = bottom.patches
+  assert [(round(b.get_y(), 6), round(b.get_y() + b.get_height(), 6)) for b in bars] == [
+      (-0.1, 0.1), (-0.2, 0.3)]
+  assert [t.get_text() for t in bottom.get_xticklabels()] == ["layer 1", "layer 3"]
+  assert bottom.get_title() == "routing bias [min, max] at step 100"
   empty = plots.maxvio_figure([])
   assert "no MoE statistics" in _texts(empty.axes[0])[0]
+  assert "no routing-bias statistics" in _texts(empty.axes[2])[0]
+
+
+def test_maxvio_many_layers_get_distinct_colours():
+  recs = [{"step": s, "split": "train",
+           "moe": {f"layers/{i}/ffn": {"max_vio": 0.1, "bias_min": -0.01 * i,
+                                       "bias_max": 0.01 * i} for i in range(1, 25)}}
+          for s in (1, 10)]
+  fig = plots.maxvio_figure(recs)
+  colours = {tuple(np.atleast_1d(line.get_color())) for line in fig.axes[0].get_lines()}
+  assert len(colours) == 24
+  assert len(fig.axes[2].patches) == 24
 
 
 def test_history_helpers():

@@ -34,7 +34,9 @@ def test_alerts_and_outputs(tmp_path, caplog):
   assert mon.alerts["loss_spike"] == 1 and mon.alerts["nonfinite"] == 1
   assert "ALERT" in caplog.text and "MaxVio" in caplog.text
   recs = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-  assert [r["step"] for r in recs] == [5, 10, 15, 20, 25, 30]
+  # Step 1 is logged too (the loss curve starts where the run starts), then every log_every.
+  assert [r["step"] for r in recs] == [1, 5, 10, 15, 20, 25, 30]
+  assert recs[0]["tokens_per_sec_incl_compile"] is True
   assert recs[-1]["moe"]["layers/1/ffn"]["load"] == [3, 1, 2, 2]
   img = mpimg.imread(tmp_path / "expert_load.png")
   assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400   # a real figure
@@ -59,7 +61,7 @@ def test_heatmap_title_and_window(tmp_path, monkeypatch):
   mon.close()
   assert len(figs) == 4                            # expert_load.png + heatmaps/, twice
   title = figs[-1].axes[0].get_title()
-  assert "step 4" in title and "steps 3-4" in title
+  assert title.startswith("Expert load, steps 3-4 (summed)\nMaxVio at step 4: ")
   assert "layer 1 1.000" in title and "layer 2 0.000" in title
   # Summed load of layer 1 over 2 steps: [6, 2, 4, 4] / 4 -> expert 0 at 1.5 > 1.4.
   marks = figs[-1].axes[0].collections[0].get_offsets()
@@ -80,3 +82,21 @@ def test_first_log_tokens_per_sec_is_a_number(tmp_path):
   assert all(isinstance(x, float) and x > 0 for x in rates), rates
   assert recs[0]["tokens_per_sec_incl_compile"] is True
   assert "tokens_per_sec_incl_compile" not in recs[1]
+
+
+def test_loss_curve_starts_at_the_first_step(tmp_path):
+  """metrics.jsonl holds step 1 (log_every = 10), so the plotted curve starts at step 1."""
+  from hybridmoe_jax import plots  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax.plots import history  # pylint: disable=import-outside-toplevel
+  t = default_config().train
+  t.update(dict(log_every=10, heatmap_every=0))
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=30, tokens_seen=lambda s: 64 * s)
+  for step in range(1, 31):
+    mon.step(step, _metrics(5.0 - step / 10, 0.1))
+  mon.close()
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  top = plots.loss_figure(records).axes[0]
+  train = next(line for line in top.get_lines() if line.get_label() == "train loss")
+  assert list(train.get_xdata()) == [1, 10, 20, 30]
+  assert train.get_ydata()[0] == 4.9
+  assert history.series(history.split_records(records, "train"), "loss")[0][0] == 1
