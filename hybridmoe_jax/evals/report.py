@@ -2,7 +2,10 @@
 
 W/report.html holds the config and parameter counts, hardware and throughput, loss curves,
 held-out and eval-task results, expert load (latest heatmap, MaxVio over steps), checkpoints,
-resumes and alerts. Figures are base64 PNG data URIs and the CSS is inline: no script, no
+resumes and alerts. For an RL run (rl/trainer.py) the summary counts SFT steps and RL
+iterations, the curves are the SFT loss and the per-iteration reward / success / loss /
+entropy, and the evaluations include the in-run held-out success by level (over iterations)
+and eval/agent.json. Figures are base64 PNG data URIs and the CSS is inline: no script, no
 external URL, so the file opens anywhere, offline. Reading W is read-only (a run may still
 be training); nothing but report.html is written.
 """
@@ -77,7 +80,36 @@ def _flat(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 
 
 # ------------------------------------------------------------------------------- sections
+def _rl_summary(run: RunData) -> str:
+  cfg = (run.run_config or {}).get("rl") or {}
+  sft = report_data.event_records(run.records, "sft")
+  it = report_data.event_records(run.records, "rl")
+  logged = [r["step"] for r in run.records
+            if r.get("event") in ("sft", "rl", "eval") and isinstance(r.get("step"), int)]
+  rows = [("workdir", run.workdir),
+          ("last logged step", f"{max(logged) if logged else None} (SFT steps, then SFT "
+                               "steps + RL iteration)"),
+          ("SFT warm start", f"step {sft[-1]['step'] if sft else 0} of "
+                             f"{cfg.get('sft_steps', '?')}"),
+          ("RL iteration", f"{it[-1].get('iteration') if it else 0} of "
+                           f"{cfg.get('iterations', '?')}"),
+          ("metrics.jsonl last written", report_data.age(run.metrics_mtime)),
+          ("report written", time.strftime("%Y-%m-%d %H:%M:%S"))]
+  if sft:
+    rows.append(("last SFT loss", sft[-1].get("loss")))
+  if it:
+    last = it[-1]
+    rows += [(f"last iteration: {k}", last[k]) for k in
+             ("reward", "success", "loss", "entropy", "clip_fraction", "kl_ref") if k in last]
+    zero = sum(1 for r in it if r.get("episodes") and r.get("success", 0.0) == 0.0)
+    if zero:
+      rows.append(("iterations where no episode succeeded", f"{zero} of {len(it)}"))
+  return _table(None, rows)
+
+
 def _summary(run: RunData, train: list[dict]) -> str:
+  if run.is_rl:
+    return _rl_summary(run)
   steps = (run.run_config or {}).get("train", {}).get("steps")
   last = train[-1]["step"] if train else None
   rows = [("workdir", run.workdir), ("last logged step", f"{last} of {steps or '?'}"),
@@ -125,8 +157,24 @@ def _hardware(run: RunData, train: list[dict]) -> str:
   return "".join(out)
 
 
+def _rl_evals(run: RunData) -> str:
+  """The RL run's own held-out evaluations (greedy success per env / level) by iteration."""
+  evals = report_data.event_records(run.records, "eval")
+  if not evals:
+    return ""
+  cells = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("success/")})
+  iters = [r.get("iteration") for r in evals]
+  series = {c: [r.get(f"success/{c}") for r in evals] for c in cells}
+  return ("<h3>Held-out success during RL (greedy)</h3>"
+          + _img(plots.success_by_level(iters, series, title="held-out success by level "
+                                        "(greedy)", xlabel="RL iteration"),
+                 "held-out success by level over RL iterations")
+          + _table(["RL iteration"] + cells,
+                   [[i] + [series[c][n] for c in cells] for n, i in enumerate(iters)]))
+
+
 def _evals(run: RunData) -> str:
-  out = []
+  out = [_rl_evals(run)] if run.is_rl else []
   held = history.split_records(run.records, "eval")
   if held:
     out.append("<h3>Held-out loss during training</h3>" + _table(
@@ -146,6 +194,12 @@ def _evals(run: RunData) -> str:
   return "".join(out) or '<p class="muted">no evaluation yet (run_eval.py --task=all)</p>'
 
 
+def _agent_table(results: dict[str, Any]) -> str:
+  rows = [(policy, c["env"], c["level"], c["episodes"], c["success_rate"])
+          for policy, r in results.items() for c in r["cells"]]
+  return _table(("policy", "env", "level", "episodes", "success"), rows)
+
+
 def _eval_task(task: str, r: dict[str, Any]) -> str:
   if task == "ppl":
     rows = [(f"{b['context_from']}-{b['context_to'] or ''}", b["tokens"], b["ppl"],
@@ -160,6 +214,8 @@ def _eval_task(task: str, r: dict[str, Any]) -> str:
                   [(c["length"], c["pairs"], c["accuracy"]) for c in r["cells"]])
   if task == "vqa":
     return _img(plots.vqa_figure(r), "VQA accuracy per question type")
+  if task == "agent":
+    return _img(plots.agent_eval_bars(r), "agent success per level") + _agent_table(r)
   return _table(("prompt", "continuation"), [(repr(r["prompt"]), repr(r["text"]))])
 
 
@@ -176,7 +232,7 @@ def _expert_load(run: RunData, train: list[dict]) -> str:
   threshold = (run.run_config or {}).get("train", {}).get("maxvio_alert_threshold")
   overload = 1.0 + threshold if threshold is not None else 1.5
   return (_img(plots.expert_load_figure(load, names, step=latest["step"], max_vio=vio,
-                                        overload=overload),   # one step: "step N only"
+                                        overload=overload, window="load of this step"),
                "expert load heatmap")
           + _img(plots.maxvio_figure(run.records, threshold=threshold), "MaxVio over steps"))
 
@@ -218,8 +274,12 @@ def render(run: RunData) -> str:
   name = os.path.basename(run.workdir.rstrip("/")) or run.workdir
   notes = "".join(f'<p class="note">{_e(n)}</p>' for n in run.notes)
   # Pictures first: what a reader looks for is how the run is going.
+  curves = (_img(plots.rl_training_figure(report_data.event_records(run.records, "sft"),
+                                          report_data.event_records(run.records, "rl")),
+                 "SFT loss and RL curves over iterations") if run.is_rl
+            else _img(plots.loss_figure(run.records), "loss curves"))
   sections = [("Run", _summary(run, train)),
-              ("Curves", _img(plots.loss_figure(run.records), "loss curves")),
+              ("Curves", curves),
               ("Expert load", _expert_load(run, train)), ("Alerts", _alerts(train)),
               ("Evaluations", _evals(run)),
               ("Hardware and throughput", _hardware(run, train)),

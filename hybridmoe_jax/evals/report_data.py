@@ -5,7 +5,11 @@ start and resume events with the hardware, alerts; an unparsable line, e.g. the 
 last line of a run still training, is skipped with a note), `model_config.json` (parameter
 counts via `model.count`, no weights loaded), the newest checkpoint's meta (the run config,
 through the read-only `Checkpointer`), the step directories of `checkpoints/` and
-`checkpoints_corrupt/`, and the eval results `run_eval.py` wrote to `eval/<task>.json`.
+`checkpoints_corrupt/`, and the eval results `run_eval.py` wrote to `eval/<task>.json`
+(`eval/agent.json` included).
+
+An RL run (rl/trainer.py) logs {"event": "sft" | "rl" | "eval", "step", ...} records instead
+of pre-training's {"split": ...}; `event_records` reads them and `RunData.is_rl` tells.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from hybridmoe_jax.model import count
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 
 METRICS_FILE = "metrics.jsonl"
+# eval/<name>.json files a report shows: run_eval's tasks and --task=agent (its "results")
+EVAL_FILES = TASKS + ("agent",)
+RL_EVENTS = ("sft", "rl")
 
 
 @dataclasses.dataclass
@@ -39,6 +46,22 @@ class RunData:
   corrupt: list[str] = dataclasses.field(default_factory=list)
   evals: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
   notes: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def is_rl(self) -> bool:
+    """An RL run: it logged SFT steps or RL iterations, or its config names RL envs."""
+    return (any(r.get("event") in RL_EVENTS for r in self.records)
+            or bool(((self.run_config or {}).get("rl") or {}).get("envs")))
+
+
+def event_records(records: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
+  """The records of one RL event ("sft", "rl", "eval") in step order, the last per step (a
+  resumed run redoes the steps after its checkpoint)."""
+  by_step = {}
+  for r in records:
+    if r.get("event") == event and isinstance(r.get("step"), int):
+      by_step[r["step"]] = r
+  return [by_step[s] for s in sorted(by_step)]
 
 
 def read_metrics(path: str, notes: list[str]) -> list[dict[str, Any]]:
@@ -102,14 +125,15 @@ def _read_run_config(run: RunData) -> None:
 
 def _read_evals(run: RunData) -> None:
   folder = os.path.join(run.workdir, "eval")
-  for task in TASKS:
+  for task in EVAL_FILES:
     path = os.path.join(folder, f"{task}.json")
     if not os.path.isfile(path):
       continue
     try:
       with open(path, encoding="utf-8") as f:
         saved = json.load(f)
-      run.evals[task] = {"result": saved["result"], "model": saved.get("model", {}),
+      result = saved["results"] if task == "agent" else saved["result"]
+      run.evals[task] = {"result": result, "model": saved.get("model", {}),
                          "mtime": os.path.getmtime(path)}
     except (OSError, ValueError, KeyError, TypeError) as e:
       run.notes.append(f"eval/{task}.json unreadable ({type(e).__name__}): skipped")

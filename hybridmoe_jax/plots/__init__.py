@@ -17,4 +17,5 @@ from hybridmoe_jax.plots.figure import save
 from hybridmoe_jax.plots.moe import expert_load_figure
 from hybridmoe_jax.plots.moe import maxvio_figure
 from hybridmoe_jax.plots.rl import agent_eval_bars
+from hybridmoe_jax.plots.rl import rl_training_figure
 from hybridmoe_jax.plots.rl import success_by_level

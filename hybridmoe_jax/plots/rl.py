@@ -1,4 +1,5 @@
-"""Agentic RL figures: success rate per level over training steps, and agent-eval bars.
+"""Agentic RL figures: success rate per level over RL iterations, the RL run's curves
+(SFT loss over SFT steps; reward, success, loss, entropy over iterations), agent-eval bars.
 
 Inputs are plain numbers: success rates are floats in [0, 1] (None / NaN: not evaluated).
 """
@@ -17,7 +18,7 @@ _POLICY_COLOURS = {"model": "C0", "oracle": "C2", "random": "C7"}
 
 
 def success_by_level(steps: Sequence[int], series: Mapping[str, Sequence[float | None]], *,
-                     title: str = "Success rate by level") -> Figure:
+                     title: str = "Success rate by level", xlabel: str = "step") -> Figure:
   """One line per series over training steps; None (not evaluated at that step) leaves a
   gap, and every evaluated point carries a marker (a lone point stays visible).
 
@@ -26,6 +27,7 @@ def success_by_level(steps: Sequence[int], series: Mapping[str, Sequence[float |
     series: label (e.g. "arithmetic/L1") -> success rate per step [S], each in [0, 1] or
       None.
     title: the axes title.
+    xlabel: what the x values count ("RL iteration" for an RL run's evaluations).
 
   Raises:
     ValueError: a series whose length is not len(steps) (named).
@@ -43,10 +45,64 @@ def success_by_level(steps: Sequence[int], series: Mapping[str, Sequence[float |
   else:
     ax.legend(fontsize=8, loc="best", ncol=1 + len(series) // 8)
   ax.set_ylim(-0.03, 1.03)
-  ax.set_xlabel("step")
+  ax.set_xlabel(xlabel)
   ax.set_ylabel("success rate (reward = 1)")
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
+  return fig
+
+
+def _points(records: Sequence[Mapping[str, Any]], x: str, y: str
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """(x, y) of the records holding both as finite numbers."""
+  pts = [(float(r[x]), float(r[y])) for r in records
+         if all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+                and np.isfinite(float(r[k])) for k in (x, y))]
+  if not pts:
+    return np.zeros(0), np.zeros(0)
+  xs, ys = zip(*pts)
+  return np.asarray(xs), np.asarray(ys)
+
+
+def _panel(ax, records, x: str, keys: Sequence[tuple[str, str]], *, xlabel: str,
+           title: str) -> None:
+  """One line per (key, label) that has points; else a 'not logged' note."""
+  drawn = 0
+  for key, label in keys:
+    xs, ys = _points(records, x, key)
+    if len(xs):
+      ax.plot(xs, ys, "o-" if len(xs) < 30 else "-", ms=3, lw=1.2, label=label)
+      drawn += 1
+  if drawn:
+    ax.legend(fontsize=8, loc="best")
+  else:
+    ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+  ax.set_xlabel(xlabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+
+
+def rl_training_figure(sft: Sequence[Mapping[str, Any]], rl: Sequence[Mapping[str, Any]]
+                       ) -> Figure:
+  """An RL run's curves: the SFT warm start's loss over SFT steps, and per RL iteration the
+  sampled reward / success, the policy loss, and entropy / clip fraction / KL.
+
+  Args:
+    sft: the run's {"event": "sft"} records ({"step", "loss"}).
+    rl: its {"event": "rl"} records ({"iteration", "reward", "success", "loss", "entropy",
+      "clip_fraction", "kl_ref", ...}; an iteration without a learner update has no loss).
+  """
+  fig = new_figure(11.0, 6.5)
+  (a, b), (c, d) = fig.subplots(2, 2)
+  _panel(a, sft, "step", [("loss", "SFT loss")], xlabel="SFT step",
+         title="warm start (oracle demonstrations)")
+  _panel(b, rl, "iteration", [("reward", "reward (sampled)"), ("success", "success (sampled)")],
+         xlabel="RL iteration", title="rollouts")
+  _panel(c, rl, "iteration", [("loss", "loss"), ("policy_loss", "policy loss")],
+         xlabel="RL iteration", title="learner (mean over the iteration's updates)")
+  _panel(d, rl, "iteration", [("entropy", "entropy (nats / token)"),
+                              ("clip_fraction", "clip fraction"), ("kl_ref", "KL to reference")],
+         xlabel="RL iteration", title="policy")
   return fig
 
 

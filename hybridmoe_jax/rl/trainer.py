@@ -57,7 +57,7 @@ from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
 from hybridmoe_jax.rl.chat_format import chat_ids
 from hybridmoe_jax.rl.episode import Trajectory
-from hybridmoe_jax.rl.monitor import RLMonitor
+from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -381,18 +381,6 @@ class _Run:
     return out
 
 
-def _line(m: dict[str, Any], total: int) -> str:
-  parts = [f"iter {m['iteration']}/{total}"]
-  for k, fmt in (("reward", "{:.3f}"), ("success", "{:.2f}"), ("loss", "{:+.4f}"),
-                 ("kl_ref", "{:.4f}"), ("entropy", "{:.3f}"), ("clip_fraction", "{:.3f}"),
-                 ("generated_tokens", "{:.0f}"), ("rollout_s", "{:.1f}s"),
-                 ("learner_s", "{:.1f}s")):
-    if k in m:
-      parts.append(f"{k} " + fmt.format(m[k]))
-  fr = ",".join(f"{k.split('/')[1]}:{v}" for k, v in m.items() if k.startswith("frontier/"))
-  return " | ".join(parts + [f"frontier {fr}"])
-
-
 def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
   rl = config.rl
   wall0 = time.time()
@@ -412,7 +400,8 @@ def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
         while run.host.iteration < rl.iterations and stop.signum is None:
           last = run.iteration()
           i = run.host.iteration
-          run.monitor.record("rl", run.ckpt_step(), last, line=_line(last, rl.iterations))
+          line = progress_line(last, rl.iterations, sft_steps=run.sft_steps)
+          run.monitor.record("rl", run.ckpt_step(), last, line=line)
           if (rl.eval_every and i % rl.eval_every == 0) or i == rl.iterations:
             table = run.evaluate()
             run.host.eval_history.append({"iteration": i, "success": table})

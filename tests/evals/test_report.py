@@ -140,3 +140,47 @@ def test_report_renders_in_a_headless_browser(run_report, tmp_path):
   # Text alone gives a few grey levels; the figures bring hundreds of colours and lots of ink.
   assert len(colours) > 500 and ink > 0.05, (len(colours), ink)
   shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+def _make_rl_run(w: pathlib.Path) -> None:
+  """An RL workdir as rl/trainer.py leaves it (no weights): SFT records, iterations (the
+  first with no successful episode and no update), in-run evaluations, eval/agent.json."""
+  model = dataclasses.asdict(model_config_from_dict(load_config("rl_tiny").model))
+  (w / "model_config.json").write_text(json.dumps(model))
+  lines = [{"event": "sft", "step": s, "loss": 2.0 / s, "grad_norm": 1.0, "lr": 1e-3}
+           for s in (50, 100)]
+  for i in (1, 2, 3):
+    rec = {"event": "rl", "step": 100 + i, "iteration": i, "episodes": 64,
+           "reward": 0.1 * (i - 1), "success": 0.1 * (i - 1), "frontier/arithmetic": 0,
+           "groups_trained": 0 if i == 1 else 5, "groups_dropped": 8 if i == 1 else 3}
+    if i > 1:
+      rec.update(loss=-0.01 * i, entropy=0.3 - 0.05 * i, clip_fraction=0.01, updates=2)
+    lines.append(rec)
+  lines += [{"event": "eval", "step": 100, "iteration": 0, "success/arithmetic/L3": 0.05},
+            {"event": "eval", "step": 103, "iteration": 3, "success/arithmetic/L3": 0.25}]
+  (w / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+  (w / "eval").mkdir()
+  cells = [{"env": "arithmetic", "level": lv, "success_rate": r, "episodes": 8}
+           for lv, r in ((2, 0.5), (3, 0.25))]
+  (w / "eval" / "agent.json").write_text(json.dumps({
+      "task": "agent", "model": {"step": 103}, "envs": ["arithmetic"],
+      "results": {"model": {"episodes": 8, "cells": cells}}}))
+
+
+def test_report_reads_an_rl_workdir(tmp_path):
+  """The last logged step and iteration, the SFT and RL curves (iterations on the x axis),
+  the in-run held-out success by iteration and eval/agent.json; zero-success iterations."""
+  _make_rl_run(tmp_path)
+  page = pathlib.Path(report.write_report(str(tmp_path))).read_text()
+  text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+  assert "last logged step 103 " in text and "last logged step None" not in text
+  assert "RL iteration 3 of ?" in text and "SFT warm start step 100 of ?" in text
+  assert "iterations where no episode succeeded 1 of 3" in text
+  assert "last iteration: entropy 0.15" in text and "no evaluation yet" not in text
+  assert 'alt="SFT loss and RL curves over iterations"' in page
+  assert 'alt="held-out success by level over RL iterations"' in page
+  assert 'alt="agent success per level"' in page
+  assert re.search(r"RL iteration\s*</th><th[^>]*>arithmetic/L3</th>", page)
+  assert re.search(r"model\s*</td><td[^>]*>arithmetic</td><td[^>]*>3</td><td[^>]*>8</td>"
+                   r"<td[^>]*>0.25<", page)
+  assert "agent (step 103" in text
