@@ -6,11 +6,15 @@
   python run_eval.py --workdir=runs/vlm --task=vqa                # vision models
   python run_eval.py --workdir=runs/x --task=report   # runs/x/report.html (no model loaded)
   python run_eval.py --workdir=runs/rl --task=agent --agent_levels=0,1,2 --agent_episodes=16
-  python run_eval.py --workdir=runs/vlm --task=generate --image=scene.ppm \
-      --prompt=$'Q: colour at top left?\n<image>\nA:'   # image at <image>, else before
+  # vision models: an image at <image> in the prompt (else before it); a generated scene:
+  python -c "import numpy as np; from hybridmoe_jax.data import images as im; im.write_pnm('scene.ppm', im.render_scene(im.random_scene(np.random.default_rng(7), [32])))"
+  python run_eval.py --workdir=runs/vlm --task=generate --image=scene.ppm --prompt=$'Q: colour at top left?\\n<image>\\nA:'
 
-Results go to --output_dir (default <workdir or params>/eval) as <task>.json, results.json
-and niah_heatmap.png (a labelled figure), with a short table on stdout. The logic lives in `hybridmoe_jax.evals`.
+Results go to --output_dir (default <workdir>/eval, or <params>_eval beside a params export)
+as <task>.json, niah_heatmap.png (a labelled figure) and results.json (every task's latest
+result: a later single task replaces only its own), with a short table on stdout; generate
+reports its compile and run (prefill + decode) seconds apart. The logic lives in
+`hybridmoe_jax.evals`.
 --task=agent (not part of "all": it needs a model trained with the chat tokenizer) rolls out
 held-out tool-use episodes per env and level under the policies model / oracle / random and
 writes agent.json and agent_success.png (`hybridmoe_jax.agent_eval`).
@@ -29,7 +33,8 @@ _D = EvalOptions()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run: evaluate its newest checkpoint.")
 _PARAMS = flags.DEFINE_string("params", None,
                               "A params-only export (run_train.py --export_params_to).")
-_OUTPUT = flags.DEFINE_string("output_dir", None, "Where results go (default <source>/eval).")
+_OUTPUT = flags.DEFINE_string("output_dir", None, "Where results go (default <workdir>/eval; "
+                               "with --params, <params>_eval beside the export).")
 _CONFIG = flags.DEFINE_string("config", None, "Optional configs/*.py: must match the stored one.")
 _TASK = flags.DEFINE_enum("task", "all", list(TASKS) + ["all", "report", "agent"],
                           "Which evaluation to run; report: an HTML page about the run; "

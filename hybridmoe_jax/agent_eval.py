@@ -28,6 +28,7 @@ from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data.token_roles import CHAT_ROLES
 from hybridmoe_jax.evals.cli import load_model_config
 from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.rl.envs import env_names
 from hybridmoe_jax.rl.evaluate import POLICIES, evaluate_agent, format_agent_table
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -184,7 +185,7 @@ def run_agent_eval(*, workdir: str | None, params: str | None, output_dir: str |
   saved = saved_run_config(workdir, info["step"]) if workdir else None
   envs = resolve_envs(options, saved)
   levels = {name: options.levels for name in envs}
-  output_dir = output_dir or os.path.join(source, "eval")
+  output_dir = output_dir or default_output_dir(workdir, params)
   where = f"step {info['step']} of {workdir}" if "step" in info else params
   echo(f"model: {where}; tokenizer {getattr(tok, 'name', 'byte')} ({tok.vocab_size} ids); "
        f"envs {envs}; levels {list(options.levels)}; {options.episodes} episodes per cell")

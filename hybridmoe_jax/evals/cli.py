@@ -11,7 +11,8 @@ from hybridmoe_jax.config import ModelConfig, model_config_from_dict
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.evals import niah, report
 from hybridmoe_jax.evals.loading import load_model
-from hybridmoe_jax.evals.runner import EvalOptions, resolve_tasks, run_evals
+from hybridmoe_jax.evals.runner import (EvalOptions, default_output_dir, resolve_tasks,
+                                        run_evals)
 from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.train.config import load_config_file
 
@@ -86,7 +87,7 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   tok = tokenizer_lib.tokenizer_from_dir(
       os.path.join(workdir or params, tokenizer_lib.TOKENIZER_DIR),
       vision=model.cfg.vision.enabled)
-  output_dir = output_dir or os.path.join(workdir or params, "eval")
+  output_dir = output_dir or default_output_dir(workdir, params)
   where = f"step {info['step']} of {workdir}" if "step" in info else params
   kinds = "".join(k[0] for k in model.cfg.layer_kinds)
   echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds}); tokenizer "

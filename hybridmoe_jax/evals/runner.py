@@ -9,12 +9,14 @@ vqa for a vision model). Every task uses the run's tokenizer (`tokenizer_from_di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
@@ -23,9 +25,11 @@ from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.evals import mqar, niah, ppl, vqa
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.train import io_noise
 
 TEXT_TASKS = ("ppl", "niah", "mqar", "generate")
 TASKS = TEXT_TASKS + ("vqa",)
+RESULTS_FILE = "results.json"   # every task's latest result, merged across runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,15 @@ class EvalOptions:
   pad_image: bool = False       # pad an image whose sides are not multiples of 2p
   vqa_images: int = 48          # vqa: held-out generated scenes
   vqa_seed: int = -1            # vqa: scene seed; -1: the run's data.vision.heldout_seed
+
+
+def default_output_dir(workdir: str | None, params: str | None) -> str:
+  """Where results go without --output_dir: <workdir>/eval for a run; beside a params
+  export, <params>_eval (an export stays what the exporter wrote: weights, config,
+  tokenizer)."""
+  if workdir:
+    return os.path.join(workdir, "eval")
+  return os.path.normpath(params) + "_eval"
 
 
 def resolve_tasks(task: str) -> list[str]:
@@ -108,14 +121,42 @@ def run_generate(model: HybridLM, opts: EvalOptions,
   engine = Engine(model, max_len=opts.max_len, prefill_chunk=opts.prefill_chunk,
                   kv_block=opts.kv_block)
   t0 = time.perf_counter()
-  out = engine.generate(ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
-                        sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p),
-                        stop_tokens=[tok.eos_id], pad_id=tok.pad_id, images=images)
+  with compile_timer() as compiling:
+    out = engine.generate(ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                          sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p),
+                          stop_tokens=[tok.eos_id], pad_id=tok.pad_id, images=images)
+  seconds = time.perf_counter() - t0
   n = int(out.lengths[0])
+  run_s = max(seconds - compiling[0], 0.0)
   return {"prompt": opts.prompt, "image": opts.image or None,
           "text": tok.decode(out.tokens[0, :n]), "new_tokens": n,
-          "seconds": time.perf_counter() - t0, "temperature": opts.temperature,
-          "top_k": opts.top_k, "top_p": opts.top_p}
+          "seconds": seconds, "compile_s": compiling[0], "run_s": run_s,
+          "tokens_per_s": n / run_s if run_s > 0 else None,
+          "temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p}
+
+
+# jax's duration events for tracing, lowering and XLA compilation (jax._src.dispatch).
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@contextlib.contextmanager
+def compile_timer():
+  """Seconds jax spends tracing, lowering and compiling inside the block: yields a
+  one-element list, summed as jax reports each event (the rest of the block's wall time
+  is the run: prefill and decode)."""
+  total = [0.0]
+
+  def listen(event: str, duration: float, **_):
+    if event in _COMPILE_EVENTS:
+      total[0] += duration
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield total
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None,
@@ -182,7 +223,30 @@ def format_table(task: str, r: dict[str, Any]) -> str:
     return "\n".join(lines + [f"chance {r['chance']:.3f}"])
   if task == "vqa":
     return vqa.format_vqa(r)
-  return f"{r['prompt']!r} -> {r['text']!r} ({r['new_tokens']} tokens, {r['seconds']:.2f}s)"
+  rate = f", {r['tokens_per_s']:.1f} tok/s" if r.get("tokens_per_s") else ""
+  timing = (f"compile {r['compile_s']:.2f}s + run {r['run_s']:.2f}s{rate}"
+            if "compile_s" in r else f"{r['seconds']:.2f}s")
+  return f"{r['prompt']!r} -> {r['text']!r} ({r['new_tokens']} tokens, {timing})"
+
+
+def write_result(path: str, obj: dict[str, Any]) -> None:
+  """JSON into `path` through a temp file and a rename: a full disk leaves the previous
+  result (or none), never a truncated or 0-byte file.
+
+  Raises:
+    OSError: one line naming `path`, what happened and what to do.
+  """
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+  except OSError as e:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    what, fix = io_noise.describe_write_error(e)
+    raise OSError(f"cannot write the eval result {path}: {what}; "
+                  f"{fix}, then rerun the eval") from None
 
 
 def run_evals(model: HybridLM, tasks: Sequence[str], opts: EvalOptions, output_dir: str, *,
@@ -201,10 +265,39 @@ def run_evals(model: HybridLM, tasks: Sequence[str], opts: EvalOptions, output_d
     r = run_task(task, model, opts, output_dir, data_cfg, tokenizer)
     r["wall_s"] = time.perf_counter() - t0
     results[task] = r
-    with open(os.path.join(output_dir, f"{task}.json"), "w", encoding="utf-8") as f:
-      json.dump({"task": task, "model": info or {}, "result": r}, f, indent=1)
+    write_result(os.path.join(output_dir, f"{task}.json"),
+                 {"task": task, "model": info or {}, "result": r})
     echo(f"== {task} ({r['wall_s']:.1f}s)\n{format_table(task, r)}")
-  with open(os.path.join(output_dir, "results.json"), "w", encoding="utf-8") as f:
-    json.dump({"model": info or {}, "options": dataclasses.asdict(opts), "results": results},
-              f, indent=1)
+  path = os.path.join(output_dir, RESULTS_FILE)
+  write_result(path, merge_results(path, info or {}, dataclasses.asdict(opts), results,
+                                   echo=echo))
   return results
+
+
+
+def merge_results(path: str, info: dict[str, Any], options: dict[str, Any],
+                  results: dict[str, Any], echo=print) -> dict[str, Any]:
+  """results.json after a run of some tasks: the file's other tasks kept, these replaced.
+
+  {"model", "options": this run's; "results": {task: result}; "tasks": {task: {"model",
+  "options"}}: what each result ran with} (a later `--task=niah` no longer drops the ppl of
+  an earlier `--task=all`). A file that cannot be read is set aside as <path>.unreadable,
+  not overwritten.
+  """
+  old: dict[str, Any] = {}
+  if os.path.exists(path):
+    try:
+      with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+      if not isinstance(old, dict) or not isinstance(old.get("results", {}), dict):
+        raise ValueError("not a results file")
+    except (OSError, ValueError) as e:
+      os.replace(path, path + ".unreadable")
+      echo(f"warning: {path} was unreadable ({e}); kept as {path}.unreadable")
+      old = {}
+  runs = dict(old.get("tasks") or {})
+  for task in old.get("results", {}):   # files written before "tasks": the top-level run's
+    runs.setdefault(task, {"model": old.get("model", {}), "options": old.get("options", {})})
+  runs.update({task: {"model": info, "options": options} for task in results})
+  return {"model": info, "options": options,
+          "results": {**old.get("results", {}), **results}, "tasks": runs}

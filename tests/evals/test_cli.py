@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from flax import nnx
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.evals.cli import main
 from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, export_params
 from tests.conftest import ROOT
@@ -92,3 +96,59 @@ def test_eval_log_names_the_implementations(export, tmp_path):
   impl = [l for l in lines if l.startswith("implementation: ")]
   assert len(impl) == 3, lines   # kda, mla, moe: once each
   assert "(kda): chunked" in impl[0] and "(mla):" in impl[1] and "(moe):" in impl[2]
+
+
+def test_params_results_go_beside_the_export(export, tmp_path):
+  """--params without --output_dir writes <params>_eval, never into the export itself."""
+  before = sorted(os.listdir(export))
+  lines = []
+  main(task="generate", workdir=None, params=export, output_dir=None, config=None,
+       option_values={"prompt": "ab", "max_new_tokens": 2}, echo=lines.append)
+  assert sorted(os.listdir(export)) == before
+  out = export.rstrip("/") + "_eval"
+  assert lines[-1] == f"results in {out}" and os.path.isfile(os.path.join(out, "generate.json"))
+  assert default_output_dir("runs/x", None) == os.path.join("runs/x", "eval")
+  assert default_output_dir(None, "exports/p/") == "exports/p_eval"
+
+
+def _help_examples(text: str) -> list[str]:
+  return [l.strip() for l in text.splitlines() if l.strip().startswith("python ")]
+
+
+@pytest.mark.parametrize("script", ["run_eval.py", "run_train.py"])
+def test_help_examples_are_copyable(script, tmp_path):
+  """Every example of --help is one shell line whose flags exist; the image one runs."""
+  r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=120)
+  lines = _help_examples(r.stdout)
+  assert len(lines) >= 6, r.stdout[:2000]
+  flags_known = set(re.findall(r"--(?:\[no\])?(\w+)", r.stdout))
+  for line in lines:
+    argv = shlex.split(line.split("  #")[0])    # one line: a whole command (no stray quotes)
+    assert argv[0] == "python", line
+    if argv[1] != script:
+      continue
+    for arg in argv[2:]:
+      if arg.startswith("--") and not arg.startswith("--config."):
+        assert arg[2:].split("=")[0].removeprefix("no") in flags_known, (arg, line)
+  maker = next((l for l in lines if l.startswith("python -c")), None)
+  if script == "run_eval.py":   # the scene the last example reads: made by the line before it
+    subprocess.run(shlex.split(maker), cwd=tmp_path, check=True, timeout=120)
+    from hybridmoe_jax.data.images import read_image  # pylint: disable=import-outside-toplevel
+    assert read_image(str(tmp_path / "scene.ppm")).shape == (32, 32, 3)
+    assert "$'Q: colour at top left?\\n<image>\\nA:'" in r.stdout
+
+
+def test_generate_reports_compile_and_run_apart(export, tmp_path):
+  lines = []
+  r = main(task="generate", workdir=None, params=export, output_dir=str(tmp_path),
+           config=None, option_values={"prompt": "abc", "max_new_tokens": 3, "seed": 5},
+           echo=lines.append)["generate"]
+  # A fresh prompt length and seed: this call compiles (prefill + decode loop), then runs.
+  assert r["compile_s"] > 0 and r["run_s"] >= 0
+  assert abs(r["compile_s"] + r["run_s"] - r["seconds"]) < 1e-6
+  assert any("compile " in l and "+ run " in l for l in lines), lines
+  again = main(task="generate", workdir=None, params=export, output_dir=str(tmp_path),
+               config=None, option_values={"prompt": "abc", "max_new_tokens": 3, "seed": 5},
+               echo=lambda _: None)["generate"]
+  assert again["compile_s"] < r["compile_s"] and again["text"] == r["text"]

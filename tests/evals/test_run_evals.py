@@ -1,11 +1,13 @@
 """All tasks end to end on an in-memory tiny model (fast settings), outputs on disk."""
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 
 from hybridmoe_jax.evals import EvalOptions, run_evals
+from hybridmoe_jax.evals.runner import merge_results
 from matplotlib import image as mpimg
 from tests.infer.helpers import two_layer_model
 
@@ -38,3 +40,38 @@ def test_all_tasks_in_memory(tmp_path):
   saved = json.load(open(tmp_path / "results.json"))
   assert saved["model"] == {"source": "memory"} and set(saved["results"]) == set(results)
   assert any(line.startswith("== niah") for line in lines)
+
+
+def test_results_json_merges_later_tasks(tmp_path):
+  """A later single task replaces its own result in results.json and keeps the others,
+  each with the model and options it ran with; an unreadable file is set aside."""
+  fast = dataclasses.replace(FAST, max_new_tokens=2)
+  model = two_layer_model()
+  run_evals(model, ["mqar", "generate"], fast, str(tmp_path), info={"step": 10},
+            echo=lambda _: None)
+  first = json.load(open(tmp_path / "results.json"))
+  run_evals(model, ["generate"], dataclasses.replace(fast, prompt="Hi"), str(tmp_path),
+            info={"step": 20}, echo=lambda _: None)
+  merged = json.load(open(tmp_path / "results.json"))
+  assert set(merged["results"]) == {"mqar", "generate"}
+  assert merged["results"]["mqar"] == first["results"]["mqar"]
+  assert merged["results"]["generate"]["prompt"] == "Hi"
+  assert merged["tasks"]["mqar"]["model"] == {"step": 10}
+  assert merged["tasks"]["generate"] == {"model": {"step": 20},
+                                         "options": merged["options"]}
+  assert merged["model"] == {"step": 20} and merged["options"]["prompt"] == "Hi"
+  (tmp_path / "results.json").write_text("{not json")
+  lines = []
+  run_evals(model, ["generate"], fast, str(tmp_path), echo=lines.append)
+  assert (tmp_path / "results.json.unreadable").read_text() == "{not json"
+  assert set(json.load(open(tmp_path / "results.json"))["results"]) == {"generate"}
+  assert any(l.startswith("warning: ") and "unreadable" in l for l in lines)
+
+
+def test_results_json_from_before_tasks_keeps_its_run(tmp_path):
+  old = {"model": {"step": 5}, "options": {"prompt": "x"}, "results": {"ppl": {"v": 1}}}
+  (tmp_path / "results.json").write_text(json.dumps(old))
+  merged = merge_results(str(tmp_path / "results.json"), {"step": 6}, {"prompt": "y"},
+                         {"generate": {"v": 2}})
+  assert merged["results"] == {"ppl": {"v": 1}, "generate": {"v": 2}}
+  assert merged["tasks"]["ppl"] == {"model": {"step": 5}, "options": {"prompt": "x"}}
