@@ -19,6 +19,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from hybridmoe_jax import api  # noqa: E402
 from hybridmoe_jax import lm_eval_adapter  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
 from tests.serve.fixtures import write_chat_model  # noqa: E402
 
 TASKS = pathlib.Path(__file__).parent / "lm_eval_task"
@@ -37,7 +38,7 @@ def _loglik(lm, context, continuation):
 
 
 def test_simple_evaluate_equals_our_scorer_and_generator(model_path, monkeypatch):
-  monkeypatch.chdir(TASKS)                  # the YAMLs' data_files are relative
+  monkeypatch.chdir(ROOT)                   # the YAMLs' data_files are relative to the root
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   model = lm_eval_adapter.HybridMoELM(workdir=model_path, max_len=512, prefill_chunk=32,
                                       batch_size=4)
