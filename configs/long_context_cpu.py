@@ -16,7 +16,7 @@ Variants for the ablation (same data, seeds and budget), as the config string:
   configs/long_context_cpu.py:kda          K K K K
   configs/long_context_cpu.py:mla          M M M M (NoPE)
 and ",stages=N" keeps the first N stages (e.g. `:hybrid,stages=1` is the 512-token stage
-alone), ",seed=S" sets the run seed. BENCHMARKS.md ("Long-context retrieval") has the numbers;
+alone), ",seed=S" sets the run seed, ",steps=N" the first stage's steps (a reduced recipe). BENCHMARKS.md ("Long-context retrieval") has the numbers;
 benchmarks/long_context_retrieval.py runs the variants and draws the figures.
 """
 
@@ -43,20 +43,22 @@ STAGES = (
 
 def _parse(spec: str) -> dict:
   """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
-  out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0}
+  out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"]}
   for i, part in enumerate(p for p in (spec or "").split(",") if p):
     key, _, value = part.partition("=")
     if not value and i == 0:
       key, value = "variant", key
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
-                       "(allowed: <variant>, stages=N, seed=S)")
+                       "(allowed: <variant>, stages=N, seed=S, steps=N)")
     out[key] = value if key == "variant" else int(value)
   if out["variant"] not in VARIANTS:
     raise ValueError(f"long_context_cpu variant {out['variant']!r} is not one of "
                      f"{tuple(VARIANTS)}")
   if not 1 <= out["stages"] <= len(STAGES):
     raise ValueError(f"long_context_cpu stages={out['stages']} must be in [1, {len(STAGES)}]")
+  if out["steps"] < 1:
+    raise ValueError(f"long_context_cpu steps={out['steps']} must be >= 1")
   return out
 
 
@@ -74,7 +76,7 @@ def get_config(spec: str = ""):
   c.tokens_per_step = 4096          # 512 x 8, 2K x 2, 8K x 1 (a stage's own, see STAGES)
   c.sources = {"pydoc": {"kind": "bundled"}}
   c.num_workers = 0
-  c.stages = STAGES[:opts["stages"]]
+  c.stages = (dict(STAGES[0], steps=opts["steps"]),) + STAGES[1:opts["stages"]]
   c.niah_lengths = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
   c.niah_depths = (0.1, 0.5, 0.9)
   c.niah_samples = 4

@@ -80,6 +80,22 @@ class CurriculumData:
   stage_eval_batches: dict = dataclasses.field(default_factory=dict)
 
 
+def retrieval_weight(fraction: float, comps: Sequence[stages_lib.Component], source, *,
+                     long_upsample: int = 1, long_min_bytes: int = 0) -> float:
+  """The mixing weight (per document) that makes `source`'s documents `fraction` of a stage's
+  tokens next to `comps`: the mix draws documents, and a text document (a pydoc page, a whole
+  package) is often many times a retrieval document's length, so a per-document share would
+  leave retrieval a few percent of the tokens. w = f / (1 - f) * sum_k w_k E[len_k] / E[len_r]
+  (lengths in bytes, after long-document upsampling)."""
+  text = 0.0
+  for c in comps:
+    lengths = stages_lib.doc_lengths(c.source)
+    ids = stages_lib.upsampled_indices(np.arange(len(lengths)), lengths,
+                                       min_bytes=long_min_bytes, factor=long_upsample)
+    text += c.weight * float(lengths[ids].mean())
+  return fraction / (1 - fraction) * text / float(np.mean(source.lengths))
+
+
 def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: int,
                shard_count: int = 1) -> list[stages_lib.StageData]:
   """Per-stage pipeline inputs (batch per host); retrieval docs join as one more component."""
@@ -91,10 +107,11 @@ def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: 
                         f"{shard_count} hosts")
     comps = [stages_lib.Component(n, train_sources[n], w) for n, w in s.weights.items()]
     if s.retrieval_fraction > 0:
-      total = sum(s.weights.values())
-      comps.append(stages_lib.Component(
-          "retrieval", retrieval.RetrievalSource(s.seq_len - 2, seed=seed + 7919 * s.index),
-          total * s.retrieval_fraction / (1 - s.retrieval_fraction)))
+      src = retrieval.RetrievalSource(s.seq_len - 2, min_bytes=max(128, (s.seq_len - 2) // 4),
+                                      seed=seed + 7919 * s.index)
+      comps.append(stages_lib.Component("retrieval", src, retrieval_weight(
+          s.retrieval_fraction, comps, src, long_upsample=s.long_upsample,
+          long_min_bytes=s.long_min_bytes)))
     out.append(stages_lib.StageData(
         index=s.index, seq_len=s.seq_len, batch_size=s.batch_size // shard_count,
         steps=s.steps, components=tuple(comps), long_upsample=s.long_upsample,

@@ -143,11 +143,17 @@ def passkey_document(rng: np.random.Generator, target_bytes: int, split: str = "
 def multikey_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
                       num_digits: int = 5) -> str:
   """2-4 named needles (each a distractor for the others) at random depths, then 1-4 of
-  them asked for (shuffled)."""
-  n = int(rng.integers(2, 5))
+  them asked for (shuffled); as many as fit in target_bytes (a passkey document when not even
+  two needles and a question do)."""
+  needle_bytes, question_bytes = 50 + num_digits, 100 + num_digits   # longest name
+  most = min(4, (target_bytes - question_bytes) // needle_bytes)
+  if most < 2:
+    return passkey_document(rng, target_bytes, split, num_digits)
+  n = int(rng.integers(2, most + 1))
   names = [NAMES[j] for j in rng.choice(len(NAMES), n, replace=False)]
   keys = _draw_keys(rng, split, n, num_digits)
-  asked = rng.permutation(n)[:int(rng.integers(1, n + 1))]
+  fit = min(n, (target_bytes - n * needle_bytes) // question_bytes)
+  asked = rng.permutation(n)[:int(rng.integers(1, fit + 1))]
   questions = "".join(named_question(names[j]) + keys[j] + ". " for j in asked)
   needles = [named_needle(nm, k) for nm, k in zip(names, keys)]
   room = max(target_bytes - sum(map(len, needles)) - len(questions), 0)
@@ -193,24 +199,34 @@ class RetrievalSource:
   """`num_documents` synthetic documents of ~`target_bytes` bytes, cycling through `kinds`.
 
   Args:
-    target_bytes: document length in bytes (e.g. a stage's seq_len minus BOS/EOS).
+    target_bytes: the longest document in bytes (e.g. a stage's seq_len minus BOS/EOS).
+    min_bytes: the shortest (default target_bytes: all alike); document i's length is drawn
+      uniformly in [min_bytes, target_bytes] (`lengths`), so a row packs several short ones:
+      more retrieval examples per token, at every distance up to the row.
     seed: documents depend only on (split, seed, index).
     num_documents: the virtual length (one "epoch").
     kinds: which generators to cycle through (`KINDS`).
     split: "train" (the curriculum's) or "eval" (held-out keys and seed stream).
   """
 
-  def __init__(self, target_bytes: int, *, seed: int = 0, num_documents: int = 1 << 16,
-               kinds: tuple[str, ...] = KINDS, split: str = "train"):
+  def __init__(self, target_bytes: int, *, min_bytes: int | None = None, seed: int = 0,
+               num_documents: int = 1 << 16, kinds: tuple[str, ...] = KINDS,
+               split: str = "train"):
     if target_bytes < 64:
       raise ValueError(f"retrieval documents need target_bytes >= 64, got {target_bytes}")
+    min_bytes = target_bytes if min_bytes is None else min_bytes
+    if not 64 <= min_bytes <= target_bytes:
+      raise ValueError(f"retrieval min_bytes must be in [64, target_bytes={target_bytes}], "
+                       f"got {min_bytes}")
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
       raise ValueError(f"retrieval kinds must be among {KINDS}, got {kinds}")
     _check_split(split)
     self.target_bytes, self.seed, self.kinds, self.split = target_bytes, seed, tuple(kinds), split
     self.num_documents = num_documents
-    self.lengths = np.full(num_documents, target_bytes, np.int64)
+    lengths_rng = np.random.default_rng([len(SPLITS) + SPLITS.index(split), seed])
+    self.lengths = lengths_rng.integers(min_bytes, target_bytes + 1, num_documents).astype(
+        np.int64)
 
   def __len__(self) -> int:
     return self.num_documents
@@ -220,4 +236,4 @@ class RetrievalSource:
     if not 0 <= i < self.num_documents:
       raise IndexError(f"document index {i} out of range for {self.num_documents} documents")
     kind = self.kinds[i % len(self.kinds)]
-    return _MAKERS[kind](rng_for(self.split, self.seed, i), self.target_bytes, self.split)
+    return _MAKERS[kind](rng_for(self.split, self.seed, i), int(self.lengths[i]), self.split)

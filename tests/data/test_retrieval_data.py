@@ -116,3 +116,41 @@ def test_tokenizer_round_trip(tokenizer):
 def _runs(mask):
   d = np.diff(np.concatenate([[0], mask.astype(int), [0]]))
   return zip(np.flatnonzero(d == 1), np.flatnonzero(d == -1))
+
+
+@pytest.mark.parametrize("target", [128, 200, 510, 3000])
+def test_variable_lengths_fit_their_rows(target):
+  """Lengths drawn in [min_bytes, target] are the documents' lengths (a multi-key document
+  holds only as many needles and questions as fit; below two it is a passkey document)."""
+  src = retrieval.RetrievalSource(target, min_bytes=128, seed=4)
+  assert src.lengths.min() >= 128 and src.lengths.max() <= target
+  for i in range(45):
+    assert len(src[i]) == src.lengths[i]
+  if target == 3000:
+    assert len(set(src.lengths[:100])) > 50
+  with pytest.raises(ValueError, match="min_bytes"):
+    retrieval.RetrievalSource(target, min_bytes=target + 1)
+
+
+def test_retrieval_weight_gives_the_token_share():
+  """The mix draws documents; the retrieval weight makes their token share the fraction."""
+  from hybridmoe_jax.data import curriculum, stages  # pylint: disable=g-import-not-at-top
+
+  class Docs:
+    def __init__(self, lengths):
+      self.lengths = np.asarray(lengths)
+
+    def __len__(self):
+      return len(self.lengths)
+
+  comps = [stages.Component("a", Docs([6000, 2000]), 1.0),
+           stages.Component("b", Docs([300] * 4), 3.0)]
+  src = retrieval.RetrievalSource(510, min_bytes=128)
+  for f in (0.1, 0.5):
+    w = curriculum.retrieval_weight(f, comps, src)
+    text = 1.0 * 4000 + 3.0 * 300
+    share = w * src.lengths.mean() / (w * src.lengths.mean() + text)
+    assert share == pytest.approx(f)
+  # Upsampled long documents count as often as they are drawn.
+  w_up = curriculum.retrieval_weight(0.5, comps[:1], src, long_upsample=3, long_min_bytes=5000)
+  assert w_up * src.lengths.mean() == pytest.approx((3 * 6000 + 2000) / 4)
