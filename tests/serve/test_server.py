@@ -267,3 +267,37 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(lm):
     toks = [v for kind, v in events[name] if kind == "token"]
     assert toks == reference(lm, job.prompt, job.max_tokens, stop_tokens=())
     assert events[name][-1] == ("done", "length")
+
+
+def test_the_command_line_serves_and_refuses_bad_flags(model_path, capsys):
+  """`python -m hybridmoe_jax.serve --workdir=...` answers /v1/models; bad flags and paths
+  are one-line errors (exit 2)."""
+  import socket
+  import subprocess
+  import sys
+  import time
+
+  from hybridmoe_jax.serve.__main__ import main
+  assert main([f"--workdir={model_path}", "--slots=0"]) == 2
+  assert main(["--workdir=/nonexistent/run"]) == 2
+  err = capsys.readouterr().err
+  assert "--slots=0 is invalid" in err and "does not exist" in err
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([sys.executable, "-m", "hybridmoe_jax.serve",
+                           f"--workdir={model_path}", f"--port={port}", "--max_len=64"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline, models = time.monotonic() + 180, None
+    while models is None and time.monotonic() < deadline and proc.poll() is None:
+      try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+          models = json.loads(r.read())
+      except OSError:
+        time.sleep(0.5)
+    assert models is not None, proc.stderr.read() if proc.poll() is not None else "timeout"
+    assert models["data"][0]["id"] == "chat_model" and models["data"][0]["max_model_len"] == 64
+  finally:
+    proc.terminate()
+    proc.wait(30)
