@@ -33,7 +33,7 @@ def window_label(first_step: int, step: int) -> str:
 
 def expert_load_figure(load: np.ndarray, layers: Sequence[str], *, step: int,
                        first_step: int | None = None, max_vio: Sequence[float] | None = None,
-                       overload: float = 1.5) -> Figure:
+                       overload: float = 1.5, window: str | None = None) -> Figure:
   """Heatmap of each MoE layer's load per expert, relative to the layer's mean.
 
   Args:
@@ -47,6 +47,8 @@ def expert_load_figure(load: np.ndarray, layers: Sequence[str], *, step: int,
     max_vio: [L] MaxVio per layer for the title (the metric the alerts use, of `step`);
       default: the MaxVio of `load` itself, max_e load / mean - 1.
     overload: cells with load / mean above this are marked with a red x.
+    window: the title's words for the steps `load` covers, in place of `window_label`'s
+      (e.g. "the 31 logged steps 1-300 (summed)" for a sum over logged steps only).
 
   Returns:
     The figure: x = expert index, y = layer, colour = load / mean (colour bar), title with
@@ -80,7 +82,7 @@ def expert_load_figure(load: np.ndarray, layers: Sequence[str], *, step: int,
     ax.scatter(cols, rows, marker="x", color="red", s=60, linewidths=2,
                label=f"overloaded (> {overload:g} x mean)")
     ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
-  window = window_label(first_step, step)
+  window = window or window_label(first_step, step)
   # Given MaxVio values are the step's (the alerts' metric); computed ones, the window's.
   vio_of = (f"at step {step}" if max_vio_given or first_step >= step
             else "of the summed load")

@@ -50,6 +50,8 @@ def test_expert_load_window_is_the_first_words_of_the_title():
   computed = plots.expert_load_figure(load, ["a", "b"], step=20, first_step=11)
   assert "MaxVio of the summed load: a 0.500" in computed.axes[0].get_title()
   assert moe.window_label(20, 20) == "step 20 only"
+  own = plots.expert_load_figure(load, ["a", "b"], step=20, window="the 3 logged steps 1-20")
+  assert own.axes[0].get_title().startswith("Expert load, the 3 logged steps 1-20\n")
 
 
 def test_expert_load_default_maxvio_and_idle_layer():
