@@ -8,7 +8,8 @@ paths since greedy outputs are equal) are sent:
   reference       one at a time through `LoadedModel.generate` (the batch-1 engine: chunked
                   prefill + a compiled while_loop decode), in process;
   server c=1,4,16 through the official `openai` client (streaming, to time the first token)
-                  against uvicorn on 127.0.0.1, c requests in flight at once, on a server with
+                  against `python -m hybridmoe_jax.serve` in its own process on 127.0.0.1
+                  (the same weights, saved as a params export), c requests in flight at once,
                   --slots cache rows (one Scheduler: prefill chunks interleaved with decode
                   steps of every running row).
 Compilation is excluded (a warm-up request on each path). Per row: wall_s, completion tokens,
@@ -24,28 +25,60 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import dataclasses
 import json
 import os
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 
 import numpy as np
 from flax import nnx
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-from hybridmoe_jax.api import LoadedModel  # pylint: disable=g-import-not-at-top
+from hybridmoe_jax.api import LoadedModel, load  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.config import model_config_from_dict
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.serve.app import create_app, serve_in_thread
+from hybridmoe_jax.train.checkpoint import export_params
 from hybridmoe_jax.train.config import load_config_file
 
 
-def _model(max_len: int, prefill_chunk: int) -> LoadedModel:
+def _export(path: str) -> str:
+  """The tiny model, random weights, as a params export (what the server process loads)."""
   cfg = model_config_from_dict(load_config_file(os.path.join(_ROOT, "configs", "tiny.py")).model)
-  return LoadedModel(HybridLM(cfg, rngs=nnx.Rngs(0)), ByteTokenizer(), {"path": "tiny"},
-                     max_len=max_len, prefill_chunk=prefill_chunk, kv_block=256)
+  _, params, biases, _ = nnx.split(HybridLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, RoutingBias, ...)
+  return export_params(path, params, biases, dataclasses.asdict(cfg))
+
+
+@contextlib.contextmanager
+def _server(path: str, *, slots: int, max_len: int, prefill_chunk: int):
+  """`python -m hybridmoe_jax.serve` on a free port -> its base URL; stopped on exit."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([sys.executable, "-m", "hybridmoe_jax.serve", f"--workdir={path}",
+                           f"--port={port}", f"--slots={slots}", f"--max_len={max_len}",
+                           f"--prefill_chunk={prefill_chunk}", "--model_name=tiny"], cwd=_ROOT)
+  try:
+    deadline = time.monotonic() + 300
+    while True:
+      try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).close()
+        break
+      except OSError:
+        if proc.poll() is not None or time.monotonic() > deadline:
+          raise SystemExit("the server did not start") from None
+        time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}/v1"
+  finally:
+    proc.terminate()
+    proc.wait(60)
 
 
 def _prompts(n: int, lo: int, hi: int) -> list[str]:
@@ -116,18 +149,20 @@ def main() -> None:
   args = ap.parse_args()
   import openai
   max_len = args.max_prompt + 1 + args.max_tokens
-  lm = _model(max_len, args.prefill_chunk)
-  prompts = _prompts(args.requests, args.min_prompt, args.max_prompt)
-  ref = reference(lm, prompts, args.max_tokens)
-  rows = [ref]
-  with serve_in_thread(create_app(lm, slots=args.slots, model_name="tiny")) as url:
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-    served(client, prompts[:1], args.max_tokens, 1)                # compile
-    for c in [int(x) for x in args.concurrency.split(",")]:
-      row = served(client, prompts, args.max_tokens, c)
-      if row["texts"] != ref["texts"] or row["tokens"] != ref["tokens"]:
-        raise SystemExit(f"concurrency {c}: the server's outputs differ from generate's")
-      rows.append(row)
+  with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
+    path = _export(os.path.join(tmp, "tiny"))
+    lm = load(path, max_len=max_len, prefill_chunk=args.prefill_chunk)
+    prompts = _prompts(args.requests, args.min_prompt, args.max_prompt)
+    ref = reference(lm, prompts, args.max_tokens)
+    rows = [ref]
+    with _server(path, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk) as url:
+      client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+      served(client, prompts[:1], args.max_tokens, 1)                # compile
+      for c in [int(x) for x in args.concurrency.split(",")]:
+        row = served(client, prompts, args.max_tokens, c)
+        if row["texts"] != ref["texts"] or row["tokens"] != ref["tokens"]:
+          raise SystemExit(f"concurrency {c}: the server's outputs differ from generate's")
+        rows.append(row)
   for row in rows:
     row.pop("texts")
     row.update(ratio=row["tok_per_s"] / ref["tok_per_s"], slots=args.slots,
