@@ -45,11 +45,10 @@ from flax import nnx
 
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.infer.sampling import SamplingConfig, sampling_logits
-from hybridmoe_jax.layers.balancing import update_routing_biases
-from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.rl import losses
 from hybridmoe_jax.rl_config import RLConfig
 from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import TrainState
 from hybridmoe_jax.train.step import next_token_targets, token_nll
 
@@ -167,12 +166,13 @@ def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTra
                  mesh: jax.sharding.Mesh | None = None, state_shardings=None
                  ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """The jitted `rl_step(state, batch, lp_ref, routes) -> (state, metrics)`; `state` is
-  donated. sampling: the rollouts' (vocab_limit resolved: Rollout.config.sampling), the
-  policy being trained. batch: host (numpy) arrays of rl/batch.py; lp_ref: [R, T] (under the
-  same sampling) or None; routes: the
-  rollout policy's routed experts (routing replay) or None. With `mesh` (the pre-training
-  runtime's), the batch is placed over (data, fsdp), the step runs under that mesh and the
-  new state keeps `state_shardings`."""
+  donated: the pre-training step (train/step.py make_train_step: optimizer, clipping,
+  skipped non-finite updates, mesh placement) with the RL objective swapped in as its loss
+  and the routing biases frozen unless rl.update_biases. sampling: the rollouts' (vocab_limit
+  resolved: Rollout.config.sampling), the policy being trained. batch: host (numpy) arrays
+  of rl/batch.py; lp_ref: [R, T] (under the same sampling) or None; routes: the rollout
+  policy's routed experts (routing replay) or None. `mesh` / `state_shardings`: the
+  pre-training runtime's."""
 
   def loss_fn(params, state: TrainState, batch, lp_ref, routes):
     logits, aux = _forward(graphdef, params, state.biases, state.rest, batch["tokens"],
@@ -180,55 +180,30 @@ def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTra
     dist = sampling_dist(logits, sampling)
     lp = jnp.maximum(target_logps(dist, batch["tokens"]), LOGP_FLOOR)
     loss, metrics = policy_objective(lp, batch, rl, lp_ref, dist)
-    return loss, (metrics, aux.get("moe", {}))
+    metrics["tokens"] = jnp.sum(batch["mask"])
+    return loss, (aux.get("moe", {}), metrics)
+
+  step = step_lib.make_train_step(graphdef, cfg, tx, grad_accum=1, schedule=schedule,
+                                  mesh=mesh, state_shardings=state_shardings,
+                                  loss_fn=loss_fn, update_biases=rl.update_biases)
 
   def rl_step(state: TrainState, batch: dict, lp_ref, routes):
-    (loss, (metrics, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, state, batch, lp_ref, routes)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
-    biases = state.biases
-    if rl.update_biases:
-      biases, _ = update_routing_biases(state.biases, stats, cfg.moe)
+    state, metrics = step(state, batch, lp_ref, routes)
+    metrics.pop("moe")       # per-layer routing stats: the pre-training monitor's
+    return state, metrics
 
-    def pick(new, old):
-      return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-    applied = state.step - state.skipped
-    new_state = state.replace(step=state.step + 1, params=pick(params, state.params),
-                              opt_state=pick(opt_state, state.opt_state),
-                              biases=pick(biases, state.biases),
-                              rng=jax.random.split(state.rng)[0],
-                              skipped=state.skipped + (~ok).astype(jnp.int32))
-    metrics.update(grad_norm=grad_norm, finite=ok, lr=optim.learning_rate(schedule, applied),
-                   tokens=jnp.sum(batch["mask"]))
-    if state_shardings is not None:
-      new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
-    return new_state, metrics
-
-  step = jax.jit(rl_step, donate_argnums=0)
-  if mesh is None:
-    return step
-
-  def on_mesh(state, batch, lp_ref, routes):
-    batch = mesh_lib.host_batch_to_global(batch, mesh)
-    with jax.set_mesh(mesh):
-      return step(state, batch, lp_ref, routes)
-
-  return on_mesh
+  return rl_step
 
 
 def rl_schedule(rl: RLConfig, lr: float, warmup: int, sft_steps: int) -> optax.Schedule:
-  """The learning rate by applied update: `sft_steps` SFT steps at rl.sft_learning_rate
-  (10-step linear warmup), then RL updates at `lr` after a linear warmup of `warmup`."""
+  """The learning rate by applied update (train/optim.py's piecewise schedule): `sft_steps`
+  SFT steps at rl.sft_learning_rate (10-step linear warmup: (n + 1) / 10 of it at update n),
+  then RL updates at `lr` after a linear warmup of `warmup` ((k + 1) / warmup)."""
 
-  def schedule(count):
-    count = jnp.asarray(count, jnp.float32)
-    sft = rl.sft_learning_rate * jnp.minimum(1.0, (count + 1) / 10.0)
-    k = count - sft_steps
-    rl_lr = lr * jnp.minimum(1.0, (k + 1) / max(warmup, 1))
-    return jnp.where(count < sft_steps, sft, rl_lr)
+  def constant(start, steps, peak, ramp):
+    return optim.LRPiece(start=start, steps=steps, lr_from=peak / max(ramp, 1), lr=peak,
+                         warmup=max(ramp, 1) - 1, schedule="constant", min_lr_ratio=1.0,
+                         decay_fraction=0.0)
 
-  return schedule
+  pieces = [constant(0, sft_steps, rl.sft_learning_rate, 10)] if sft_steps else []
+  return optim.make_schedule(pieces + [constant(sft_steps, max(warmup, 1), lr, warmup)])

@@ -128,21 +128,35 @@ def _on_mesh(fn, mesh, batch_arg: int):
   return call
 
 
+# A swapped-in loss: loss_fn(params, state, batch, *extra) -> (scalar loss, (routing stats,
+# metrics)), differentiated w.r.t. params (e.g. the RL objective, rl/learner.py).
+LossFn = Callable[..., tuple[jax.Array, tuple[dict, dict[str, Any]]]]
+
+
 def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
                     tx: optax.GradientTransformation, *, grad_accum: int,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh | None = None,
-                    state_shardings=None, image_ids: tuple[int, ...] = IMAGE_IDS
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
-  """The jitted `train_step(state, batch) -> (state, metrics)`; `state` is donated.
+                    state_shardings=None, image_ids: tuple[int, ...] = IMAGE_IDS,
+                    loss_fn: LossFn | None = None, update_biases: bool = True
+                    ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
+  """The jitted `train_step(state, batch, *extra) -> (state, metrics)`; `state` is donated.
 
-  grad_accum microbatches (dividing the batch) are summed; `schedule` maps applied updates
-  to the learning rate (the optimizer's, reported as a metric). With `mesh`, the step runs
-  under that mesh (host batches placed over data x fsdp; the expert-parallel MoE comes with
-  `graphdef`, built with the runtime's dispatch) and the new state is constrained to
-  `state_shardings` (the input layout). `image_ids`: the run tokenizer's image ids (no
-  loss on them).
+  The loss: by default the pre-training one (token NLL, mean over the target tokens; with
+  grad_accum microbatches, dividing the batch, summed). `loss_fn` swaps it (grad_accum must
+  be 1): loss_fn(params, state, batch, *extra) -> (loss, (routing stats, metrics)); its
+  metrics join the step's. The rest is one update for every caller: global-norm clipping
+  and the optimizer (`tx`), the QB routing-bias rule on the step's routing stats (unless
+  `update_biases` is False: biases frozen), a non-finite loss / gradient / update skipped.
+  `schedule` maps applied updates to the learning rate (the optimizer's, reported as a
+  metric). With `mesh`, the step runs under that mesh (host batches placed over data x
+  fsdp; the expert-parallel MoE comes with `graphdef`, built with the runtime's dispatch)
+  and the new state is constrained to `state_shardings` (the input layout). `image_ids`:
+  the run tokenizer's image ids (no loss on them).
   """
-  def train_step(state: TrainState, batch: Batch):
+  if loss_fn is not None and grad_accum != 1:
+    raise ValueError(f"grad_accum = {grad_accum}: allowed 1 with a swapped-in loss_fn")
+
+  def pretrain_grads(state: TrainState, batch: Batch):
     tokens, segment_ids = batch["tokens"], batch["segment_ids"]
     tokens = sharding.constrain(tokens, ("batch", "length"))
     segment_ids = sharding.constrain(segment_ids, ("batch", "length"))
@@ -150,15 +164,25 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
                                                 grad_accum, extras, tuple(image_ids))
     denom = jnp.maximum(count, 1.0)
-    loss = nll / denom
-    grads = jax.tree.map(lambda g: g / denom, grads)
+    # tokens: summed target weights (= target tokens without loss_weights)
+    return nll / denom, jax.tree.map(lambda g: g / denom, grads), stats, {"tokens": count}
+
+  def swapped_grads(state: TrainState, batch: Batch, *extra):
+    (loss, (stats, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, state, batch, *extra)
+    return loss, grads, stats, metrics
+
+  def train_step(state: TrainState, batch: Batch, *extra):
+    loss, grads, stats, loss_metrics = (pretrain_grads(state, batch) if loss_fn is None
+                                        else swapped_grads(state, batch, *extra))
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # A finite gradient can still give a non-finite update (moments overflowing at a huge
     # lr), and a state that took one never recovers: such a step is skipped too.
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
-    biases, moe_metrics = update_routing_biases(state.biases, stats, cfg.moe)
+    biases, moe_metrics = (update_routing_biases(state.biases, stats, cfg.moe)
+                           if update_biases else (state.biases, {}))
     applied = state.step - state.skipped
     new_rng, _ = jax.random.split(state.rng)
     new_state = state.replace(
@@ -171,8 +195,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     if state_shardings is not None:
       new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
     metrics = {
+        **loss_metrics,
         "loss": loss, "grad_norm": grad_norm, "lr": optim.learning_rate(schedule, applied),
-        "tokens": count,  # summed target weights (= target tokens without loss_weights)
         "finite": ok, "skipped": new_state.skipped,
         "moe": moe_metrics,
     }

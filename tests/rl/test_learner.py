@@ -221,3 +221,23 @@ def test_sft_batches_are_deterministic_and_mask_the_assistant():
   assert not w[:, 0].any()
   with pytest.raises(ValueError, match="rl.max_tokens"):
     sft.DemoBatches(demos, 4, seed=0, max_len=50)
+
+
+def test_rl_schedule_is_the_piecewise_optimizer_schedule():
+  """SFT updates n < sft_steps at sft_lr (n + 1) / 10 (capped), then RL update k at
+  lr (k + 1) / warmup (capped): train/optim.py's pieces, to fp32 rounding."""
+  rl = RLConfig(envs={"arithmetic": RLEnvConfig()}, sft_learning_rate=3e-3)
+  n = np.arange(700)
+  for lr, warmup, sft_steps in ((1e-4, 0, 600), (1e-4, 5, 600), (2e-4, 7, 0)):
+    k = n - sft_steps
+    want = np.where(n < sft_steps, 3e-3 * np.minimum(1, (n + 1) / 10),
+                    lr * np.minimum(1, (k + 1) / max(warmup, 1)))
+    got = np.asarray(learner.rl_schedule(rl, lr, warmup, sft_steps)(jnp.asarray(n)))
+    np.testing.assert_allclose(got, want, rtol=1e-6)    # fp32
+
+
+def test_a_swapped_loss_takes_one_microbatch():
+  from hybridmoe_jax.train import step as step_lib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="grad_accum = 2: allowed 1 with a swapped-in loss_fn"):
+    step_lib.make_train_step(None, None, None, grad_accum=2, schedule=None,
+                             loss_fn=lambda *a: None)
