@@ -232,7 +232,7 @@ def _expert_load(run: RunData, train: list[dict]) -> str:
   threshold = (run.run_config or {}).get("train", {}).get("maxvio_alert_threshold")
   overload = 1.0 + threshold if threshold is not None else 1.5
   return (_img(plots.expert_load_figure(load, names, step=latest["step"], max_vio=vio,
-                                        overload=overload, window="load of this step"),
+                                        overload=overload),   # one step: "step N only"
                "expert load heatmap")
           + _img(plots.maxvio_figure(run.records, threshold=threshold), "MaxVio over steps"))
 
