@@ -21,7 +21,6 @@ by another run, training diverged, a checkpoint that cannot be written: disk ful
 stopped by signal N (130 SIGINT, 143 SIGTERM) after a clean checkpoint: rerun to resume.
 """
 
-import errno
 import os
 import signal
 import sys
@@ -85,7 +84,7 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   from hybridmoe_jax.run_config import run_config_from_dict
-  from hybridmoe_jax.train import checkpoint, dry_run, loop
+  from hybridmoe_jax.train import checkpoint, dry_run, io_noise, loop
   try:
     config = _CONFIG.value
     config.keys()  # a lazy proxy: raises here if the file failed to load
@@ -117,13 +116,15 @@ def main(argv):
       summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value,
                                         on_stage_end=on_stage_end)
   except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState,
-          checkpoint.CheckpointWriteError) as e:
+          checkpoint.CheckpointWriteError, loop.OutOfMemory) as e:
     sys.exit(f"error: {e}")
   except OSError as e:  # a full disk hit a log write (metrics, TensorBoard) before a save did
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    if e.errno not in io_noise.FULL_ERRNOS:
       raise
-    sys.exit(f"error: cannot write {e.filename or _WORKDIR.value}: {e.strerror}; the "
-             f"checkpoints in {_WORKDIR.value} are intact. Free space, then rerun to resume")
+    what, fix = io_noise.describe_write_error(e)
+    sys.exit(f"error: cannot write {e.filename or _WORKDIR.value}: {what}; the "
+             f"checkpoints in {_WORKDIR.value} are intact. {fix[0].upper() + fix[1:]}, then "
+             "rerun to resume")
   if summary["stopped_by"]:  # a clean stop, checkpoint saved: the shell's 128 + signal code
     sys.exit(128 + signal.Signals[summary["stopped_by"]].value)
   if not run.rl.enabled and not summary.get("already_finished"):

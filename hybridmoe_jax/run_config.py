@@ -99,6 +99,9 @@ class TrainConfig:
   max_consecutive_skips: int = 10
   lock_stale_s: float = 600.0   # another host's workdir lock without a heartbeat this long: stale
   profile_steps: str = ""       # "A:B": jax.profiler trace of steps A..B in workdir/profile
+  # A resume with another tokenizer than the checkpoints' (workdir/inputs.json) is refused
+  # unless this is set (train/run_inputs.py).
+  allow_tokenizer_change: bool = False
 
   def __post_init__(self):
     p = "train"

@@ -17,6 +17,7 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.convert import convert
 from hybridmoe_jax.convert.hf_weights import TensorMismatch
 from hybridmoe_jax.io.safetensors import SafetensorsError
+from hybridmoe_jax.train import io_noise
 
 
 def peak_rss_bytes() -> int:
@@ -59,6 +60,13 @@ def main(argv=None) -> int:
   except (ConfigError, TensorMismatch, SafetensorsError, FileExistsError,
           FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # a full disk, quota, file-size limit or permission while writing
+    out = args.to or args.to_hf
+    what, fix = io_noise.describe_write_error(e)
+    print(f"error: cannot write {e.filename or out}: {what}; nothing was left at {out} "
+          f"(its .partial was removed). {fix[0].upper() + fix[1:]}, then rerun",
+          file=sys.stderr)
     return 2
   summary["peak_rss_bytes"] = peak_rss_bytes()
   print(json.dumps(summary))

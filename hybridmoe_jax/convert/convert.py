@@ -17,6 +17,7 @@ holds it) through `evals.loading` on demand.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -94,19 +95,30 @@ def _write_all(writer, rules, src, specs, *, to: str) -> None:
     writer.write(name, _cast(hf_weights.produce(rule, name, src, to=to), dtypes[name]))
 
 
+@contextlib.contextmanager
+def _removed_on_failure(tmp: str):
+  """Remove the `.partial` directory `tmp` if the block fails (a full disk while writing the
+  config or copying the tokenizer too), so that a rerun is not refused by it."""
+  try:
+    yield
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
 def _write_partial(out_dir: str, make_writer, rules, src, specs, *, to: str) -> str:
   """Every tensor into `<out_dir>.partial` through `make_writer(tmp)`; the directory is
   removed when anything fails (the finished one is renamed by the caller). -> tmp."""
   tmp = out_dir + ".partial"
   os.makedirs(tmp)
-  writer = make_writer(tmp)
-  try:
-    _write_all(writer, rules, src, specs, to=to)
-    writer.close()
-  except BaseException:
-    writer.abort()
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+  with _removed_on_failure(tmp):
+    writer = make_writer(tmp)
+    try:
+      _write_all(writer, rules, src, specs, to=to)
+      writer.close()
+    except BaseException:
+      writer.abort()
+      raise
   return tmp
 
 
@@ -148,10 +160,11 @@ def from_hf(hf_dir: str, out_dir: str, *, sparse: bool = True) -> dict[str, Any]
         os.path.join(tmp, PARAMS_FILE), specs, sparse=sparse,
         metadata={"format": "hybridmoe_jax params export",
                   "source": "huggingface kimi_linear"}), rules, reader, specs, to="ours")
-  _json(os.path.join(tmp, MODEL_CONFIG), hf_config.model_dict(cfg))
-  _json(os.path.join(tmp, HF_EXTRA), hf)
-  copied = _copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
-  os.replace(tmp, out_dir)
+  with _removed_on_failure(tmp):
+    _json(os.path.join(tmp, MODEL_CONFIG), hf_config.model_dict(cfg))
+    _json(os.path.join(tmp, HF_EXTRA), hf)
+    copied = _copy_tokenizer(hf_dir, os.path.join(tmp, TOKENIZER_DIR))
+    os.replace(tmp, out_dir)
   return _summary(specs, out_dir, copied)
 
 
@@ -227,9 +240,10 @@ def to_hf(src_dir: str, out_dir: str, *, dtype: str | None = None, sparse: bool 
         metadata={"format": "pt"}), rules, src, specs, to="hf")
   finally:
     close()
-  _json(os.path.join(tmp, CONFIG_JSON), hf)
-  copied = _copy_tokenizer(os.path.join(src_dir, TOKENIZER_DIR), tmp)
-  os.replace(tmp, out_dir)
+  with _removed_on_failure(tmp):
+    _json(os.path.join(tmp, CONFIG_JSON), hf)
+    copied = _copy_tokenizer(os.path.join(src_dir, TOKENIZER_DIR), tmp)
+    os.replace(tmp, out_dir)
   return _summary(specs, out_dir, copied)
 
 

@@ -21,6 +21,7 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import curriculum as curriculum_lib
 from hybridmoe_jax.rl import evaluate
 from hybridmoe_jax.rl.episode import EpisodeSpec, PendingEpisode, Trajectory
+from hybridmoe_jax.train.checkpoint import CorruptStep
 
 TASK_SEED_RANGE = 2**39
 STATE_DIR = "rl_state"
@@ -116,10 +117,27 @@ class HostState:
                         "pre-training run?): use --config.rl.init_from=<it> in a new workdir")
     path = os.path.join(workdir, STATE_DIR, f"{step}.pkl")
     if not os.path.isfile(path):
-      raise ConfigError(f"{path} is missing: the paused episodes of checkpoint step {step} "
-                        "are gone (was rl_state/ deleted?)")
-    with open(path, "rb") as f:
-      eps = pickle.load(f)
-    return cls(r["phase"], r["iteration"], r["next_group"], r["curriculum"],
-               r["eval_history"], [PendingEpisode.from_tree(p) for p in eps["pending"]],
-               [Trajectory(**t) for t in eps["waiting"]])
+      raise CorruptStep(f"{path} is missing: the paused episodes of this step are gone "
+                        "(was rl_state/ deleted?)")
+    try:
+      with open(path, "rb") as f:
+        eps = pickle.load(f)
+      return cls(r["phase"], r["iteration"], r["next_group"], r["curriculum"],
+                 r["eval_history"], [PendingEpisode.from_tree(p) for p in eps["pending"]],
+                 [Trajectory(**t) for t in eps["waiting"]])
+    except Exception as e:  # pylint: disable=broad-except  # truncated, garbage, other layout
+      raise CorruptStep(f"{path} is unreadable ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:160]})") from None
+
+  @staticmethod
+  def prune(workdir: str, keep_steps) -> None:
+    """Delete rl_state/<step>.pkl of the steps the checkpoint rotation removed (those older
+    than the oldest kept step); newer ones may belong to a save in progress."""
+    keep = set(keep_steps)
+    directory = os.path.join(workdir, STATE_DIR)
+    if not keep or not os.path.isdir(directory):
+      return
+    for name in os.listdir(directory):
+      stem = name[:-len(".pkl")] if name.endswith(".pkl") else ""
+      if stem.isdigit() and int(stem) < min(keep) and int(stem) not in keep:
+        os.remove(os.path.join(directory, name))

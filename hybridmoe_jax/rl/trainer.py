@@ -118,10 +118,30 @@ def train_rl(config, workdir: str) -> dict[str, Any]:
     raise ConfigError("config field `rl.envs` is empty: not an RL run")
   check_rl_config(config)
   tokenizer = _tokenizer(config)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  with workdir_lock.WorkdirLock(workdir, stale_after_s=config.train.lock_stale_s):
-    return _train_locked(config, workdir, tokenizer)
+  workdir = loop.checked_workdir_path(workdir)
+  loop.make_writable_workdir(workdir)   # one line for a file, an unwritable directory
+  try:
+    with workdir_lock.WorkdirLock(workdir, stale_after_s=config.train.lock_stale_s):
+      return _train_locked(config, workdir, tokenizer)
+  except workdir_lock.WorkdirBusy as e:   # another run holds it: one line, as pre-training
+    raise loop.InputError(str(e)) from None
+
+
+def _check_init_config(src: str, model_dict) -> None:
+  """ConfigError naming what differs between `rl.init_from`'s model config and this run's:
+  the vocabulary first (another tokenizer), else every differing field."""
+  saved = ckpt_lib.read_model_config(src)
+  if saved is None:
+    return
+  if saved.get("vocab_size") != model_dict.get("vocab_size"):
+    raise ConfigError(
+        f"config field `rl.init_from` = {src!r}: its model has a vocabulary of "
+        f"{saved.get('vocab_size')} ids, this run's model.vocab_size is "
+        f"{model_dict.get('vocab_size')} (another tokenizer?); start from a run trained with this "
+        "run's data.tokenizer, or set data.tokenizer and model.vocab_size to that run's")
+  ckpt_lib.check_model_config(saved, model_dict, what=f"config field `rl.init_from` = "
+                              f"{src!r} holds another model config",
+                              remedy="Use the model config it was trained with.")
 
 
 def _load_init(rl, graphdef, state, model_dict):
@@ -130,10 +150,9 @@ def _load_init(rl, graphdef, state, model_dict):
   if not os.path.isdir(src):
     raise ConfigError(f"config field `rl.init_from` = {src!r}: no such directory (allowed a "
                       "training workdir or a params export)")
+  _check_init_config(src, model_dict)
   if os.path.isfile(os.path.join(src, ckpt_lib.PARAMS_FILE)) or os.path.isdir(
       os.path.join(src, "params")):
-    saved = ckpt_lib.read_model_config(os.path.join(src, ckpt_lib.CONFIG_FILE))
-    ckpt_lib.check_model_config(saved or {}, model_dict, what=f"rl.init_from {src}")
     tree = ckpt_lib.load_exported_params(src, expected={
         "params": nnx.to_pure_dict(state.params),
         "routing_biases": nnx.to_pure_dict(state.biases)})
@@ -179,10 +198,15 @@ class _Run:
                                       async_save=t.async_checkpoints)
     self.signature = ckpt_lib.structure_signature(abstract)
     ckpt_lib.check_workdir_config(workdir, self.model_dict, repair=True)
-    restored = self.ckpt.restore_latest(self.rt.restore_target(abstract), self.model_dict)
+    hosts = {}  # a step whose rl_state/<step>.pkl is unreadable is set aside like a bad one
+
+    def load_host(step, r):
+      hosts[step] = run_state.HostState.restore(workdir, step, r.data_state)
+
+    restored = self.ckpt.restore_latest(self.rt.restore_target(abstract), self.model_dict,
+                                        check=load_host)
     if restored is not None:
-      self.host = run_state.HostState.restore(workdir, int(restored.meta["step"]),
-                                              restored.data_state)
+      self.host = hosts[int(restored.meta["step"])]
       state = restored.state
       logging.info("resumed %s at phase %s, iteration %d (checkpoint step %d)", workdir,
                    self.host.phase, self.host.iteration, restored.meta["step"])
@@ -215,6 +239,7 @@ class _Run:
     self.host.curriculum = self.curriculum.state_dict()
     self.host.save_episodes(self.workdir, step)
     self.ckpt.save(step, self.state, self.host.record(), self.meta)
+    run_state.HostState.prune(self.workdir, [*self.ckpt.manager.all_steps(), step])
 
   # ---- SFT -----------------------------------------------------------------------------
   def run_sft(self, stop: loop.StopFlag) -> None:

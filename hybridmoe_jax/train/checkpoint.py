@@ -192,6 +192,14 @@ class CheckpointWriteError(RuntimeError):
   checkpoints before it are intact and the unfinished one is set aside on the next start."""
 
 
+class CorruptStep(ValueError):
+  """Files that belong to a checkpoint step (outside orbax's directory) are unreadable."""
+
+
+class ExportWriteError(CheckpointWriteError):
+  """A params export could not be written; nothing is left at its path."""
+
+
 class Restored(NamedTuple):
   """What `Checkpointer.restore_latest` returns."""
 
@@ -319,7 +327,9 @@ class Checkpointer:
     return {**meta, "model_config": _legacy_model_dict(meta.get("model_config", {}))}
 
   def restore_latest(self, target: Any | Callable[[dict[str, Any]], Any],
-                     model_dict: dict[str, Any]) -> Restored | None:
+                     model_dict: dict[str, Any],
+                     check: Callable[[int, Restored], None] | None = None
+                     ) -> Restored | None:
     """The newest good checkpoint, or None if there is none (every skip is in `self.skipped`).
 
     Args:
@@ -327,6 +337,9 @@ class Checkpointer:
         shardings on a mesh), or a function meta -> that state for a reader that learns the
         layout from the checkpoint itself (an eval: the optimizer is in meta["config"]).
       model_dict: the model config (dataclasses.asdict(ModelConfig)) the checkpoint must hold.
+      check: called as check(step, restored) on a step that restored well; a CorruptStep it
+        raises (the step's companion files are unreadable: the RL run's rl_state/<step>.pkl)
+        sets the step aside like a damaged one and the previous step is tried.
 
     Raises:
       ConfigError: the newest readable checkpoint comes from another model config or state
@@ -358,11 +371,18 @@ class Checkpointer:
       if not _same_fingerprint(meta.get("fingerprint", []), fingerprint(r.state)):
         self._skip(step, "restored values do not match the fingerprint saved with them")
         continue
-      logging.info("restored checkpoint step %d from %s", step, self.directory)
       # A read-only reader resumes no data iterator: the record stays as saved (it may hold
       # every process's state of a multi-process run).
       data = r.data if self.read_only else own_host_state(r.data)
-      return Restored(r.state, data, meta)
+      restored = Restored(r.state, data, meta)
+      if check is not None:
+        try:
+          check(step, restored)
+        except CorruptStep as e:
+          self._skip(step, str(e))
+          continue
+      logging.info("restored checkpoint step %d from %s", step, self.directory)
+      return restored
     return None
 
   def _skip(self, step: int, why: str) -> None:
@@ -399,7 +419,8 @@ def _flat_leaves(tree) -> list[tuple[str, Any]]:
   return [(path_string(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def export_params(path: str, params, biases, model_dict: dict[str, Any]) -> str:
+def export_params(path: str, params, biases, model_dict: dict[str, Any],
+                  also: Callable[[str], None] | None = None) -> str:
   """Write parameters and (frozen) routing biases only, plus the config.
 
   Format: `path/params.safetensors` holding "params/<leaf path>" and
@@ -407,31 +428,57 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any]) -> str:
   written leaf by leaf, and `path/model_config.json`; the layout `hybridmoe_jax.convert`
   maps to Hugging Face. A multi-process run (arrays spread over hosts) keeps the orbax
   format `path/params/` (one collective save), which `load_exported_params` reads too.
+  Everything is written into `path.partial`, renamed to `path` when complete; `also(dir)`
+  adds files (the tokenizer) before the rename. A write that fails (disk full, quota, file
+  size limit) removes the partial directory and raises ExportWriteError (one line).
   """
   path = os.path.abspath(path)
   if os.path.exists(path):
     raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")
+  tmp = path + ".partial"   # renamed to `path` when complete: a failed export leaves no path
+  if os.path.exists(tmp):
+    logging.warning("removing %s, left by an export that did not finish", tmp)
+    shutil.rmtree(tmp)
   tree = {"params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)}
-  if jax.process_count() > 1:
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(path, "params"), tree)
-  else:
-    os.makedirs(path)
-    leaves = _flat_leaves(tree)
-    specs = [safetensors.Spec(name, safetensors.dtype_code(x.dtype), tuple(x.shape))
-             for name, x in leaves]
-    writer = safetensors.SafetensorsWriter(os.path.join(path, PARAMS_FILE), specs, sparse=False,
-                                           metadata={"format": "hybridmoe_jax params export"})
-    try:
-      for name, x in leaves:
-        writer.write(name, [np.asarray(jax.device_get(x))])
-      writer.close()
-    except BaseException:
-      writer.abort()
+  try:
+    if jax.process_count() > 1:
+      with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(tmp, "params"), tree)
+    else:
+      os.makedirs(tmp)
+      _write_params_file(os.path.join(tmp, PARAMS_FILE), tree)
+    with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+      json.dump(_jsonify(model_dict), f, indent=1, sort_keys=True)
+    if also is not None:
+      also(tmp)
+    os.replace(tmp, path)
+  except BaseException as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    err = io_noise.os_error(e) if isinstance(e, Exception) else None
+    if err is None:
       raise
-  with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
-    json.dump(_jsonify(model_dict), f, indent=1, sort_keys=True)
+    what, fix = io_noise.describe_write_error(err)
+    raise ExportWriteError(
+        f"cannot write the params export {path}: {what} ({err.filename or tmp}); the "
+        f"unfinished export was removed and the run's checkpoints are intact. "
+        f"{fix[0].upper() + fix[1:]}, then rerun (it restores the last checkpoint and "
+        "exports again)") from None
   return path
+
+
+def _write_params_file(file: str, tree) -> None:
+  leaves = _flat_leaves(tree)
+  specs = [safetensors.Spec(name, safetensors.dtype_code(x.dtype), tuple(x.shape))
+           for name, x in leaves]
+  writer = safetensors.SafetensorsWriter(file, specs, sparse=False,
+                                         metadata={"format": "hybridmoe_jax params export"})
+  try:
+    for name, x in leaves:
+      writer.write(name, [np.asarray(jax.device_get(x))])
+    writer.close()
+  except BaseException:
+    writer.abort()
+    raise
 
 
 def _read_safetensors_export(file: str, expected: dict[str, Any] | None) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train import workdir_lock
 from hybridmoe_jax.train.monitor import Monitor, fmt_rate, hardware
@@ -46,6 +47,26 @@ from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
 class InputError(ValueError):
   """Bad training input (data path, dataset, token ids, batch shapes): stops the run."""
+
+
+class OutOfMemory(RuntimeError):
+  """The device (or host) ran out of memory for a train step: one line naming the knobs."""
+
+
+def _out_of_memory(e: BaseException) -> bool:
+  text = str(e)
+  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or \
+      "Out of memory" in text or "out of memory" in text
+
+
+def _oom_message(e: BaseException, run: RunConfig) -> str:
+  t, c = run.train, run.compute
+  first = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)
+  return (f"out of memory in the train step ({first[:160]}); lower train.batch_size "
+          f"(now {t.batch_size}) or train.seq_len (now {t.seq_len}), set compute.remat="
+          f"'full' (now {c.remat!r}), or raise train.grad_accum (microbatches per step, now "
+          f"{t.grad_accum}; it must divide batch_size); `run_train.py --dry_run` estimates "
+          "the memory per device")
 
 
 class TrainingDiverged(RuntimeError):
@@ -157,8 +178,10 @@ def evaluate(eval_step, state, batches, token_bytes: np.ndarray | None = None
 
 
 class StopFlag:
-  """SIGINT/SIGTERM -> finish the current step, checkpoint, exit cleanly (2nd signal: hard).
-  Also the RL run's (rl/trainer.py: the current iteration)."""
+  """SIGINT/SIGTERM -> finish the current step, checkpoint, exit cleanly. A second signal
+  (also while that checkpoint is written, after the flag's block) stops the process at
+  once with one line (`abort_now`). Also the RL run's (rl/trainer.py: the current
+  iteration)."""
 
   def __init__(self):
     self.signum = None
@@ -173,15 +196,28 @@ class StopFlag:
     return self
 
   def _handle(self, signum, frame):
-    del frame
+    if self.signum is not None:
+      abort_now(signum, frame)
     self.signum = signum
     logging.warning("received %s: saving a checkpoint after this step, then exiting "
                     "(send it again to abort at once)", signal.Signals(signum).name)
-    signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
-      signal.signal(sig, old)
+      # After a first signal the run is saving, then exiting: a second one still aborts.
+      signal.signal(sig, old if self.signum is None else abort_now)
+
+
+def abort_now(signum, frame=None) -> None:
+  """The second SIGINT / SIGTERM: one line, the run's lock released, exit 128 + signum now,
+  as a SIGKILL would (no traceback from wherever the main thread was, e.g. inside orbax).
+  A checkpoint being written stays an orbax tmp directory, set aside on the next start."""
+  del frame
+  os.write(2, (f"error: received {signal.Signals(signum).name} again: stopped at once; a "
+               "checkpoint being written is discarded (set aside on the next start), the "
+               "committed ones are intact. Rerun to resume\n").encode())
+  workdir_lock.drop_held_locks()
+  os._exit(128 + signum)  # pylint: disable=protected-access
 
 
 def _dump_stacks_on_sigusr1() -> None:
@@ -361,7 +397,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   config = run_config_from_dict(config)  # typed and checked from here on
   wall0 = time.time()
   _dump_stacks_on_sigusr1()
-  workdir = os.path.abspath(workdir)  # orbax wants absolute paths
+  workdir = checked_workdir_path(workdir)  # absolute: orbax wants absolute paths
   plan = plan_lib.build_plan(config)  # once per run: stages, batches, the LR schedule
   # A bad tokenizer file stops here, before the workdir. Data given by the caller brings its
   # own ids (checked batch by batch) and may bring its tokenizer.
@@ -370,7 +406,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
   t = config.train
   if export_params_to and os.path.exists(export_params_to):
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
-  _make_writable_workdir(workdir)
+  make_writable_workdir(workdir)
   # One run per workdir, taken before anything in it is read or moved: a second run must not
   # set aside the first one's save in progress as "partial".
   lock = (workdir_lock.WorkdirLock(workdir, stale_after_s=t.lock_stale_s)
@@ -383,8 +419,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
     raise InputError(str(e)) from None
 
 
-def _make_writable_workdir(workdir: str) -> None:
-  """Create `workdir` if needed; InputError naming it if it cannot be created or written."""
+def checked_workdir_path(workdir: str | None) -> str:
+  """`workdir` made absolute; InputError for an empty one (`--workdir=` would train into
+  the current directory)."""
+  if not workdir or not str(workdir).strip():
+    raise InputError(f"--workdir={workdir or ''!s} is empty: give the directory for the "
+                     "run's checkpoints and logs, e.g. --workdir=runs/x")
+  return os.path.abspath(workdir)
+
+
+def make_writable_workdir(workdir: str) -> None:
+  """Create `workdir` if needed; InputError naming it if it cannot be created or written
+  (also when it is a regular file)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise InputError(f"--workdir={workdir} is a file, not a directory; choose another "
+                     "--workdir")
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -458,6 +507,14 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
   graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, config, tx, data,
                                                           model_dict, rt)
   start = int(state.step)
+  if jax.process_index() == 0:  # tokenizer / data fingerprints (workdir/inputs.json)
+    try:
+      run_inputs.check_and_record(workdir, config, tokenizer, schedule=schedule,
+                                  resumed_at=start if restored is not None else None,
+                                  saved_config=(restored or {}).get("config"))
+    except run_inputs.TokenizerChanged:
+      ckpt.close()
+      raise
   if restored is not None:
     if t.steps < start:
       ckpt.close()
@@ -509,9 +566,14 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()
     if export_params_to and stopped is None:
-      path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict)
-      _save_tokenizer(tokenizer, path)  # an export is self-contained too
+      # An export is self-contained too: the tokenizer goes in before the final rename.
+      path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict,
+                                    also=lambda d: _save_tokenizer(tokenizer, d))
       logging.info("exported parameters and routing biases to %s", path)
+  except Exception as e:  # pylint: disable=broad-except
+    if not _out_of_memory(e):
+      raise
+    raise OutOfMemory(_oom_message(e, config)) from None
   finally:
     profiler.close()
     ckpt.close()

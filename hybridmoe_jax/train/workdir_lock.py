@@ -26,6 +26,7 @@ import time
 from absl import logging
 
 LOCK_FILE = "run.lock"
+_HELD: set[str] = set()   # lock files this process holds (for `drop_held_locks`)
 
 
 class WorkdirBusy(RuntimeError):
@@ -127,6 +128,7 @@ class WorkdirLock:
     finally:
       os.close(guard)  # releases the flock
     self._held = True
+    _HELD.add(self.path)
     self._thread = threading.Thread(target=self._heartbeat, name="workdir-lock-heartbeat",
                                     daemon=True)
     self._thread.start()
@@ -172,6 +174,7 @@ class WorkdirLock:
     if self._thread is not None:
       self._thread.join()
     self._held = False
+    _HELD.discard(self.path)
     holder = self._read_holder() or {}
     if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
       try:
@@ -185,3 +188,13 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def drop_held_locks() -> None:
+  """Remove the lock files this process holds, without waiting for anything: for a process
+  about to `os._exit` (a second SIGINT). Safe in a signal handler: no locks taken."""
+  for path in list(_HELD):
+    try:
+      os.remove(path)
+    except OSError:
+      pass

@@ -1,0 +1,168 @@
+"""What a run trains on, fingerprinted in `workdir/inputs.json`, checked on every resume.
+
+A resume with another tokenizer (same vocabulary size: nothing else notices) reads every
+saved embedding row as another token: refused unless `train.allow_tokenizer_change`. A
+corpus edited in place under `data.paths` changes what the restored data-iterator position
+points at: one warning. Raising `train.steps` moves the end of the LR schedule (cosine /
+wsd decay): one warning with the old and new schedule ends and the LR at the resumed step.
+
+Fingerprints:
+  tokenizer: its class, chat / vision flags, vocabulary size and the sha256 of each of its
+    files (a built-in byte tokenizer has none).
+  data: per file under data.paths (directories walked in sorted order): relative path,
+    size, mtime (ns) and the sha256 of its first and last 64 KiB, hashed together; a file
+    edited in place changes its mtime even when its size and ends do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from absl import logging
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.run_config import RunConfig
+from hybridmoe_jax.train import plan as plan_lib
+
+FILE = "inputs.json"
+_EDGE = 64 * 1024      # bytes hashed at each end of a data file
+_MAX_DATA_FILES = 100_000
+
+
+class TokenizerChanged(ConfigError):
+  """The resumed run's tokenizer is not the one its checkpoints were trained with."""
+
+
+def _sha256_file(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
+  """Class, flags, vocabulary size and file hashes: equal iff the same tokenizer."""
+  files = getattr(tokenizer, "files", None) or {}
+  return {"kind": type(tokenizer).__name__, "chat": bool(getattr(tokenizer, "chat", False)),
+          "vision": getattr(tokenizer, "image_pad_id", None) is not None,
+          "vocab_size": int(tokenizer.vocab_size),
+          "files": {name: _sha256_file(src) for name, src in sorted(files.items())}}
+
+
+def _data_files(paths) -> list[str]:
+  out = []
+  for p in paths:
+    if os.path.isdir(p):
+      for d, dirs, names in os.walk(p):
+        dirs.sort()
+        out += [os.path.join(d, n) for n in sorted(names)]
+    elif os.path.exists(p):
+      out.append(p)
+    if len(out) > _MAX_DATA_FILES:
+      break
+  return out[:_MAX_DATA_FILES]
+
+
+def data_fingerprint(run: RunConfig) -> dict[str, Any]:
+  """{"source", "files", "bytes", "digest"} of the files under data.paths."""
+  d = run.data
+  h = hashlib.sha256(f"{d.source}|{d.jsonl_field}".encode())
+  n = total = 0
+  for path in _data_files(d.paths):
+    try:
+      st = os.stat(path)
+      with open(path, "rb") as f:
+        head = f.read(_EDGE)
+        f.seek(max(st.st_size - _EDGE, 0))
+        tail = f.read(_EDGE)
+    except OSError:  # unreadable: the data pipeline names it; the fingerprint notes it
+      h.update(f"{path}|unreadable".encode())
+      continue
+    h.update(f"{path}|{st.st_size}|{st.st_mtime_ns}|".encode())
+    h.update(hashlib.sha256(head + b"|" + tail).digest())
+    n, total = n + 1, total + st.st_size
+  return {"source": d.source, "files": n, "bytes": total, "digest": h.hexdigest()}
+
+
+def _read(workdir: str) -> dict[str, Any]:
+  try:
+    with open(os.path.join(workdir, FILE), encoding="utf-8") as f:
+      saved = json.load(f)
+    return saved if isinstance(saved, dict) else {}
+  except (OSError, ValueError):  # absent (a run of older code) or damaged: nothing to compare
+    return {}
+
+
+def _write(workdir: str, record: dict[str, Any]) -> None:
+  path = os.path.join(workdir, FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def check_and_record(workdir: str, run: RunConfig, tokenizer, *, resumed_at: int | None,
+                     saved_config: str | None, schedule=None) -> None:
+  """On a resume (`resumed_at`: the restored step), compare with the workdir's record:
+  TokenizerChanged for another tokenizer (unless train.allow_tokenizer_change), one warning
+  for changed data, one for a changed `train.steps`; then record the current inputs.
+
+  saved_config: the restored checkpoint's config (JSON of the RunConfig), for train.steps.
+  schedule: this run's LR schedule (step -> lr), for the warning's figures.
+  """
+  now = {"tokenizer": tokenizer_fingerprint(tokenizer), "data": data_fingerprint(run)}
+  saved = _read(workdir) if resumed_at is not None else {}
+  if saved.get("tokenizer") not in (None, now["tokenizer"]):
+    before, after = saved["tokenizer"], now["tokenizer"]
+    if not run.train.allow_tokenizer_change:
+      raise TokenizerChanged(
+          f"data.tokenizer = {run.data.tokenizer!r} is another tokenizer than the one the "
+          f"checkpoints in {workdir} were trained with ({_describe(before)} then, "
+          f"{_describe(after)} now; recorded in {os.path.join(workdir, FILE)}): every "
+          "token id would mean another token. Use the original tokenizer, a fresh --workdir, "
+          "or --config.train.allow_tokenizer_change=True to continue anyway")
+    logging.warning("resuming at step %d with another tokenizer (%s then, %s now): allowed by "
+                    "train.allow_tokenizer_change", resumed_at, _describe(before),
+                    _describe(after))
+  if saved.get("data") not in (None, now["data"]):
+    b, a = saved["data"], now["data"]
+    logging.warning("the training data under data.paths changed since the checkpoint's run "
+                    "(%d files, %d bytes then; %d files, %d bytes now; or edited / touched in "
+                    "place): the resumed data position (step %d) refers to the old contents, "
+                    "so losses before and after it are not comparable", b.get("files", 0),
+                    b.get("bytes", 0), a["files"], a["bytes"], resumed_at)
+  if resumed_at is not None:
+    _warn_steps_change(saved_config, run, resumed_at, schedule)
+  _write(workdir, now)
+
+
+def _describe(t: dict[str, Any]) -> str:
+  files = ", ".join(f"{n} sha256 {h[:12]}" for n, h in t.get("files", {}).items())
+  return f"{t.get('kind')}{' chat' if t.get('chat') else ''} ({t.get('vocab_size')} ids" + (
+      f"; {files})" if files else ")")
+
+
+def _warn_steps_change(saved_config: str | None, run: RunConfig, step: int, schedule) -> None:
+  try:
+    old = int(json.loads(saved_config or "{}").get("train", {}).get("steps"))
+  except (TypeError, ValueError):
+    return
+  new = run.train.steps
+  if old == new:
+    return
+  lr = ""
+  if schedule is not None:
+    try:
+      old_run = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=old))
+      was = float(plan_lib.build_plan(old_run).schedule()(step))
+      lr = f"; the learning rate at step {step} was {was:.3g}, is now {float(schedule(step)):.3g}"
+    except Exception:  # pylint: disable=broad-except  # (a curriculum that no longer fits)
+      lr = ""
+  logging.warning("train.steps changed from %d to %d on resume: the LR schedule (train.schedule"
+                  " = %r) now ends at step %d instead of %d%s", old, new, run.train.schedule,
+                  new, old, lr)
