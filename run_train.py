@@ -32,6 +32,7 @@ from ml_collections import config_flags
 
 from hybridmoe_jax import cli_flags
 
+_SAMPLE_DEFAULT = 200
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
@@ -43,8 +44,9 @@ flags.declare_key_flag("config")   # defined in cli_flags: shown by --help all t
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
                                   "Print the resolved config (after overrides) and exit.")
 _SAMPLE_TOKENS = flags.DEFINE_integer(
-    "sample_tokens", 200, "Pre-training: tokens of a sample generated after training "
-    "(temperature 0.8); 0 for none.", lower_bound=0)
+    "sample_tokens", None, "Pre-training: tokens of a sample generated after training "
+    f"(temperature 0.8); 0 for none. Default {_SAMPLE_DEFAULT} when stdout is a terminal, "
+    "else none (scripts and CI skip its ~20 s of compilation).", lower_bound=0)
 _SAMPLE_PROMPT = flags.DEFINE_string("sample_prompt", "The ", "The sample's prompt.")
 _ABSL_LOGS = flags.DEFINE_bool(
     "absl_logs", False, "absl's log lines (level, time, thread, file:line) instead of clean "
@@ -134,15 +136,19 @@ def main(argv):
 def _print_end(summary, workdir: str) -> None:
   """After pre-training: a sample of the model, where the outputs are, what to run next."""
   # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax import api
+  import jax
   from hybridmoe_jax.train.terminal import fmt_duration
-  if _SAMPLE_TOKENS.value:
+  if jax.process_index() != 0:
+    return
+  n = _SAMPLE_TOKENS.value
+  n = (_SAMPLE_DEFAULT if sys.stdout.isatty() else 0) if n is None else n
+  if n and jax.process_count() == 1:   # api.load reads the run into one process's devices
+    from hybridmoe_jax import api
     try:
-      room = len(_SAMPLE_PROMPT.value.encode()) + _SAMPLE_TOKENS.value + 8   # BOS, slack
+      room = len(_SAMPLE_PROMPT.value.encode()) + n + 8   # BOS, slack
       lm = api.load(workdir, max_len=room)
-      text = lm.generate(_SAMPLE_PROMPT.value, max_new_tokens=_SAMPLE_TOKENS.value,
-                         temperature=0.8, seed=0)
-      print(f"\nsample ({_SAMPLE_TOKENS.value} tokens, temperature 0.8):\n"
+      text = lm.generate(_SAMPLE_PROMPT.value, max_new_tokens=n, temperature=0.8, seed=0)
+      print(f"\nsample ({n} tokens, temperature 0.8):\n"
             f"{_SAMPLE_PROMPT.value}{text}\n{'-' * 40}")
     except (ValueError, OSError) as e:  # e.g. a prompt the tokenizer cannot encode
       print(f"(no sample: {e})")

@@ -5,7 +5,7 @@ jax backend starts.
 
 * `CleanLogHandler` replaces absl's handler: "step 10/20 | loss ..." instead of
   "I1204 13:37:29.844782 140660088568704 monitor.py:164] step 10/20 | loss ...";
-  warnings and errors keep a "warning:" / "error:" prefix. absl's verbosity flags still
+  warnings and logged errors keep a "warning:" / "ERROR:" prefix. absl's verbosity flags still
   decide which records arrive.
 * `ProgressBar`: one line redrawn in place on a terminal (log lines scroll above it);
   nothing on a pipe or file, where the periodic log lines are the progress.
@@ -157,12 +157,13 @@ def active_bar() -> ProgressBar | None:
 
 
 class CleanFormatter(logging.Formatter):
-  """The message alone; "warning: " / "error: " before records at those levels."""
+  """The message alone; "warning: " / "ERROR: " before records at those levels (a logged
+  error goes on; the CLIs' fatal one-line "error: ..." stays the only lowercase one)."""
 
   def format(self, record: logging.LogRecord) -> str:
     msg = super().format(record)
     if record.levelno >= logging.ERROR:
-      return f"error: {msg}"
+      return f"ERROR: {msg}"
     if record.levelno >= logging.WARNING:
       return f"warning: {msg}"
     return msg

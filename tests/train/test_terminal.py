@@ -147,4 +147,4 @@ def test_clean_formatter_levels():
   fmt = terminal.CleanFormatter("%(message)s")
   rec = lambda level: logging.LogRecord("absl", level, "f.py", 1, "msg %d", (3,), None)
   assert [fmt.format(rec(l)) for l in (logging.INFO, logging.WARNING, logging.ERROR)] == [
-      "msg 3", "warning: msg 3", "error: msg 3"]
+      "msg 3", "warning: msg 3", "ERROR: msg 3"]
