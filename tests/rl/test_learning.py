@@ -28,7 +28,7 @@ def test_grpo_raises_horizon_2_and_3_success_and_promotes(tmp_path):
   args = argparse.Namespace(out=str(tmp_path), config=str(ROOT / "configs" / "rl_tiny.py"),
                             seeds=[2], algos=["grpo"], iterations=150, eval_every=30,
                             eval_episodes=96, eval_levels="1,2,3", group_size=8, opmd_tau=1.0,
-                            sft_steps=None)
+                            sft_steps=None, sft_levels="", start_level=None)
   (rec,) = rl_learning.run(args)
   assert rec["gain"]["arithmetic/L1"] >= 0.2, rec
   assert rec["gain"]["arithmetic/L2"] >= 0.2, rec
