@@ -68,15 +68,22 @@ def test_heatmap_title_and_window(tmp_path, monkeypatch):
   assert np.asarray(marks).tolist() == [[0.0, 0.0]]
 
 
+def run_monitor(workdir, total_steps: int, loss=lambda step: 2.0, **train) -> Monitor:
+  """A Monitor over steps 1..total_steps of constant-ish metrics (train: fields to set)."""
+  t = default_config().train
+  t.update(dict(heatmap_every=0, **train))
+  mon = Monitor(str(workdir), t, start_step=0, total_steps=total_steps,
+                tokens_seen=lambda s: 64 * s)
+  for step in range(1, total_steps + 1):
+    mon.step(step, _metrics(loss(step), 0.1))
+  mon.close()
+  return mon
+
+
 def test_first_log_tokens_per_sec_is_a_number(tmp_path):
   """log_every = 1: the first log times step 1 from the Monitor's creation (compile
   included, flagged); later logs time the interval between logs."""
-  t = default_config().train
-  t.update(dict(log_every=1, heatmap_every=0))
-  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=3, tokens_seen=lambda s: 64 * s)
-  for step in range(1, 4):
-    mon.step(step, _metrics(2.0, 0.1))
-  mon.close()
+  run_monitor(tmp_path, 3, log_every=1)
   recs = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   rates = [r["tokens_per_sec"] for r in recs]
   assert all(isinstance(x, float) and x > 0 for x in rates), rates
@@ -88,12 +95,7 @@ def test_loss_curve_starts_at_the_first_step(tmp_path):
   """metrics.jsonl holds step 1 (log_every = 10), so the plotted curve starts at step 1."""
   from hybridmoe_jax import plots  # pylint: disable=import-outside-toplevel
   from hybridmoe_jax.plots import history  # pylint: disable=import-outside-toplevel
-  t = default_config().train
-  t.update(dict(log_every=10, heatmap_every=0))
-  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=30, tokens_seen=lambda s: 64 * s)
-  for step in range(1, 31):
-    mon.step(step, _metrics(5.0 - step / 10, 0.1))
-  mon.close()
+  run_monitor(tmp_path, 30, loss=lambda step: 5.0 - step / 10, log_every=10)
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   top = plots.loss_figure(records).axes[0]
   train = next(line for line in top.get_lines() if line.get_label() == "train loss")

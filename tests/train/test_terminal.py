@@ -13,7 +13,7 @@ import pytest
 from hybridmoe_jax.train import terminal
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.monitor import Monitor
-from tests.train.test_monitor import _metrics
+from tests.train.test_monitor import _metrics, run_monitor
 
 
 class _Tty(io.StringIO):
@@ -64,12 +64,7 @@ def test_no_bar_when_not_a_terminal(tmp_path):
   stream = io.StringIO()
   handler = terminal.install(stream)
   try:
-    t = default_config().train
-    t.update(dict(log_every=5, heatmap_every=0))
-    mon = Monitor(str(tmp_path), t, start_step=0, total_steps=5, tokens_seen=lambda s: 64 * s)
-    for step in range(1, 6):
-      mon.step(step, _metrics(2.0, 0.1))
-    mon.close()
+    run_monitor(tmp_path, 5, log_every=5)
   finally:
     terminal.uninstall(handler)
   out = stream.getvalue()
