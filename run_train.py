@@ -3,6 +3,7 @@
   python run_train.py                                   # tiny config, bundled text, ~minutes
   python run_train.py --config=configs/tiny.py --config.train.steps=300 --workdir=runs/x
   python run_train.py --config=configs/kimi_k3.py --dry_run   # counts + memory, no allocation
+  python run_train.py --dry_run --config.hardware.topology=v5p:2x2x1  # + TPU AOT compile
   python run_train.py --config.mesh.data=2 --config.mesh.fsdp=1 --config.mesh.expert=4  # 8 devices
   python run_train.py --coordinator_address=host0:1234 --num_processes=2 --process_id=0 ...
   python run_train.py --config=configs/rl_tiny.py --workdir=runs/rl    # agentic RL (SFT + GRPO)
@@ -59,7 +60,12 @@ _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "RL runs: start from this training workdir or params export (sets "
     "config.rl.init_from; the SFT warm start is skipped).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
-                             "Print parameter counts and per-device memory, then exit.")
+                             "Print parameter counts and per-device memory, then exit. With "
+                             "--config.hardware.topology=v5p-256 (any TPU topology), also "
+                             "compile the steps for it (libtpu, no TPU needed).")
+_AOT_LAYERS = flags.DEFINE_string(
+    "aot_layers", "", "--dry_run on a topology: compile the model at A and B layers ('A,B') "
+    "and extrapolate linearly per layer to its depth (a flagship at full depth takes long).")
 # Multi-process (multi-host) runs: see hybridmoe_jax/parallel/distributed.py.
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Start jax.distributed; without --coordinator_address the cluster "
@@ -103,7 +109,13 @@ def main(argv):
       raise ConfigError("--init_from is for RL runs (a config with rl.envs), e.g. "
                         "--config=configs/rl_tiny.py")
     if _DRY_RUN.value:
+      if run.hardware.topology and not os.environ.get("JAX_PLATFORMS"):
+        import jax  # compile for TPU devices that libtpu describes, on this host's CPU
+        jax.config.update("jax_platforms", "cpu")
       dry_run.dry_run(run)
+      if run.hardware.topology:
+        from hybridmoe_jax import aot
+        aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value))
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)

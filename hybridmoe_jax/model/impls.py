@@ -1,6 +1,6 @@
 """Which implementation each layer of a model resolves to, and why: one report at startup.
 
-`kda(impl="auto")` picks the Pallas kernel or the chunked XLA path by backend and input
+`kda(impl="auto")` picks the Pallas kernel or the chunked XLA path by target platform and input
 domain (`ops.kda.resolve_impl`), MLA's `compute.mla_impl` an XLA core or an accelerator
 kernel (`ops.attention_backends.resolve_impl`); a run's log should say which one it got
 instead of leaving a silent fallback to be discovered in a profile (`log_impls` warns).
@@ -28,8 +28,8 @@ def describe_impls(cfg: ModelConfig, compute: ComputeConfig, *, moe_dispatch=Non
     cfg: the architecture; compute: the runtime knobs (kda_impl, kda_chunk_size, mla_impl,
       mla_block, moe_impl).
     moe_dispatch: the MoE dispatch the model was built with (None: local experts).
-    backend: a jax backend name; default `jax.default_backend()` (and its device's CUDA
-      compute capability).
+    backend: a jax platform name; default the target platform (`ops.platform`: the active
+      mesh's devices, else the host's backend; and a local GPU's compute capability).
   """
   return [line for line, _ in _report(cfg, compute, moe_dispatch, backend)]
 
@@ -45,8 +45,8 @@ def log_impls(cfg: ModelConfig, compute: ComputeConfig, *, moe_dispatch=None,
 def _report(cfg: ModelConfig, compute: ComputeConfig, moe_dispatch, backend: str | None
             ) -> list[tuple[str, bool]]:
   """(line, fell back from an accelerator kernel to XLA) per layer kind."""
-  capability = None
-  if backend is None:
+  capability, given = None, backend
+  if backend is None:  # the platform the program is compiled for (the mesh's devices)
     backend, capability = attention_backends.current_backend()
   kinds = cfg.layer_kinds
   lines = []
@@ -56,7 +56,7 @@ def _report(cfg: ModelConfig, compute: ComputeConfig, moe_dispatch, backend: str
     name, why = kda_resolve(compute.kda_impl, head_dim=k.head_dim, v_head_dim=k.v_head_dim,
                             chunk_size=compute.kda_chunk_size,
                             lower_bound=k.lower_bound if k.gate == "bounded" else None,
-                            backend=backend)
+                            backend=given)
     fallback = compute.kda_impl == "auto" and backend in PALLAS_BACKENDS and name != "pallas"
     lines.append((f"{_layer_list(kda_layers)} (kda): {name} (chunk {compute.kda_chunk_size}; "
                   f"compute.kda_impl={compute.kda_impl!r}: {why}); one-token decode: "

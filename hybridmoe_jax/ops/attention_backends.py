@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from hybridmoe_jax.config import MLA_IMPLS
 from hybridmoe_jax.ops.attention import causal_attention
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention, check_inputs
+from hybridmoe_jax.ops.platform import on_row_shards, target_platform
 
 XLA_CORES = ("dense", "blockwise")
 KERNELS = ("cudnn", "triton", "splash")
@@ -122,7 +123,8 @@ def resolve_impl(impl: str, *, backend: str, seq_len: int, block: int, head_dim:
 
   Args:
     impl: `compute.mla_impl`, one of MLA_IMPLS.
-    backend: a jax backend name ("cpu", "gpu", "tpu", ...): `jax.default_backend()`.
+    backend: a jax platform name ("cpu", "gpu", "tpu", ...): `current_backend()`, the
+      platform the step is compiled for.
     seq_len, block: T and `compute.mla_block` (the XLA cost rule, the kernels' tiles).
     head_dim, v_head_dim, dtype, has_segments, compute_capability: see `unsupported`.
     interpret: the Pallas kernels (triton, splash) run in interpret mode, on any backend
@@ -178,10 +180,12 @@ def memory_core(impl: str, seq_len: int, block: int) -> str:
 
 
 def current_backend() -> tuple[str, str | None]:
-  """(jax.default_backend(), "rocm" for an AMD GPU; the first device's CUDA compute
-  capability or None)."""
-  backend = jax.default_backend()
-  if backend not in GPU_BACKENDS:
+  """(the target platform (`ops.platform.target_platform`: the active mesh's devices, else
+  the host's backend), "rocm" for an AMD GPU; the first device's CUDA compute capability or
+  None). A target other than the host's backend (an ahead-of-time compile for a TPU
+  topology) has no local device to ask: (platform, None)."""
+  backend, _ = target_platform()
+  if backend not in GPU_BACKENDS or backend != jax.default_backend():
     return backend, None
   device = jax.devices()[0]
   if "rocm" in str(getattr(device.client, "platform_version", "")).lower():
@@ -326,10 +330,9 @@ def attend(name: str, q: jax.Array, k: jax.Array, v: jax.Array, *,
                                block_q=block, block_kv=block)
   if name == "cudnn":
     return cudnn_attention(q, k, v, segment_ids=segment_ids, scale=scale)
-  if name == "triton":
-    return triton_attention(q, k, v, segment_ids=segment_ids, scale=scale, block=block,
-                            interpret=interpret)
-  if name == "splash":
-    return splash_attention(q, k, v, segment_ids=segment_ids, scale=scale, block=block,
-                            interpret=interpret)
+  if name in ("triton", "splash"):  # kernels XLA cannot partition: per device's rows
+    kernel = triton_attention if name == "triton" else splash_attention
+    return on_row_shards(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg, scale=scale,
+                                                     block=block, interpret=interpret),
+                         q, k, v, segment_ids)
   raise ValueError(f"attention core {name!r}: expected one of {XLA_CORES + KERNELS}")

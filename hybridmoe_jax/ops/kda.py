@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from .decay import check_lower_bound
 from .kda_chunked import check_chunk_size, kda_chunked
 from .kda_recurrent import check_kda_inputs, kda_recurrent
+from .platform import on_row_shards, target_platform
 
 Impl = Literal["auto", "recurrent", "chunked", "pallas"]
 
@@ -28,10 +29,14 @@ def _kda_pallas(q, k, v, g, beta, **kwargs):
   """The Pallas kernels (pallas_kernels/kda; interpreted on CPU), packed sequences
   (segment_ids) included. Inputs outside their domain (unbounded gate, head dims, chunk
   size) raise NotImplementedError before any work; "auto" never sends them here
-  (`resolve_impl` checks the same domain first)."""
+  (`resolve_impl` checks the same domain first). Under a mesh: on each device's rows
+  (`ops.platform.on_row_shards`; XLA cannot partition a Mosaic call)."""
   from pallas_kernels.kda import kda_pallas  # lazy: Pallas only when used
 
-  return kda_pallas(q, k, v, g, beta, **kwargs)
+  initial_state, segment_ids = kwargs.pop("initial_state"), kwargs.pop("segment_ids")
+  body = lambda q, k, v, g, beta, s0, seg: kda_pallas(q, k, v, g, beta, initial_state=s0,
+                                                      segment_ids=seg, **kwargs)
+  return on_row_shards(body, q, k, v, g, beta, initial_state, segment_ids)
 
 
 PALLAS_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
@@ -45,7 +50,8 @@ def resolve_impl(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
     impl: the requested implementation ("auto" picks).
     head_dim, v_head_dim: K and V; chunk_size: C; lower_bound: the bounded gate's lb, or
       None for an unbounded gate.
-    backend: a jax backend name; default `jax.default_backend()`.
+    backend: a jax platform name; default the platform the program is compiled for
+      (`ops.platform.target_platform`: the active mesh's devices, else the host's).
   Returns:
     (name, reason): name in ("recurrent", "chunked", "pallas"); reason a short sentence
     (for "auto" falling back to "chunked": the Pallas domain error).
@@ -54,16 +60,19 @@ def resolve_impl(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
     raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
   if impl != "auto":
     return impl, "requested"
-  backend = backend or jax.default_backend()
+  where = ""
+  if backend is None:
+    backend, source = target_platform()
+    where = f" ({source})"
   if backend not in PALLAS_BACKENDS:
-    return "chunked", f"the Pallas kernels target GPU/TPU, this backend is {backend!r}"
+    return "chunked", f"the Pallas kernels target GPU/TPU, the target is {backend!r}{where}"
   from pallas_kernels.kda import check_domain_dims  # lazy: Pallas only when used
 
   try:
     check_domain_dims(head_dim, v_head_dim, lower_bound=lower_bound, chunk_size=chunk_size)
   except NotImplementedError as e:
     return "chunked", str(e)
-  return "pallas", f"Pallas kernel on {backend}"
+  return "pallas", f"Pallas kernel on {backend}{where}"
 
 
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:

@@ -18,16 +18,29 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from hybridmoe_jax.ops.platform import target_platform
+
 ExchangeImpl = Literal["auto", "native", "emulated"]
 
 
 def resolve_impl(impl: ExchangeImpl) -> str:
-  """"auto" -> "emulated" on CPU (no ragged_all_to_all in XLA:CPU), else "native"."""
-  if impl == "auto":
-    return "emulated" if jax.default_backend() == "cpu" else "native"
-  if impl not in ("native", "emulated"):
+  """"auto" -> "emulated" when the target platform is CPU (no ragged_all_to_all in
+  XLA:CPU), else "native". The target is the platform the program is compiled for
+  (`ops.platform.target_platform`: the mesh's devices), so an ahead-of-time compile for a
+  TPU topology on a CPU host gets the native collective."""
+  return resolve_impl_why(impl)[0]
+
+
+def resolve_impl_why(impl: ExchangeImpl) -> tuple[str, str]:
+  """-> (`resolve_impl`'s choice, the reason: requested, or the target platform and where
+  it came from)."""
+  if impl not in ("auto", "native", "emulated"):
     raise ValueError(f"exchange impl={impl!r} is invalid: allowed 'auto', 'native', 'emulated'")
-  return impl
+  if impl != "auto":
+    return impl, "requested"
+  platform, where = target_platform()
+  name = "emulated" if platform == "cpu" else "native"
+  return name, f"exchange='auto' on {platform} ({where})"
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,

@@ -78,8 +78,10 @@ def build_mesh(mesh_sizes: Mapping[str, int], devices: Sequence | None = None) -
   sizes = mesh_shape(mesh_sizes, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   types = (AxisType.Auto,) * len(MESH_AXES)
-  if len(devices) == len(jax.devices()):
-    # make_mesh orders devices for the physical topology (ICI rings on TPU, NVLink on GPU).
+  if len(devices) == len(jax.devices()) or devices[0].platform != jax.default_backend():
+    # make_mesh orders devices for the physical topology (ICI rings on TPU, NVLink on GPU);
+    # a whole TPU topology described for an ahead-of-time compile (`parallel.topology`)
+    # gets the same layout a run on that slice would.
     return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=types)
 

@@ -28,7 +28,7 @@ from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
-from hybridmoe_jax.run_config import MeshConfig, RunConfig, run_config_from_dict
+from hybridmoe_jax.run_config import MeshConfig, RunConfig, parse_topology, run_config_from_dict
 from hybridmoe_jax.sharding import MESH_AXES
 from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
@@ -61,9 +61,12 @@ def _param_pieces(cfg):
   return pieces
 
 
-def resolve_mesh(mesh: MeshConfig) -> dict[str, int]:
-  """-1 takes the local devices; without -1 the configured sizes define the device count."""
+def resolve_mesh(mesh: MeshConfig, devices: int | None = None) -> dict[str, int]:
+  """-1 takes `devices` (a target topology's chips; default the local devices); without
+  -1 the configured sizes define the device count."""
   sizes = [getattr(mesh, a) for a in MESH_AXES]
+  if devices is not None:
+    return mesh_shape(mesh.axis_sizes(), devices)
   if -1 in sizes:
     return mesh_shape(mesh.axis_sizes(),
                       max(jax.device_count(), math.prod(v for v in sizes if v != -1)))
@@ -73,7 +76,8 @@ def resolve_mesh(mesh: MeshConfig) -> dict[str, int]:
 def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
   """Counts and per-device bytes for `run` (model, train.optimizer, mesh)."""
   cfg = run.model
-  mesh = resolve_mesh(run.mesh)
+  mesh = resolve_mesh(run.mesh, parse_topology(run.hardware.topology)[2]
+                      if run.hardware.topology else None)
   counts = param_breakdown(cfg)
   total, active = sum(counts.values()), active_from_breakdown(cfg, counts)
   tx = optim.make_optimizer(run.train, plan.schedule())
@@ -195,35 +199,61 @@ def step_bytes(components: dict[str, float]) -> float:
   return sum(b for name, b in components.items() if name != "kda_states")
 
 
-def _fit_line(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
-              context: int) -> str:
-  """The components under the configured remat, the total against the device, and a verdict:
-  fits (with the margin left), fits with another remat, or what is missing."""
+def format_table(header: list[str], rows: list[list[str]], indent: str = "  ") -> str:
+  """A plain-text table: the first column left-aligned, the others right-aligned, columns
+  separated by two spaces (the dry run's and the AOT report's one format)."""
+  cols = list(zip(*([header] + rows)))
+  width = [max(len(c) for c in col) for col in cols]
+  def line(cells):
+    return indent + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
+                              for k, (c, w) in enumerate(zip(cells, width))).rstrip()
+  return "\n".join([line(header), indent + "  ".join("-" * w for w in width)]
+                   + [line(r) for r in rows])
+
+
+# Rows of the memory table: (component, label); kda_states is a part of another row.
+_COMPONENTS = (("params", "params (fp32 master)"), ("gradients", "gradients"),
+               ("optimizer", "optimizer state"), ("activations", "activations (kept)"),
+               ("recompute", "recompute (1 layer)"), ("weight_copies", "weight copies"),
+               ("mla_latents", "MLA latents (gathered)"), ("attention", "attention workspace"),
+               ("logits", "logits + grad"))
+
+
+def _kda_parent(remat: str) -> str:
+  """Where the KDA scan states are counted: every layer's in the activations without remat,
+  else the one layer being recomputed."""
+  return "activations" if remat == "none" else "recompute"
+
+
+def _verdict(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
+             context: int) -> str:
+  """Fits (with the margin left) or not, and what the other remat policies change, in GiB."""
   usable = run.hardware.usable_bytes
   totals = {p: step_bytes(c) for p, c in comps.items()}
   chosen = run.compute.remat
-  parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in comps[chosen].items()
-                    if b and name != "kda_states")
-  parts += f" (of which KDA states {_fmt_bytes(comps[chosen]['kda_states'])})"
   if rows * context < 1:
-    return (f"{parts} | does not fit: {rows:.2f} rows per data shard, the batch cannot be "
-            f"split over the devices: needs mesh.context >= {math.ceil(1 / rows)}")
+    return (f"does not fit: {rows:.2f} rows per data shard, the batch cannot be split over "
+            f"the devices: needs mesh.context >= {math.ceil(1 / rows)}")
+  others = "; ".join(
+      f"remat='{p}' {'saves' if totals[p] < totals[chosen] else 'costs'} "
+      f"{_fmt_bytes(abs(totals[chosen] - totals[p]))}" for p in REMATS if p != chosen)
   if totals[chosen] <= usable:
-    verdict = (f"fits with compute.remat='{chosen}': {_fmt_bytes(totals[chosen])} of "
-               f"{_fmt_bytes(usable)} usable, {_fmt_bytes(usable - totals[chosen])} to spare")
-  else:
-    better = [p for p in REMATS if totals[p] <= usable]
-    if better:
-      verdict = (f"does not fit with compute.remat='{chosen}' ({_fmt_bytes(totals[chosen])} > "
-                 f"{_fmt_bytes(usable)} usable); fits with compute.remat='{better[0]}' "
-                 f"({_fmt_bytes(totals[better[0]])})")
-    else:
-      top = max(((n, b) for n, b in comps["full"].items() if n != "kda_states"),
-                key=lambda kv: kv[1])
-      verdict = (f"does not fit even with remat='full' ({_fmt_bytes(totals['full'])} > "
-                 f"{_fmt_bytes(usable)} usable; largest: {top[0]} {_fmt_bytes(top[1])}): "
-                 "raise train.grad_accum or mesh.context, or add devices")
-  return f"{parts} | {verdict}"
+    return (f"fits with compute.remat='{chosen}': {_fmt_bytes(totals[chosen])} of "
+            f"{_fmt_bytes(usable)} usable, {_fmt_bytes(usable - totals[chosen])} to spare "
+            f"({others})")
+  short = totals[chosen] - usable
+  better = [p for p in REMATS if totals[p] <= usable]
+  if better:
+    return (f"does not fit with compute.remat='{chosen}' ({_fmt_bytes(totals[chosen])} > "
+            f"{_fmt_bytes(usable)} usable, {_fmt_bytes(short)} over); fits with "
+            f"compute.remat='{better[0]}' ({_fmt_bytes(totals[better[0]])}, saves "
+            f"{_fmt_bytes(totals[chosen] - totals[better[0]])})")
+  top = max(((n, b) for n, b in comps["full"].items() if n != "kda_states"),
+            key=lambda kv: kv[1])
+  return (f"does not fit even with remat='full' ({_fmt_bytes(totals['full'])} > "
+          f"{_fmt_bytes(usable)} usable, {_fmt_bytes(totals['full'] - usable)} over; "
+          f"largest: {top[0]} {_fmt_bytes(top[1])}): raise train.grad_accum or "
+          "mesh.context, or add devices")
 
 
 def _core_label(impl: str, core: str) -> str:
@@ -232,17 +262,38 @@ def _core_label(impl: str, core: str) -> str:
 
 
 def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
-  """Per stage, per device: bytes by component under compute.remat and the fit verdict."""
-  lines = [f"memory per device, per stage (target: {run.hardware.describe()}):"]
+  """Per device: a table of bytes by component (rows) per stage (columns) under
+  compute.remat, the totals under every remat policy, then one verdict line per stage."""
   mesh = e["mesh"]
   context = mesh.get("context", 1)
+  remat = run.compute.remat
+  comps, cores, rows_of = [], [], []
   for s in plan.stages:
-    rows = s.batch_size / (mesh["data"] * mesh["fsdp"])
-    core = memory_core(run.compute.mla_impl, s.seq_len, run.compute.mla_block)
-    comps = stage_memory(run, e, s.seq_len, s.batch_size)
+    comps.append(stage_memory(run, e, s.seq_len, s.batch_size))
+    cores.append(memory_core(run.compute.mla_impl, s.seq_len, run.compute.mla_block))
+    rows_of.append(s.batch_size / (mesh["data"] * mesh["fsdp"]))
+  # One unit for the whole table: GiB, or MiB when every total is below 1 GiB.
+  unit, div = ("GiB", GiB) if max(step_bytes(c[p]) for c in comps for p in REMATS) >= GiB \
+      else ("MiB", 2 ** 20)
+  header = [f"per device, {unit}"] + [f"stage {s.index} ({s.name})" for s in plan.stages]
+  gib = lambda b: f"{b / div:,.2f}"
+  table = [["sequence length"] + [f"{s.seq_len:,}" for s in plan.stages],
+           ["rows per data shard"] + [f"{r:g}" for r in rows_of]]
+  for name, label in _COMPONENTS:
+    table.append([label] + [gib(c[remat][name]) for c in comps])
+    if name == _kda_parent(remat):
+      table.append(["  of which KDA states"] + [gib(c[remat]["kda_states"])
+                                                       for c in comps])
+  for p in REMATS:
+    mark = " (configured)" if p == remat else ""
+    table.append([f"total, remat='{p}'{mark}"] + [gib(step_bytes(c[p])) for c in comps])
+  lines = [f"memory per device, per stage (target: {run.hardware.describe()}; "
+           f"usable {_fmt_bytes(run.hardware.usable_bytes)}; components under "
+           f"compute.remat='{remat}'):", format_table(header, table)]
+  for s, c, core, rows in zip(plan.stages, comps, cores, rows_of):
     lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/data shard, context "
                  f"{context}, MLA attention ({_core_label(run.compute.mla_impl, core)}) | "
-                 + _fit_line(run, comps, rows, context))
+                 + _verdict(run, c, rows, context))
   return "\n".join(lines)
 
 

@@ -130,6 +130,13 @@ def test_dry_run_tiny():
   assert "parameters: total" in p.stdout and "per device" in p.stdout
 
 
+def test_dry_run_bad_topology_is_one_line():
+  """A TPU topology name that is not one (checked with the config, before any compile or
+  libtpu load) stops with one line naming the field and the accepted forms."""
+  _one_error(_run("--dry_run", "--config.hardware.topology=v5p-7"), "hardware.topology",
+             "v5p:2x2x1", "v5p-256")
+
+
 # The flagship's memory model runs in-process in tests/train/test_curriculum.py
 # (curriculum_1m on 16 H200) and its parameter counts in tests/model/test_count.py; this is
 # the CLI on a 1024-device mesh (~20 CPU-s).

@@ -34,7 +34,8 @@ def test_sections_present():
   assert set(c.keys()) == {"model", "compute", "train", "data", "mesh", "curriculum", "hardware",
                            "rl"}
   assert c.rl.envs.to_dict() == {}    # not an RL run
-  assert c.hardware.to_dict() == {"device": "", "memory_gib": 0.0, "margin": 0.1}
+  assert c.hardware.to_dict() == {"device": "", "memory_gib": 0.0, "margin": 0.1,
+                                  "topology": ""}
   assert c.mesh.to_dict() == {"data": 1, "fsdp": -1, "expert": 1, "tensor": 1,
                                 "context": 1, "context_zigzag": False}
   assert c.compute.to_dict() == dataclasses.asdict(ComputeConfig())

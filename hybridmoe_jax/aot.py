@@ -1,0 +1,337 @@
+"""Ahead-of-time compilation of a run's real steps for a TPU topology, on any machine.
+
+`--dry_run --config.hardware.topology=v5p-256` (run_train.py) calls `aot_report`: the
+train step of every stage (`train.step.make_train_step`, the run's TrainState with the
+shardings of `parallel.rules`, the expert-parallel MoE and context runner of
+`parallel.runtime`), the prefill chunk and the decode step (`infer.engine`'s jitted
+functions) are lowered with abstract arguments (ShapeDtypeStruct + NamedSharding) and
+compiled by libtpu for the slice's devices (`parallel.topology`). Under `jax.set_mesh` of
+that mesh every implementation chooser sees the TPU (`ops.platform`): the Pallas KDA kernel
+(Mosaic), splash attention, the native ragged all-to-all.
+
+Per program it reports the compiler's figures (labelled "compiler estimate": XLA's
+`memory_analysis()` per device and its cost model's `optimal_seconds`), our memory model's
+figure for the train step (`train.dry_run.stage_memory`) and their ratio, the compile time,
+the implied tokens/s and the model-FLOPs utilisation (6 x active parameters x tokens per
+step over the cost model's time and the chip's peak: `run_config.CHIPS`).
+
+`layers=(a, b)` compiles the model with a and b layers (same layer pattern) instead of its
+own depth and extrapolates memory and step time linearly per layer to the full depth: the
+layer stack is a Python loop, so compile time grows with depth (a flagship at full depth
+takes tens of minutes on a small host).
+
+This is a top-level tool (layering rank 7): it uses train and infer, which never import
+each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.infer import engine
+from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.model.cache import init_cache
+from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
+from hybridmoe_jax.model.impls import describe_impls
+from hybridmoe_jax.parallel import runtime as runtime_lib
+from hybridmoe_jax.parallel import shard_state, topology
+from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
+from hybridmoe_jax.parallel.exchange import resolve_impl_why
+from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
+from hybridmoe_jax.run_config import CHIPS, RunConfig, run_config_from_dict
+from hybridmoe_jax.sharding import BATCH_AXES, TOKEN_AXES
+from hybridmoe_jax.train import dry_run as dry_lib
+from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train.state import abstract_train_state
+from hybridmoe_jax.train.step import make_train_step
+
+GiB = 2 ** 30
+MOSAIC_CALL = "tpu_custom_call"   # the custom call a Pallas TPU (Mosaic) kernel compiles to
+
+
+@dataclasses.dataclass
+class Compiled:
+  """One program compiled for the topology: the compiler's figures per device."""
+
+  name: str                 # "train stage 0 T=4,096", "prefill P=2,048", "decode"
+  tokens: int               # tokens one call processes (global)
+  compile_s: float
+  memory: dict[str, float]  # arguments, outputs, aliased, temporaries, code, total (bytes)
+  cost: dict[str, float]    # the cost model's optimal_seconds, flops, bytes accessed
+  hlo: str = ""             # the compiled HLO text (tests read it; not printed)
+  model_bytes: float | None = None  # our memory model's figure (train steps)
+  model_flops: float | None = None  # 6 x active x tokens (train) / 2 x active x tokens
+
+
+def _memory(compiled) -> dict[str, float]:
+  m = compiled.memory_analysis()
+  out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+         "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+         "code": m.generated_code_size_in_bytes}
+  # Donated inputs share their buffers with outputs: counted once.
+  out["total"] = (out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+                  + out["code"])
+  return out
+
+
+def _cost(compiled) -> dict[str, float]:
+  """The cost model's figures per device: optimal_seconds (absent or <= 0 when XLA's TPU
+  cost model cannot time the program), flops, bytes accessed."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return {k: float(cost[k]) for k in ("optimal_seconds", "flops", "bytes accessed")
+          if (cost or {}).get(k) is not None}
+
+
+def step_seconds(c: "Compiled", chip: str) -> tuple[float | None, str]:
+  """-> (seconds per call, how): the cost model's optimal_seconds, else the roofline of its
+  FLOPs and bytes on the chip (max(flops / peak, bytes / HBM bandwidth))."""
+  if c.cost.get("optimal_seconds", 0) > 0:
+    return c.cost["optimal_seconds"], "cost model"
+  if chip in CHIPS and "flops" in c.cost:
+    spec = CHIPS[chip]
+    return (max(c.cost["flops"] / spec.peak_bf16_flops,
+                c.cost.get("bytes accessed", 0.0) / spec.hbm_bytes_per_s), "roofline")
+  return None, "n/a"
+
+
+def _compile(name: str, fn, args, kwargs, mesh, tokens: int) -> Compiled:
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = fn.lower(*args, **kwargs).compile()
+  return Compiled(name=name, tokens=tokens, compile_s=time.perf_counter() - t0,
+                  memory=_memory(compiled), cost=_cost(compiled),
+                  hlo=compiled.as_text() or "")
+
+
+def _structs(tree, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _with_layers(run: RunConfig, layers: int) -> RunConfig:
+  """The run with its model cut to `layers` layers of the same pattern (the preset's
+  layer_kinds cut, or the default pattern of that depth)."""
+  cfg = run.model
+  kinds = cfg.layer_kinds[:layers] if layers < len(cfg.layer_kinds) else cfg.layer_kinds
+  if "mla" not in kinds and "mla" in cfg.layer_kinds:
+    kinds = kinds[:-1] + ("mla",)  # keep one of each mixer so both are compiled
+  moe = dataclasses.replace(cfg.moe, first_dense_layers=min(cfg.moe.first_dense_layers,
+                                                            layers - 1))
+  model = dataclasses.replace(cfg, num_layers=layers, layer_kinds=kinds, moe=moe)
+  return dataclasses.replace(run, model=model)
+
+
+def train_programs(run: RunConfig, devices, plan: plan_lib.Plan) -> list[Compiled]:
+  """The train step of every stage, compiled for `devices` with the run's mesh."""
+  t = run.train
+  out = []
+  e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
+  tx = optim.make_optimizer(t, plan.schedule())
+  for s in plan.stages:
+    rt = runtime_lib.setup(_mesh_sizes(run), run.model, run.compute,
+                           batch_size=s.batch_size, grad_accum=t.grad_accum,
+                           seq_len=s.seq_len, devices=devices)
+    graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed,
+                                              moe_dispatch=rt.moe_dispatch, context=rt.context)
+    shardings = shard_state.state_shardings(abstract, rt.mesh)
+    step = make_train_step(graphdef, run.model, tx, grad_accum=t.grad_accum,
+                           schedule=plan.schedule(), state_shardings=shardings)
+    tokens = jax.ShapeDtypeStruct((s.batch_size, s.seq_len), jnp.int32,
+                                  sharding=batch_sharding(rt.mesh, sequence=True))
+    batch = {"tokens": tokens, "segment_ids": tokens}
+    c = _compile(f"train stage {s.index} T={s.seq_len:,}", step,
+                 (_structs(abstract, shardings), batch), {}, rt.mesh,
+                 s.batch_size * s.seq_len)
+    comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
+    c.model_bytes = dry_lib.step_bytes(comps)
+    c.model_flops = 6.0 * e["active"] * c.tokens / len(devices)
+    out.append(c)
+  return out
+
+
+def _fixed_mesh(run: RunConfig, n: int):
+  """The run's mesh section with its -1 resolved against `n` devices."""
+  return dataclasses.replace(run.mesh, **mesh_shape(run.mesh.axis_sizes(), n))
+
+
+def _mesh_sizes(run: RunConfig) -> dict[str, Any]:
+  return dataclasses.asdict(run.mesh)
+
+
+def _mesh(run: RunConfig, devices):
+  return build_mesh({a: v for a, v in _mesh_sizes(run).items() if a != "context_zigzag"},
+                    devices)
+
+
+def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
+                   kv_block: int = 512) -> list[Compiled]:
+  """A prefill chunk and a decode step (`infer.engine`'s jitted functions) for one row per
+  token shard (data x fsdp x expert), parameters sharded as in training, the cache's rows
+  over the batch axes. Whole sequences per device (no context runner)."""
+  mesh = _mesh(run, devices)
+  rows = math.prod(mesh.shape[a] for a in TOKEN_AXES)
+  dispatch = (ExpertParallelDispatch(mesh, capacity_factor=run.compute.moe_capacity_factor)
+              if run.compute.moe_impl == "ragged" and mesh.size > 1 else None)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(
+      run.model, rngs=nnx.Rngs(0), compute=run.compute, moe_dispatch=dispatch)))
+  state_sh = shard_state.state_shardings(state, mesh)
+  cache = jax.eval_shape(lambda: init_cache(run.model, rows, max_len, dtype=run.compute.dtype))
+  rows_sh = NamedSharding(mesh, P(BATCH_AXES + ("expert",)))
+  cache_sh = jax.tree.map(lambda a: rows_sh if a.ndim else NamedSharding(mesh, P()), cache)
+  state_s, cache_s = _structs(state, state_sh), _structs(cache, cache_sh)
+  tok = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sh)
+  prefill = _compile(f"prefill P={prefill_chunk:,} N={max_len:,}", engine._prefill_chunk,
+                     (graphdef, state_s, tok((rows, prefill_chunk)), None, cache_s,
+                      tok((rows,))), {"kv_block": kv_block}, mesh, rows * prefill_chunk)
+  decode = _compile(f"decode B={rows} N={max_len:,}", engine._decode_step,
+                    (graphdef, state_s, tok((rows,)), cache_s), {"kv_block": kv_block}, mesh,
+                    rows)
+  active = active_from_breakdown(run.model, param_breakdown(run.model))
+  for c in (prefill, decode):
+    c.model_flops = 2.0 * active * c.tokens / len(devices)
+  return [prefill, decode]
+
+
+def _extrapolate(small: Compiled, big: Compiled, la: int, lb: int, full: int) -> Compiled:
+  """Per-layer linear extrapolation of two compiles (la < lb layers) to `full` layers."""
+  f = (full - la) / (lb - la)
+  lin = lambda a, b: {k: a[k] + (b[k] - a[k]) * f for k in a if k in b}
+  return dataclasses.replace(big, memory=lin(small.memory, big.memory),
+                             cost=lin(small.cost, big.cost),
+                             compile_s=small.compile_s + big.compile_s, hlo="")
+
+
+def compile_run(config, *, layers: tuple[int, int] | None = None, serve: bool = True,
+                max_len: int | None = None, prefill_chunk: int = 2048) -> dict:
+  """Compile the run's programs for `hardware.topology`; -> {"programs": [Compiled],
+  "devices": n, "chip": key, "impls": [lines], "extrapolated": layers or None}.
+
+  Raises ConfigError (bad topology / mesh) or topology.TopologyUnavailable (no libtpu).
+  """
+  run = run_config_from_dict(config)
+  if not run.hardware.topology:
+    raise ValueError("compile_run needs hardware.topology (e.g. 'v5p:2x2x1')")
+  devices = topology.topology_devices(run.hardware.topology)
+  plan = plan_lib.build_plan(run)
+  max_len = max_len or max(s.seq_len for s in plan.stages)
+  prefill_chunk = min(prefill_chunk, max_len)
+
+  def programs(r: RunConfig) -> list[Compiled]:
+    out = train_programs(r, devices, plan)
+    if serve:
+      out += serve_programs(r, devices, max_len=max_len, prefill_chunk=prefill_chunk)
+    return out
+
+  if layers is None:
+    progs = programs(run)
+  else:
+    la, lb = layers
+    small, big = programs(_with_layers(run, la)), programs(_with_layers(run, lb))
+    full = run.model.num_layers
+    progs = [_extrapolate(a, b, la, lb, full) for a, b in zip(small, big)]
+    # Our memory model and the model FLOPs at full depth (the estimate is cheap).
+    for p, full_p in zip(progs, train_programs_model_only(run, devices, plan)):
+      p.model_bytes, p.model_flops = full_p
+    active = active_from_breakdown(run.model, param_breakdown(run.model))
+    for p in progs[len(plan.stages):]:  # prefill, decode: 2 x the full model's active
+      p.model_flops = 2.0 * active * p.tokens / len(devices)
+  mesh = _mesh(run, devices)
+  dispatch = (ExpertParallelDispatch(mesh, capacity_factor=run.compute.moe_capacity_factor)
+              if run.compute.moe_impl == "ragged" and mesh.size > 1 else None)
+  with jax.set_mesh(mesh):
+    impls = describe_impls(run.model, run.compute, moe_dispatch=dispatch)
+    impls.append("MoE exchange: %s (%s)" % resolve_impl_why("auto"))
+  return {"programs": progs, "devices": len(devices), "chip": run.hardware.chip,
+          "impls": impls, "extrapolated": layers, "run": run, "mesh": dict(mesh.shape)}
+
+
+def train_programs_model_only(run: RunConfig, devices, plan) -> list[tuple[float, float]]:
+  """(our memory model's bytes, model FLOPs per device) of each stage's train step."""
+  e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
+  out = []
+  for s in plan.stages:
+    comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
+    out.append((dry_lib.step_bytes(comps),
+                6.0 * e["active"] * s.batch_size * s.seq_len / len(devices)))
+  return out
+
+
+def _gib(b: float) -> str:
+  return f"{b / GiB:,.2f}"
+
+
+def report(result: dict) -> str:
+  """The AOT table: one row per program, every figure per device; compiler estimates."""
+  run, chip = result["run"], result["chip"]
+  spec = CHIPS[chip]
+  usable = run.hardware.usable_bytes
+  mesh = " x ".join(f"{a}={n}" for a, n in result["mesh"].items())
+  layers = result["extrapolated"]
+  head = (f"AOT compile for {run.hardware.topology}: {result['devices']} x {chip} "
+          f"({spec.memory_gib:.0f} GiB HBM, {spec.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 "
+          f"peak), mesh {mesh}. Figures per device are COMPILER ESTIMATES (libtpu: XLA's "
+          f"memory analysis and cost model), not measurements.")
+  if layers:
+    head += (f" Compiled with {layers[0]} and {layers[1]} layers, extrapolated linearly per "
+             f"layer to {run.model.num_layers}; compile time is the two compiles'.")
+  rows = []
+  for p in result["programs"]:
+    secs, how = step_seconds(p, chip)
+    model = "-" if p.model_bytes is None else _gib(p.model_bytes)
+    ratio = "-" if p.model_bytes is None else f"{p.model_bytes / p.memory['total']:.2f}"
+    tps = "-" if not secs else f"{p.tokens / secs:,.0f}"
+    mfu = "-" if not secs or p.model_flops is None else \
+        f"{100 * p.model_flops / (secs * spec.peak_bf16_flops):.1f}%"
+    fits = "yes" if p.memory["total"] <= usable else \
+        f"NO, {_gib(p.memory['total'] - usable)} GiB over"
+    rows.append([p.name, _gib(p.memory["arguments"]), _gib(p.memory["outputs"]),
+                 _gib(p.memory["temporaries"]), _gib(p.memory["total"]),
+                 f"{100 * p.memory['total'] / (spec.memory_gib * GiB):.0f}%", fits, model,
+                 ratio, f"{p.compile_s:.0f}", "-" if not secs else f"{secs * 1e3:,.2f} ({how})",
+                 tps, mfu])
+  header = ["program", "args GiB", "out GiB", "temp GiB", "total GiB", "of HBM",
+            f"fits {_gib(usable)} usable", "model GiB", "model/XLA", "compile s",
+            "step ms", "tokens/s", "MFU"]
+  notes = ("  total = arguments + outputs - donated (aliased) + temporaries + code; model GiB: "
+           "our memory model (train.dry_run) for the train step; step ms: the cost model's "
+           "optimal_seconds, or the roofline of its FLOPs and bytes; MFU: 6 (train) or 2 "
+           "(serve) x active parameters x tokens over step time x peak.")
+  return "\n".join([head, "implementations (chosen for the target):"]
+                   + [f"  {line}" for line in result["impls"]]
+                   + [dry_lib.format_table(header, rows), notes])
+
+
+def parse_layers(text: str) -> tuple[int, int] | None:
+  """--aot_layers 'A,B' -> (A, B) with 1 <= A < B; '' -> None (the model's own depth)."""
+  if not text:
+    return None
+  try:
+    layers = tuple(int(v) for v in text.split(","))
+  except ValueError:
+    layers = ()
+  if len(layers) != 2 or not 1 <= layers[0] < layers[1]:
+    raise ConfigError(f"--aot_layers={text!r} is invalid: allowed 'A,B', two layer counts "
+                      "1 <= A < B (compiled, then extrapolated per layer)")
+  return layers
+
+
+def aot_report(config, **kwargs) -> dict:
+  """Compile (`compile_run`), print the table; -> compile_run's result with "fits": every
+  program's compiler total within the usable memory."""
+  result = compile_run(config, **kwargs)
+  print(report(result), flush=True)
+  usable = result["run"].hardware.usable_bytes
+  result["fits"] = [p.memory["total"] <= usable for p in result["programs"]]
+  return result

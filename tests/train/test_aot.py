@@ -1,0 +1,121 @@
+"""Deviceless TPU AOT compilation (hybridmoe_jax/aot.py): the real steps compiled by libtpu for
+a v5p topology on this CPU host, with the implementations chosen for the TPU target.
+
+Skipped, with the reason, when libtpu (the `[tpu]` extra) is not installed. The compile of
+the tiny model's three programs takes minutes on a loaded 2-core box: marked slow.
+"""
+
+import importlib.util
+
+import jax
+import pytest
+
+from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.run_config import HardwareConfig, parse_topology, run_config_from_dict
+from hybridmoe_jax.train.config import load_config_file
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed: pip install "
+                                  "-e \".[tpu]\" brings the TPU compiler")
+TOPOLOGY = "v5p:2x2x1"
+# Our memory model against the compiler's total for the tiny train step. At this size the
+# compiler's fixed costs (code, XLA's scratch) dominate and our model counts none of them:
+# the bound is loose here; BENCHMARKS.md keeps the ratios of the real presets.
+RATIO_BOUNDS = (0.1, 3.0)
+
+
+def test_topology_names_resolve_or_fail_in_one_line():
+  assert parse_topology("v5p:2x2x1") == ("tpu_v5p", "v5p:2x2x1", 4)
+  assert parse_topology("v5p-256") == ("tpu_v5p", "v5p:4x4x8", 128)  # 256 cores, 128 chips
+  assert parse_topology("v6e-16") == ("tpu_v6e", "v6e:4x4", 16)
+  assert HardwareConfig(topology="v5p-64").chip == "tpu_v5p"
+  for bad in ("v5p-6", "v7-8", "v5p:2x2", "h200"):
+    with pytest.raises(ConfigError, match=r"hardware\.topology.*v5p:2x2x1") as e:
+      HardwareConfig(topology=bad)
+    assert "\n" not in str(e.value)
+  with pytest.raises(ConfigError, match=r"hardware\.device"):
+    HardwareConfig(topology="v5p-8", device="tpu_v6e")
+
+
+def test_without_libtpu_the_error_says_how_to_install(monkeypatch):
+  from hybridmoe_jax.parallel import topology
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(topology.importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(topology.TopologyUnavailable) as e:
+    topology.topology_devices(TOPOLOGY)
+  msg = str(e.value)
+  assert 'pip install -e ".[tpu]"' in msg and f"jax[tpu]=={jax.__version__}" in msg
+  assert "\n" not in msg
+
+
+@needs_libtpu
+def test_libtpu_rejection_is_one_line_and_choosers_see_the_target():
+  """A name libtpu rejects is a one-line ConfigError; under a mesh of TPU devices every
+  chooser picks the TPU implementation although this host is a CPU."""
+  from hybridmoe_jax.ops import attention_backends
+  from hybridmoe_jax.ops.kda import resolve_impl
+  from hybridmoe_jax.parallel import exchange, topology
+  from hybridmoe_jax.parallel.mesh import build_mesh
+
+  with pytest.raises(ConfigError, match=r"hardware\.topology.*libtpu rejects") as e:
+    topology.topology_devices("v5p:3x3x3")
+  assert "\n" not in str(e.value)
+  devices = topology.topology_devices(TOPOLOGY)
+  assert len(devices) == 4 and devices[0].platform == "tpu"
+  assert jax.default_backend() == "cpu"
+  kda_args = dict(head_dim=128, v_head_dim=128, chunk_size=64, lower_bound=-5.0)
+  assert resolve_impl("auto", **kda_args)[0] == "chunked"           # no mesh: the host
+  with jax.set_mesh(build_mesh({"fsdp": 2, "expert": 2}, devices)):
+    name, why = resolve_impl("auto", **kda_args)
+    assert name == "pallas" and "tpu" in why and "mesh" in why
+    assert attention_backends.current_backend() == ("tpu", None)
+    assert exchange.resolve_impl("auto") == "native"
+
+
+def _tiny():
+  config = load_config_file("configs/tiny.py")
+  config.hardware.topology = TOPOLOGY
+  config.mesh.update(data=1, fsdp=2, expert=2)   # the EP shard_map over 2 expert shards
+  config.train.update(batch_size=4, seq_len=256)
+  return config
+
+
+@pytest.fixture(scope="module")
+def tiny_compiled():
+  from hybridmoe_jax import aot
+
+  return aot.compile_run(_tiny(), max_len=256, prefill_chunk=128)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_tiny_steps_compile_for_v5p_with_pallas_and_ep(tiny_compiled):
+  from hybridmoe_jax import aot
+
+  train, prefill, decode = tiny_compiled["programs"]
+  assert [p.name.split()[0] for p in (train, prefill, decode)] == ["train", "prefill", "decode"]
+  impls = "\n".join(tiny_compiled["impls"])
+  assert "(kda): pallas" in impls and "MoE exchange: native" in impls
+  # The Pallas KDA kernel compiled through Mosaic, in the train step and the prefill.
+  assert aot.MOSAIC_CALL in train.hlo and aot.MOSAIC_CALL in prefill.hlo
+  # The expert-parallel exchange: the native collective inside the EP shard_map.
+  assert "ragged-all-to-all" in train.hlo and "ragged-all-to-all" in decode.hlo
+  for p in (train, prefill, decode):
+    m = p.memory
+    assert m["total"] > 0 and m["arguments"] > 0 and p.compile_s > 0
+    assert p.cost.get("flops", 0) > 0
+  lo, hi = RATIO_BOUNDS
+  assert lo <= train.model_bytes / train.memory["total"] <= hi, (train.model_bytes,
+                                                                 train.memory)
+  text = aot.report(tiny_compiled)
+  assert "COMPILER ESTIMATES" in text and "tpu_v5p" in text and "fits" in text
+  assert "train stage 0 T=256" in text and "MFU" in text
+
+
+def test_config_rejects_bad_topology_before_any_compile():
+  config = _tiny()
+  config.hardware.topology = "v5p-300"
+  with pytest.raises(ConfigError, match=r"hardware\.topology"):
+    run_config_from_dict(config)
