@@ -68,7 +68,7 @@ class _TextChoice:
     self.tokens = 0
 
   def shown(self, token: int) -> bool:
-    """Whether a token's text belongs to the visible output."""
+    """Record a drawn token -> whether its text belongs to the visible output."""
     return token not in self.stop_ids
 
   def on_token(self, token: int) -> str:
@@ -99,15 +99,17 @@ class _ChatChoice(_TextChoice):
     self.roles = chat_format.chat_ids(tokenizer)
     self.special = frozenset(tokenizer.special_ids.values())
     self.ids: list[int] = []
+    self.in_tool_call = False
     self.tool_call: ToolCall | None = None
 
   def shown(self, token: int) -> bool:
     self.ids.append(token)
-    return self.roles["tool_call"] not in self.ids and token not in self.special
+    self.in_tool_call |= token == self.roles["tool_call"]
+    return not self.in_tool_call and token not in self.special
 
   def on_done(self, reason: str) -> str:
     tail = super().on_done(reason)
-    if self.roles["tool_call"] in self.ids and self.finish == "stop" and reason == "stop":
+    if self.in_tool_call and self.finish == "stop" and reason == "stop":
       action = chat_format.parse_assistant(self.tokenizer, self.ids)
       if isinstance(action, ToolCall):
         self.tool_call, self.finish = action, "tool_calls"
@@ -205,7 +207,10 @@ class Server:
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
     def emit(i, event):
-      loop.call_soon_threadsafe(queue.put_nowait, (i, *event))
+      try:
+        loop.call_soon_threadsafe(queue.put_nowait, (i, *event))
+      except RuntimeError:     # the event loop has closed (shutdown): nobody is listening
+        pass
 
     s = prep.sampling
     jobs = [Job(ids, limit, functools.partial(emit, i), temperature=s.temperature,
