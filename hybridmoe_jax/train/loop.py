@@ -467,6 +467,14 @@ def _eval_text(metrics: dict[str, float]) -> str:
   return f", held-out loss {metrics['loss']:.4f}{bpb}"
 
 
+def _export(path: str, state, model_dict: dict, tokenizer) -> None:
+  """`--export_params_to`: params + routing biases + config, and the tokenizer (an export is
+  self-contained too: it goes in before the final rename)."""
+  path = ckpt_lib.export_params(path, state.params, state.biases, model_dict,
+                                also=lambda d: _save_tokenizer(tokenizer, d))
+  logging.info("exported parameters and routing biases to %s", path)
+
+
 def _already_finished(workdir: str, step: int, state, ckpt, export_params_to: str | None,
                       model_dict: dict, tokenizer, wall0: float) -> dict[str, Any]:
   """A rerun of a run whose newest checkpoint is at train.steps: no step, no log record;
@@ -475,9 +483,7 @@ def _already_finished(workdir: str, step: int, state, ckpt, export_params_to: st
   logging.info("%s already finished at step %d; raise --config.train.steps to continue",
                workdir, step)
   if export_params_to:
-    path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict)
-    _save_tokenizer(tokenizer, path)
-    logging.info("exported parameters and routing biases to %s", path)
+    _export(export_params_to, state, model_dict, tokenizer)
   return {"start_step": step, "end_step": step, "first_loss": None, "last_loss": None,
           "eval": {}, "tokens_per_sec": float("nan"), "wall_s": time.time() - wall0,
           "skipped_steps": int(state.skipped), "alerts": {}, "stopped_by": None,
@@ -566,10 +572,7 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
         ckpt.save(step, state, data.train.get_state(), meta)
     ckpt.wait()
     if export_params_to and stopped is None:
-      # An export is self-contained too: the tokenizer goes in before the final rename.
-      path = ckpt_lib.export_params(export_params_to, state.params, state.biases, model_dict,
-                                    also=lambda d: _save_tokenizer(tokenizer, d))
-      logging.info("exported parameters and routing biases to %s", path)
+      _export(export_params_to, state, model_dict, tokenizer)
   except Exception as e:  # pylint: disable=broad-except
     if not _out_of_memory(e):
       raise
