@@ -301,3 +301,22 @@ def test_the_command_line_serves_and_refuses_bad_flags(model_path, capsys):
   finally:
     proc.terminate()
     proc.wait(30)
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(lm, server):
+  client, _ = server
+  prompt = next(p for p in ("Once upon", "a", "Hi!", "To be or not")
+                if len(reference_text(lm, p, LONGEST)) >= 8)
+  full = reference_text(lm, prompt, LONGEST)
+  stop = full[5:7]
+  want = full[:full.find(stop)]
+  got = client.completions.create(model=NAME, prompt=prompt, max_tokens=LONGEST,
+                                  temperature=0, stop=[stop, "never appears"])
+  assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+  # Generation ended at the stop string: no more tokens than the run without it.
+  assert got.usage.completion_tokens <= len(reference(lm, lm.tokenizer.encode(prompt, bos=True),
+                                                      LONGEST))
+  chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=LONGEST,
+                                          temperature=0, stop=stop, stream=True))
+  assert "".join(c.choices[0].text for c in chunks) == want
+  assert chunks[-1].choices[0].finish_reason == "stop"
