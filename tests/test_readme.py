@@ -304,6 +304,7 @@ def test_readme_commands_run(tmp_path):
                        text=True, timeout=1800, input="/exit\n", check=False)
     (ran if p.returncode == 0 else failed).append(
         f"README.md:{c.line}: {shell} -> {p.returncode}\n{p.stderr[-1500:]}")
+    print(f"README.md:{c.line}: exit {p.returncode}: {c.text}", flush=True)
   print("\n".join(["skipped:"] + skipped))
   assert not failed, "\n\n".join(failed)
   assert len(ran) >= 15, ran
