@@ -70,17 +70,28 @@ class _QuietOrbax(std_logging.Filter):
   """Drop orbax's INFO chatter (dozens of lines per save) and its read-only notices; keep
   its other warnings and errors.
 
-  A failed background write (disk full) is logged by orbax's save thread with a traceback
-  through tensorstore; `Checkpointer` reports it as one CheckpointWriteError line, so that
-  record is shortened to one line too.
+  A failed background write (disk full) is logged by orbax's save thread with a traceback,
+  and again by each layer that re-raises it (three ERROR records for one failure);
+  `Checkpointer` reports it as the run's one CheckpointWriteError line, so the first record
+  becomes one warning line and its repeats are dropped.
   """
+
+  def __init__(self):
+    super().__init__()
+    self._failures: set[str] = set()
 
   def filter(self, record) -> bool:
     if "orbax" not in record.pathname:
       return True
     if record.exc_info and os_error(record.exc_info[1]) is not None:
-      record.msg, record.args = "a checkpoint write failed: %s", (one_line(record.exc_info[1]),)
+      text = one_line(record.exc_info[1])
+      if text in self._failures:
+        return False
+      self._failures.add(text)
+      record.msg, record.args = "a checkpoint write failed: %s", (text,)
       record.exc_info = record.exc_text = None
+      record.levelno, record.levelname = std_logging.WARNING, "WARNING"
+      return True
     if record.levelno >= 30:
       return not str(record.msg).startswith(_READ_ONLY_NOISE)
     return False
