@@ -286,25 +286,30 @@ def report(result: dict) -> str:
   if layers:
     head += (f" Compiled with {layers[0]} and {layers[1]} layers, extrapolated linearly per "
              f"layer to {run.model.num_layers}; compile time is the two compiles'.")
+  # One unit for the table: GiB, or MiB when every program's total is below 1 GiB.
+  unit, div = (("GiB", GiB) if max(p.memory["total"] for p in result["programs"]) >= GiB
+               else ("MiB", 2 ** 20))
+  size = lambda b: f"{b / div:,.2f}"
   rows = []
   for p in result["programs"]:
     secs, how = step_seconds(p, chip)
-    model = "-" if p.model_bytes is None else _gib(p.model_bytes)
+    model = "-" if p.model_bytes is None else size(p.model_bytes)
     ratio = "-" if p.model_bytes is None else f"{p.model_bytes / p.memory['total']:.2f}"
     tps = "-" if not secs else f"{p.tokens / secs:,.0f}"
     mfu = "-" if not secs or p.model_flops is None else \
         f"{100 * p.model_flops / (secs * spec.peak_bf16_flops):.1f}%"
     fits = "yes" if p.memory["total"] <= usable else \
         f"NO, {_gib(p.memory['total'] - usable)} GiB over"
-    rows.append([p.name, _gib(p.memory["arguments"]), _gib(p.memory["outputs"]),
-                 _gib(p.memory["temporaries"]), _gib(p.memory["total"]),
+    rows.append([p.name, size(p.memory["arguments"]), size(p.memory["outputs"]),
+                 size(p.memory["temporaries"]), size(p.memory["total"]),
                  f"{100 * p.memory['total'] / (spec.memory_gib * GiB):.0f}%", fits, model,
                  ratio, f"{p.compile_s:.0f}", "-" if not secs else f"{secs * 1e3:,.2f} ({how})",
                  tps, mfu])
-  header = ["program", "args GiB", "out GiB", "temp GiB", "total GiB", "of HBM",
-            f"fits {_gib(usable)} usable", "model GiB", "model/XLA", "compile s",
+  header = ["program", f"args {unit}", f"out {unit}", f"temp {unit}", f"total {unit}",
+            "of HBM", f"fits {_gib(usable)} GiB usable", f"model {unit}", "model/XLA",
+            "compile s",
             "step ms", "tokens/s", "MFU"]
-  notes = ("  total = arguments + outputs - donated (aliased) + temporaries + code; model GiB: "
+  notes = ("  total = arguments + outputs - donated (aliased) + temporaries + code; model: "
            "our memory model (train.dry_run) for the train step; step ms: the cost model's "
            "optimal_seconds, or the roofline of its FLOPs and bytes; MFU: 6 (train) or 2 "
            "(serve) x active parameters x tokens over step time x peak.")
