@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from hybridmoe_jax.ops.decay import check_lower_bound
 from hybridmoe_jax.ops.kda_recurrent import check_kda_inputs
+from hybridmoe_jax.ops.platform import target_platform
 
 from .config import (
     SUPPORTED_CHUNKS,
@@ -25,14 +26,16 @@ from .config import (
     default_tpu_config,
 )
 from .segments import chunk_local_segments
-from .wrapper import Static, kda_core
+from .wrapper import Static, kda_core, padded_length
 
 Backend = Literal["auto", "tpu", "gpu"]
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
-  platform = jax.default_backend()
+  # The platform the program is compiled for (the active mesh's devices, else the host's),
+  # so an ahead-of-time compile for a TPU topology on a CPU host gets the Mosaic kernel.
+  platform, _ = target_platform()
   if backend not in ("auto", "tpu", "gpu"):
     raise ValueError(f"backend must be 'auto', 'tpu' or 'gpu', got {backend!r}")
   if interpret is None:
@@ -141,6 +144,10 @@ def kda_pallas(
   st = Static(backend=backend, cfg=config, scale=float(K**-0.5 if scale is None else scale),
               lower_bound=float(lower_bound), interpret=interpret)
   h0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
-  seg = None if segment_ids is None else chunk_local_segments(segment_ids, chunk_size)
+  seg = None
+  if segment_ids is not None:  # padding tokens continue the last segment (segments.py)
+    tp = padded_length(T, backend, config)
+    seg = chunk_local_segments(jnp.pad(segment_ids, ((0, 0), (0, tp - T)), mode="edge"),
+                               chunk_size)
   o, ht = kda_core(q, k, v, g, beta, h0, seg, st)
   return o, (ht if output_final_state else None)

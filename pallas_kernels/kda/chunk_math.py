@@ -193,6 +193,27 @@ def forward_chunk(
   return St_next
 
 
+def chunk_apply(x: dict, St: jax.Array, seg, *, nb: int, lower_bound: float, scale: float,
+                prec) -> tuple[list[jax.Array], jax.Array]:
+  """forward_chunk as a pure function of values (so jax.vjp can differentiate it inside a
+  kernel): x maps "q", "k", "g" to nb [16, K] blocks, "v" to nb [16, BV] blocks and "beta"
+  to nb [16, 1] blocks (float32); seg: nb [16, 1] blocks or None (unpacked; never
+  differentiated). Returns (nb output blocks [16, BV], the next state St [BV, K]).
+
+  Taking blocks (not [C, F] values) keeps slicing, and its transpose (a pad), out of the
+  differentiated code: the kernels read and write 16-row sub-blocks of their refs directly.
+  """
+  out = []
+
+  def load(name, r):
+    return seg[r] if name == "seg" else x[name][r]
+
+  St_next = forward_chunk(load, lambda r, o: out.append(o), St, nb=nb,
+                          lower_bound=lower_bound, scale=scale, prec=prec,
+                          packed=seg is not None)
+  return out, St_next
+
+
 def states_chunk(w, u, k_out, decay, St, prec):
   """State after one chunk from precomputed W, k_out [C, K], U [C, BV], decay [1, K]."""
   v_new = u - mm_nt(w, St, prec)

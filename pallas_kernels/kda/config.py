@@ -36,14 +36,22 @@ class TpuConfig:
   precision: matmul precision; "highest" = fp32 contract precision (the cumsum and the
   16 x 16 inverses are always "highest"). Mosaic offers only DEFAULT and HIGHEST.
   fused: forward as one kernel (True) or as XLA chunk_prep + a Pallas recurrence (False).
+  state_stride: chunks per state saved for the backward (the forward writes the state
+    entering every stride-th chunk, f32 [V, K] per head; the backward's grid step covers
+    stride chunks and recomputes the states between). Larger: less memory (HBM residual
+    N / stride states), a longer unrolled backward body and (stride - 1) / stride extra
+    forward work.
   """
 
   chunk_size: int = 64
   precision: Precision = "highest"
   fused: bool = True
+  state_stride: int = 2
 
   def __post_init__(self):
     _check(self.chunk_size, self.precision)
+    if self.state_stride not in (1, 2, 4):
+      raise ValueError(f"state_stride must be 1, 2 or 4, got {self.state_stride}")
 
 
 @dataclasses.dataclass(frozen=True)

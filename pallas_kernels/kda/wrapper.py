@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import kernel_gpu, kernel_tpu
+from . import cost, kernel_gpu, kernel_tpu
 from .config import GpuConfig, TpuConfig
 from .reference import ChunkPrep, chunk_prep, to_chunks
 
@@ -57,7 +57,8 @@ def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
   """XLA chunk_prep (chunk-parallel) + the Pallas recurrence over chunks."""
   B, T, _, K = q.shape
   HV, V = v.shape[2], v.shape[3]
-  prep = _prep(q, k, v, g, beta, seg, st)
+  tp = padded_length(T, st.backend, st.cfg)  # seg's length
+  prep = _prep(*(_pad_t(x, tp) for x in (q, k, v, g, beta)), seg, st)
   s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
   o, ht_t = st.kernels.recurrent_forward(
       prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, s0_t,
@@ -66,9 +67,72 @@ def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
   return o, jnp.swapaxes(ht_t.reshape(B, HV, V, K), -1, -2)
 
 
+def padded_length(T: int, backend: str, cfg: TpuConfig | GpuConfig) -> int:
+  """T rounded up to whole kernel blocks: chunks (GPU) or groups of cfg.state_stride chunks
+  (TPU: the backward's grid step and the spacing of the saved states). Sequences shorter
+  than one group use a stride of one chunk."""
+  C = cfg.chunk_size
+  n = -(-T // C)
+  return n * C if backend == "gpu" else -(-n // tpu_stride(n, cfg)) * tpu_stride(n, cfg) * C
+
+
+def tpu_stride(n_chunks: int, cfg: TpuConfig) -> int:
+  return cfg.state_stride if n_chunks >= cfg.state_stride else 1
+
+
+def _tpu_layout(q, v, st: Static) -> kernel_tpu.Layout:
+  B, T, H, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  return kernel_tpu.Layout(B=B, tp=padded_length(T, "tpu", st.cfg), H=H, HV=HV, K=K, V=V,
+                           stride=tpu_stride(-(-T // st.cfg.chunk_size), st.cfg))
+
+
+def _pad_t(x: jax.Array, tp: int) -> jax.Array:
+  """Zero-pads axis 1 (tokens) to tp: padded tokens are no-ops (q = k = v = g = beta = 0)."""
+  pad = [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+  return x if tp == x.shape[1] else jnp.pad(x, pad)
+
+
+def _tpu_forward(q, k, v, g, beta, h0, seg, st: Static, save_states: bool):
+  lay = _tpu_layout(q, v, st)
+  T = q.shape[1]
+  outs = kernel_tpu.forward(
+      *(_pad_t(x, lay.tp) for x in (q, k, v, g, beta)), jnp.swapaxes(h0.astype(_f32), -1, -2),
+      None if seg is None else seg[..., None], lay=lay, cfg=st.cfg, scale=st.scale,
+      lower_bound=st.lower_bound, interpret=st.interpret, save_states=save_states,
+      cost=cost.forward_estimate(lay, st.cfg, q.dtype, v.dtype, g.dtype, beta.dtype,
+                                 packed=seg is not None, save_states=save_states))
+  out = (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2))
+  return out, (outs[2] if save_states else None)
+
+
+def _tpu_backward(res, cts, st: Static):
+  q, k, v, g, beta, h0, seg, states = res
+  do, dht = cts
+  lay = _tpu_layout(q, v, st)
+  T, rep = q.shape[1], lay.HV // lay.H
+  dq, dk, dv, dg, dbeta, ds0 = kernel_tpu.backward(
+      *(_pad_t(x, lay.tp) for x in (q, k, v, g, beta)),
+      None if seg is None else seg[..., None], _pad_t(do.astype(v.dtype), lay.tp), states,
+      jnp.swapaxes(dht.astype(_f32), -1, -2), lay=lay, cfg=st.cfg, scale=st.scale,
+      lower_bound=st.lower_bound, interpret=st.interpret,
+      cost=cost.backward_estimate(lay, st.cfg, q.dtype, v.dtype, g.dtype, beta.dtype,
+                                  packed=seg is not None))
+
+  def per_q_head(x):  # [B, Tp, HV, K] per value head -> [B, T, H, K]: sum over the group
+    x = x[:, :T]
+    return x if rep == 1 else x.reshape(*x.shape[:2], lay.H, rep, -1).sum(3)
+
+  dbeta = jnp.moveaxis(dbeta, 1, 2).reshape(lay.B, lay.tp, lay.HV)[:, :T]  # [B, T, HV]
+  return (per_q_head(dq), per_q_head(dk), dv[:, :T], dg[:, :T], dbeta,
+          jnp.swapaxes(ds0, -1, -2))
+
+
 def _forward(q, k, v, g, beta, h0, seg, st: Static):
   if not st.cfg.fused:
     return _forward_split(q, k, v, g, beta, h0, seg, st)
+  if st.backend == "tpu":
+    return _tpu_forward(q, k, v, g, beta, h0, seg, st, save_states=False)[0]
   T, C = q.shape[1], st.cfg.chunk_size
   tp = -(-T // C) * C
   o, ht_t = st.kernels.forward(
@@ -84,16 +148,49 @@ def _forward(q, k, v, g, beta, h0, seg, st: Static):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def kda_core(q, k, v, g, beta, h0, seg, st: Static):
   """(o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] f32); h0 is required;
-  seg [B, Tp] float32 (segments.chunk_local_segments) or None (unpacked)."""
+  seg [B, Tp] float32 (segments.chunk_local_segments, Tp = padded_length) or None."""
   return _forward(q, k, v, g, beta, h0, seg, st)
 
 
+def _split_states(q, k, v, g, beta, h0, seg, st: Static):
+  """The states the TPU backward needs, [B, HV, N / stride, V, K], for the split forward
+  (which does not produce them): XLA chunk_prep + the Pallas state recurrence."""
+  B, HV, V, K = v.shape[0], v.shape[2], v.shape[3], q.shape[3]
+  lay = _tpu_layout(q, v, st)
+  tp = lay.tp
+  pad = lambda x: _pad_t(x, tp)  # noqa: E731
+  prep = _prep(pad(q), pad(k), pad(v), pad(g), pad(beta), seg, st)
+  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
+  states = kernel_tpu.states(prep.w, prep.u, prep.k_out, prep.decay, s0_t, cfg=st.cfg,
+                             interpret=st.interpret)
+  return states[:, ::lay.stride].reshape(B, HV, -1, V, K)
+
+
 def _fwd(q, k, v, g, beta, h0, seg, st):
-  return _forward(q, k, v, g, beta, h0, seg, st), (q, k, v, g, beta, h0, seg)
+  if st.backend != "tpu":
+    return _forward(q, k, v, g, beta, h0, seg, st), (q, k, v, g, beta, h0, seg, None)
+  if st.cfg.fused:
+    out, states = _tpu_forward(q, k, v, g, beta, h0, seg, st, save_states=True)
+  else:
+    out = _forward_split(q, k, v, g, beta, h0, seg, st)
+    states = _split_states(q, k, v, g, beta, h0, seg, st)
+  return out, (q, k, v, g, beta, h0, seg, states)
 
 
 def _bwd(st: Static, res, cts):
-  q, k, v, g, beta, h0, seg = res
+  q, k, v, g, beta, h0, seg, _ = res
+  if st.backend == "tpu":
+    grads = _tpu_backward(res, cts, st)
+  else:
+    grads = _gpu_backward(res, cts, st)
+  grads = tuple(d.astype(x.dtype) for d, x in zip(grads, res))
+  return grads + (None if seg is None else jnp.zeros_like(seg),)
+
+
+def _gpu_backward(res, cts, st: Static):
+  """Steps 1-4 of the module docstring (GPU: Triton has no value slicing, so the in-kernel
+  vjp of the TPU backward is not available)."""
+  q, k, v, g, beta, h0, seg, _ = res
   do, dht = cts
   B, _, _, K = q.shape
   HV, V = v.shape[2], v.shape[3]
@@ -112,9 +209,7 @@ def _bwd(st: Static, res, cts):
                      a_qk=da.sum(0), decay=ddecay.sum(0))
   dq, dk, dv, dg, dbeta = prep_vjp(d_prep)
   dh0 = jnp.swapaxes(ds0_t.reshape(B, HV, V, K), -1, -2)
-  grads = (dq, dk, dv, dg, dbeta, dh0)
-  grads = tuple(d.astype(x.dtype) for d, x in zip(grads, res))
-  return grads + (None if seg is None else jnp.zeros_like(seg),)
+  return dq, dk, dv, dg, dbeta, dh0
 
 
 kda_core.defvjp(_fwd, _bwd)

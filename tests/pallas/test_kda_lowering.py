@@ -89,9 +89,14 @@ def lower(backend: str, C: int, K: int, V: int, dt, packed: bool, fused: bool = 
 
 def _check(text: str, backend: str, packed: bool, fused: bool):
   target = "tpu_custom_call" if backend == "tpu" else "xla.gpu.triton"
-  assert text.count(target) == 3  # forward (fused or recurrence), states, backward
-  # The unpacked fast path compiles no segment masks: a separate forward kernel.
+  # GPU: forward (fused or recurrence), states, backward. TPU: the fused forward saves the
+  # states for the one-kernel backward; the split forward needs the states kernel.
+  assert text.count(target) == (2 if backend == "tpu" and fused else 3)
+  # The unpacked fast path compiles no segment masks: separate forward (and TPU backward)
+  # kernels.
   assert ("kda_fwd_packed" in text) == (packed and fused)
+  if backend == "tpu":
+    assert ("kda_bwd_packed_tpu" in text) == packed
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)

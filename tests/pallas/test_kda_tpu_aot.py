@@ -1,0 +1,64 @@
+"""The KDA Pallas kernels compiled by libtpu for a TPU v5p chip, without a TPU (deviceless
+AOT: jax.experimental.topologies), against the chunked XLA path compiled the same way.
+
+Checks what only the real compiler can: Mosaic compiles the forward and the one-kernel
+backward (a tpu_custom_call in the optimised HLO), XLA adds no layout copies of the token
+arrays around them, and fwd+bwd temporary memory stays at most the XLA path's
+(benchmarks/kda_tpu_aot.py has the full-size figures, BENCHMARKS.md the table).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hybridmoe_jax.ops.kda_chunked import kda_chunked
+from pallas_kernels.kda import kda_pallas
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                       reason="needs libtpu (pip install 'jax[tpu]') for deviceless TPU AOT"),
+    pytest.mark.slow,  # each Mosaic compile of the backward takes ~1 CPU-minute
+]
+
+B, T, H, K, V, C = 1, 1024, 2, 128, 128, 64
+
+
+def _compile(fn, specs):
+  from jax.experimental import topologies
+
+  topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
+  mesh = Mesh(np.array(topo.devices[:1]).reshape(1), ("x",))
+  rep = NamedSharding(mesh, PartitionSpec())
+  with jax.set_mesh(mesh):
+    return jax.jit(fn, in_shardings=(rep,) * len(specs)).lower(*specs).compile()
+
+
+def _fwdbwd(run):
+  def fn(q, k, v, g, beta, seg):
+    loss = lambda *x: jnp.sum(run(*x, seg).astype(jnp.float32))  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+  return fn
+
+
+def test_pallas_fwdbwd_compiles_for_v5p_within_the_xla_paths_memory():
+  bf16 = jnp.bfloat16
+  specs = [jax.ShapeDtypeStruct((B, T, H, K), bf16), jax.ShapeDtypeStruct((B, T, H, K), bf16),
+           jax.ShapeDtypeStruct((B, T, H, V), bf16),
+           jax.ShapeDtypeStruct((B, T, H, K), jnp.float32),
+           jax.ShapeDtypeStruct((B, T, H), bf16), jax.ShapeDtypeStruct((B, T), jnp.int32)]
+  kw = dict(chunk_size=C, lower_bound=-5.0)
+  pallas = _compile(_fwdbwd(lambda *x: kda_pallas(
+      *x[:5], segment_ids=x[5], backend="tpu", interpret=False, **kw)[0]), specs)
+  xla = _compile(_fwdbwd(lambda *x: kda_chunked(*x[:5], segment_ids=x[5], **kw)[0]), specs)
+  hlo = pallas.as_text()
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 2  # forward, backward
+  assert "kda_bwd_packed_tpu" in hlo
+  temp = pallas.memory_analysis().temp_size_in_bytes
+  assert temp <= xla.memory_analysis().temp_size_in_bytes
