@@ -4,8 +4,8 @@ path, compiled ahead of time for a TPU topology on a CPU-only machine (deviceles
 Usage:  nice -n 19 python benchmarks/kda_tpu_aot.py [--T 8192 32768 131072]
             [--topology v5p:2x2x1] [--modes fwd fwdbwd] [--packing unpacked packed]
             [--out kda_tpu_aot.jsonl]
-Needs libtpu (`pip install "jax[tpu]"`); runs with JAX_PLATFORMS=cpu (libtpu's init noise on
-stderr can be ignored). Shapes: B=1, H=HV=16, K=V=128, q/k/v/beta bf16, gates fp32 (the
+Needs libtpu (`pip install "jax[tpu]"`); runs with JAX_PLATFORMS=cpu (the topology's devices
+come from hybridmoe_jax.parallel.topology, which sets libtpu's environment for a CPU host). Shapes: B=1, H=HV=16, K=V=128, q/k/v/beta bf16, gates fp32 (the
 model computes them in fp32) bounded by lb=-5, chunk 64. Packed: segment_ids [B, T] int32
 are an argument (the compile does not depend on their values).
 
@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridmoe_jax.ops.kda_chunked import kda_chunked
+from hybridmoe_jax.parallel.topology import topology_devices
 from pallas_kernels.kda import kda_pallas
 
 LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
@@ -41,10 +42,7 @@ LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
 
 def tpu_mesh(topology: str) -> Mesh:
   """A one-device mesh of the topology's first chip (deviceless: no TPU needed)."""
-  from jax.experimental import topologies
-
-  topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-  return Mesh(np.array(topo.devices[:1]).reshape(1), ("x",))
+  return Mesh(np.array(topology_devices(topology)[:1]).reshape(1), ("x",))
 
 
 def arg_specs(T: int, packed: bool):

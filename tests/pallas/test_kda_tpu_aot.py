@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridmoe_jax.ops.kda_chunked import kda_chunked
+from hybridmoe_jax.parallel.topology import topology_devices
 from pallas_kernels.kda import kda_pallas
 
 pytestmark = [
@@ -30,10 +31,7 @@ B, T, H, K, V, C = 1, 1024, 2, 128, 128, 64
 
 
 def _compile(fn, specs):
-  from jax.experimental import topologies
-
-  topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1")
-  mesh = Mesh(np.array(topo.devices[:1]).reshape(1), ("x",))
+  mesh = Mesh(np.array(topology_devices("v5p:2x2x1")[:1]).reshape(1), ("x",))
   rep = NamedSharding(mesh, PartitionSpec())
   with jax.set_mesh(mesh):
     return jax.jit(fn, in_shardings=(rep,) * len(specs)).lower(*specs).compile()
