@@ -43,18 +43,18 @@ IMAGES = _ROOT / "docs" / "images"
 KV_PAIRS = (2, 4, 8, 16, 32)
 
 
-def run_name(variant: str, stages: int, seed: int) -> str:
-  return f"{variant}_n{stages}_s{seed}"
+def run_name(variant: str, stages: int, seed: int, steps: int = 0) -> str:
+  return f"{variant}_n{stages}{f'_t{steps}' if steps else ''}_s{seed}"
 
 
-def train(variant: str, stages: int, seed: int, workdir: str) -> float:
+def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0) -> float:
   """Runs the recipe unless its last stage's NIAH grid exists; -> wall seconds (0 if done)."""
   if os.path.exists(os.path.join(workdir, "eval", f"niah_stage{stages - 1}.json")):
     return 0.0
   t0 = time.time()
   cmd = ["nice", "-n", "19", sys.executable, str(_ROOT / "run_train.py"),
          f"--config={_ROOT / 'configs' / 'long_context_cpu.py'}:{variant},stages={stages},"
-         f"seed={seed}", f"--workdir={workdir}"]
+         f"seed={seed}{f',steps={steps}' if steps else ''}", f"--workdir={workdir}"]
   with open(workdir + ".log", "a", encoding="utf-8") as log:
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
   return time.time() - t0
@@ -79,7 +79,8 @@ def kv_recall(workdir: str, max_len: int) -> dict:
   return result
 
 
-def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float) -> dict:
+def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
+            steps: int = 0) -> dict:
   grids = []
   for k in range(stages):
     with open(os.path.join(workdir, "eval", f"niah_stage{k}.json"), encoding="utf-8") as f:
@@ -90,8 +91,8 @@ def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float) 
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     train_rows = [r for r in map(json.loads, f) if r.get("split") == "train"]
   last = grids[-1]["stage_seq_len"]
-  return {"run": run_name(variant, stages, seed), "variant": variant, "seed": seed,
-          "stages": stages, "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
+  return {"run": run_name(variant, stages, seed, steps), "variant": variant, "seed": seed,
+          "stages": stages, "first_stage_steps": steps or None, "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
           "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
           "train_wall_s": round(seconds, 1)}
 
@@ -109,8 +110,9 @@ ORDER = ["hybrid", "hybrid_rope", "kda", "mla"]
 def extrapolation_figure(runs: list[dict]):
   """Left: exact match vs prompt length after the first (512) stage, per variant (mean over
   seeds, min-max band). Right: the full recipe's runs after each stage."""
-  fig = plots.new_figure(12.0, 4.5)
-  left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+  full = [r for r in runs if r["stages"] > 1]
+  fig = plots.new_figure(12.0 if full else 7.0, 4.5)
+  left = fig.add_subplot(1, 2 if full else 1, 1)
   first = [r for r in runs if r["stages"] == 1]
   for v in sorted({r["variant"] for r in first}, key=ORDER.index):
     curves = [per_length(r["niah"][0]) for r in first if r["variant"] == v]
@@ -121,8 +123,16 @@ def extrapolation_figure(runs: list[dict]):
               label=f"{v} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
     if len(curves) > 1:
       left.fill_between(lengths, ys.min(0), ys.max(0), color=color, alpha=0.2)
+    digits = [per_length(dict(r["niah"][0], accuracy=r["niah"][0]["digit_accuracy"]))
+              for r in first if r["variant"] == v]
+    left.plot(lengths, np.mean([[d[n] for n in lengths] for d in digits], 0), "x--",
+              color=color, label=f"{v}: per-digit accuracy (chance 0.1)")
   left.set_title("after the 512-token stage, by variant", fontsize=10)
-  full = [r for r in runs if r["stages"] > 1]
+  axes = [left]
+  if full:
+    right = fig.add_subplot(1, 2, 2)
+    right.set_title("full recipe 512 -> 2K -> 8K, after each stage", fontsize=10)
+    axes.append(right)
   for r in full:
     for g in r["niah"]:
       pl = per_length(g)
@@ -130,15 +140,14 @@ def extrapolation_figure(runs: list[dict]):
                  label=f"{r['variant']} s{r['seed']} after stage {g['stage']} "
                        f"(trained {g['stage_seq_len']})")
       right.axvline(g["stage_seq_len"], color=f"C{g['stage']}", ls="--", lw=0.8)
-  right.set_title("full recipe 512 -> 2K -> 8K, after each stage", fontsize=10)
-  for ax in (left, right):
+  for ax in axes:
     ax.axhline(1e-5, color="gray", ls=":", lw=1, label="chance (1e-5)")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.08)
     ax.set_xlabel("prompt length (tokens)")
     ax.legend(fontsize=7, loc="lower left")
   left.axvline(512, color="gray", ls="--", lw=0.8)
-  left.set_ylabel("passkey exact match (mean over depths)")
+  left.set_ylabel("passkey accuracy (mean over depths)")
   fig.suptitle("NIAH on held-out keys and hay (2-core CPU runs)", fontsize=11)
   return fig
 
@@ -206,6 +215,7 @@ def main() -> None:
   ap.add_argument("--variants", default="hybrid")
   ap.add_argument("--seeds", default="0")
   ap.add_argument("--stages", type=int, default=3)
+  ap.add_argument("--steps", type=int, default=0, help="first stage's steps (0: the recipe's)")
   ap.add_argument("--root", default="runs/lcr")
   ap.add_argument("--results", default=str(RESULTS))
   ap.add_argument("--images", default=str(IMAGES))
@@ -219,9 +229,9 @@ def main() -> None:
     os.makedirs(args.root, exist_ok=True)
     for v in args.variants.split(","):
       for s in (int(x) for x in args.seeds.split(",")):
-        workdir = os.path.join(args.root, run_name(v, args.stages, s))
-        seconds = train(v, args.stages, s, workdir)
-        row = collect(v, args.stages, s, workdir, seconds)
+        workdir = os.path.join(args.root, run_name(v, args.stages, s, args.steps))
+        seconds = train(v, args.stages, s, workdir, args.steps)
+        row = collect(v, args.stages, s, workdir, seconds, args.steps)
         if os.path.exists(args.results):  # runs recorded meanwhile by a parallel invocation
           with open(args.results, encoding="utf-8") as f:
             results["runs"] = json.load(f)["runs"]
