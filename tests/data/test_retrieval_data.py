@@ -154,3 +154,16 @@ def test_retrieval_weight_gives_the_token_share():
   # Upsampled long documents count as often as they are drawn.
   w_up = curriculum.retrieval_weight(0.5, comps[:1], src, long_upsample=3, long_min_bytes=5000)
   assert w_up * src.lengths.mean() == pytest.approx((3 * 6000 + 2000) / 4)
+
+
+def test_stage_niah_lengths_capped_per_stage(tmp_path):
+  """curriculum.niah_max_factor: after a stage of T tokens only prompts up to factor x T (at
+  least the shortest); 0 keeps every length."""
+  from hybridmoe_jax.evals.stage_niah import StageNiah  # pylint: disable=g-import-not-at-top
+  lengths = (512, 1024, 4096, 65536)
+  capped = StageNiah(str(tmp_path), lengths, (0.5,), samples=1, tokenizer=ByteTokenizer(),
+                     max_factor=8)
+  assert capped.lengths_after(512) == (512, 1024, 4096)
+  assert capped.lengths_after(8192) == lengths and capped.lengths_after(16) == (512,)
+  assert StageNiah(str(tmp_path), lengths, (0.5,), samples=1,
+                   tokenizer=ByteTokenizer()).lengths_after(16) == lengths
