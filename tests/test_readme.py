@@ -275,8 +275,10 @@ def _setup(c: Command, scratch) -> None:
   f = c.flags()
   if f.get("from_hf") == "Kimi-Linear-48B-A3B-Instruct" and not (
       scratch / "Kimi-Linear-48B-A3B-Instruct").exists():
-    from tests.convert.kimi_tiny import write_hf_dir  # pylint: disable=import-outside-toplevel
-    write_hf_dir(scratch / "Kimi-Linear-48B-A3B-Instruct")
+    # pylint: disable-next=import-outside-toplevel
+    from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
+    # A vocabulary the byte tokenizer fits (the stand-in has no tokenizer of its own).
+    write_hf_dir(scratch / "Kimi-Linear-48B-A3B-Instruct", tiny_hf_config(vocab_size=320))
   if "my.jsonl" in (f.get("config.data.paths") or ""):
     lines = [f'{{"text": "document {i}: {"the quick brown fox " * 40}"}}' for i in range(40)]
     (scratch / "my.jsonl").write_text("\n".join(lines) + "\n")
