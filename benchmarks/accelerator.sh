@@ -34,7 +34,7 @@ if (( DRY )); then
       --steps 1 --dtype float32 --out "$OUT/train_step.jsonl.tmp"
   part kda 240 python benchmarks/kda_kernels.py --small --impls pallas chunked
   part decode 240 python benchmarks/decode.py --contexts 64 --decode_steps 2 --models hybrid \
-      --budget_s 30
+      --budget_s 1000
   part moe 240 python benchmarks/moe_dispatch.py --experts 4 8 --tokens 64 --repeats 1
 else
   part train 150 python benchmarks/accelerator.py train --presets tiny small --batch 8 \
