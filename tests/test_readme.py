@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import shlex
@@ -284,6 +285,29 @@ def _setup(c: Command, scratch) -> None:
     (scratch / "my.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def in_dependency_order(commands: list[Command]) -> list[Command]:
+  """README order, except that a command reading what a later one makes (the quick
+  reference's `--workdir=runs/rl` before the RL section trains it) runs after its maker."""
+  out = list(commands)
+  for c in commands:
+    reads, here = set(_reads(c)), out.index(c)
+    makers = [i for i, m in enumerate(out) if reads & _produced([m])]
+    if makers and min(makers) > here:     # made only later: run after its first maker
+      out.remove(c)
+      out.insert(min(makers), c)          # the maker moved up by one: this is right after it
+  return out
+
+
+def test_dependency_order():
+  cmds = readme_commands()
+  order = in_dependency_order(cmds)
+  assert sorted(c.line for c in order) == sorted(c.line for c in cmds)
+  for i, c in enumerate(order):
+    made_later = set().union(*[_produced([m]) for m in order[i + 1:]]) if order[i + 1:] else set()
+    made_before = set().union(*[_produced([m]) for m in order[:i]]) if i else set()
+    assert not (set(_reads(c)) & made_later - made_before), c.text
+
+
 @pytest.mark.slow
 def test_readme_commands_run(tmp_path):
   """The README top to bottom, small (~20-30 min on 2 cores)."""
@@ -291,7 +315,7 @@ def test_readme_commands_run(tmp_path):
     (tmp_path / name).symlink_to(ROOT / name)
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   ran, skipped, failed = [], [], []
-  for c in readme_commands():
+  for c in in_dependency_order(readme_commands()):
     why = _skip_reason(c)
     if why:
       skipped.append(f"README.md:{c.line}: {c.text} ({why})")
@@ -300,7 +324,12 @@ def test_readme_commands_run(tmp_path):
     extra = next((args for pattern, args in OVERRIDES if re.search(pattern, c.text)), [])
     if c.program() == "python -c":
       extra = []
-    shell = c.text.replace("python ", f"{shlex.quote(sys.executable)} ", 1)
+    devices = math.prod(int(v) for k, v in c.flags().items() if k.startswith("config.mesh."))
+    if devices > 1:   # simulated on CPU, as the README's next line shows
+      shell = f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} {c.text}"
+    else:
+      shell = c.text
+    shell = shell.replace("python ", f"{shlex.quote(sys.executable)} ", 1)
     shell = " ".join([shell] + [shlex.quote(a) for a in extra])
     p = subprocess.run(["bash", "-c", shell], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=1800, input="/exit\n", check=False)
