@@ -123,7 +123,8 @@ def run_generate(model: HybridLM, opts: EvalOptions,
   t0 = time.perf_counter()
   with compile_timer() as compiling:
     out = engine.generate(ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
-                          sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p),
+                          sampling=SamplingConfig(opts.temperature, opts.top_k, opts.top_p,
+                                                  vocab_limit=tok.vocab_size),
                           stop_tokens=[tok.eos_id], pad_id=tok.pad_id, images=images)
   seconds = time.perf_counter() - t0
   n = int(out.lengths[0])

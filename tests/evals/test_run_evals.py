@@ -75,3 +75,22 @@ def test_results_json_from_before_tasks_keeps_its_run(tmp_path):
                          {"generate": {"v": 2}})
   assert merged["results"] == {"ppl": {"v": 1}, "generate": {"v": 2}}
   assert merged["tasks"]["ppl"] == {"model": {"step": 5}, "options": {"prompt": "x"}}
+
+
+def test_generate_never_draws_ids_past_the_tokenizer():
+  """A model whose embedding is larger than its tokenizer (an HF checkpoint padded to a
+  round vocabulary) must not sample an id the tokenizer cannot decode."""
+  from flax import nnx
+  from hybridmoe_jax.data.tokenizer import ByteTokenizer
+  from hybridmoe_jax.evals.runner import run_generate
+  from hybridmoe_jax.model.decoder import HybridLM
+  from tests.infer.helpers import tiny_cfg
+  tok = ByteTokenizer()
+  model = HybridLM(tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=512),
+                   rngs=nnx.Rngs(0))
+  # Sampling at temperature 1 from an untrained model: ids past 259 hold half the
+  # vocabulary, so without the limit a draw lands there (token 443 at seed 0).
+  for seed in range(3):
+    opts = dataclasses.replace(FAST, temperature=1.0, max_new_tokens=24, seed=seed)
+    g = run_generate(model, opts, tok)
+    assert isinstance(g["text"], str) and 1 <= g["new_tokens"] <= 24
