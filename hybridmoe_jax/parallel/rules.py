@@ -1,8 +1,11 @@
 """The one table of sharding rules: logical axis names -> mesh axes (MaxText style).
 
-Two tables, both read top to bottom, first match wins:
+Three tables, read top to bottom, first match wins:
   LOGICAL_RULES   logical name -> mesh axis / tuple of axes / None (replicated);
-  PARAM_LOGICAL   regex on a leaf's path ("layers/1/ffn/w_gate") -> one logical name per dim.
+  PARAM_LOGICAL   regex on a leaf's path ("layers/1/ffn/w_gate") -> one logical name per dim;
+  REPLICATED      regexes of parameters kept whole on purpose (norm scales, decays, vision).
+Every parameter of every preset is in exactly one of the last two (tests/parallel/
+test_rules.py); a leaf in neither is replicated with a log line, never silently.
 Parameters, their optimizer moments (whose paths end with the parameter's path) and the
 routing biases all go through `PARAM_LOGICAL`, so a moment is always sharded like its
 parameter. A dimension whose size the mesh axes do not divide, or a leaf whose rank does not
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from absl import logging
 import jax
 from jax.sharding import Mesh, NamedSharding
 
@@ -34,20 +38,40 @@ PARAM_LOGICAL: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (_M + r"(gate|up)$", ("embed", "mlp")),                       # dense + shared GLU MLPs
     (_M + r"down$", ("mlp", "embed")),
     (_M + r"mixer/(q_proj|k_proj|v_proj|g_proj|k_rope|kv_a|gate)/kernel$", ("embed", "heads")),
-    (_M + r"mixer/(b_proj|f_a)/kernel$", ("embed", "latent")),
-    (_M + r"mixer/f_b/kernel$", ("latent", "heads")),
+    (_M + r"mixer/(b_proj|f_a|q_a)/kernel$", ("embed", "latent")),
+    (_M + r"mixer/(f_b|q_b)/kernel$", ("latent", "heads")),
+    (_M + r"mixer/g_proj/layers/0/kernel$", ("embed", "latent")),   # low-rank output gate
+    (_M + r"mixer/g_proj/layers/1/kernel$", ("latent", "heads")),
     (_M + r"mixer/(k_up|v_up)/kernel$", ("latent", "heads")),
     (_M + r"mixer/o_proj/kernel$", ("heads", "embed")),
-    (_M + r"conv/weight$", ("conv", "heads")),
+    (_M + r"mixer/(q|k|v)_conv/weight$", ("conv", "heads")),
+)
+# Parameters kept whole on every device, on purpose: each is O(d) or O(heads) (norm scales,
+# decay parameters, AttnRes queries) or belongs to the small vision tower, so sharding them
+# would add collectives and save nothing. A parameter in neither table is not placed
+# silently: `logical_names` logs it (tests/parallel/test_rules.py requires every parameter
+# of every preset to be in exactly one table).
+REPLICATED: tuple[str, ...] = (
+    r"^(?!vision/)(.*/)?(\w+_)?norm/scale$", r"(^|/)mixer/o_norm_scale$",
+    r"(^|/)mixer/(a_log|dt_bias)$", r"(^|/)\w*mix/query$", r"(^|/)vision/",
 )
 _COMPILED = tuple((re.compile(p), names) for p, names in PARAM_LOGICAL)
+_REPLICATED = tuple(re.compile(p) for p in REPLICATED)
+_UNRULED_LOGGED: set[str] = set()
 
 
 def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
-  """Logical names of a leaf's dims (all None when no pattern matches or the rank differs)."""
+  """Logical names of a leaf's dims: its PARAM_LOGICAL names, or all None (replicated) for a
+  REPLICATED parameter, a scalar, a rank mismatch or a leaf no rule names (logged once per
+  path shape, since an unplaced large weight would silently cost memory on every device)."""
   for pattern, names in _COMPILED:
     if pattern.search(path):
       return names if len(names) == ndim else (None,) * ndim
+  if ndim and not any(r.search(path) for r in _REPLICATED):
+    key = re.sub(r"\d+", "N", path)
+    if key not in _UNRULED_LOGGED:
+      _UNRULED_LOGGED.add(key)
+      logging.info("sharding: no rule names %s (rank %d): replicated", path, ndim)
   return (None,) * ndim
 
 

@@ -1,0 +1,61 @@
+"""Every parameter of every preset is placed by exactly one sharding decision."""
+
+import dataclasses
+import pathlib
+import re
+
+import jax
+import pytest
+from absl import logging
+from flax import nnx
+
+from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.parallel import rules
+from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.sharding import path_string
+from tests.conftest import ROOT, load_config
+
+PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
+
+
+def _abstract_params(name: str):
+  """The preset's parameters as shapes; flagships cut to their first four layers (one of
+  each kind of layer: the rules match per layer, so depth adds no new path)."""
+  cfg = run_config_from_dict(load_config(name).to_dict()).model
+  if cfg.num_layers > 8:
+    cfg = dataclasses.replace(cfg, num_layers=4, **(
+        {"layer_kinds": cfg.layer_kinds[:4]} if cfg.layer_kinds else {}))
+  model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+  return jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_parameter_has_exactly_one_rule(name):
+  shard = [(re.compile(p), names) for p, names in rules.PARAM_LOGICAL]
+  whole = [re.compile(p) for p in rules.REPLICATED]
+  leaves = _abstract_params(name)
+  assert leaves
+  for path, leaf in leaves:
+    p = path_string(path)
+    hits = [names for r, names in shard if r.search(p)] + [None for r in whole if r.search(p)]
+    assert len(hits) == 1, f"{name}: {p} matches {len(hits)} rules (want exactly one)"
+    if hits[0] is not None:
+      assert len(hits[0]) == leaf.ndim, f"{name}: {p} rank {leaf.ndim} vs rule {hits[0]}"
+
+
+def test_low_rank_and_conv_weights_are_sharded():
+  # These were replicated by a silent fallback before the rules named them.
+  assert rules.logical_names("layers/3/mixer/q_a/kernel", 2) == ("embed", "latent")
+  assert rules.logical_names("layers/3/mixer/q_b/kernel", 2) == ("latent", "heads")
+  assert rules.logical_names("layers/0/mixer/g_proj/layers/1/kernel", 2) == ("latent", "heads")
+  assert rules.logical_names("layers/0/mixer/k_conv/weight", 2) == ("conv", "heads")
+
+
+def test_a_leaf_no_rule_names_is_logged_not_silent(monkeypatch):
+  said = []
+  monkeypatch.setattr(logging, "info", lambda msg, *a: said.append(msg % a))
+  monkeypatch.setattr(rules, "_UNRULED_LOGGED", set())
+  assert rules.logical_names("layers/0/mixer/new_proj/kernel", 2) == (None, None)
+  assert rules.logical_names("layers/1/mixer/new_proj/kernel", 2) == (None, None)
+  assert said == ["sharding: no rule names layers/0/mixer/new_proj/kernel (rank 2): replicated"]
+  assert rules.logical_names("final_norm/scale", 1) == (None,) and len(said) == 1
