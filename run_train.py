@@ -92,7 +92,7 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   from hybridmoe_jax.run_config import run_config_from_dict
-  from hybridmoe_jax.train import checkpoint, dry_run, io_noise, loop
+  from hybridmoe_jax.train import checkpoint, dry_run, io_noise, loop, run_errors
   try:
     config = _CONFIG.value
     config.keys()  # a lazy proxy: raises here if the file failed to load
@@ -129,8 +129,9 @@ def main(argv):
         on_stage_end = StageNiah.from_run(run, _WORKDIR.value)
       summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value,
                                         on_stage_end=on_stage_end)
-  except (ConfigError, loop.InputError, loop.TrainingDiverged, checkpoint.NonFiniteState,
-          checkpoint.CheckpointWriteError, loop.OutOfMemory) as e:
+  except (ConfigError, run_errors.InputError, run_errors.TrainingDiverged,
+          checkpoint.NonFiniteState, checkpoint.CheckpointWriteError,
+          run_errors.OutOfMemory) as e:
     sys.exit(f"error: {e}")
   except OSError as e:  # a full disk hit a log write (metrics, TensorBoard) before a save did
     if e.errno not in io_noise.FULL_ERRNOS:

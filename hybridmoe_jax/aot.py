@@ -13,7 +13,7 @@ Per program it reports the compiler's figures (labelled "compiler estimate": XLA
 `memory_analysis()` per device and its cost model's `optimal_seconds`), our memory model's
 figure for the train step (`train.dry_run.stage_memory`) and their ratio, the compile time,
 the implied tokens/s and the model-FLOPs utilisation (6 x active parameters x tokens per
-step over the cost model's time and the chip's peak: `run_config.CHIPS`).
+step over the cost model's time and the chip's peak: `hardware.CHIPS`).
 
 `layers=(a, b)` compiles the model with a and b layers (same layer pattern) instead of its
 own depth and extrapolates memory and step time linearly per layer to the full depth: the
@@ -47,7 +47,8 @@ from hybridmoe_jax.parallel import shard_state, topology
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.exchange import resolve_impl_why
 from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
-from hybridmoe_jax.run_config import CHIPS, RunConfig, run_config_from_dict
+from hybridmoe_jax.hardware import CHIPS
+from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.sharding import BATCH_AXES, TOKEN_AXES
 from hybridmoe_jax.train import dry_run as dry_lib
 from hybridmoe_jax.train import optim

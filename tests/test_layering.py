@@ -26,13 +26,13 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
-RANKS = {"config": 0, "run_config": 0, "rl_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
+RANKS = {"config": 0, "hardware": 0, "run_config": 0, "rl_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
          "ops": 1, "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5,
          "infer": 5, "evals": 6, "convert": 6, "rl": 6, "serve": 8, "chat": 8,
          "lm_eval_adapter": 8}
 TOOLS_RANK = 7
 APPS_RANK = 8
-DATA_IMPORTS = {"config", "run_config", "sharding", "data"}
+DATA_IMPORTS = {"config", "hardware", "run_config", "sharding", "data"}
 DATA_IMPORTERS_MIN_RANK = 5
 SIBLINGS_APART = {frozenset({"train", "infer"})}
 

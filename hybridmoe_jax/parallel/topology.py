@@ -4,7 +4,7 @@
 (`jax.experimental.topologies.get_topology_desc`): a mesh built from them (`parallel.mesh.
 build_mesh(..., devices=...)`) lowers and compiles jitted steps with the TPU compiler on a
 CPU-only host (deviceless ahead-of-time compilation, as MaxText's train_compile does); the
-programs cannot run here. Names are `hardware.topology`'s (`run_config.parse_topology`).
+programs cannot run here. Names are `hardware.topology`'s (`hardware.parse_topology`).
 libtpu comes with the `[tpu]` extra; without it the error says how to install it.
 """
 
@@ -16,7 +16,7 @@ import os
 import jax
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.run_config import TPU_GENERATIONS, parse_topology
+from hybridmoe_jax.hardware import TPU_GENERATIONS, parse_topology
 
 
 class TopologyUnavailable(ConfigError):

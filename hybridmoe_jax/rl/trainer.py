@@ -61,7 +61,7 @@ from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import loop, optim, workdir_lock
+from hybridmoe_jax.train import loop, optim, run_errors, workdir_lock
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
 
@@ -118,13 +118,13 @@ def train_rl(config, workdir: str) -> dict[str, Any]:
     raise ConfigError("config field `rl.envs` is empty: not an RL run")
   check_rl_config(config)
   tokenizer = _tokenizer(config)
-  workdir = loop.checked_workdir_path(workdir)
-  loop.make_writable_workdir(workdir)   # one line for a file, an unwritable directory
+  workdir = run_errors.checked_workdir_path(workdir)
+  run_errors.make_writable_workdir(workdir)   # one line for a file, an unwritable directory
   try:
     with workdir_lock.WorkdirLock(workdir, stale_after_s=config.train.lock_stale_s):
       return _train_locked(config, workdir, tokenizer)
   except workdir_lock.WorkdirBusy as e:   # another run holds it: one line, as pre-training
-    raise loop.InputError(str(e)) from None
+    raise run_errors.InputError(str(e)) from None
 
 
 def _check_init_config(src: str, model_dict) -> None:

@@ -43,36 +43,10 @@ from hybridmoe_jax.train import workdir_lock
 from hybridmoe_jax.train.monitor import Monitor, fmt_rate, hardware
 from hybridmoe_jax.train.terminal import fmt_duration
 from hybridmoe_jax.train.profile import StepProfiler
+from hybridmoe_jax.train.run_errors import (InputError, OutOfMemory, TrainingDiverged,
+                                            checked_workdir_path, is_out_of_memory,
+                                            make_writable_workdir, oom_message)
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
-
-class InputError(ValueError):
-  """Bad training input (data path, dataset, token ids, batch shapes): stops the run."""
-
-
-class OutOfMemory(RuntimeError):
-  """The device (or host) ran out of memory for a train step: one line naming the knobs."""
-
-
-def _out_of_memory(e: BaseException) -> bool:
-  text = str(e)
-  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or \
-      "Out of memory" in text or "out of memory" in text
-
-
-def _oom_message(e: BaseException, run: RunConfig) -> str:
-  t, c = run.train, run.compute
-  first = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)
-  return (f"out of memory in the train step ({first[:160]}); lower train.batch_size "
-          f"(now {t.batch_size}) or train.seq_len (now {t.seq_len}), set compute.remat="
-          f"'full' (now {c.remat!r}), or raise train.grad_accum (microbatches per step, now "
-          f"{t.grad_accum}; it must divide batch_size); `run_train.py --dry_run` estimates "
-          "the memory per device")
-
-
-class TrainingDiverged(RuntimeError):
-  """`train.max_consecutive_skips` updates in a row were non-finite: the run stopped and
-  saved nothing after the last good checkpoint."""
-
 
 def run_tokenizer(run: RunConfig, *, check_vocab: bool = True) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `data.tokenizer` (image roles for a vision model), checked against
@@ -259,33 +233,6 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
   return graphdef, state, signature, meta
 
 
-# Settings that change what the run's numbers mean: a resume with other values is allowed,
-# but its losses and evals are no longer comparable with those before it.
-_DATA_FIELDS = {"train": ("batch_size", "seq_len", "grad_accum", "eval_batches", "seed"),
-                "data": None, "curriculum": None}  # None: the whole section
-
-
-def _warn_changed_data(saved_json: str | None, run: RunConfig, step: int) -> None:
-  """Log one warning listing the data settings that differ from the restored run's."""
-  if not saved_json:
-    return
-  try:
-    saved = json.loads(saved_json)
-  except ValueError:
-    return
-  now = json.loads(json.dumps(dataclasses.asdict(run), default=list))
-  pick = lambda d, keys: d if keys is None else {k: d.get(k) for k in keys}
-  diffs = []
-  for section, keys in _DATA_FIELDS.items():
-    diffs += ckpt_lib.config_diff(pick(saved.get(section, {}), keys),
-                                  pick(now.get(section, {}), keys), saved_as="before",
-                                  current_as="now", prefix=section)
-  if diffs:
-    logging.warning("resuming at step %d with other data settings than the checkpoint's run: "
-                    "%s; losses and evals before and after step %d are not comparable",
-                    step, "; ".join(diffs), step)
-
-
 def _stage_info(it, step: int, plan: plan_lib.Plan) -> dict[str, int]:
   """Curriculum runs: stage, seq_len of the last batch and tokens seen; else {}."""
   stage = getattr(it, "stage", None)
@@ -419,30 +366,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict | RunConfig, workdir: s
     raise InputError(str(e)) from None
 
 
-def checked_workdir_path(workdir: str | None) -> str:
-  """`workdir` made absolute; InputError for an empty one (`--workdir=` would train into
-  the current directory)."""
-  if not workdir or not str(workdir).strip():
-    raise InputError(f"--workdir={workdir or ''!s} is empty: give the directory for the "
-                     "run's checkpoints and logs, e.g. --workdir=runs/x")
-  return os.path.abspath(workdir)
-
-
-def make_writable_workdir(workdir: str) -> None:
-  """Create `workdir` if needed; InputError naming it if it cannot be created or written
-  (also when it is a regular file)."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise InputError(f"--workdir={workdir} is a file, not a directory; choose another "
-                     "--workdir")
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise InputError(f"cannot create --workdir={workdir}: {e.strerror or e}") from None
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise InputError(f"--workdir={workdir} is not writable (checkpoints, logs and the run "
-                     "lock go there); fix its permissions or choose another --workdir")
-
-
 def _save_tokenizer(tokenizer, directory: str) -> None:
   """Copy a file tokenizer into `directory`/tokenizer (InputError if another one is there)."""
   if jax.process_index() != 0:
@@ -528,7 +451,7 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
           f"config field `train.steps` = {t.steps} is below the step of the restored "
           f"checkpoint ({start}, in {ckpt.directory}); allowed: >= {start} (raise it to "
           "train on, or use a fresh --workdir)")
-    _warn_changed_data(restored.get("config"), config, start)
+    run_inputs.warn_changed_settings(restored.get("config"), config, start)
     if start == t.steps:  # nothing to train: leave metrics, TensorBoard and checkpoints alone
       return _already_finished(workdir, start, state, ckpt, export_params_to, model_dict,
                                tokenizer, wall0)
@@ -574,9 +497,9 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
     if export_params_to and stopped is None:
       _export(export_params_to, state, model_dict, tokenizer)
   except Exception as e:  # pylint: disable=broad-except
-    if not _out_of_memory(e):
+    if not is_out_of_memory(e):
       raise
-    raise OutOfMemory(_oom_message(e, config)) from None
+    raise OutOfMemory(oom_message(e, config)) from None
   finally:
     profiler.close()
     ckpt.close()

@@ -26,6 +26,7 @@ from absl import logging
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.run_config import RunConfig
+from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import plan as plan_lib
 
 FILE = "inputs.json"
@@ -166,3 +167,30 @@ def _warn_steps_change(saved_config: str | None, run: RunConfig, step: int, sche
   logging.warning("train.steps changed from %d to %d on resume: the LR schedule (train.schedule"
                   " = %r) now ends at step %d instead of %d%s", old, new, run.train.schedule,
                   new, old, lr)
+
+
+# Settings that change what the run's numbers mean: a resume with other values is allowed,
+# but its losses and evals are no longer comparable with those before it.
+SETTINGS_THAT_CHANGE_NUMBERS = {"train": ("batch_size", "seq_len", "grad_accum", "eval_batches", "seed"),
+                "data": None, "curriculum": None}  # None: the whole section
+
+
+def warn_changed_settings(saved_json: str | None, run: RunConfig, step: int) -> None:
+  """Log one warning listing the data settings that differ from the restored run's."""
+  if not saved_json:
+    return
+  try:
+    saved = json.loads(saved_json)
+  except ValueError:
+    return
+  now = json.loads(json.dumps(dataclasses.asdict(run), default=list))
+  pick = lambda d, keys: d if keys is None else {k: d.get(k) for k in keys}
+  diffs = []
+  for section, keys in SETTINGS_THAT_CHANGE_NUMBERS.items():
+    diffs += ckpt_lib.config_diff(pick(saved.get(section, {}), keys),
+                                  pick(now.get(section, {}), keys), saved_as="before",
+                                  current_as="now", prefix=section)
+  if diffs:
+    logging.warning("resuming at step %d with other data settings than the checkpoint's run: "
+                    "%s; losses and evals before and after step %d are not comparable",
+                    step, "; ".join(diffs), step)

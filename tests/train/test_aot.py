@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.run_config import HardwareConfig, parse_topology, run_config_from_dict
+from hybridmoe_jax.hardware import HardwareConfig, parse_topology
+from hybridmoe_jax.run_config import run_config_from_dict
 from hybridmoe_jax.train.config import load_config_file
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

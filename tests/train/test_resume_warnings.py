@@ -6,7 +6,7 @@ import json
 from absl import logging as absl_logging
 
 from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.train import loop
+from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train.config import default_config
 
 
@@ -21,10 +21,10 @@ def test_changed_batch_and_seq_len_are_listed(monkeypatch):
   now = run_config_from_dict(config)
   seen = []
   monkeypatch.setattr(absl_logging, "warning", lambda msg, *a: seen.append(msg % a))
-  loop._warn_changed_data(_saved(before), now, 30)
+  run_inputs.warn_changed_settings(_saved(before), now, 30)
   assert len(seen) == 1
   assert "train.batch_size: 8 before vs 4 now" in seen[0]
   assert "train.seq_len: 256 before vs 128 now" in seen[0] and "lr" not in seen[0]
   seen.clear()
-  loop._warn_changed_data(_saved(now), now, 30)   # same settings: silent
+  run_inputs.warn_changed_settings(_saved(now), now, 30)   # same settings: silent
   assert not seen
