@@ -52,7 +52,8 @@ from hybridmoe_jax.model.cache import cache_bytes, mla_bytes_per_token
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.sharding import MESH_AXES
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE, PARAMS_FILE
+from hybridmoe_jax.train.checkpoint import CONFIG_FILE
+from hybridmoe_jax.train.params_export import PARAMS_FILE
 
 _LAYOUTS = (f"a training workdir ({CONFIG_FILE} + checkpoints/), a params export "
             f"({CONFIG_FILE} + {PARAMS_FILE}, or params/ from older versions) or a Hugging "

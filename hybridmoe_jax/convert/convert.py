@@ -34,7 +34,7 @@ from hybridmoe_jax.io.safetensors import (DTYPES, CheckpointReader, SafetensorsF
 
 CONFIG_JSON = "config.json"
 MODEL_CONFIG = "model_config.json"     # = train.checkpoint.CONFIG_FILE
-PARAMS_FILE = "params.safetensors"     # = train.checkpoint.PARAMS_FILE
+PARAMS_FILE = "params.safetensors"     # = train.params_export.PARAMS_FILE
 HF_EXTRA = "hf_config.json"
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json",
                    "special_tokens_map.json", "generation_config.json")

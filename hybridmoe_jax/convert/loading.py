@@ -17,18 +17,8 @@ from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.convert import hf_config, hf_weights
 from hybridmoe_jax.convert.convert import iter_our_tensors, read_hf_config
 from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.train.params_export import nest
 from hybridmoe_jax.train.state import split_model
-
-
-def _nest(flat: dict[str, np.ndarray]) -> dict:
-  out: dict = {}
-  for name, value in flat.items():
-    *parents, leaf = name.split("/")
-    node = out
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return out
 
 
 def load_hf_model(path: str, compute: ComputeConfig | None = None
@@ -47,7 +37,7 @@ def load_hf_model(path: str, compute: ComputeConfig | None = None
   for name, value in iter_our_tensors(path):
     prefix = hf_weights.P if name.startswith(hf_weights.P) else hf_weights.B
     flat[prefix][name[len(prefix):]] = jnp.asarray(value.astype(np.float32))
-  nnx.replace_by_pure_dict(params, _nest(flat[hf_weights.P]))
-  nnx.replace_by_pure_dict(biases, _nest(flat[hf_weights.B]))
+  nnx.replace_by_pure_dict(params, nest(flat[hf_weights.P]))
+  nnx.replace_by_pure_dict(biases, nest(flat[hf_weights.B]))
   model = nnx.merge(graphdef, params, biases, rest)
   return model, {"source": "huggingface", "path": os.path.abspath(path), "hf_config": hf}

@@ -4,7 +4,7 @@ Both read what `hybridmoe_jax.train.checkpoint` writes, through its readers: a r
 `workdir/{model_config.json, checkpoints/<step>/{state, meta}}` via the same
 `Checkpointer.restore_latest` that resumes training (same checks, same messages), or an
 export's `path/{model_config.json, params.safetensors (or an older params/)}` via
-`load_exported_params` (a converted Hugging Face model is such an export). Loading is read-only: a checkpoint that fails to restore or to match its fingerprint is skipped with a
+`params_export.load_exported_params` (a converted Hugging Face model is such an export). Loading is read-only: a checkpoint that fails to restore or to match its fingerprint is skipped with a
 warning and left in place (the training loop, not an eval, quarantines it), so evaluating a
 live run never moves its files.
 """
@@ -24,6 +24,7 @@ from hybridmoe_jax.config import ModelConfig, migrate_legacy, model_config_from_
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import abstract_train_state, split_model
 
@@ -102,7 +103,7 @@ def load_from_params(path: str, expected: ModelConfig | None = None
   cfg = model_config_from_dict(saved)
   abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, biases, rest = split_model(abstract)
-  tree = ckpt_lib.load_exported_params(path, expected={
+  tree = params_export.load_exported_params(path, expected={
       "params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)})
   nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))
   nnx.replace_by_pure_dict(biases, jax.tree.map(jnp.asarray, tree["routing_biases"]))

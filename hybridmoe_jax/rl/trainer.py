@@ -61,6 +61,7 @@ from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import loop, optim, run_errors, workdir_lock
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
@@ -151,9 +152,9 @@ def _load_init(rl, graphdef, state, model_dict):
     raise ConfigError(f"config field `rl.init_from` = {src!r}: no such directory (allowed a "
                       "training workdir or a params export)")
   _check_init_config(src, model_dict)
-  if os.path.isfile(os.path.join(src, ckpt_lib.PARAMS_FILE)) or os.path.isdir(
+  if os.path.isfile(os.path.join(src, params_export.PARAMS_FILE)) or os.path.isdir(
       os.path.join(src, "params")):
-    tree = ckpt_lib.load_exported_params(src, expected={
+    tree = params_export.load_exported_params(src, expected={
         "params": nnx.to_pure_dict(state.params),
         "routing_biases": nnx.to_pure_dict(state.biases)})
     params, biases = state.params, state.biases
@@ -291,7 +292,7 @@ class _Run:
     """The frozen reference params (the policy at RL start), exported once."""
     path = os.path.join(self.workdir, run_state.REFERENCE_DIR)
     if not os.path.isdir(path):
-      ckpt_lib.export_params(path, self.state.params, self.state.biases, self.model_dict)
+      params_export.export_params(path, self.state.params, self.state.biases, self.model_dict)
     ref = _load_init(dataclasses.replace(self.rl, init_from=path), self.graphdef,
                      jax.tree.map(jnp.copy, self.state), self.model_dict)
     ref = self._placed(ref)

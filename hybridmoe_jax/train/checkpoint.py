@@ -15,8 +15,7 @@ match. Runtime settings (`ComputeConfig`) are not part of it, so a run may resum
 Sharded states are saved collectively (every process calls `save`; orbax writes each shard
 once) and restored onto whatever shardings the abstract target carries, so a run may resume
 on a different mesh (`parallel.runtime.Runtime.restore_target`).
-A params export (`export_params`) holds parameters and routing biases only (safetensors,
-leaf by leaf), plus the config.
+A params export (parameters and routing biases only) is `params_export`'s.
 """
 
 from __future__ import annotations
@@ -35,12 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
 from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
-from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
-from hybridmoe_jax.sharding import path_string
 from hybridmoe_jax.train import io_noise
 
 CONFIG_FILE = "model_config.json"
@@ -194,10 +190,6 @@ class CheckpointWriteError(RuntimeError):
 
 class CorruptStep(ValueError):
   """Files that belong to a checkpoint step (outside orbax's directory) are unreadable."""
-
-
-class ExportWriteError(CheckpointWriteError):
-  """A params export could not be written; nothing is left at its path."""
 
 
 class Restored(NamedTuple):
@@ -409,131 +401,3 @@ class Checkpointer:
         logging.warning("found a partial checkpoint %s (a save was interrupted); moved to %s",
                         name, dst)
         shutil.move(os.path.join(self.directory, name), dst)
-
-
-# ------------------------------------------------------------------------------- params export
-PARAMS_FILE = "params.safetensors"
-
-
-def _flat_leaves(tree) -> list[tuple[str, Any]]:
-  return [(path_string(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def export_params(path: str, params, biases, model_dict: dict[str, Any],
-                  also: Callable[[str], None] | None = None) -> str:
-  """Write parameters and (frozen) routing biases only, plus the config.
-
-  Format: `path/params.safetensors` holding "params/<leaf path>" and
-  "routing_biases/<leaf path>" tensors (leaf paths as `sharding.path_string` writes them),
-  written leaf by leaf, and `path/model_config.json`; the layout `hybridmoe_jax.convert`
-  maps to Hugging Face. A multi-process run (arrays spread over hosts) keeps the orbax
-  format `path/params/` (one collective save), which `load_exported_params` reads too.
-  Everything is written into `path.partial`, renamed to `path` when complete; `also(dir)`
-  adds files (the tokenizer) before the rename. A write that fails (disk full, quota, file
-  size limit) removes the partial directory and raises ExportWriteError (one line).
-  """
-  path = os.path.abspath(path)
-  if os.path.exists(path):
-    raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")
-  tmp = path + ".partial"   # renamed to `path` when complete: a failed export leaves no path
-  if os.path.exists(tmp):
-    logging.warning("removing %s, left by an export that did not finish", tmp)
-    shutil.rmtree(tmp)
-  tree = {"params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)}
-  try:
-    if jax.process_count() > 1:
-      with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(tmp, "params"), tree)
-    else:
-      os.makedirs(tmp)
-      _write_params_file(os.path.join(tmp, PARAMS_FILE), tree)
-    with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-      json.dump(_jsonify(model_dict), f, indent=1, sort_keys=True)
-    if also is not None:
-      also(tmp)
-    os.replace(tmp, path)
-  except BaseException as e:
-    shutil.rmtree(tmp, ignore_errors=True)
-    err = io_noise.os_error(e) if isinstance(e, Exception) else None
-    if err is None:
-      raise
-    what, fix = io_noise.describe_write_error(err)
-    raise ExportWriteError(
-        f"cannot write the params export {path}: {what} ({err.filename or tmp}); the "
-        f"unfinished export was removed and the run's checkpoints are intact. "
-        f"{fix[0].upper() + fix[1:]}, then rerun (it restores the last checkpoint and "
-        "exports again)") from None
-  return path
-
-
-def _write_params_file(file: str, tree) -> None:
-  leaves = _flat_leaves(tree)
-  specs = [safetensors.Spec(name, safetensors.dtype_code(x.dtype), tuple(x.shape))
-           for name, x in leaves]
-  writer = safetensors.SafetensorsWriter(file, specs, sparse=False,
-                                         metadata={"format": "hybridmoe_jax params export"})
-  try:
-    for name, x in leaves:
-      writer.write(name, [np.asarray(jax.device_get(x))])
-    writer.close()
-  except BaseException:
-    writer.abort()
-    raise
-
-
-def _read_safetensors_export(file: str, expected: dict[str, Any] | None) -> dict[str, Any]:
-  """params.safetensors -> nested plain dicts of numpy arrays (string keys, as orbax gave);
-  with `expected`, each leaf is cast to the expected leaf's dtype (a converted checkpoint
-  may store bfloat16)."""
-  want = {f"{name}/{k}": x for name, sub in (expected or {}).items()
-          for k, x in _flat_leaves(sub)}
-  tree: dict[str, Any] = {}
-  with safetensors.SafetensorsFile(file) as f:
-    for name in f.tensors:
-      x = f.read(name)
-      if name in want:
-        x = x.astype(want[name].dtype, copy=False)
-      *parents, leaf = name.split("/")
-      node = tree
-      for p in parents:
-        node = node.setdefault(p, {})
-      node[leaf] = x
-  return tree
-
-
-def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
-  """{"layers/0/mixer/...": shape}; orbax turns integer keys into strings, so compare as str."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {path_string(p): tuple(np.shape(x)) for p, x in leaves}
-
-
-def tree_mismatch(want, got) -> list[str]:
-  """Every leaf missing from `got`, unexpected in it, or of another shape than in `want`."""
-  want, got = _leaf_shapes(want), _leaf_shapes(got)
-  out = [f"{k}: missing" for k in sorted(set(want) - set(got))]
-  out += [f"{k}: unexpected" for k in sorted(set(got) - set(want))]
-  out += [f"{k}: shape {got[k]} stored vs {want[k]} from the config"
-          for k in sorted(set(want) & set(got)) if want[k] != got[k]]
-  return out
-
-
-def load_exported_params(path: str, expected: dict[str, Any] | None = None):
-  """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays, from
-  params.safetensors (or an older export's orbax `params/`).
-
-  expected: the same two trees (arrays or jax.ShapeDtypeStruct) built from the export's
-    config; ValueError listing every missing, unexpected or mis-shaped leaf.
-  """
-  path = os.path.abspath(path)
-  file = os.path.join(path, PARAMS_FILE)
-  if os.path.isfile(file):
-    tree = _read_safetensors_export(file, expected)
-  else:  # an export written before params.safetensors (or by a multi-process run)
-    with ocp.StandardCheckpointer() as ckptr:
-      tree = ckptr.restore(os.path.join(path, "params"))
-  for name, want in (expected or {}).items():
-    bad = tree_mismatch(want, tree.get(name, {}))
-    if bad:
-      raise ValueError(f"params export {path}: the stored {name} do not match its "
-                       f"{CONFIG_FILE}: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else ""))
-  return tree

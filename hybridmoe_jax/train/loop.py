@@ -35,7 +35,7 @@ from hybridmoe_jax.model.impls import log_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import optim, params_export
 from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train import step as step_lib
@@ -393,7 +393,7 @@ def _eval_text(metrics: dict[str, float]) -> str:
 def _export(path: str, state, model_dict: dict, tokenizer) -> None:
   """`--export_params_to`: params + routing biases + config, and the tokenizer (an export is
   self-contained too: it goes in before the final rename)."""
-  path = ckpt_lib.export_params(path, state.params, state.biases, model_dict,
+  path = params_export.export_params(path, state.params, state.biases, model_dict,
                                 also=lambda d: _save_tokenizer(tokenizer, d))
   logging.info("exported parameters and routing biases to %s", path)
 

@@ -19,7 +19,8 @@ from hybridmoe_jax.evals.cli import main
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.layers.moe import RoutingBias
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE, export_params
+from hybridmoe_jax.train.checkpoint import CONFIG_FILE
+from hybridmoe_jax.train.params_export import export_params
 from tests.conftest import ROOT
 from tests.infer.helpers import tiny_cfg, two_layer_model
 

@@ -15,6 +15,7 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from hybridmoe_jax.evals import runner
 from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import loop
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
@@ -62,7 +63,7 @@ def test_export_to_a_full_disk_leaves_nothing_and_the_rerun_exports(tmp_path, mo
     raise OSError(errno.ENOSPC, "No space left on device", str(export) + ".partial/x")
 
   monkeypatch.setattr(safetensors.SafetensorsWriter, "write", full)
-  with pytest.raises(ckpt_lib.ExportWriteError) as e:
+  with pytest.raises(params_export.ExportWriteError) as e:
     train_and_evaluate(config, str(workdir), data=helpers.fake_data(config),
                        export_params_to=str(export))
   message = str(e.value)
@@ -76,7 +77,7 @@ def test_export_to_a_full_disk_leaves_nothing_and_the_rerun_exports(tmp_path, mo
   s = train_and_evaluate(config, str(workdir), data=helpers.fake_data(config),
                          export_params_to=str(export))
   assert s["start_step"] == s["end_step"] == 8
-  assert os.path.isfile(export / ckpt_lib.PARAMS_FILE)
+  assert os.path.isfile(export / params_export.PARAMS_FILE)
   assert not os.path.exists(f"{export}.partial")
   helpers.assert_kept(workdir, kept)
 

@@ -9,7 +9,7 @@ from flax import nnx
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, save_tokenizer
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.train.checkpoint import export_params
+from hybridmoe_jax.train.params_export import export_params
 from tests.infer.helpers import tiny_cfg
 
 CHAT_VOCAB = ByteTokenizer(chat=True).vocab_size       # 266

@@ -15,7 +15,7 @@ import pytest
 from hybridmoe_jax.config import ConfigError, migrate_legacy
 from hybridmoe_jax.evals import report
 from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train.config import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config, one_device
@@ -113,7 +113,7 @@ def test_end_to_end_outputs(ref, tmp_path):
   assert re.search(r"backend\s*</td><td[^>]*>cpu<", page) and 'class="note"' not in page
   assert len(_train_losses(workdir)) == 8
   assert json.load(open(workdir / "model_config.json"))["d_model"] == 16
-  exported = ckpt_lib.load_exported_params(workdir / "export")
+  exported = params_export.load_exported_params(workdir / "export")
   emb = exported["params"]["embed"]["embedding"]
   np.testing.assert_array_equal(emb, s["state"].params["embed"]["embedding"][...])
   assert "routing_biases" in exported

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hybridmoe_jax.train.checkpoint import load_exported_params
+from hybridmoe_jax.train.params_export import load_exported_params
 from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.conftest import ROOT, load_config
 
