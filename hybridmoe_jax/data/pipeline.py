@@ -28,19 +28,6 @@ from hybridmoe_jax.run_config import DataConfig
 Batch = dict[str, np.ndarray]
 
 
-def _tokenize(text: str | None,
-              tokenizer: tokenizer_lib.Tokenizer) -> dict[str, np.ndarray] | None:
-  # BOS gives the first token of a document something to be predicted from; EOS teaches the
-  # model where documents end (segment ids only tell the attention masks).
-  if text is None:  # SafeSource could not load it; filtered out below
-    return None
-  return {"tokens": tokenizer.encode(text, bos=True, eos=True)}
-
-
-def _not_none(x) -> bool:
-  return x is not None
-
-
 def _documents(source: Sequence[str], *, seed: int, shuffle: bool, num_epochs: int | None,
                shard_index: int, shard_count: int) -> grain.MapDataset:
   # SafeSource: a document that fails to load in a worker is skipped (None, filtered after
@@ -95,8 +82,7 @@ def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
     if num_epochs is not None:
       raise ValueError("a weighted mixture repeats its sources forever; pass num_epochs=None")
     ds = grain.MapDataset.mix([docs(s, seed=seed + k) for k, s in enumerate(source)], weights)
-  ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer)).to_iter_dataset()
-  ds = ds.filter(_not_none)
+  ds = sources_lib.tokenize_documents(ds, tokenizer)
   ds = packing.pack_documents(ds, seq_len=seq_len, pad_id=tokenizer.pad_id, seed=seed,
                               num_packing_bins=num_packing_bins)
   ds = ds.batch(batch_size, drop_remainder=drop_remainder)

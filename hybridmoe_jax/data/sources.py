@@ -30,6 +30,7 @@ pipelines (or raises in "error" mode), never a crash inside a grain worker for "
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import pathlib
@@ -401,6 +402,26 @@ class SafeSource:
     logging.warning("data source %r: skipped document %d (%s); %d skipped so far", self.name,
                     int(i), problem[1], sum(self.failures.values()))
     return None
+
+
+def _tokenize(text: str | None, tokenizer) -> dict[str, np.ndarray] | None:
+  # BOS gives the first token of a document something to be predicted from; EOS teaches the
+  # model where documents end (segment ids only tell the attention masks).
+  if text is None:  # SafeSource could not load it; filtered out below
+    return None
+  return {"tokens": tokenizer.encode(text, bos=True, eos=True)}
+
+
+def _not_none(x) -> bool:
+  return x is not None
+
+
+def tokenize_documents(ds, tokenizer):
+  """grain MapDataset of documents (str, or None where SafeSource skipped one) -> IterDataset
+  of {"tokens": int32 [BOS, ids..., EOS]}, the skipped ones dropped (grain's filter keeps the
+  iterator state's meaning, so a resumed run skips the same documents)."""
+  ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer)).to_iter_dataset()
+  return ds.filter(_not_none)
 
 
 class SubsetSource:

@@ -18,7 +18,6 @@ workers (grain slices documents per worker), so resume with the same num_workers
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,16 +101,6 @@ class StageData:
   seed: int = 0
 
 
-def _read_and_tokenize(text, tokenizer):
-  if text is None:
-    return None
-  return {"tokens": tokenizer.encode(text, bos=True, eos=True)}
-
-
-def _not_none(x) -> bool:
-  return x is not None
-
-
 def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_count: int = 1,
                    long_upsample: int = 1, long_min_bytes: int = 0,
                    num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
@@ -136,9 +125,7 @@ def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_co
 
 
 def _component_dataset(comp: Component, *, tokenizer, **kwargs) -> grain.IterDataset:
-  ds = component_docs(comp, **kwargs)
-  ds = ds.map(functools.partial(_read_and_tokenize, tokenizer=tokenizer))
-  return ds.to_iter_dataset().filter(_not_none)
+  return sources_lib.tokenize_documents(component_docs(comp, **kwargs), tokenizer)
 
 
 def make_stage_dataset(stage: StageData, *, tokenizer: tokenizer_lib.Tokenizer,
