@@ -79,10 +79,11 @@ def main(argv):
   del argv
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.run_config import run_config_from_dict
-  from hybridmoe_jax.train import loop, plan as plan_lib
+  from hybridmoe_jax.train import plan as plan_lib
+  from hybridmoe_jax.train.run_data import build_data
   from hybridmoe_jax.train.config import load_config_file
   config = run_config_from_dict(load_config_file(_CONFIG.value))
-  data = loop.build_data(config, plan_lib.build_plan(config))
+  data = build_data(config, plan_lib.build_plan(config))
   rows = []
   print(f"load average at start: {os.getloadavg()}", flush=True)
   print("| stage | seq_len x batch | workers | batches/s | tokens/s | model tokens/s | ratio |")

@@ -19,6 +19,7 @@ import numpy as np
 
 from hybridmoe_jax.train.config import load_config_file
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEPS = flags.DEFINE_integer("steps", 60, "Steps per run.")
@@ -53,7 +54,7 @@ def run(balancing: str, workdir: str) -> dict:
   t.log_every, t.eval_every, t.eval_batches = 1, 0, 2
   t.checkpoint_every, t.heatmap_every = 0, 0
   t.maxvio_alert_steps = 10 ** 6
-  s = train_and_evaluate(config, workdir)
+  s = train_and_evaluate(run_config_from_dict(config), workdir)
   curve = maxvio_curve(workdir)
   tail = curve[-min(20, len(curve)):]
   return {"balancing": balancing, "curve": curve.tolist(), "first": float(curve[0]),

@@ -21,7 +21,7 @@ from hybridmoe_jax.data.tokenizer import Tokenizer
 from hybridmoe_jax.evals import niah
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.run_config import RunConfig
-from hybridmoe_jax.train import loop
+from hybridmoe_jax.train.run_data import run_tokenizer
 
 
 class StageNiah:
@@ -61,7 +61,7 @@ class StageNiah:
     """The grid `run.curriculum` asks for, with the run's tokenizer."""
     c = run.curriculum
     return cls(os.path.join(workdir, "eval"), c.niah_lengths, c.niah_depths,
-               samples=c.niah_samples, tokenizer=loop.run_tokenizer(run),
+               samples=c.niah_samples, tokenizer=run_tokenizer(run),
                max_factor=c.niah_max_factor)
 
   def __call__(self, step: int, stage, model) -> dict[str, Any]:

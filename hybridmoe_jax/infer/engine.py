@@ -40,9 +40,18 @@ _TRACES: collections.Counter = collections.Counter()
 
 def trace_counts() -> dict[str, int]:
   """Traces (= compilations) so far of each jitted entry point: "prefill_chunk",
-  "score_chunk", "decode_step", "generate", "embed_inputs", "feed_and_draw", "clear_row"
-  (for tests and benchmarks)."""
+  "score_chunk", "decode_step", "generate", "embed_inputs", "feed_and_draw", "clear_row",
+  "logits" (for tests and benchmarks)."""
   return dict(_TRACES)
+
+
+def require_count(value, name: str, where: str = "") -> int:
+  """int(value) for an integer >= 1 (bool refused), else a one-line ValueError naming
+  `where` + `name`, the value and the allowed range."""
+  if not (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+          and value >= 1):
+    raise ValueError(f"{where}{name}={value!r} is invalid: allowed an integer >= 1")
+  return int(value)
 
 
 def _forward(model: HybridLM, tokens, embeds, cache: DecodeCache, n_valid: jax.Array,
@@ -65,6 +74,14 @@ def _prefill_chunk(graphdef, state, tokens, embeds, cache, n_valid, kv_block):
   last = jnp.maximum(n_valid - 1, 0)[:, None]
   logits, cache = _forward(model, tokens, embeds, cache, n_valid, kv_block, logits_at=last)
   return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
+def _logits(graphdef, state, tokens, cache, n_valid, kv_block):
+  """tokens [B, T], n_valid [B] real tokens per row (a prefix) -> (logits [B, T, V] fp32,
+  cache): the training forward when cache is None, else the cached one over all T."""
+  _TRACES["logits"] += 1
+  return _forward(nnx.merge(graphdef, state), tokens, None, cache, n_valid, kv_block)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -210,8 +227,7 @@ class Engine:
                kv_block: int = 512):
     for name, v in (("max_len", max_len), ("prefill_chunk", prefill_chunk),
                     ("kv_block", kv_block)):
-      if not (isinstance(v, (int, np.integer)) and v >= 1):
-        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+      require_count(v, name)
     self.cfg = model.cfg
     self.dtype = model.compute.dtype
     self.graphdef, self.state = nnx.split(model)
@@ -221,9 +237,18 @@ class Engine:
   def init_cache(self, batch: int) -> DecodeCache:
     return init_cache(self.cfg, batch, self.max_len, dtype=self.dtype)
 
+  def check_fits(self, length: int, new_tokens: int, what: str) -> None:
+    """ValueError (one line) unless `length` tokens + `new_tokens` fit the cache (max_len)."""
+    if length + new_tokens > self.max_len:
+      more = f" + {new_tokens} new tokens" if new_tokens else ""
+      raise ValueError(f"{what}: {length} tokens{more} exceed the cache capacity max_len="
+                       f"{self.max_len} (raise max_len)")
+
   def _check_tokens(self, tokens, cache: DecodeCache | None, what: str, lengths=None,
-                    min_length: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-    """-> (tokens [B, T] int32, lengths [B] int32 in [min_length, T] or None)."""
+                    min_length: int = 0, fit: bool = True
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
+    """-> (tokens [B, T] int32, lengths [B] int32 in [min_length, T] or None); fit: the
+    tokens must also fit the cache after what it holds."""
     tokens = np.asarray(tokens)
     if tokens.ndim == 1:
       tokens = tokens[None]
@@ -249,7 +274,7 @@ class Engine:
       lengths = lengths.astype(np.int32)
     used = np.zeros(b, np.int64) if cache is None else np.asarray(cache.length, np.int64)
     need = used + (t if lengths is None else lengths)
-    if need.max() > self.max_len:
+    if fit and need.max() > self.max_len:
       row = int(np.argmax(need))
       raise ValueError(f"{what} of {int(need[row] - used[row])} tokens does not fit: "
                        f"{int(used[row])} cached + {int(need[row] - used[row])} > "
@@ -327,19 +352,40 @@ class Engine:
     return _decode_step(self.graphdef, self.state, jnp.asarray(token, jnp.int32), cache,
                         kv_block=self.kv_block)
 
-  def score(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+  def score(self, tokens, lengths=None) -> tuple[np.ndarray, np.ndarray]:
     """Teacher-forced scoring of [B, T] in chunks -> (nll [B, T-1] of tokens[:, 1:],
-    argmax predictions [B, T-1]); position t predicts token t + 1."""
-    tokens, _ = self._check_tokens(tokens, None, "text")
+    argmax predictions [B, T-1]); position t predicts token t + 1.
+
+    lengths: optional [B] ints in [1, T] for ragged texts padded on the right: row b's
+    entries past lengths[b] - 1 are meaningless (its padding is never fed as text)."""
+    tokens, lengths = self._check_tokens(tokens, None, "text", lengths, min_length=1)
     targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     cache, nll, pred = self.init_cache(tokens.shape[0]), [], []
-    for s, part, n, n_valid in self._chunks(tokens):
+    for s, part, n, n_valid in self._chunks(tokens, lengths):
       tgt = np.pad(targets[:, s:s + n], ((0, 0), (0, part.shape[1] - n)))
       a, b, cache = _score_chunk(self.graphdef, self.state, part, tgt, cache, n_valid,
                                  kv_block=self.kv_block)
       nll.append(np.asarray(a)[:, :n])
       pred.append(np.asarray(b)[:, :n])
     return np.concatenate(nll, 1)[:, :-1], np.concatenate(pred, 1)[:, :-1]
+
+  def forward(self, tokens, lengths=None, *, return_cache: bool = False):
+    """The logits at every position of [B, T] in one forward (not chunked).
+
+    lengths: optional [B] ints in [1, T] for ragged rows padded on the right (the padding
+      is marked as such and changes nothing; its logits are meaningless).
+    return_cache: run the cached forward instead and also return the DecodeCache (capacity
+      max_len) holding the rows, to continue with `decode_step`; the rows must fit it.
+    Returns: logits float32 [B, T, V], or (logits, cache).
+    """
+    tokens, lengths = self._check_tokens(tokens, None, "inputs", lengths, min_length=1,
+                                         fit=return_cache)
+    b, t = tokens.shape
+    n_valid = np.full(b, t, np.int32) if lengths is None else lengths
+    cache = self.init_cache(b) if return_cache else None
+    logits, cache = _logits(self.graphdef, self.state, jnp.asarray(tokens), cache,
+                            jnp.asarray(n_valid), kv_block=self.kv_block)
+    return (logits, cache) if return_cache else logits
 
   def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
@@ -351,16 +397,13 @@ class Engine:
     prompt_lengths: optional [B] ints in [1, T] for ragged prompts padded on the right (see
       prefill's `lengths`); each row then continues from its own last prompt token.
     """
-    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
-      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    require_count(max_new_tokens, "max_new_tokens")
     if not 0 <= pad_id < self.cfg.vocab_size:   # finished rows are fed pad_id
       raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, {self.cfg.vocab_size})")
     tokens, lengths = self._check_tokens(prompt, None, "prompt", prompt_lengths, min_length=1)
     longest = tokens.shape[1] if lengths is None else int(lengths.max())
+    self.check_fits(longest, 1, "prompt")
     room = self.max_len - longest
-    if room < 1:
-      raise ValueError(f"prompt of {longest} tokens leaves no room to generate "
-                       f"within max_len={self.max_len}")
     logits, cache = self.prefill(tokens, images=images, lengths=lengths)
     # A fixed-size stop list (padded with -1) keeps one compilation for any stop set.
     stop = list(stop_tokens)
@@ -382,15 +425,12 @@ class Engine:
     stop token is yielded, then the stream ends. Stops after max_new_tokens or when the
     cache is full. The server's scheduler runs the same jitted step over many rows.
     """
-    if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
-      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    require_count(max_new_tokens, "max_new_tokens")
     tokens, _ = self._check_tokens(prompt, None, "prompt")
     if tokens.shape[0] != 1:
       raise ValueError(f"generate_stream takes one prompt, got a batch of {tokens.shape[0]}")
+    self.check_fits(tokens.shape[1], 1, "prompt")
     room = self.max_len - tokens.shape[1]
-    if room < 1:
-      raise ValueError(f"prompt of {tokens.shape[1]} tokens leaves no room to generate "
-                       f"within max_len={self.max_len}")
     step = feed_and_draw_fn(self.graphdef, self.kv_block)
     row = (*row_sampling(sampling, 1), jnp.int32(sampling.vocab_limit))
     keys = np.asarray(jax.random.PRNGKey(seed))[None]

@@ -62,12 +62,14 @@ from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
-from hybridmoe_jax.train import loop, optim, run_errors, workdir_lock
+from hybridmoe_jax.train import optim, run_errors, workdir_lock
 from hybridmoe_jax.train import step as step_lib
+from hybridmoe_jax.train.run_data import run_tokenizer
+from hybridmoe_jax.train.step_loop import StopFlag
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
 
 def _tokenizer(config: RunConfig):
-  tok = loop.run_tokenizer(config)   # the pre-training checks (file, vocab size)
+  tok = run_tokenizer(config)   # the pre-training checks (file, vocab size)
   try:
     chat_ids(tok)   # one line naming the missing roles
   except ValueError as e:
@@ -243,7 +245,7 @@ class _Run:
     run_state.HostState.prune(self.workdir, [*self.ckpt.manager.all_steps(), step])
 
   # ---- SFT -----------------------------------------------------------------------------
-  def run_sft(self, stop: loop.StopFlag) -> None:
+  def run_sft(self, stop: StopFlag) -> None:
     rl = self.rl
     demos = sft.build_demos(rl, self.tokenizer)
     batches = sft.DemoBatches(demos, rl.sft_batch, rl.seed, rl.max_tokens)
@@ -414,7 +416,7 @@ def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
   stopped = None
   last: dict[str, Any] = {}
   try:
-    with loop.StopFlag() as stop:
+    with StopFlag() as stop:
       if run.host.phase == "sft":
         run.run_sft(stop)
       if run.host.phase == "rl" and stop.signum is None:

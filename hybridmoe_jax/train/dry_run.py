@@ -20,7 +20,6 @@ import dataclasses
 import math
 
 import jax
-import ml_collections
 from flax import nnx
 
 from hybridmoe_jax.model import HybridLM
@@ -29,7 +28,7 @@ from hybridmoe_jax.model.decoder import DecoderLayer
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.hardware import parse_topology
-from hybridmoe_jax.run_config import MeshConfig, RunConfig, run_config_from_dict
+from hybridmoe_jax.run_config import MeshConfig, RunConfig
 from hybridmoe_jax.sharding import MESH_AXES
 from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
@@ -308,9 +307,8 @@ def fits(run: RunConfig, plan: plan_lib.Plan, e: dict) -> list[bool]:
           <= run.hardware.usable_bytes for s in plan.stages]
 
 
-def dry_run(config: ml_collections.ConfigDict | RunConfig) -> dict:
+def dry_run(run: RunConfig) -> dict:
   """Print the report (and the curriculum plan when there is one); return the estimate."""
-  run = run_config_from_dict(config)
   plan = plan_lib.build_plan(run)
   e = estimate(run, plan)
   print(report(e), flush=True)

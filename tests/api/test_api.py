@@ -21,6 +21,7 @@ from hybridmoe_jax.infer import Engine, cache_bytes, init_cache
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests.infer.helpers import full_logits, tiny_cfg
 from tests.train.train_fakes import set_tiny_model
@@ -39,7 +40,8 @@ def run(tmp_path_factory):
                            eval_every=0, eval_batches=1, checkpoint_every=0, heatmap_every=0,
                            async_checkpoints=False))
   with one_device():
-    train_and_evaluate(config, str(root / "w"), export_params_to=str(root / "export"))
+    train_and_evaluate(run_config_from_dict(config), str(root / "w"),
+                       export_params_to=str(root / "export"))
   return str(root / "w"), str(root / "export")
 
 

@@ -16,6 +16,7 @@ from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests.train.train_fakes import set_tiny_model
 
@@ -37,7 +38,7 @@ def run(tmp_path_factory):
   """A real (shrunk) tiny-model run with checkpoints at steps 1 and 2; its final train state."""
   workdir = tmp_path_factory.mktemp("run") / "w"
   with one_device():
-    state = train_and_evaluate(_config(2), str(workdir))["state"]
+    state = train_and_evaluate(run_config_from_dict(_config(2)), str(workdir))["state"]
   return workdir, state
 
 
@@ -95,7 +96,7 @@ def test_one_reader_eval_skips_in_place_training_quarantines_legacy_config_loads
   assert [s["step"] for s in info["skipped"]] == [2]           # recorded with the results
   assert "checkpoint step 2 is corrupt or partial" in caplog.text
   assert _files(workdir) == before                         # the eval moved nothing
-  s = train_and_evaluate(_config(3), str(workdir))
+  s = train_and_evaluate(run_config_from_dict(_config(3)), str(workdir))
   assert s["start_step"] == 1 and s["end_step"] == 3
   assert [c.split("-")[0] for c in os.listdir(workdir / "checkpoints_corrupt")] == ["2"]
   # Both went through the same reader: the eval read-only, the training run writable.

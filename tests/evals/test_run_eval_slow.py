@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import ROOT, load_config
 
 FAST_FLAGS = ["--ppl_max_len=128", "--ppl_max_docs=1", "--niah_lengths=96,112",
@@ -22,7 +23,7 @@ def test_run_eval_all_on_trained_checkpoint(tmp_path):
   config.train.update(steps=3, batch_size=2, seq_len=64, warmup=1, eval_batches=1,
                       heatmap_every=0, log_every=1, async_checkpoints=False)
   workdir = tmp_path / "run"
-  train_and_evaluate(config, str(workdir))
+  train_and_evaluate(run_config_from_dict(config), str(workdir))
   out = tmp_path / "eval"
   r = subprocess.run([sys.executable, "run_eval.py", f"--workdir={workdir}", "--task=all",
                       f"--output_dir={out}", *FAST_FLAGS], cwd=ROOT, capture_output=True,

@@ -15,6 +15,7 @@ import time
 import types
 
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS, one_device
 from tests.train.test_loop import _config, _train_losses
 from tests.train.train_fakes import FakeIterator
@@ -43,7 +44,7 @@ def reference_run(workdir) -> dict:
   module fixtures run before conftest's one-device fixture)."""
   config = tiny_config()
   with one_device():
-    summary = train_and_evaluate(config, str(workdir), data=fake_data(config))
+    summary = train_and_evaluate(run_config_from_dict(config), str(workdir), data=fake_data(config))
   return dict(workdir=workdir, config=config, summary=summary, losses=train_losses(workdir),
               hashes=all_hashes(workdir))
 

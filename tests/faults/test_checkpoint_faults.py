@@ -218,7 +218,8 @@ def test_resume_after_bit_flip_is_exact(reference, tmp_path):
   shutil.rmtree(workdir / "checkpoints" / "6")   # fall back two steps: 6 and 8 are retrained
   config = reference["config"]
   with helpers.LogLines() as log:
-    s = train_and_evaluate(config, str(workdir), data=helpers.fake_data(config))
+    s = train_and_evaluate(run_config_from_dict(config), str(workdir),
+                           data=helpers.fake_data(config))
   assert s["start_step"] == 4 and s["end_step"] == 8
   _check_one_warning(log, 8)
   assert helpers.train_losses(workdir) == reference["losses"]

@@ -16,6 +16,7 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.faults import helpers
 
 FULL_AT = 6  # the save of this step hits the full disk
@@ -38,7 +39,7 @@ def test_disk_full_during_save_stops_cleanly_and_resumes_exactly(reference, tmp_
 
   monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full_disk)
   with pytest.raises(ckpt_lib.CheckpointWriteError) as e:
-    train_and_evaluate(config, str(workdir), data=helpers.fake_data(config))
+    train_and_evaluate(run_config_from_dict(config), str(workdir), data=helpers.fake_data(config))
   message = str(e.value)
   assert "\n" not in message and "no space" in message.lower() and str(workdir) in message
   assert helpers.committed_steps(workdir) == [2, 4]
@@ -46,7 +47,8 @@ def test_disk_full_during_save_stops_cleanly_and_resumes_exactly(reference, tmp_
   monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", real_save)
 
   with helpers.LogLines() as log:
-    s = train_and_evaluate(config, str(workdir), data=helpers.fake_data(config))
+    s = train_and_evaluate(run_config_from_dict(config), str(workdir),
+                           data=helpers.fake_data(config))
   assert s["start_step"] == 4 and s["end_step"] == 8
   helpers.assert_kept(workdir, kept)
   # The unfinished step 6 was set aside (not read, not deleted), with one warning.

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.faults import helpers
 from tests.train.train_fakes import FakeIterator
 
@@ -33,7 +34,7 @@ def test_one_nan_batch_is_skipped_and_training_finishes(tmp_path):
   config = helpers.tiny_config()
   t = config.train
   with helpers.LogLines() as log:
-    s = train_and_evaluate(config, str(tmp_path),
+    s = train_and_evaluate(run_config_from_dict(config), str(tmp_path),
                            data=helpers.fake_data(config, _NaNWeights(t.batch_size, t.seq_len)))
   assert s["end_step"] == 8 and s["skipped_steps"] == 1 and s["stopped_by"] is None
   skipped = [l for l in log.messages() if "update skipped" in l]

@@ -19,6 +19,7 @@ from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import loop
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.faults import helpers
 
 FULL_AT = 6
@@ -46,7 +47,7 @@ def test_file_size_limit_and_quota_during_a_save_are_one_line(tmp_path, monkeypa
   config, workdir = helpers.tiny_config(), tmp_path / "run"
   _fail_save_at(monkeypatch, FULL_AT, code)
   with pytest.raises(ckpt_lib.CheckpointWriteError) as e:
-    train_and_evaluate(config, str(workdir), data=helpers.fake_data(config))
+    train_and_evaluate(run_config_from_dict(config), str(workdir), data=helpers.fake_data(config))
   message = str(e.value)
   assert "\n" not in message and words in message and str(workdir) in message, message
   assert f"checkpoint step {FULL_AT}" in message and "newest: step 4" in message
@@ -64,7 +65,7 @@ def test_export_to_a_full_disk_leaves_nothing_and_the_rerun_exports(tmp_path, mo
 
   monkeypatch.setattr(safetensors.SafetensorsWriter, "write", full)
   with pytest.raises(params_export.ExportWriteError) as e:
-    train_and_evaluate(config, str(workdir), data=helpers.fake_data(config),
+    train_and_evaluate(run_config_from_dict(config), str(workdir), data=helpers.fake_data(config),
                        export_params_to=str(export))
   message = str(e.value)
   assert "\n" not in message and f"params export {export}" in message
@@ -74,7 +75,7 @@ def test_export_to_a_full_disk_leaves_nothing_and_the_rerun_exports(tmp_path, mo
   assert sorted(kept) == [2, 4, 6, 8]
   monkeypatch.setattr(safetensors.SafetensorsWriter, "write", real_write)
   os.makedirs(f"{export}.partial")         # as a SIGKILLed export would leave it
-  s = train_and_evaluate(config, str(workdir), data=helpers.fake_data(config),
+  s = train_and_evaluate(run_config_from_dict(config), str(workdir), data=helpers.fake_data(config),
                          export_params_to=str(export))
   assert s["start_step"] == s["end_step"] == 8
   assert os.path.isfile(export / params_export.PARAMS_FILE)
@@ -92,7 +93,8 @@ def test_out_of_memory_at_the_first_step_names_the_knobs(tmp_path, monkeypatch):
   monkeypatch.setattr(step_lib, "make_train_step", oom_step)
   config = helpers.tiny_config()
   with pytest.raises(loop.OutOfMemory) as e:
-    train_and_evaluate(config, str(tmp_path / "run"), data=helpers.fake_data(config))
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path / "run"),
+                       data=helpers.fake_data(config))
   message = str(e.value)
   assert "\n" not in message and "out of memory" in message
   t = config.train
@@ -107,7 +109,7 @@ def test_empty_workdir_is_refused(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   config = helpers.tiny_config()
   with pytest.raises(loop.InputError, match="--workdir= is empty"):
-    train_and_evaluate(config, "", data=helpers.fake_data(config))
+    train_and_evaluate(run_config_from_dict(config), "", data=helpers.fake_data(config))
   assert os.listdir(tmp_path) == []
 
 
@@ -116,7 +118,7 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
   path.write_text("mine")
   config = helpers.tiny_config()
   with pytest.raises(loop.InputError, match=f"--workdir={path} is a file"):
-    train_and_evaluate(config, str(path), data=helpers.fake_data(config))
+    train_and_evaluate(run_config_from_dict(config), str(path), data=helpers.fake_data(config))
   assert path.read_text() == "mine"
 
 

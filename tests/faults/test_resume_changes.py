@@ -9,6 +9,7 @@ import pytest
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.faults import helpers
 
 
@@ -34,14 +35,16 @@ def test_tokenizer_data_and_steps_changes_on_resume_are_told(tmp_path):
   corpus, workdir = tmp_path / "corpus.txt", tmp_path / "run"
   corpus.write_text("some text\n" * 100)
   config = _config(corpus, steps=4)
-  train_and_evaluate(config, str(workdir), data=_data(config, ByteTokenizer()))
+  train_and_evaluate(run_config_from_dict(config), str(workdir),
+                     data=_data(config, ByteTokenizer()))
   assert (workdir / run_inputs.FILE).is_file()
 
   # The corpus edited in place and train.steps raised: one warning each, training goes on.
   corpus.write_text("some text\n" * 99 + "edited\n")
   config = _config(corpus, steps=6)
   with helpers.LogLines() as log:
-    s = train_and_evaluate(config, str(workdir), data=_data(config, ByteTokenizer()))
+    s = train_and_evaluate(run_config_from_dict(config), str(workdir),
+                           data=_data(config, ByteTokenizer()))
   assert s["start_step"] == 4 and s["end_step"] == 6
   data_warn = [m for m in log.messages() if "training data under data.paths changed" in m]
   steps_warn = [m for m in log.messages() if "train.steps changed from 4 to 6" in m]
@@ -52,7 +55,7 @@ def test_tokenizer_data_and_steps_changes_on_resume_are_told(tmp_path):
 
   # Another tokenizer of the same size: refused before anything is trained or written.
   with pytest.raises(run_inputs.TokenizerChanged) as e:
-    train_and_evaluate(config, str(workdir), data=_data(config, OtherBytes()))
+    train_and_evaluate(run_config_from_dict(config), str(workdir), data=_data(config, OtherBytes()))
   message = str(e.value)
   assert "\n" not in message and str(workdir / run_inputs.FILE) in message
   assert "allow_tokenizer_change=True" in message and "OtherBytes" in message
@@ -61,11 +64,11 @@ def test_tokenizer_data_and_steps_changes_on_resume_are_told(tmp_path):
   # ... unless asked for: one warning, and the run goes on.
   config = _config(corpus, steps=6, allow_tokenizer_change=True)
   with helpers.LogLines() as log:
-    train_and_evaluate(config, str(workdir), data=_data(config, OtherBytes()))
+    train_and_evaluate(run_config_from_dict(config), str(workdir), data=_data(config, OtherBytes()))
   assert len([m for m in log.messages() if "with another tokenizer" in m]) == 1
   # No change, no warning.
   with helpers.LogLines() as log:
-    train_and_evaluate(config, str(workdir), data=_data(config, OtherBytes()))
+    train_and_evaluate(run_config_from_dict(config), str(workdir), data=_data(config, OtherBytes()))
   assert not [m for m in log.messages() if "changed" in m or "another tokenizer" in m], \
       log.messages()
   helpers.assert_kept(workdir, kept)

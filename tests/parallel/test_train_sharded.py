@@ -182,7 +182,7 @@ def test_bad_mesh_input_fails_before_compile(tmp_path, mesh, model, train, match
   with pytest.raises(ConfigError, match=match):
     _setup(c, dict(c.mesh))
   with pytest.raises(ConfigError, match=match):
-    train_and_evaluate(c, str(tmp_path / "run"), data=_Untouchable())
+    train_and_evaluate(run_config_from_dict(c), str(tmp_path / "run"), data=_Untouchable())
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -27,6 +27,7 @@ from hybridmoe_jax.rl.trajectory_log import (decode_with_specials, format_record
                                              read_trajectories, trajectory_record,
                                              write_trajectories)
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests.train.train_fakes import FakeIterator, set_tiny_model
 
@@ -52,7 +53,7 @@ def run(tmp_path_factory):
   # No held-out batches: the run's final evaluation then compiles nothing.
   data = types.SimpleNamespace(train=FakeIterator(2, 16), eval_batches=[])
   with one_device():
-    train_and_evaluate(config, str(root / "w"), data=data)
+    train_and_evaluate(run_config_from_dict(config), str(root / "w"), data=data)
   lines = []
   out = agent_eval.run_agent_eval(workdir=str(root / "w"), params=None,
                                   output_dir=str(root / "eval"), options=OPTIONS,

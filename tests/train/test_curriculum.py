@@ -142,7 +142,7 @@ def _with_stage(k, **fields):
 def test_bad_curriculum_config_is_refused_before_training(config, match, tmp_path):
   cfg = config()
   with pytest.raises(ConfigError, match=match):
-    train_and_evaluate(cfg, str(tmp_path))
+    train_and_evaluate(run_config_from_dict(cfg), str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
@@ -158,10 +158,10 @@ def test_source_without_documents_fails_before_training(tmp_path):
   config = _config()
   config.curriculum.sources = {"pydoc": {"kind": "text", "paths": (str(tmp_path / "data"),)}}
   with pytest.raises(InputError, match="pydoc.*1 documents"):
-    train_and_evaluate(config, str(tmp_path / "run"))
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path / "run"))
   (tmp_path / "data" / "a.txt").write_bytes(b"\xff\xfe")
   with pytest.raises(InputError, match="no usable text"):
-    train_and_evaluate(config, str(tmp_path / "run"))
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path / "run"))
 
 
 def _reference_lr(pieces, step):
@@ -276,7 +276,7 @@ def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeyp
   calls = []
   monkeypatch.setattr(plan_lib, "build_plan",
                       lambda run, _build=plan_lib.build_plan: calls.append(1) or _build(run))
-  ref = train_and_evaluate(config, str(tmp_path / "ref"))
+  ref = train_and_evaluate(run_config_from_dict(config), str(tmp_path / "ref"))
   assert len(calls) == 1  # the plan is built once per run
   monkeypatch.undo()
   assert ref["end_step"] == 4
@@ -291,7 +291,7 @@ def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeyp
   # every resumed step must see the same batch, hence give the same loss.
   for stop in (2, 3, 4):
     config.train.steps = stop
-    out = train_and_evaluate(config, str(tmp_path / "run"))
+    out = train_and_evaluate(run_config_from_dict(config), str(tmp_path / "run"))
     assert out["end_step"] == stop
   resumed = {s: r["loss"] for s, r in _records(tmp_path / "run", "train").items()}
   assert resumed == losses
@@ -300,7 +300,7 @@ def test_staged_training_resume_at_boundary_and_inside_a_stage(tmp_path, monkeyp
 def test_dry_run_prints_plan_and_memory(capsys):
   """The flagship plan names its hardware and fits every stage; without context
   parallelism the 1M stage does not, and the report says what is missing."""
-  e = dry_run.dry_run(load_config("curriculum_1m"))
+  e = dry_run.dry_run(run_config_from_dict(load_config("curriculum_1m")))
   out = capsys.readouterr().out
   assert e["total"] > 50e6 and e["fits"] == [True] * 4
   for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "target: h200",
@@ -309,7 +309,7 @@ def test_dry_run_prints_plan_and_memory(capsys):
   assert out.count("rows/data shard") == 4 and out.count("fits with compute.remat=") == 4
   config = load_config("curriculum_1m")
   config.mesh.update(data=1, fsdp=16, context=1)
-  e = dry_run.dry_run(config)
+  e = dry_run.dry_run(run_config_from_dict(config))
   last = [line for line in capsys.readouterr().out.splitlines() if "T=1,048,576" in line][0]
   assert e["fits"][3] is False
   assert "context 1" in last and "does not fit" in last and "needs mesh.context >= 4" in last

@@ -61,8 +61,8 @@ def _data(config, **kw):
 
 def _run(config, workdir, **kw):
   data_kw = {k: kw.pop(k) for k in ("at", "hook") if k in kw}
-  return train_and_evaluate(config, str(workdir), data=_data(config, **data_kw),
-                            **kw)
+  return train_and_evaluate(run_config_from_dict(config), str(workdir),
+                            data=_data(config, **data_kw), **kw)
 
 
 def _train_losses(workdir):
@@ -227,7 +227,7 @@ def test_run_directory_of_older_code_resumes(tmp_path):
   old = run_config_from_dict(migrate_legacy(saved))
   new = run_config_from_dict(_old_run_config(steps=3))
   assert old.model == new.model and old.compute == new.compute and old.train == new.train
-  s = train_and_evaluate(_old_run_config(steps=5), str(workdir))
+  s = train_and_evaluate(run_config_from_dict(_old_run_config(steps=5)), str(workdir))
   assert s["start_step"] == 3 and s["end_step"] == 5 and s["stopped_by"] is None
   assert np.isfinite(s["last_loss"])
 
@@ -237,7 +237,7 @@ def test_bad_tokens_stop_before_training(tmp_path):
   data = _data(config)
   data.train.vocab = 100                             # ids up to 99 > vocab_size 64
   with pytest.raises(InputError, match="outside the model vocabulary"):
-    train_and_evaluate(config, str(tmp_path), data=data)
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path), data=data)
   assert not os.listdir(tmp_path / "checkpoints")
 
 
@@ -246,4 +246,4 @@ def test_empty_dataset_stops(tmp_path):
   data = _data(config)
   data.train.length = 0
   with pytest.raises(InputError, match="empty"):
-    train_and_evaluate(config, str(tmp_path), data=data)
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path), data=data)

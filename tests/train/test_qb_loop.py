@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import load_config
 
 
@@ -26,7 +27,7 @@ def _run(balancing, workdir):
   config.model.moe.balancing = balancing
   config.train.update(dict(steps=50, seq_len=128, batch_size=8, warmup=10, log_every=1,
                            eval_every=0, eval_batches=1, checkpoint_every=0, heatmap_every=0))
-  train_and_evaluate(config, str(workdir))
+  train_and_evaluate(run_config_from_dict(config), str(workdir))
   return _worst_maxvio(workdir)
 
 

@@ -69,7 +69,7 @@ def test_loop_runs_real_model(tmp_path, variant):
   config = _small(**{k: v for k, v in variant.items() if k != "dtype"})
   if "dtype" in variant:
     config.compute.dtype = variant["dtype"]
-  s = train_and_evaluate(config, str(tmp_path))
+  s = train_and_evaluate(run_config_from_dict(config), str(tmp_path))
   assert s["end_step"] == 2 and s["skipped_steps"] == 0
   assert np.isfinite(s["last_loss"]) and s["eval"]["bits_per_byte"] > 0
   biases = [np.asarray(b) for b in jax.tree.leaves(s["state"].biases)]

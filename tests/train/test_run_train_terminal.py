@@ -13,6 +13,7 @@ import pytest
 
 from hybridmoe_jax.train.params_export import load_exported_params
 from hybridmoe_jax.train.loop import train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import ROOT, load_config
 
 RUN = [sys.executable, str(ROOT / "run_train.py")]
@@ -49,18 +50,18 @@ def test_rerun_of_a_finished_run_changes_nothing(tmp_path, caplog):
   cfg = load_config("tiny")
   cfg.train.update(TINY)
   workdir = str(tmp_path / "run")
-  first = train_and_evaluate(cfg, workdir)
+  first = train_and_evaluate(run_config_from_dict(cfg), workdir)
   assert first["end_step"] == 2 and first["first_loss"] is not None
   before = _snapshot(workdir)
   assert "metrics.jsonl" in before and any(k.startswith("tensorboard") for k in before)
   caplog.set_level("INFO")
-  again = train_and_evaluate(cfg, workdir)
+  again = train_and_evaluate(run_config_from_dict(cfg), workdir)
   assert again["already_finished"] and again["end_step"] == 2
   assert "already finished at step 2; raise --config.train.steps to continue" in caplog.text
   assert _snapshot(workdir) == before     # no record appended, no event file, no checkpoint
   # A finished run exports without training, and its logs stay as they were.
   export = str(tmp_path / "export")
-  train_and_evaluate(cfg, workdir, export_params_to=export)
+  train_and_evaluate(run_config_from_dict(cfg), workdir, export_params_to=export)
   exported = load_exported_params(export)
   assert exported["params"] and exported["routing_biases"]
   assert _snapshot(workdir) == before

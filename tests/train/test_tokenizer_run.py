@@ -9,6 +9,7 @@ import pytest
 
 from hybridmoe_jax.evals import cli
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import ROOT, load_config, one_device
 from tests.train.train_fakes import set_tiny_model
 
@@ -33,7 +34,7 @@ def _config(vocab_size=1024, steps=2):
 def bpe_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("bpe") / "w"
   with one_device():
-    summary = train_and_evaluate(_config(), str(workdir))
+    summary = train_and_evaluate(run_config_from_dict(_config()), str(workdir))
   return workdir, summary
 
 
@@ -71,7 +72,7 @@ def test_evals_read_the_workdir_tokenizer(bpe_run, tmp_path):
 def test_vocab_larger_than_the_model_stops_before_the_workdir(tmp_path):
   workdir = tmp_path / "w"
   with pytest.raises(InputError) as e:
-    train_and_evaluate(_config(vocab_size=259), str(workdir))
+    train_and_evaluate(run_config_from_dict(_config(vocab_size=259)), str(workdir))
   msg = str(e.value)
   assert "\n" not in msg and "vocab_size 1024 > model vocab_size 259" in msg
   assert "model.vocab_size >= 1024" in msg and "tokenizer.json" in msg
@@ -82,5 +83,5 @@ def test_missing_tokenizer_file_stops_before_the_workdir(tmp_path):
   config = _config()
   config.data.tokenizer = str(tmp_path / "missing.json")
   with pytest.raises(InputError, match=r"^data.tokenizer = .*missing.json.*no such file"):
-    train_and_evaluate(config, str(tmp_path / "w"))
+    train_and_evaluate(run_config_from_dict(config), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()

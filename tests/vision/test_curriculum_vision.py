@@ -92,5 +92,5 @@ def test_train_loop_runs_a_curriculum_with_images(tmp_path):
   from hybridmoe_jax.train.loop import train_and_evaluate
   config = _config(tmp_path)
   config.train.async_checkpoints = False
-  out = train_and_evaluate(config, str(tmp_path / "run"))
+  out = train_and_evaluate(run_config_from_dict(config), str(tmp_path / "run"))
   assert out["end_step"] == 6 and np.isfinite(out["eval"]["loss"])

@@ -16,6 +16,7 @@ import pytest
 from hybridmoe_jax.evals import vqa
 from hybridmoe_jax.evals.loading import load_from_workdir
 from hybridmoe_jax.infer import Engine
+from hybridmoe_jax.run_config import run_config_from_dict
 from tests.conftest import load_config, one_device
 
 
@@ -29,7 +30,7 @@ def trained(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("tiny_vlm"))
     config.train.async_checkpoints = False
     with one_device():
-      train_and_evaluate(config, workdir)
+      train_and_evaluate(run_config_from_dict(config), workdir)
   model, _ = load_from_workdir(workdir)
   return model, config
 
