@@ -39,7 +39,7 @@ from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.sharding import MESH_AXES
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE
-from hybridmoe_jax.train.params_export import PARAMS_FILE
+from hybridmoe_jax.train.params_export import PARAMS_FILE, is_export
 
 _LAYOUTS = (f"a training workdir ({CONFIG_FILE} + checkpoints/), a params export "
             f"({CONFIG_FILE} + {PARAMS_FILE}, or params/ from older versions) or a Hugging "
@@ -59,7 +59,7 @@ def detect_layout(path: str) -> str:
   if not os.path.isdir(path):
     raise ValueError(f"load: path {path} is a file, not a directory (expected {_LAYOUTS})")
   has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
-  if has(CONFIG_FILE) and (has(PARAMS_FILE) or os.path.isdir(os.path.join(path, "params"))):
+  if has(CONFIG_FILE) and is_export(path):
     return "params"
   if has(CONFIG_FILE) and os.path.isdir(os.path.join(path, "checkpoints")):
     return "workdir"

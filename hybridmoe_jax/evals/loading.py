@@ -15,8 +15,6 @@ import dataclasses
 import json
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -103,10 +101,7 @@ def load_from_params(path: str, expected: ModelConfig | None = None
   cfg = model_config_from_dict(saved)
   abstract = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, biases, rest = split_model(abstract)
-  tree = params_export.load_exported_params(path, expected={
-      "params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)})
-  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))
-  nnx.replace_by_pure_dict(biases, jax.tree.map(jnp.asarray, tree["routing_biases"]))
+  params_export.load_into(path, params, biases)
   return nnx.merge(graphdef, params, biases, rest), {"source": "params", "path": path}
 
 

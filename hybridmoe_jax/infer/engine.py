@@ -242,7 +242,7 @@ class Engine:
     if length + new_tokens > self.max_len:
       more = f" + {new_tokens} new tokens" if new_tokens else ""
       raise ValueError(f"{what}: {length} tokens{more} exceed the cache capacity max_len="
-                       f"{self.max_len} (raise max_len)")
+                       f"{self.max_len}: no room for them (raise max_len)")
 
   def _check_tokens(self, tokens, cache: DecodeCache | None, what: str, lengths=None,
                     min_length: int = 0, fit: bool = True

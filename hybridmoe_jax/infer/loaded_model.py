@@ -1,15 +1,10 @@
-"""`LoadedModel`: text in / text out over `infer.Engine` (what `hybridmoe_jax.api.load`
-returns): generate, generate_stream, score, forward, cache sizes.
+"""`LoadedModel` (what `hybridmoe_jax.api.load` returns): text in / text out over
+`infer.Engine`: generate, generate_stream, score, forward, cache sizes.
 
-Conventions: B texts / prompts, T tokens, V vocabulary, N = max_len (the decode cache's
-capacity, fixed per LoadedModel so that every call with the same batch size reuses one
-compilation). Texts are encoded with BOS first (as training documents are); generation stops
-at EOS by default.
-
-Ragged batches: the rows of one call are right-padded with the pad id to one width and go to
-the engine with their real lengths (`Engine.generate(prompt_lengths=)`, `Engine.score(
-lengths)`, `Engine.forward(lengths)`), one engine call per call: the padding is marked as
-such and changes no row's result.
+B texts / prompts, T tokens, V vocabulary, N = max_len (the cache capacity, fixed per
+LoadedModel: calls with one batch size share compilations). Text is encoded with BOS first;
+generation stops at EOS by default. Ragged rows are right-padded to one width and go to the
+engine in one call with their lengths (the padding is marked as such: no row changes).
 """
 
 from __future__ import annotations

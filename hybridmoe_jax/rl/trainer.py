@@ -64,7 +64,7 @@ from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import optim, run_errors, workdir_lock
 from hybridmoe_jax.train import step as step_lib
-from hybridmoe_jax.train.run_data import run_tokenizer
+from hybridmoe_jax.train.run_inputs import run_tokenizer
 from hybridmoe_jax.train.step_loop import StopFlag
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
 
@@ -154,14 +154,9 @@ def _load_init(rl, graphdef, state, model_dict):
     raise ConfigError(f"config field `rl.init_from` = {src!r}: no such directory (allowed a "
                       "training workdir or a params export)")
   _check_init_config(src, model_dict)
-  if os.path.isfile(os.path.join(src, params_export.PARAMS_FILE)) or os.path.isdir(
-      os.path.join(src, "params")):
-    tree = params_export.load_exported_params(src, expected={
-        "params": nnx.to_pure_dict(state.params),
-        "routing_biases": nnx.to_pure_dict(state.biases)})
+  if params_export.is_export(src):
     params, biases = state.params, state.biases
-    nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))
-    nnx.replace_by_pure_dict(biases, jax.tree.map(jnp.asarray, tree["routing_biases"]))
+    params_export.load_into(src, params, biases)
   else:
     reader = ckpt_lib.Checkpointer(src, read_only=True)
     try:

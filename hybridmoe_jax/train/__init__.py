@@ -1,21 +1,6 @@
-"""Training: config sections, train state, jitted steps, checkpoints, monitoring, the loop.
+"""Training: config sections, train state, jitted steps, checkpoints, monitoring, the run.
 
-The public names below load lazily, so `hybridmoe_jax.train.config` (which every
-`configs/*.py` imports) and the flag checks of run_train.py / run_eval.py do not pull in
-the loop's flax, optax and orbax imports.
+Import the modules themselves (`train.loop.train_and_evaluate`, `train.config`, ...):
+importing this package pulls in nothing, so `train.config` (which every `configs/*.py`
+imports) and the CLIs' flag checks stay free of flax, optax and orbax.
 """
-
-import importlib
-
-_PUBLIC = {
-    "default_config": "hybridmoe_jax.train.config",
-    "train_and_evaluate": "hybridmoe_jax.train.loop",
-    "TrainState": "hybridmoe_jax.train.state",
-}
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name):
-  if name in _PUBLIC:
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
-  raise AttributeError(f"module 'hybridmoe_jax.train' has no attribute {name!r}")

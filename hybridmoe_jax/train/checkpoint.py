@@ -384,20 +384,21 @@ class Checkpointer:
       logging.warning("checkpoint step %d is corrupt or partial (%s); left in place "
                       "(read-only), trying the previous one", step, why)
       return
-    os.makedirs(self.corrupt_dir, exist_ok=True)
-    src = os.path.join(self.directory, str(step))
-    dst = os.path.join(self.corrupt_dir, f"{step}-{int(time.time() * 1000)}")
+    dst = self._set_aside(str(step))
     logging.warning("checkpoint step %d is corrupt or partial (%s); moved to %s, trying the "
                     "previous one", step, why, dst)
-    shutil.move(src, dst)
     self.manager.reload()
+
+  def _set_aside(self, name: str) -> str:
+    """Move directory `name` into corrupt_dir as `<name>-<ms>` (never overwritten) -> there."""
+    os.makedirs(self.corrupt_dir, exist_ok=True)
+    dst = os.path.join(self.corrupt_dir, f"{name}-{int(time.time() * 1000)}")
+    shutil.move(os.path.join(self.directory, name), dst)
+    return dst
 
   def _quarantine_partial(self) -> None:
     """Move aside unfinished temporary step directories left by a killed save."""
     for name in sorted(os.listdir(self.directory)):
       if ".orbax-checkpoint-tmp" in name:
-        os.makedirs(self.corrupt_dir, exist_ok=True)
-        dst = os.path.join(self.corrupt_dir, f"{name}-{int(time.time() * 1000)}")
         logging.warning("found a partial checkpoint %s (a save was interrupted); moved to %s",
-                        name, dst)
-        shutil.move(os.path.join(self.directory, name), dst)
+                        name, self._set_aside(name))

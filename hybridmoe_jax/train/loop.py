@@ -3,7 +3,7 @@
 Order: the plan of the typed `RunConfig` -> the tokenizer of `data.tokenizer` (a missing /
 corrupt file or a vocabulary larger than the model's stops here) -> check the workdir's
 stored model config, copy the tokenizer into workdir/tokenizer/ -> build data (every bad
-input stops here, before any allocation; `run_data`) -> restore the newest good checkpoint
+input stops here, before any allocation; `run_inputs`) -> restore the newest good checkpoint
 or initialise -> steps (`step_loop.run_steps`), with periodic eval (`evaluation`) /
 checkpoint / heatmap and always a checkpoint at the end or on SIGINT/SIGTERM -> optional
 params-only export (`params_export`).
@@ -39,7 +39,7 @@ from hybridmoe_jax.train.evaluation import eval_info, evaluate, run_stage_hook
 from hybridmoe_jax.train.monitor import Monitor, fmt_rate, hardware
 from hybridmoe_jax.train.terminal import fmt_duration
 from hybridmoe_jax.train.profile import StepProfiler
-from hybridmoe_jax.train.run_data import build_data, run_tokenizer
+from hybridmoe_jax.train.run_inputs import build_data, run_tokenizer
 from hybridmoe_jax.train.run_errors import (InputError, OutOfMemory, checked_workdir_path,
                                             is_out_of_memory, make_writable_workdir,
                                             oom_message)
@@ -157,7 +157,7 @@ def _export(path: str, state, model_dict: dict, tokenizer) -> None:
   """`--export_params_to`: params + routing biases + config, and the tokenizer (an export is
   self-contained too: it goes in before the final rename)."""
   path = params_export.export_params(path, state.params, state.biases, model_dict,
-                                also=lambda d: _save_tokenizer(tokenizer, d))
+                                     also=lambda d: _save_tokenizer(tokenizer, d))
   logging.info("exported parameters and routing biases to %s", path)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from absl import logging
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -138,6 +139,21 @@ def tree_mismatch(want, got) -> list[str]:
   out += [f"{k}: shape {got[k]} stored vs {want[k]} from the config"
           for k in sorted(set(want) & set(got)) if want[k] != got[k]]
   return out
+
+
+def is_export(path: str) -> bool:
+  """Whether directory `path` holds an export's arrays (params.safetensors, or params/)."""
+  return (os.path.isfile(os.path.join(path, PARAMS_FILE))
+          or os.path.isdir(os.path.join(path, "params")))
+
+
+def load_into(path: str, params: nnx.State, biases: nnx.State) -> None:
+  """The export at `path` read into `params` and `biases` (nnx States, replaced in place),
+  every leaf checked against theirs (`load_exported_params`' ValueError)."""
+  tree = load_exported_params(path, expected={
+      "params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)})
+  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))
+  nnx.replace_by_pure_dict(biases, jax.tree.map(jnp.asarray, tree["routing_biases"]))
 
 
 def load_exported_params(path: str, expected: dict[str, Any] | None = None):

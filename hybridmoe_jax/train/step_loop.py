@@ -20,7 +20,7 @@ from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train import workdir_lock
 from hybridmoe_jax.train.evaluation import eval_info, evaluate, stage_end, stage_info
 from hybridmoe_jax.train.monitor import Monitor
-from hybridmoe_jax.train.run_data import next_batch
+from hybridmoe_jax.train.run_inputs import next_batch
 from hybridmoe_jax.train.run_errors import TrainingDiverged
 
 
