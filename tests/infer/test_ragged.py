@@ -4,6 +4,7 @@ Each row must behave exactly as if it had been run alone: its cache advances by 
 length and its logits are those of its own last token.
 """
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -78,6 +79,28 @@ def test_ragged_generate_continues_each_row_from_its_own_end(setup):
     logits, cache = engine.decode_step(tok, cache)
   np.testing.assert_array_equal(out.tokens, np.stack(want, 1))
   assert out.cache.length.tolist() == (LENGTHS + 5).tolist()
+
+
+def test_ragged_score_and_forward_match_each_row_alone(setup):
+  """score(lengths) and forward(lengths) (with and without a cache) over ragged rows: each
+  row's real positions are the row alone's (`_rows_alone`); the cache holds its own length."""
+  model, engine, _, padded = setup
+  ref = _rows_alone(model, padded, LENGTHS)
+  logp = np.asarray(jax.nn.log_softmax(ref, axis=-1))
+  nll, pred = engine.score(padded, LENGTHS)
+  full = engine.forward(padded, LENGTHS)
+  cached, cache = engine.forward(padded, LENGTHS, return_cache=True)
+  assert cache.length.tolist() == LENGTHS.tolist()
+  for b, n in enumerate(LENGTHS):
+    want = -logp[b, np.arange(n - 1), padded[b, 1:n]]
+    np.testing.assert_allclose(nll[b, :n - 1], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(pred[b, :n - 1], ref[b, :n - 1].argmax(-1))
+    assert _rel_max(ref[b, :n], full[b, :n]) < 1e-4 and _rel_max(ref[b, :n], cached[b, :n]) < 1e-4
+  with pytest.raises(ValueError, match=r"lengths must lie in \[1, 37\]"):
+    engine.score(padded, [0, 3, 3])
+  with pytest.raises(ValueError, match="max_len=52"):       # a cache of 52 cannot hold 60
+    engine.forward(np.zeros((1, 60), np.int32), return_cache=True)
+  assert engine.forward(np.zeros((1, 60), np.int32)).shape[1] == 60  # no cache: no limit
 
 
 def test_ragged_bad_lengths(setup):
