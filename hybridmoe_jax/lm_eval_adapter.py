@@ -84,17 +84,13 @@ class HybridMoELM(LM):
 
   def _score_rows(self, rows: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token rows -> per row (log-probs [T-1] of tokens[1:], argmax predictions [T-1]),
-    rows of one length batch_size at a time (one engine compilation per batch shape)."""
-    out: list[Any] = [None] * len(rows)
-    by_len: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-      by_len.setdefault(len(r), []).append(i)
-    for idx in by_len.values():
-      for s in range(0, len(idx), self.batch_size):
-        part = idx[s:s + self.batch_size]
-        nll, pred = self.model.engine.score(np.asarray([rows[i] for i in part], np.int32))
-        for j, i in enumerate(part):
-          out[i] = (-nll[j].astype(np.float64), pred[j])
+    batch_size rows (ragged: right-padded, with their lengths) per engine call."""
+    out = []
+    for s in range(0, len(rows), self.batch_size):
+      tokens, lengths = self.model.pad_rows(rows[s:s + self.batch_size])
+      nll, pred = self.model.engine.score(tokens, lengths)
+      out += [(-nll[j, :n - 1].astype(np.float64), pred[j, :n - 1])
+              for j, n in enumerate(lengths)]
     return out
 
   # ---- the three request kinds ---------------------------------------------------------------

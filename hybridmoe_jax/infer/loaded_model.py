@@ -122,8 +122,8 @@ class LoadedModel:
       rows.append(ids.astype(np.int32))
     return rows, single, items
 
-  def _padded(self, rows: Sequence[np.ndarray], extra: int = 0, what: str = ""
-              ) -> tuple[np.ndarray, np.ndarray]:
+  def pad_rows(self, rows: Sequence[np.ndarray], extra: int = 0, what: str = ""
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Ragged rows -> (tokens int32 [B, T] right-padded with the pad id, lengths int32 [B]);
     with `what`, the longest row + `extra` new tokens must fit the cache."""
     lengths = np.asarray([len(r) for r in rows], np.int32)
@@ -158,7 +158,7 @@ class LoadedModel:
     max_new_tokens, sampling, stop, stop_set = self._generation_args(
         max_new_tokens, temperature, top_k, top_p, stop, stop_tokens)
     rows, single, _ = self._as_rows(prompts, "prompt", bos=True)
-    tokens, lengths = self._padded(rows, max_new_tokens, "prompt")
+    tokens, lengths = self.pad_rows(rows, max_new_tokens, "prompt")
     out = self.engine.generate(tokens, max_new_tokens=max_new_tokens, sampling=sampling,
                                stop_tokens=tuple(stop_set), seed=seed,
                                pad_id=self.tokenizer.pad_id, prompt_lengths=lengths)
@@ -232,7 +232,7 @@ class LoadedModel:
       if len(r) < 2:
         raise ValueError(f"text{'' if single else f'[{i}]'} has {len(r)} token: scoring "
                          "needs at least 2 (the first one is only context)")
-    tokens, lengths = self._padded(rows, 0, "text")
+    tokens, lengths = self.pad_rows(rows, 0, "text")
     nll, _ = self.engine.score(tokens, lengths)
     out: list[TextScore] = []
     for i, item in enumerate(items):
@@ -269,7 +269,7 @@ class LoadedModel:
       logits float32 [B, T, V] (B = 1 for a single input), or (logits, cache).
     """
     rows, _, _ = self._as_rows(inputs, "inputs", bos=bos)
-    tokens, lengths = self._padded(rows, 0, "inputs" if return_cache else "")
+    tokens, lengths = self.pad_rows(rows, 0, "inputs" if return_cache else "")
     return self.engine.forward(tokens, lengths, return_cache=return_cache)
 
   def cache_bytes(self, max_len: int | None = None, batch: int = 1) -> dict[str, int]:
