@@ -17,7 +17,7 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-from hybridmoe_jax.train.config import load_config_file
+from hybridmoe_jax.cli_flags import load_config_file
 from hybridmoe_jax.train.loop import train_and_evaluate
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,14 +1,13 @@
 """Training: config sections, train state, jitted steps, checkpoints, monitoring, the loop.
 
-The public names below load lazily, so `hybridmoe_jax.train.config` (which every
-`configs/*.py` imports) and the flag checks of run_train.py / run_eval.py do not pull in
-the loop's flax, optax and orbax imports.
+The public names below load lazily, so the flag checks of run_train.py / run_eval.py do not
+pull in the loop's flax, optax and orbax imports.
 """
 
 import importlib
 
 _PUBLIC = {
-    "default_config": "hybridmoe_jax.train.config",
+    "default_config": "hybridmoe_jax.run_config",
     "train_and_evaluate": "hybridmoe_jax.train.loop",
     "TrainState": "hybridmoe_jax.train.state",
 }
