@@ -196,8 +196,9 @@ class DataConfig(Checked):
 
 
 # A mesh axis size: -1 takes the remaining devices.
-AXIS_SIZE = Allowed(lambda v: isinstance(v, int) and (v >= 1 or v == -1),
-                    "an integer >= 1, or -1 for the remaining devices")
+AXIS_SIZE = Allowed(
+    lambda v: isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1),
+    "an integer >= 1, or -1 for the remaining devices")
 
 
 @dataclasses.dataclass(frozen=True)
