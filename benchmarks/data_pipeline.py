@@ -79,9 +79,9 @@ def main(argv):
   del argv
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.run_config import run_config_from_dict
+  from hybridmoe_jax.cli_flags import load_config_file
   from hybridmoe_jax.train import plan as plan_lib
   from hybridmoe_jax.train.run_inputs import build_data
-  from hybridmoe_jax.train.config import load_config_file
   config = run_config_from_dict(load_config_file(_CONFIG.value))
   data = build_data(config, plan_lib.build_plan(config))
   rows = []

@@ -17,7 +17,7 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-from hybridmoe_jax.train.config import load_config_file
+from hybridmoe_jax.cli_flags import load_config_file
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.run_config import run_config_from_dict
 

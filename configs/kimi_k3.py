@@ -1,6 +1,6 @@
 """Kimi K3 flagship (DESIGN s0): 2.78T total / 104.2B active. For --dry_run and counting."""
 
-from hybridmoe_jax.train.config import default_config
+from hybridmoe_jax.run_config import default_config
 
 
 def get_config():

@@ -1,4 +1,5 @@
-"""The `--config` flag of the CLIs, with one-line errors for a bad file or override.
+"""Config files: `load_config_file` (a preset's ConfigDict) and the `--config` flag of the
+CLIs, with one-line errors for a bad file or override.
 
 ml_collections reads `--config=<file>` and every `--config.a.b=v` override while absl parses
 the command line: at flag definition for the default file, inside `app.run` otherwise. Both
@@ -9,15 +10,32 @@ the user reads one line naming the flag and, for a misspelt field, the likely in
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 
 from absl import flags
+import ml_collections
 from ml_collections import config_flags
+
+from hybridmoe_jax.config import ConfigError, MOVED
+
+
+def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file such as configs/tiny.py (presets build on each other;
+  the root ones on `run_config.default_config()`)."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path} does not exist")
+  name = "_config_" + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def config_flag_error(error: BaseException, argv: list[str]) -> str:
   """One line for an exception raised while reading --config / --config.* flags."""
-  from hybridmoe_jax.config import MOVED  # pylint: disable=g-import-not-at-top
   for arg in argv[1:]:
     name = arg.split("=", 1)[0][len("--config."):] if arg.startswith("--config.") else ""
     if name in MOVED:

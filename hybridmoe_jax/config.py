@@ -3,10 +3,12 @@
 Config files in `configs/` build an `ml_collections.ConfigDict`; at the CLI boundary
 `from_dict` turns each section into a frozen dataclass (the whole run: `run_config.py`,
 the model alone: `model_config_from_dict`). `from_dict` checks names and types (unknown
-fields, ints / floats / bools / strings, tuples, dicts, nested dataclasses); each dataclass
-checks its ranges in `__post_init__`. Every check raises `ConfigError` naming the field, the
-value and the allowed range, before anything is allocated. Field names follow DESIGN.md
-and, where they exist, the upstream Hugging Face config keys.
+fields, ints / floats / bools / strings, tuples, dicts, nested dataclasses); `check_tree`
+checks ranges: each field's allowed values are declared once, beside its default
+(`ranged`), and a dataclass's `check` relates its fields to each other. Every check raises
+`ConfigError` naming the dotted field, the value and the allowed range, before anything is
+allocated. Field names follow DESIGN.md and, where they exist, the upstream Hugging Face
+config keys.
 
 Runtime knobs (precision, remat, kernel choice, EP capacity) are not architecture: they
 live in `ComputeConfig`. Configs saved by older runs hold them in the model / train
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import math
+import re
 import types
 import typing
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
@@ -42,9 +47,126 @@ def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
 
 
-def _positive(prefix: str, **fields: int) -> None:
-  for name, value in fields.items():
-    require(isinstance(value, int) and value > 0, f"{prefix}.{name}", value, "an integer >= 1")
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_num(v) -> bool:
+  return _is_int(v) or isinstance(v, (float, np.floating))
+
+
+def _join(prefix: str, name: str) -> str:
+  return f"{prefix}.{name}" if prefix else name
+
+
+class Allowed(typing.NamedTuple):
+  """Allowed values that are neither an interval nor a tuple of choices: a test, its text."""
+
+  ok: Callable[[Any], bool]
+  text: str
+
+
+def ranged(default, allowed, note: str = "", nonempty: bool = False):
+  """A dataclass field whose allowed values are declared once, beside its default.
+
+  Args:
+    default: the default (a dict or list is copied per instance).
+    allowed: an interval such as '>= 1', '> 0', '[0, 1)', '(0, 10]' (integers for an int
+      field, finite numbers for a float one), a tuple of choices, or an `Allowed`. The
+      elements of a tuple or dict field are checked one by one (an `Allowed` sees the
+      whole value).
+    note: what special values mean, shown in parentheses after the range ("0: off").
+    nonempty: a tuple / dict field must hold at least one element.
+  """
+  meta = {"allowed": allowed, "note": note, "nonempty": nonempty}
+  if isinstance(default, (dict, list)):
+    return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+  return dataclasses.field(default=default, metadata=meta)
+
+
+_INTERVAL = re.compile(r"(>=?) (\S+)|([\[(])(\S+), (\S+)([\])])")
+
+
+@functools.cache
+def _interval(spec: str, integer: bool) -> Allowed:
+  """'>= 1', '(0, 10]', ... -> the test and text of that interval (of integers or numbers)."""
+  m = _INTERVAL.fullmatch(spec)
+  if m[1]:
+    lo, hi, lo_open, hi_open = float(m[2]), math.inf, m[1] == ">", True
+  else:
+    lo, hi, lo_open, hi_open = float(m[4]), float(m[5]), m[3] == "(", m[6] == ")"
+  kind = _is_int if integer else _is_num
+
+  def ok(v) -> bool:
+    return kind(v) and (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+  name = "an integer" if integer else "a number"
+  return Allowed(ok, f"{name} {spec}" if m[1] else f"{name} in {spec}")
+
+
+def _check_value(tp, allowed, value, field: str, note: str) -> None:
+  if isinstance(allowed, str):
+    allowed = _interval(allowed, tp is int)
+  elif not isinstance(allowed, Allowed):
+    allowed = Allowed(allowed.__contains__, f"one of {allowed}")
+  require(allowed.ok(value), field, value, allowed.text + note)
+
+
+def _check_field(tp, meta: Mapping[str, Any], value, field: str) -> None:
+  """`value` of the field typed `tp` against its declared range (`ranged`'s metadata)."""
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    if value is None:
+      return
+    (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+  origin, args, allowed = typing.get_origin(tp), typing.get_args(tp), meta["allowed"]
+  note = f" ({meta['note']})" if meta["note"] else ""
+  if origin not in (tuple, dict) or isinstance(allowed, Allowed):
+    return _check_value(tp, allowed, value, field, note)
+  require(len(value) > 0 or not meta["nonempty"], field, value, "at least one element")
+  items = value.items() if origin is dict else enumerate(value)
+  for k, v in items:
+    _check_value(args[-1] if origin is dict else args[0], allowed, v,
+                 _join(field, k) if origin is dict else f"{field}[{k}]", note)
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def check_tree(obj, prefix: str) -> None:
+  """THE range check of a config dataclass `obj` at the dotted place `prefix`.
+
+  Every field with a declared range (`ranged`) is checked, then the dataclasses it holds
+  in a field, a tuple or a dict that have no fixed place of their own (`PATH` None: curriculum
+  stages, RL environments), then `obj.check(prefix)`: the checks across fields.
+  """
+  hints = _hints(type(obj))
+  for f in dataclasses.fields(obj):
+    value, field = getattr(obj, f.name), _join(prefix, f.name)
+    if "allowed" in f.metadata:
+      _check_field(hints[f.name], f.metadata, value, field)
+    subs = (((_join(field, k), v) for k, v in value.items()) if isinstance(value, dict) else
+            ((f"{field}[{i}]", v) for i, v in enumerate(value)) if isinstance(value, tuple)
+            else [(field, value)])
+    for name, sub in subs:
+      if isinstance(sub, Checked) and sub.PATH is None:
+        check_tree(sub, name)
+  obj.check(prefix)
+
+
+class Checked:
+  """Base of the config dataclasses. A class with a fixed place in the tree (`PATH`, e.g.
+  "model.kda") checks itself there when built; one held in a dict or tuple (PATH None) is
+  checked by its parent's `check_tree` under its key."""
+
+  PATH: ClassVar[str | None] = None
+
+  def __post_init__(self):
+    if self.PATH is not None:
+      check_tree(self, self.PATH)
+
+  def check(self, p: str) -> None:
+    """Checks that relate several fields (ConfigError naming `p.field`); none by default."""
 
 
 def _is_pow2(n: int) -> bool:
@@ -57,7 +179,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
-class ComputeConfig:
+class ComputeConfig(Checked):
   """How a model computes, not what it is: none of these fields changes the parameters or
   the train state, so a run may resume with other values (the `compute` config section).
 
@@ -65,67 +187,48 @@ class ComputeConfig:
   tunes per machine: precision, rematerialisation and which kernel implements each op.
   """
 
-  dtype: str = "float32"          # activation / matmul dtype; parameters stay float32
-  remat: str = "none"             # decoder-layer rematerialisation: "none", "full", "dots"
-  kda_impl: str = "auto"          # KDA op: "auto" (pallas -> chunked), "recurrent", ...
-  kda_chunk_size: int = 64        # chunk of the chunked / Pallas KDA (power of two >= 16)
-  moe_impl: str = "ragged"        # local expert FFN: "ragged" (sorted ragged_dot) or "dense"
+  PATH = "compute"
+  dtype: str = ranged("float32", DTYPES)  # activation / matmul dtype; parameters stay float32
+  remat: str = ranged("none", REMAT_POLICIES)  # decoder-layer rematerialisation
+  kda_impl: str = ranged("auto", KDA_IMPLS)  # KDA op: "auto" (pallas -> chunked), ...
+  # chunk of the chunked / Pallas KDA
+  kda_chunk_size: int = ranged(64, Allowed(lambda v: _is_int(v) and _is_pow2(v) and v >= 16,
+                                           "a power of two >= 16"))
+  # local expert FFN: "ragged" (sorted ragged_dot) or "dense"
+  moe_impl: str = ranged("ragged", MOE_IMPLS)
   # Expert-parallel receive buffer: 0 -> dropless (worst-case buffers); c > 0 -> each
   # expert shard receives at most ceil(c * m k) rows per step, the excess dropped, counted.
-  moe_capacity_factor: float = 0.0
+  moe_capacity_factor: float = ranged(
+      0.0, ">= 0", "0: dropless; else receive-buffer rows / local assignments")
   # MLA training attention: "dense" holds [B, H, T, T] scores; "blockwise" holds one
   # [B, H, mla_block, mla_block] block at a time (forward and backward); the kernels "cudnn"
   # (GPU, unpacked bf16 input), "triton" (GPU) and "splash" (TPU) tile by mla_block. "auto":
   # splash on TPU, cudnn else triton on GPU (blockwise when neither takes the input); on CPU
   # dense up to T = 4 * mla_block (the loop costs more than the small matrix), else blockwise.
-  mla_impl: str = "auto"
-  mla_block: int = 128
-
-  def __post_init__(self):
-    p = "compute"
-    require(self.dtype in DTYPES, f"{p}.dtype", self.dtype, f"one of {DTYPES}")
-    require(self.remat in REMAT_POLICIES, f"{p}.remat", self.remat,
-            f"one of {REMAT_POLICIES}")
-    require(self.kda_impl in KDA_IMPLS, f"{p}.kda_impl", self.kda_impl, f"one of {KDA_IMPLS}")
-    require(isinstance(self.kda_chunk_size, int) and _is_pow2(self.kda_chunk_size)
-            and self.kda_chunk_size >= 16, f"{p}.kda_chunk_size", self.kda_chunk_size,
-            "a power of two >= 16")
-    require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
-    require(self.mla_impl in MLA_IMPLS, f"{p}.mla_impl", self.mla_impl, f"one of {MLA_IMPLS}")
-    require(isinstance(self.mla_block, int) and not isinstance(self.mla_block, bool)
-            and self.mla_block >= 8, f"{p}.mla_block", self.mla_block, "an integer >= 8")
-    require(isinstance(self.moe_capacity_factor, (int, float))
-            and not isinstance(self.moe_capacity_factor, bool)
-            and self.moe_capacity_factor >= 0, f"{p}.moe_capacity_factor",
-            self.moe_capacity_factor,
-            "0 (dropless) or a float > 0 (receive-buffer rows / local assignments)")
+  mla_impl: str = ranged("auto", MLA_IMPLS)
+  mla_block: int = ranged(128, ">= 8")
 
 
 @dataclasses.dataclass(frozen=True)
-class KDAConfig:
+class KDAConfig(Checked):
   """Kimi Delta Attention layer (DESIGN s1.4)."""
 
-  num_heads: int = 4            # H: q/k heads
-  num_v_heads: int = 4          # HV: value heads (grouped: a multiple of H)
-  head_dim: int = 16            # K
-  v_head_dim: int = 16          # V
-  conv_size: int = 4            # short causal depthwise conv kernel
-  gate: str = "bounded"         # "bounded": lb*sigmoid(.); "unbounded": -exp(A)*softplus(.)
-  lower_bound: float = -5.0     # lb of the bounded gate, in [-5, 0)
-  gate_rank: int = 0            # rank of the decay projection; 0 -> head_dim
-  output_gate_rank: int = -1    # -1: full-rank output gate; r > 0: low rank r; 0 -> head_dim
+  PATH = "model.kda"
+  num_heads: int = ranged(4, ">= 1")        # H: q/k heads
+  num_v_heads: int = ranged(4, ">= 1")      # HV: value heads (grouped: a multiple of H)
+  head_dim: int = ranged(16, ">= 1")        # K
+  v_head_dim: int = ranged(16, ">= 1")      # V
+  conv_size: int = ranged(4, ">= 1")        # short causal depthwise conv kernel
+  # "bounded": lb*sigmoid(.); "unbounded": -exp(A)*softplus(.)
+  gate: str = ranged("bounded", GATE_KINDS)
+  lower_bound: float = ranged(-5.0, "[-5, 0)")  # lb of the bounded gate
+  gate_rank: int = ranged(0, ">= 0", "0: head_dim")  # rank of the decay projection
+  # -1: full-rank output gate; r > 0: low rank r; 0 -> head_dim
+  output_gate_rank: int = ranged(-1, ">= -1", "-1: full rank, 0: head_dim, else the rank")
 
-  def validate(self, d_model: int) -> None:
-    p = "model.kda"
-    _positive(p, num_heads=self.num_heads, num_v_heads=self.num_v_heads,
-              head_dim=self.head_dim, v_head_dim=self.v_head_dim, conv_size=self.conv_size)
+  def check(self, p: str) -> None:
     require(self.num_v_heads % self.num_heads == 0, f"{p}.num_v_heads", self.num_v_heads,
             f"a multiple of num_heads={self.num_heads}")
-    require(self.gate in GATE_KINDS, f"{p}.gate", self.gate, f"one of {GATE_KINDS}")
-    require(-5.0 <= self.lower_bound < 0.0, f"{p}.lower_bound", self.lower_bound, "[-5, 0)")
-    require(self.gate_rank >= 0, f"{p}.gate_rank", self.gate_rank, ">= 0 (0 -> head_dim)")
-    require(self.output_gate_rank >= -1, f"{p}.output_gate_rank", self.output_gate_rank,
-            "-1 (full rank), 0 (head_dim) or a positive rank")
 
   @property
   def decay_rank(self) -> int:
@@ -140,25 +243,22 @@ class KDAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MLAConfig:
+class MLAConfig(Checked):
   """Gated multi-head latent attention without positional encoding (DESIGN s2)."""
 
-  num_heads: int = 4
-  q_lora_rank: int = 0          # 0: direct query projection
-  kv_lora_rank: int = 32        # d_c, the cached latent
-  qk_nope_head_dim: int = 16
-  qk_rope_head_dim: int = 8     # shared key slot, never rotated (NoPE) unless rope_theta > 0
-  v_head_dim: int = 16
+  PATH = "model.mla"
+  num_heads: int = ranged(4, ">= 1")
+  q_lora_rank: int = ranged(0, ">= 0", "0: direct query projection")
+  kv_lora_rank: int = ranged(32, ">= 1")   # d_c, the cached latent
+  qk_nope_head_dim: int = ranged(16, ">= 1")
+  # shared key slot, never rotated (NoPE) unless rope_theta > 0
+  qk_rope_head_dim: int = ranged(8, ">= 0")
+  v_head_dim: int = ranged(16, ">= 1")
   output_gate: bool = True      # sigmoid(W_gate x) elementwise on each head's output
-  rope_theta: float = 0.0       # > 0: rotate the rope slot (RoPE, this base); 0: NoPE (ablation)
+  # > 0: rotate the rope slot (RoPE, this base); 0: NoPE (ablation)
+  rope_theta: float = ranged(0.0, ">= 0", "0: NoPE")
 
-  def validate(self, d_model: int) -> None:
-    p = "model.mla"
-    _positive(p, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
-              qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
-    require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, ">= 0 (0: none)")
-    require(self.qk_rope_head_dim >= 0, f"{p}.qk_rope_head_dim", self.qk_rope_head_dim, ">= 0")
-    require(self.rope_theta >= 0, f"{p}.rope_theta", self.rope_theta, ">= 0 (0: NoPE)")
+  def check(self, p: str) -> None:
     if self.rope_theta:
       require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
               f"{p}.qk_rope_head_dim", self.qk_rope_head_dim,
@@ -170,106 +270,87 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
-  """Sparse MoE feed-forward with Quantile Balancing (DESIGN s4)."""
+class MoEConfig(Checked):
+  """Sparse MoE feed-forward with Quantile Balancing (DESIGN s4). Ranges against d_model
+  and num_layers are `ModelConfig.check`'s."""
 
-  num_experts: int = 8              # E routed experts
-  experts_per_token: int = 2        # k
-  expert_intermediate: int = 64     # routed expert FFN width
-  num_shared_experts: int = 1       # fused into one MLP of width n * shared_intermediate
-  shared_intermediate: int = 64
-  latent_dim: int = 0               # l: routed experts run at width l < d; 0 -> no latent MoE
-  glu: str = "situ"                 # "situ" (bounded GLU) or "swiglu"
-  routed_scale: float = 1.0
+  PATH = "model.moe"
+  num_experts: int = ranged(8, ">= 2")          # E routed experts
+  experts_per_token: int = ranged(2, ">= 1")    # k
+  expert_intermediate: int = ranged(64, ">= 1")  # routed expert FFN width
+  # fused into one MLP of width n * shared_intermediate
+  num_shared_experts: int = ranged(1, ">= 0")
+  shared_intermediate: int = ranged(64, ">= 1")
+  # l: routed experts run at width l < d; 0 -> no latent MoE
+  latent_dim: int = ranged(0, ">= 0", "0: off; else below d_model")
+  glu: str = ranged("situ", GLU_KINDS)          # "situ" (bounded GLU) or "swiglu"
+  routed_scale: float = ranged(1.0, "> 0")
   renormalize: bool = True          # combine weights s / sum(s) (False: s itself) x routed_scale
-  first_dense_layers: int = 1       # leading layers with a dense FFN instead of MoE
-  dense_intermediate: int = 128
-  balancing: str = "qb"             # "qb", "sign" (DeepSeek rule) or "none"
-  qb_num_bins: int = 1000           # histogram bins of the scalable QB update
-  sign_gamma: float = 1e-3          # step of the DeepSeek sign rule
+  # leading layers with a dense FFN instead of MoE (at most num_layers)
+  first_dense_layers: int = ranged(1, ">= 0")
+  dense_intermediate: int = ranged(128, ">= 1")
+  balancing: str = ranged("qb", BALANCING)     # "qb", "sign" (DeepSeek rule) or "none"
+  qb_num_bins: int = ranged(1000, ">= 1")       # histogram bins of the scalable QB update
+  sign_gamma: float = ranged(1e-3, "> 0")       # step of the DeepSeek sign rule
 
-  def validate(self, d_model: int, num_layers: int) -> None:
-    p = "model.moe"
-    _positive(p, num_experts=self.num_experts, experts_per_token=self.experts_per_token,
-              expert_intermediate=self.expert_intermediate,
-              dense_intermediate=self.dense_intermediate, qb_num_bins=self.qb_num_bins)
+  def check(self, p: str) -> None:
     # top_k(k + 1) needs one expert beyond the k routed ones for the QB cutoff.
     require(self.experts_per_token < self.num_experts, f"{p}.experts_per_token",
             self.experts_per_token, f"[1, num_experts={self.num_experts})")
-    require(self.num_shared_experts >= 0, f"{p}.num_shared_experts",
-            self.num_shared_experts, ">= 0")
-    if self.num_shared_experts:
-      _positive(p, shared_intermediate=self.shared_intermediate)
-    require(0 <= self.latent_dim < d_model or self.latent_dim == 0, f"{p}.latent_dim",
-            self.latent_dim, f"0 (off) or [1, d_model={d_model})")
-    require(self.glu in GLU_KINDS, f"{p}.glu", self.glu, f"one of {GLU_KINDS}")
-    require(self.routed_scale > 0, f"{p}.routed_scale", self.routed_scale, "> 0")
-    require(0 <= self.first_dense_layers <= num_layers, f"{p}.first_dense_layers",
-            self.first_dense_layers, f"[0, num_layers={num_layers}]")
-    require(self.balancing in BALANCING, f"{p}.balancing", self.balancing,
-            f"one of {BALANCING}")
-    require(self.sign_gamma > 0, f"{p}.sign_gamma", self.sign_gamma, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
-class AttnResConfig:
+class AttnResConfig(Checked):
   """Block attention residuals across depth (DESIGN s3)."""
 
+  PATH = "model.attnres"
   enabled: bool = True
-  block_size: int = 2           # decoder layers per block
+  block_size: int = ranged(2, ">= 1")   # decoder layers per block
 
-  def validate(self) -> None:
-    _positive("model.attnres", block_size=self.block_size)
+
+def _buckets_ok(b) -> bool:
+  return len(b) > 0 and all(_is_int(x) and x > 0 for x in b) and list(b) == sorted(set(b))
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(Checked):
   """Native vision tower (DESIGN s5): patchify -> embed + 2-D positions -> bidirectional
   encoder -> 2x2 merge -> MLP projector to d_model. Off (enabled=False) for text models."""
 
+  PATH = "model.vision"
   enabled: bool = False
-  patch_size: int = 14          # p: square patches of p x p pixels
-  num_channels: int = 3         # C: 3 (RGB) or 1 (grey)
-  width: int = 1024             # D: encoder width
-  num_layers: int = 27          # bidirectional encoder blocks inside each image (0 allowed)
-  num_heads: int = 16           # encoder attention heads (divides width)
-  mlp_dim: int = 4096           # encoder MLP hidden width
-  native_grid: int = 64         # learned position table: native_grid x native_grid patches
-  projector_dim: int = 0        # projector hidden width; 0 -> d_model
-  image_buckets: tuple[int, ...] = (224, 448, 896)  # padded square sides (pixels, ascending)
-  max_images_per_row: int = 4   # image slots per packed sequence
+  patch_size: int = ranged(14, ">= 1")    # p: square patches of p x p pixels
+  num_channels: int = ranged(3, (1, 3))   # C: 3 (RGB) or 1 (grey)
+  width: int = ranged(1024, ">= 1")       # D: encoder width
+  num_layers: int = ranged(27, ">= 0")    # bidirectional encoder blocks inside each image
+  num_heads: int = ranged(16, ">= 1")     # encoder attention heads (divides width)
+  mlp_dim: int = ranged(4096, ">= 1")     # encoder MLP hidden width
+  native_grid: int = ranged(64, ">= 1")   # learned position table: native_grid^2 patches
+  projector_dim: int = ranged(0, ">= 0", "0: d_model")  # projector hidden width
+  # padded square sides (pixels, ascending; multiples of 2 * patch_size)
+  image_buckets: tuple[int, ...] = ranged(
+      (224, 448, 896), Allowed(_buckets_ok, "a non-empty ascending tuple of sides > 0"))
+  max_images_per_row: int = ranged(4, ">= 1")  # image slots per packed sequence
 
-  def validate(self, d_model: int) -> None:
-    if not self.enabled:
-      return
-    p = "model.vision"
-    _positive(p, patch_size=self.patch_size, width=self.width, num_heads=self.num_heads,
-              mlp_dim=self.mlp_dim, native_grid=self.native_grid,
-              max_images_per_row=self.max_images_per_row)
-    require(self.num_channels in (1, 3), f"{p}.num_channels", self.num_channels, "1 or 3")
-    require(isinstance(self.num_layers, int) and self.num_layers >= 0, f"{p}.num_layers",
-            self.num_layers, "an integer >= 0")
+  def check(self, p: str) -> None:
     require(self.width % self.num_heads == 0, f"{p}.num_heads", self.num_heads,
             f"a divisor of width={self.width}")
-    require(self.projector_dim >= 0, f"{p}.projector_dim", self.projector_dim,
-            ">= 0 (0 -> d_model)")
-    b = tuple(self.image_buckets)
-    require(len(b) > 0 and all(isinstance(x, int) and x > 0 and x % (2 * self.patch_size) == 0
-                                for x in b) and list(b) == sorted(set(b)),
-            f"{p}.image_buckets", b,
-            f"a non-empty ascending tuple of sides that are multiples of 2 * patch_size = "
-            f"{2 * self.patch_size}")
+    require(all(x % (2 * self.patch_size) == 0 for x in self.image_buckets),
+            f"{p}.image_buckets", self.image_buckets,
+            f"sides that are multiples of 2 * patch_size = {2 * self.patch_size}")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Checked):
   """The whole decoder: layer pattern, widths, and one config per component."""
 
-  vocab_size: int = 259
-  d_model: int = 64
-  num_layers: int = 4
-  layer_kinds: tuple[str, ...] = ()   # per layer "kda"/"mla"; () -> every 4th and the last
-  norm_eps: float = 1e-5
+  PATH = "model"
+  vocab_size: int = ranged(259, ">= 1")
+  d_model: int = ranged(64, ">= 1")
+  num_layers: int = ranged(4, ">= 1")
+  # per layer "kda"/"mla"; () -> every 4th and the last
+  layer_kinds: tuple[str, ...] = ranged((), LAYER_KINDS)
+  norm_eps: float = ranged(1e-5, "(0, 1)")
   kda: KDAConfig = KDAConfig()
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
@@ -277,22 +358,20 @@ class ModelConfig:
   vision: VisionConfig = VisionConfig()
 
   def __post_init__(self):
-    _positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
-              num_layers=self.num_layers)
-    if not self.layer_kinds:
-      object.__setattr__(self, "layer_kinds", default_layer_kinds(self.num_layers))
     kinds = tuple(self.layer_kinds)
+    if not kinds and _is_int(self.num_layers) and self.num_layers > 0:
+      kinds = default_layer_kinds(self.num_layers)
     object.__setattr__(self, "layer_kinds", kinds)
-    require(len(kinds) == self.num_layers, "model.layer_kinds", kinds,
+    super().__post_init__()
+
+  def check(self, p: str) -> None:
+    require(len(self.layer_kinds) == self.num_layers, f"{p}.layer_kinds", self.layer_kinds,
             f"a list of num_layers={self.num_layers} entries")
-    for i, kind in enumerate(kinds):
-      require(kind in LAYER_KINDS, f"model.layer_kinds[{i}]", kind, f"one of {LAYER_KINDS}")
-    require(0 < self.norm_eps < 1, "model.norm_eps", self.norm_eps, "(0, 1)")
-    self.kda.validate(self.d_model)
-    self.mla.validate(self.d_model)
-    self.moe.validate(self.d_model, self.num_layers)
-    self.attnres.validate()
-    self.vision.validate(self.d_model)
+    m = self.moe
+    require(m.latent_dim < self.d_model, f"{p}.moe.latent_dim", m.latent_dim,
+            f"0 (off) or [1, d_model={self.d_model})")
+    require(m.first_dense_layers <= self.num_layers, f"{p}.moe.first_dense_layers",
+            m.first_dense_layers, f"[0, num_layers={self.num_layers}]")
 
   def is_moe_layer(self, i: int) -> bool:
     return i >= self.moe.first_dense_layers
@@ -345,18 +424,6 @@ def migrate_legacy(d: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_num(v) -> bool:
-  return _is_int(v) or isinstance(v, (float, np.floating))
-
-
-def _join(prefix: str, name: str) -> str:
-  return f"{prefix}.{name}" if prefix else name
-
-
 def _coerce(tp, value, field: str):
   """`value` checked against the annotation `tp` (and converted: list -> tuple, ...)."""
   origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -396,12 +463,13 @@ def from_dict(cls, values: Mapping[str, Any] | None, prefix: str = ""):
 
   Fields missing from `values` take their defaults; unknown fields, a field that moved
   (`MOVED`) and values of the wrong type raise `ConfigError` naming `prefix.field`; nested
-  dataclasses, tuples and dicts are built recursively; `cls.__post_init__` checks ranges.
+  dataclasses, tuples and dicts are built recursively; building a `Checked` class runs
+  `check_tree` (the ranges).
   """
   values = _plain({} if values is None else values)
   require(isinstance(values, Mapping), prefix or "config", values,
           f"a dict of {cls.__name__} fields")
-  hints = typing.get_type_hints(cls)
+  hints = _hints(cls)
   names = [f.name for f in dataclasses.fields(cls) if f.init]
   unknown = sorted(set(values) - set(names))
   for name in unknown:

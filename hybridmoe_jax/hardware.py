@@ -10,7 +10,7 @@ import dataclasses
 import math
 import re
 
-from hybridmoe_jax.config import ConfigError, require
+from hybridmoe_jax.config import Allowed, Checked, ConfigError, ranged, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +85,15 @@ def parse_topology(name: str) -> tuple[str, str, int]:
   return chip, f"{'v5e' if gen == 'v5litepod' else gen}:{'x'.join(map(str, sides))}", chips
 
 
+def _topology_ok(name) -> bool:
+  try:
+    return name == "" or bool(parse_topology(name))
+  except ConfigError:
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
-class HardwareConfig:
+class HardwareConfig(Checked):
   """`hardware`: the accelerator a plan targets; the dry run reads it.
 
   device "" leaves the target unnamed and checks against `memory_gib` (64 GiB when that is
@@ -98,18 +105,13 @@ class HardwareConfig:
   compiler, no TPU needed); it implies `device` (tpu_v5p for 'v5p-256').
   """
 
-  device: str = ""
-  memory_gib: float = 0.0
-  margin: float = 0.1
-  topology: str = ""
+  PATH = "hardware"
+  device: str = ranged("", ("",) + tuple(CHIPS), "'': unnamed")
+  memory_gib: float = ranged(0.0, "[0, 1e6]", "GiB; 0: the device's own")
+  margin: float = ranged(0.1, "[0, 0.9]", "the share of memory kept free")
+  topology: str = ranged("", Allowed(_topology_ok, _TOPOLOGY_ALLOWED))
 
-  def __post_init__(self):
-    p = "hardware"
-    require(self.device == "" or self.device in CHIPS, f"{p}.device", self.device,
-            f"'' (unnamed) or one of {tuple(CHIPS)}")
-    require(0.0 <= self.memory_gib <= 1e6, f"{p}.memory_gib", self.memory_gib,
-            "a number of GiB >= 0 (0: the device's own)")
-    require(0.0 <= self.margin <= 0.9, f"{p}.margin", self.margin, "a fraction in [0, 0.9]")
+  def check(self, p: str) -> None:
     if self.topology:
       chip = parse_topology(self.topology)[0]
       require(self.device in ("", chip), f"{p}.device", self.device,

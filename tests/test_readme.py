@@ -164,7 +164,7 @@ def defined_flags(program: str) -> set[str] | None:
 
 
 def config_field_exists(config_file: str, dotted: str) -> bool:
-  from hybridmoe_jax.train.config import load_config_file  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax.cli_flags import load_config_file  # pylint: disable=import-outside-toplevel
   node = load_config_file(str(ROOT / config_file))
   for part in dotted.split("."):
     if not hasattr(node, "keys") or part not in node.keys():

@@ -8,7 +8,6 @@ pipeline`); the names below also resolve lazily from the package.
 import importlib
 
 _PUBLIC = {
-    "make_source": "config", "source_from_config": "config",
     "build_vlm_train_and_eval": "vlm_pipeline",
     "StdlibLongDocSource": "long_docs",
     "pack_documents": "packing", "unpack_row": "packing",
@@ -16,7 +15,8 @@ _PUBLIC = {
     "eval_batches": "pipeline", "make_pipeline": "pipeline",
     "RetrievalSource": "retrieval",
     "BundledTextSource": "sources", "JsonlSource": "sources", "SubsetSource": "sources",
-    "TextFileSource": "sources", "split_source": "sources",
+    "TextFileSource": "sources", "split_source": "sources", "make_source": "sources",
+    "source_from_config": "sources",
     "StageData": "stages", "StagedIterator": "stages", "make_stage_dataset": "stages",
     "BOS_ID": "tokenizer", "EOS_ID": "tokenizer", "PAD_ID": "tokenizer",
     "ByteTokenizer": "tokenizer", "check_vocab": "tokenizer", "Tokenizer": "tokenizer",

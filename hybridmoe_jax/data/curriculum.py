@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from hybridmoe_jax.config import ConfigError, VisionConfig
-from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.data import pipeline as pipeline_lib
 from hybridmoe_jax.data import retrieval
@@ -125,7 +124,7 @@ def _split_sources(names, curriculum: CurriculumConfig, data: DataConfig, shard_
   for name in names:
     spec = curriculum.sources[name]
     try:
-      src = data_config.make_source(spec.kind, spec.paths, spec.field,
+      src = sources_lib.make_source(spec.kind, spec.paths, spec.field,
                                     data.bad_records)
     except ValueError as e:
       raise ValueError(f"curriculum source {name!r} ({spec.kind}): {e}") from e

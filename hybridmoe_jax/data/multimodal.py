@@ -32,7 +32,7 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
-from hybridmoe_jax.run_config import check_loss_weights
+from hybridmoe_jax.run_config import VisionDataConfig
 
 IMAGE_MARKER = images_lib.IMAGE_MARKER
 
@@ -90,7 +90,8 @@ class Processor:
                tokenizer: tokenizer_lib.Tokenizer | None = None):
     if not vision.enabled:
       raise ConfigError("the image-text processor needs model.vision.enabled = True")
-    check_loss_weights(prompt_loss_weight, answer_loss_weight)
+    VisionDataConfig(prompt_loss_weight=prompt_loss_weight,  # their ranges: data.vision's
+                     answer_loss_weight=answer_loss_weight)
     tokenizer = tokenizer or tokenizer_lib.ByteTokenizer(vision=True)
     if None in (tokenizer.image_start_id, tokenizer.image_end_id, tokenizer.image_pad_id):
       raise ConfigError(f"tokenizer {getattr(tokenizer, 'name', tokenizer)} has no image "

@@ -19,7 +19,6 @@ from absl import logging
 import grain
 import numpy as np
 
-from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import packing
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
@@ -150,7 +149,7 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
   """
   tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data_cfg.tokenizer)
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
-  source = data_config.source_from_config(data_cfg)
+  source = sources_lib.source_from_config(data_cfg)
   train, heldout = sources_lib.split_source(source, data_cfg.heldout_fraction,
                                             data_cfg.heldout_seed)
   logging.info("data: %s source, %d documents: %d train, %d held out", data_cfg.source,

@@ -40,7 +40,8 @@ from typing import Union
 from absl import logging
 import numpy as np
 
-from hybridmoe_jax.run_config import BAD_RECORD_MODES
+from hybridmoe_jax.data import long_docs
+from hybridmoe_jax.run_config import BAD_RECORD_MODES, DataConfig
 
 PathLike = Union[str, os.PathLike]
 TEXT_SUFFIXES = (".txt", ".md")
@@ -458,3 +459,25 @@ def split_source(source: Sequence[str], heldout_fraction: float,
   order = np.random.default_rng(seed).permutation(n)
   return (SubsetSource(source, np.sort(order[n_heldout:])),
           SubsetSource(source, np.sort(order[:n_heldout])))
+
+
+def make_source(kind: str, paths: Sequence[str] = (), field: str = "text",
+                bad_records: str = "skip"):
+  """THE document-source factory (the `data` section, every named curriculum source):
+  "bundled" (pydoc help texts), "stdlib_long" (standard-library packages; paths[0], if
+  given, is another root), "text" or "jsonl" (files or directories; `field` is the JSON key
+  of the text). `bad_records` ("skip" or "error", data.bad_records): see `BadRecords`."""
+  if kind == "bundled":
+    return BundledTextSource()
+  if kind == "stdlib_long":
+    return long_docs.StdlibLongDocSource(paths[0] if paths else None)
+  if kind == "text":
+    return TextFileSource(list(paths), bad_records=bad_records)
+  if kind == "jsonl":
+    return JsonlSource(list(paths), field=field, bad_records=bad_records)
+  raise ValueError(f"unknown document source kind {kind!r}")
+
+
+def source_from_config(cfg: DataConfig):
+  """The document source the (validated) `data` section names."""
+  return make_source(cfg.source, cfg.paths, cfg.jsonl_field, cfg.bad_records)

@@ -18,7 +18,6 @@ import os
 import sys
 from typing import Iterator, Sequence
 
-from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import hf_tokenizers
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data.token_roles import CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError
@@ -31,7 +30,7 @@ MIN_VOCAB = len(SPECIAL_TOKENS) + 256
 
 def training_documents(data_cfg: DataConfig) -> Iterator[str]:
   """The train split of `data_cfg`'s source (the held-out split is left out)."""
-  source = data_config.source_from_config(data_cfg)
+  source = sources_lib.source_from_config(data_cfg)
   train, _ = sources_lib.split_source(source, data_cfg.heldout_fraction, data_cfg.heldout_seed)
   for i in range(len(train)):
     doc = train[i]

@@ -15,7 +15,6 @@ import grain
 import numpy as np
 
 from hybridmoe_jax.config import VisionConfig
-from hybridmoe_jax.data import config as data_config
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
@@ -139,7 +138,7 @@ def build_vlm_train_and_eval(data_cfg: DataConfig, vision: VisionConfig, *,
   img_ds = (img_ds.shuffle(seed) if data_cfg.shuffle else img_ds).repeat(None)
   held_docs = [held_img[i] for i in range(len(held_img))]
   if share < 1.0:
-    text = data_config.source_from_config(data_cfg)
+    text = sources_lib.source_from_config(data_cfg)
     text_train, text_held = sources_lib.split_source(text, data_cfg.heldout_fraction,
                                                      data_cfg.heldout_seed)
     txt_ds = grain.MapDataset.source(text_train)

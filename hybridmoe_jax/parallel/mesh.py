@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.run_config import MeshConfig
 from hybridmoe_jax.sharding import BATCH_AXES, MESH_AXES, TOKEN_AXES  # noqa: F401  (re-exported)
 
 
@@ -42,12 +43,8 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
   if unknown:
     raise _bad("mesh", unknown, f"axes among {MESH_AXES}")
   out = {a: sizes.get(a, 1) for a in MESH_AXES}
-  for a, v in out.items():
-    if not (isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1)):
-      raise _bad(f"mesh.{a}", v, "an integer >= 1, or -1 for the remaining devices")
+  MeshConfig(**out)  # the sizes' ranges, at most one -1: the `mesh` section's
   free = [a for a, v in out.items() if v == -1]
-  if len(free) > 1:
-    raise _bad("mesh", dict(out), "at most one axis of size -1")
   fixed = math.prod(v for v in out.values() if v > 0)
   if free:
     if num_devices % fixed:

@@ -7,17 +7,19 @@ the frontier starts at the env's start_level and grows by at most one level per 
 A cell's EMA is None until its first episode. Envs are always walked in sorted name order,
 so draws depend only on the state and the numpy Generator, never on dict order.
 numpy + python only: the state is plain ints / floats / str keys (state_dict is JSON-able
-and saved with the checkpoint).
+and saved with the checkpoint). Settings and env ranges are the `rl` section's
+(`rl_config.CurriculumSettings`, `RLEnvConfig`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
+
+from hybridmoe_jax.config import check_tree
+from hybridmoe_jax.rl_config import CurriculumSettings, RLEnvConfig
 
 _STATE_VERSION = 1
 
@@ -28,40 +30,6 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class CurriculumSettings:
-  """How levels are weighted and promoted.
-
-  ema: decay of a cell's success EMA per update, in (0, 1).
-  target: sampling favours levels whose EMA is near this success rate, in [0, 1].
-  width: a level's weight is exp(-((ema - target) / width)^2); > 0.
-  floor: the least weight of an unlocked level (none starves), in [0, 1].
-  promote_at: the frontier's EMA that unlocks the next level, in [0, 1].
-  min_episodes: ... together with at least this many episodes at the frontier, int >= 0.
-  """
-  ema: float = 0.7
-  target: float = 0.5
-  width: float = 0.25
-  floor: float = 0.05
-  promote_at: float = 0.7
-  min_episodes: int = 16
-
-  def __post_init__(self):
-    ranges = {"ema": (0.0, 1.0, False), "target": (0.0, 1.0, True),
-              "floor": (0.0, 1.0, True), "promote_at": (0.0, 1.0, True)}
-    for name, (lo, hi, closed) in ranges.items():
-      v = getattr(self, name)
-      ok = _is_real(v) and (lo <= v <= hi if closed else lo < v < hi)
-      if not ok:
-        span = f"[{lo}, {hi}]" if closed else f"({lo}, {hi})"
-        raise ValueError(f"CurriculumSettings.{name} = {v!r}: allowed a float in {span}")
-    if not (_is_real(self.width) and 0 < self.width < math.inf):
-      raise ValueError(f"CurriculumSettings.width = {self.width!r}: allowed a float > 0")
-    if not (_is_int(self.min_episodes) and self.min_episodes >= 0):
-      raise ValueError(f"CurriculumSettings.min_episodes = {self.min_episodes!r}: allowed an "
-                       "int >= 0")
 
 
 def _checked_envs(envs: Mapping[str, Any]) -> dict[str, tuple[int, int, float]]:
@@ -75,14 +43,8 @@ def _checked_envs(envs: Mapping[str, Any]) -> dict[str, tuple[int, int, float]]:
       raise ValueError(f"envs: name {name!r}: allowed a non-empty str without '/'")
     if not isinstance(spec, (tuple, list)) or len(spec) != 3:
       raise ValueError(f"envs[{name!r}] = {spec!r}: allowed (start_level, max_level, weight)")
-    start, top, weight = spec
-    if not (_is_int(top) and top >= 0):
-      raise ValueError(f"envs[{name!r}].max_level = {top!r}: allowed an int >= 0")
-    if not (_is_int(start) and 0 <= start <= top):
-      raise ValueError(f"envs[{name!r}].start_level = {start!r}: allowed an int in "
-                       f"[0, max_level={top}]")
-    if not (_is_real(weight) and 0 < weight < math.inf):
-      raise ValueError(f"envs[{name!r}] weight = {weight!r}: allowed a finite float > 0")
+    start, top, weight = spec  # the ranges of the `rl.envs` entries they come from
+    check_tree(RLEnvConfig(share=weight, start_level=start, max_level=top), f"rl.envs.{name}")
     out[name] = (int(start), int(top), float(weight))
   return out
 

@@ -38,10 +38,7 @@ def _env_kwargs(rl, env: str) -> tuple:
 
 def make_curriculum(rl, state: dict | None = None) -> curriculum_lib.Curriculum:
   """The run's curriculum: fresh, or restored from a checkpoint's `state_dict()`."""
-  settings = curriculum_lib.CurriculumSettings(
-      ema=rl.curriculum_ema, target=rl.curriculum_target, width=rl.curriculum_width,
-      floor=rl.curriculum_floor, promote_at=rl.promote_at,
-      min_episodes=rl.promote_min_episodes)
+  settings = rl.curriculum
   envs = {n: (e.start_level, e.max_level, e.share) for n, e in rl.envs.items()}
   if state is not None:
     return curriculum_lib.Curriculum.from_state_dict(state, envs, settings)

@@ -1,6 +1,6 @@
 """Training: config sections, train state, jitted steps, checkpoints, monitoring, the run.
 
-Import the modules themselves (`train.loop.train_and_evaluate`, `train.config`, ...):
-importing this package pulls in nothing, so `train.config` (which every `configs/*.py`
-imports) and the CLIs' flag checks stay free of flax, optax and orbax.
+Import the modules themselves (`train.loop.train_and_evaluate`, `train.state`, ...):
+importing this package pulls in nothing, so the CLIs' flag checks stay free of flax, optax
+and orbax.
 """

@@ -18,10 +18,8 @@ decay over the last decay_fraction).
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from hybridmoe_jax.config import require
-from hybridmoe_jax.run_config import RunConfig, STAGE_SCHEDULES, StageConfig
+from hybridmoe_jax.run_config import RunConfig, StageConfig
 from hybridmoe_jax.train import optim
 
 
@@ -90,92 +88,36 @@ def _plain_plan(run: RunConfig) -> Plan:
   return Plan(t.batch_size * t.seq_len, (stage,), curriculum=False)
 
 
-def _lr_piece(st: StageConfig, w: str, start: int, steps: int, base_lr: float,
+def _lr_piece(st: StageConfig, start: int, steps: int, base_lr: float,
               prev: optim.LRPiece | None) -> optim.LRPiece:
   lr = base_lr if st.lr is None else st.lr
-  require(0 < lr <= 10, f"{w}.lr", lr, "a float in (0, 10]")
-  require(0 <= st.warmup <= steps, f"{w}.warmup", st.warmup, f"an integer in [0, steps={steps}]")
-  require(st.schedule in STAGE_SCHEDULES, f"{w}.schedule", st.schedule,
-          f"one of {STAGE_SCHEDULES}")
-  for name in ("min_lr_ratio", "decay_fraction"):
-    v = getattr(st, name)
-    require(0 <= v <= 1, f"{w}.{name}", v, "a float in [0, 1]")
   if st.warmup_from is None:
     lr_from = 0.0 if prev is None else optim.piece_value(prev, prev.steps)
   else:
     lr_from = st.warmup_from
-    require(0 <= lr_from <= 10, f"{w}.warmup_from", lr_from,
-            "None (continue from the previous stage) or a float in [0, 10]")
   return optim.LRPiece(start=start, steps=steps, lr_from=float(lr_from), lr=float(lr),
                        warmup=st.warmup, schedule=st.schedule, min_lr_ratio=st.min_lr_ratio,
                        decay_fraction=st.decay_fraction)
 
 
 def build_plan(run: RunConfig) -> Plan:
-  """The run's plan; a curriculum is checked against the model, compute and train sections.
-
-  Raises:
-    ConfigError naming the first bad field (stage lengths not increasing, a batch that does
-    not divide, negative or all-zero weights, unknown sources, seq_len not a multiple of
-    compute.kda_chunk_size, ...).
-  """
-  c, t = run.curriculum, run.train
+  """The run's plan (the curriculum was checked against the model, compute and train
+  sections when `run` was built: `RunConfig.check`)."""
+  c = run.curriculum
   if not c.enabled:
     return _plain_plan(run)
-  names = sorted(c.sources)
-  chunk = run.compute.kda_chunk_size
-  has_kda = "kda" in run.model.layer_kinds
-  plans, start, seen, prev_len, prev_lr = [], 0, 0, 0, None
+  plans, start, seen, prev_lr = [], 0, 0, None
   for k, st in enumerate(c.stages):
-    w, T = f"curriculum.stages[{k}]", st.seq_len
-    require(st.tokens_per_step >= 0, f"{w}.tokens_per_step", st.tokens_per_step,
-            "an integer >= 0 (0: curriculum.tokens_per_step)")
-    tps = st.tokens_per_step or c.tokens_per_step
-    where = (f"{w}.tokens_per_step={tps}" if st.tokens_per_step
-             else f"curriculum.tokens_per_step={tps}")
-    require(T is not None and T >= 2, f"{w}.seq_len", T, "an integer >= 2")
-    require(T > prev_len, f"{w}.seq_len", T,
-            f"a length > the previous stage's {prev_len} (stage lengths must increase)")
-    if has_kda:
-      require(T % chunk == 0, f"{w}.seq_len", T,
-              f"a multiple of the KDA chunk size compute.kda_chunk_size={chunk}")
-    require(tps % T == 0, f"{w}.seq_len", T,
-            f"a divisor of {where} (batch = tokens_per_step / seq_len)")
-    batch = tps // T
-    require(batch % t.grad_accum == 0, f"{w}.seq_len", T,
-            f"a length whose batch {batch} is a multiple of train.grad_accum={t.grad_accum}")
-    steps, tokens = st.steps, st.tokens
-    require(steps >= 0 and tokens >= 0 and (steps > 0) != (tokens > 0), f"{w}.steps/tokens",
-            (steps, tokens), "exactly one of `steps` or `tokens` > 0")
-    if tokens:
-      require(tokens % tps == 0, f"{w}.tokens", tokens, f"a multiple of {where}")
-      steps = tokens // tps
-    weights = st.weights
-    require(bool(weights), f"{w}.weights", weights,
-            f"a dict {{source name: weight}} with names among {names}")
-    bad = sorted(set(weights) - set(names))
-    require(not bad, f"{w}.weights", bad, f"source names among {names}")
-    for n, v in weights.items():
-      require(v >= 0 and math.isfinite(v), f"{w}.weights.{n}", v, "a finite weight >= 0")
-    require(sum(weights.values()) > 0, f"{w}.weights", weights, "at least one weight > 0")
-    require(st.long_upsample >= 1, f"{w}.long_upsample", st.long_upsample, "an integer >= 1")
-    require(st.long_min_tokens >= 0, f"{w}.long_min_tokens", st.long_min_tokens,
-            "an integer >= 0 (0: seq_len // 2)")
-    rf = st.retrieval_fraction
-    require(0 <= rf <= 0.5, f"{w}.retrieval_fraction", rf, "a float in [0, 0.5]")
-    if rf:
-      require(T >= 64, f"{w}.retrieval_fraction", rf, "0 for stages shorter than 64 tokens")
-    lr = _lr_piece(st, w, start, steps, t.lr, prev_lr)
+    T, (tps, steps) = st.seq_len, c.sizes(st)
+    lr = _lr_piece(st, start, steps, run.train.lr, prev_lr)
     plans.append(StagePlan(
-        index=k, name=st.name or f"stage{k}", seq_len=T, batch_size=batch, steps=steps,
-        start_step=start, tokens_per_step=tps, start_tokens=seen, weights={n: v for n, v in weights.items() if v > 0},
+        index=k, name=st.name or f"stage{k}", seq_len=T, batch_size=tps // T, steps=steps,
+        start_step=start, tokens_per_step=tps, start_tokens=seen,
+        weights={n: v for n, v in st.weights.items() if v > 0},
         long_upsample=st.long_upsample, long_min_bytes=st.long_min_tokens or T // 2,
-        retrieval_fraction=rf, lr=lr))
-    start, seen, prev_len, prev_lr = start + steps, seen + steps * tps, T, lr
-  plan = Plan(c.tokens_per_step, tuple(plans), curriculum=True)
-  require(t.steps <= plan.total_steps, "train.steps", t.steps,
-          f"at most the curriculum's {plan.total_steps} steps (the sum of the stage lengths)")
-  return plan
+        retrieval_fraction=st.retrieval_fraction, lr=lr))
+    start, seen, prev_lr = start + steps, seen + steps * tps, lr
+  return Plan(c.tokens_per_step, tuple(plans), curriculum=True)
 
 
 def describe(plan: Plan) -> str:

@@ -17,7 +17,7 @@ import pytest
 from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import pipeline as pipeline_lib
 from hybridmoe_jax.data import sources as sources_lib
-from hybridmoe_jax.data.config import make_source
+from hybridmoe_jax.data.sources import make_source
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.run_config import DataConfig
 from tests.conftest import ROOT

@@ -48,8 +48,8 @@ def test_nope_default_unchanged_and_rope_changes_the_output():
 
 def test_rope_config_checks_and_context_refusal():
   with pytest.raises(ConfigError, match="rope_theta"):
-    MLAConfig(rope_theta=-1.0).validate(64)
+    MLAConfig(rope_theta=-1.0)
   with pytest.raises(ConfigError, match="qk_rope_head_dim"):
-    MLAConfig(qk_rope_head_dim=3, rope_theta=1e4).validate(64)
+    MLAConfig(qk_rope_head_dim=3, rope_theta=1e4)
   with pytest.raises(NotImplementedError, match="context parallelism"):
     MLALayer(32, MLAConfig(rope_theta=1e4), norm_eps=1e-5, rngs=nnx.Rngs(0), context=object())

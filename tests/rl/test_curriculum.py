@@ -104,14 +104,15 @@ def test_state_round_trip_through_json_gives_identical_samples():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(ema=1.0), "CurriculumSettings.ema = 1.0: allowed a float in (0.0, 1.0)"),
-    (dict(ema=0.0), "CurriculumSettings.ema = 0.0"),
-    (dict(target=1.5), "CurriculumSettings.target = 1.5: allowed a float in [0.0, 1.0]"),
-    (dict(width=0.0), "CurriculumSettings.width = 0.0: allowed a float > 0"),
-    (dict(floor=-0.1), "CurriculumSettings.floor = -0.1"),
-    (dict(promote_at=2), "CurriculumSettings.promote_at = 2"),
-    (dict(min_episodes=-1), "CurriculumSettings.min_episodes = -1: allowed an int >= 0"),
-    (dict(min_episodes=2.5), "CurriculumSettings.min_episodes = 2.5"),
+    (dict(ema=1.0), "`CurriculumSettings.ema` = 1.0 is invalid: allowed a number in (0, 1)"),
+    (dict(ema=0.0), "`CurriculumSettings.ema` = 0.0"),
+    (dict(target=1.5), "`CurriculumSettings.target` = 1.5 is invalid: allowed a number in [0, 1]"),
+    (dict(width=0.0), "`CurriculumSettings.width` = 0.0 is invalid: allowed a number > 0"),
+    (dict(floor=-0.1), "`CurriculumSettings.floor` = -0.1"),
+    (dict(promote_at=2), "`CurriculumSettings.promote_at` = 2"),
+    (dict(min_episodes=-1), "`CurriculumSettings.min_episodes` = -1 is invalid: allowed an "
+                            "integer >= 0"),
+    (dict(min_episodes=2.5), "`CurriculumSettings.min_episodes` = 2.5"),
 ])
 def test_settings_errors(kwargs, fragment):
   with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -120,10 +121,11 @@ def test_settings_errors(kwargs, fragment):
 
 @pytest.mark.parametrize("envs, fragment", [
     ({}, "envs = {}: allowed a non-empty mapping"),
-    ({"a": (3, 2, 1.0)}, "envs['a'].start_level = 3: allowed an int in [0, max_level=2]"),
-    ({"a": (-1, 2, 1.0)}, "envs['a'].start_level = -1"),
-    ({"a": (0, -1, 1.0)}, "envs['a'].max_level = -1: allowed an int >= 0"),
-    ({"a": (0, 2, 0.0)}, "envs['a'] weight = 0.0: allowed a finite float > 0"),
+    ({"a": (3, 2, 1.0)}, "`rl.envs.a.max_level` = 2 is invalid: allowed an integer >= "
+                         "start_level (3)"),
+    ({"a": (-1, 2, 1.0)}, "`rl.envs.a.start_level` = -1"),
+    ({"a": (0, -1, 1.0)}, "`rl.envs.a.max_level` = -1 is invalid: allowed an integer >= 0"),
+    ({"a": (0, 2, 0.0)}, "`rl.envs.a.share` = 0.0 is invalid: allowed a number > 0"),
     ({"a": (0, 2)}, "envs['a'] = (0, 2): allowed (start_level, max_level, weight)"),
     ({"a/b": (0, 2, 1.0)}, "envs: name 'a/b'"),
 ])

@@ -135,7 +135,7 @@ def test_rollout_and_learner_logps_agree_on_rl_tiny():
   ratio and GSPO's sequence ratio are within ~2e-5 of 1 on-policy, far inside the clip
   ranges (0.2 / 0.28 and 3e-4 / 4e-4)."""
   from hybridmoe_jax.run_config import run_config_from_dict  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.train.config import load_config_file  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.cli_flags import load_config_file  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   rc = run_config_from_dict(load_config_file(
       pathlib.Path(__file__).resolve().parents[2] / "configs" / "rl_tiny.py"))

@@ -224,9 +224,9 @@ def test_a_target_outside_the_nucleus_gives_a_zero_ratio_and_finite_losses():
 
 @pytest.mark.parametrize("field,value,fragment", [
     ("gspo_eps_low", -1e-4, r"`rl.gspo_eps_low` = -0.0001 is invalid: allowed a number in "
-                            r"\[0.0, 1.0\]"),
+                            r"\[0, 1\]"),
     ("gspo_eps_high", 20.0, r"`rl.gspo_eps_high` = 20.0 is invalid"),
-    ("adv_std_ddof", 2, r"`rl.adv_std_ddof` = 2 is invalid: allowed 0 or 1"),
+    ("adv_std_ddof", 2, r"`rl.adv_std_ddof` = 2 is invalid: allowed one of \(0, 1\)"),
     ("temperature", 0.0, r"`rl.temperature` = 0.0 is invalid: allowed a number in \(0, 100\]"),
 ])
 def test_config_errors_are_one_line(field, value, fragment):

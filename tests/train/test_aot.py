@@ -13,7 +13,7 @@ import pytest
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.hardware import HardwareConfig, parse_topology
 from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.train.config import load_config_file
+from hybridmoe_jax.cli_flags import load_config_file
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed: pip install "

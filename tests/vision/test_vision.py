@@ -258,12 +258,12 @@ def test_bad_images_are_rejected_with_clear_messages():
 
 def test_vision_config_errors_name_the_field():
   with pytest.raises(ConfigError, match="model.vision.image_buckets"):
-    dataclasses.replace(VIS, image_buckets=(12,)).validate(8)
+    dataclasses.replace(VIS, image_buckets=(12,))
   with pytest.raises(ConfigError, match="model.vision.num_heads"):
-    dataclasses.replace(VIS, num_heads=3).validate(8)
+    dataclasses.replace(VIS, num_heads=3)
   with pytest.raises(ConfigError, match="model.vision.num_layers"):
-    dataclasses.replace(VIS, num_layers=-1).validate(8)
-  dataclasses.replace(VIS, num_layers=0).validate(8)            # depth 0 is allowed
+    dataclasses.replace(VIS, num_layers=-1)
+  dataclasses.replace(VIS, num_layers=0)            # depth 0 is allowed
   assert ByteTokenizer().vocab_size == 259 and ByteTokenizer(vision=True).vocab_size == 262
   cfg = _vlm_cfg(("mla",))
   for field, value in (("prompt_loss_weight", -0.1), ("answer_loss_weight", 0.0),
