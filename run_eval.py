@@ -17,7 +17,7 @@ reports its compile and run (prefill + decode) seconds apart. The logic lives in
 `hybridmoe_jax.evals`.
 --task=agent (not part of "all": it needs a model trained with the chat tokenizer) rolls out
 held-out tool-use episodes per env and level under the policies model / oracle / random and
-writes agent.json and agent_success.png (`hybridmoe_jax.agent_eval`).
+writes agent.json and agent_success.png (`hybridmoe_jax.tools.agent_eval`).
 """
 
 import sys
@@ -26,7 +26,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from hybridmoe_jax.agent_eval import AgentOptions
+from hybridmoe_jax.tools.agent_eval import AgentOptions
 from hybridmoe_jax.evals.runner import EvalOptions, TASKS
 
 _D = EvalOptions()
@@ -84,7 +84,7 @@ flags.DEFINE_integer("agent_batch", _A.batch, "agent: episodes in flight at once
 
 
 def _agent(values) -> None:
-  from hybridmoe_jax import agent_eval  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.tools import agent_eval  # pylint: disable=g-import-not-at-top
   agent_eval.run_agent_eval(workdir=_WORKDIR.value, params=_PARAMS.value,
                             output_dir=_OUTPUT.value, config=_CONFIG.value,
                             options=agent_eval.options_from_flags(values))

@@ -31,7 +31,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from hybridmoe_jax import cli_flags
+from hybridmoe_jax.config import flags as cli_flags
 
 _SAMPLE_DEFAULT = 200
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
@@ -91,7 +91,7 @@ def main(argv):
                            num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  from hybridmoe_jax.run_config import run_config_from_dict
+  from hybridmoe_jax.config.run import run_config_from_dict
   from hybridmoe_jax.train import checkpoint, dry_run, io_noise, loop, run_errors
   try:
     config = _CONFIG.value
@@ -114,7 +114,7 @@ def main(argv):
         jax.config.update("jax_platforms", "cpu")
       dry_run.dry_run(run)
       if run.hardware.topology:
-        from hybridmoe_jax import aot
+        from hybridmoe_jax.tools import aot
         aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value))
       return
     logging.info("config %s, workdir %s",

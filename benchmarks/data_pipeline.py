@@ -78,8 +78,8 @@ def model_rate(config, stage, steps: int) -> float:
 def main(argv):
   del argv
   # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.run_config import run_config_from_dict
-  from hybridmoe_jax.cli_flags import load_config_file
+  from hybridmoe_jax.config.run import run_config_from_dict
+  from hybridmoe_jax.config.flags import load_config_file
   from hybridmoe_jax.train import plan as plan_lib
   from hybridmoe_jax.train.run_inputs import build_data
   config = run_config_from_dict(load_config_file(_CONFIG.value))

@@ -35,7 +35,7 @@ sys.path.insert(0, _ROOT)
 from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.infer import Engine, cache_bytes, init_cache, mla_bytes_per_token
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 
 def model_configs():

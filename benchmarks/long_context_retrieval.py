@@ -23,7 +23,6 @@ docs/images/ are drawn from that file only:
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import pathlib

@@ -46,7 +46,7 @@ from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import build_mesh
-from hybridmoe_jax.timing import time_fn
+from hybridmoe_jax.tools.timing import time_fn
 
 
 def build(num_experts: int, impl: str, dispatch=None):

@@ -36,7 +36,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals.mqar import accuracy, make_mqar, token_ranges
 from hybridmoe_jax.model.decoder import HybridLM
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STEPS = flags.DEFINE_integer("steps", 60, "Steps per run.")

@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridmoe_jax.rl import trainer  # noqa: E402
-from hybridmoe_jax.cli_flags import load_config_file  # noqa: E402
+from hybridmoe_jax.config.flags import load_config_file  # noqa: E402
 
 ALGOS = {
     "grpo": dict(advantage="grpo", loss="clip", loss_agg_mode="token-mean"),

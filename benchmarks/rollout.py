@@ -42,7 +42,7 @@ from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 
 def episodes(batch: int, forced: bool) -> list[EpisodeSpec]:

@@ -45,7 +45,7 @@ from hybridmoe_jax.api import LoadedModel, load  # pylint: disable=g-import-not-
 from hybridmoe_jax.config import model_config_from_dict
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.train.params_export import export_params
 
 

@@ -12,7 +12,7 @@ stage against 85% of the device memory.
 
 import pathlib
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 
 def _small():

@@ -12,7 +12,7 @@ on an idle 2-core box; see BENCHMARKS.md for the measured run.
 
 import pathlib
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 
 def _tiny():

@@ -1,6 +1,6 @@
 """Kimi K3 flagship (DESIGN s0): 2.78T total / 104.2B active. For --dry_run and counting."""
 
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 
 
 def get_config():
@@ -39,7 +39,7 @@ def get_config():
   m.attnres.enabled = True
   m.attnres.block_size = 12       # 8 blocks over 93 layers
   # Native vision tower (DESIGN s5), trained from scratch jointly with text; counted apart
-  # from the 2.78T text model (python -m hybridmoe_jax.describe --config=configs/kimi_k3.py).
+  # from the 2.78T text model (python -m hybridmoe_jax.tools.describe --config=configs/kimi_k3.py).
   v = m.vision
   v.enabled = True
   v.patch_size = 14

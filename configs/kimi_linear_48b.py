@@ -1,6 +1,6 @@
 """Kimi-Linear-48B-A3B (DESIGN s0): 48B total / 3B active, unbounded gate, no AttnRes."""
 
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 
 
 def get_config():

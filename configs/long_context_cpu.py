@@ -24,7 +24,7 @@ benchmarks/long_context_retrieval.py runs the variants and draws the figures.
 
 import pathlib
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 VARIANTS = {
     "hybrid": (("kda", "kda", "kda", "mla"), 0.0),

@@ -11,7 +11,7 @@ mirror descent), --config.rl.loss=gspo, --config.rl.kl=k3 --config.rl.kl_beta=0.
 
 import pathlib
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 _HERE = pathlib.Path(__file__).resolve().parent
 

@@ -1,6 +1,6 @@
 """~100M-parameter hybrid MoE for a single accelerator or a patient CPU."""
 
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """Tiny hybrid MoE for CPU: 4 layers (3 KDA + 1 MLA), 8 experts top-2 + 1 shared, bytes."""
 
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 
 
 def get_config():
@@ -29,5 +29,5 @@ def get_config():
   m.attnres.block_size = 2
   config.compute.kda_chunk_size = 64
   # The embedded default run (`python run_train.py`) uses the `train` defaults of
-  # hybridmoe_jax/run_config.py: 300 steps of 8 x 256 tokens, loss ~6.1 -> ~1.4 on 2 cores.
+  # hybridmoe_jax/config/run.py: 300 steps of 8 x 256 tokens, loss ~6.1 -> ~1.4 on 2 cores.
   return config

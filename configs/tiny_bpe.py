@@ -9,7 +9,7 @@ Needs the `tokenizers` extra (pip install -e ".[tokenizers]", included in [dev])
 
 import pathlib
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 _HERE = pathlib.Path(__file__).resolve().parent
 

@@ -22,7 +22,7 @@ seed: with this recipe seed 7 reads digits (0.79) within 1200 steps, seeds 0 and
 
 import pathlib
 
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 
 def _tiny():

@@ -37,7 +37,7 @@ from hybridmoe_jax.infer.loaded_model import LoadedModel
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.parallel.rules import tree_shardings
-from hybridmoe_jax.sharding import MESH_AXES
+from hybridmoe_jax.config.sharding import MESH_AXES
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE
 from hybridmoe_jax.train.params_export import PARAMS_FILE, is_export
 

@@ -71,7 +71,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def load_config(name: str):
   """Load configs/<name>.py and return its get_config() ConfigDict."""
-  from hybridmoe_jax.cli_flags import load_config_file  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.config.flags import load_config_file  # pylint: disable=g-import-not-at-top
   return load_config_file(ROOT / "configs" / f"{name}.py")
 
 

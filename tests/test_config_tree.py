@@ -11,8 +11,8 @@ import pytest
 
 from hybridmoe_jax.config import Allowed, Checked, ConfigError
 from hybridmoe_jax.rl.curriculum import Curriculum
-from hybridmoe_jax.rl_config import RL_CURRICULUM_FIELDS, CurriculumSettings, RLConfig
-from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
+from hybridmoe_jax.config.rl import RL_CURRICULUM_FIELDS, CurriculumSettings, RLConfig
+from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
 from tests.conftest import ROOT, load_config
 
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))

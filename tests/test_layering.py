@@ -1,16 +1,16 @@
 """Import layering of hybridmoe_jax (and pallas_kernels), checked from the source with `ast`.
 
 Ranks (a module may import modules of its own group or of a lower rank only):
-  0 config, run_config, rl_config, sharding, cli_flags (the CLIs' --config flag), plots (figures:
-    numpy + matplotlib only), io (file formats: numpy + json)
+  0 config (the typed config tree: model, run, rl, hardware, sharding axes, the CLIs' --config
+    flag), plots (figures: numpy + matplotlib only), io (file formats: numpy + json)
   1 ops, pallas_kernels (external, importable with jax alone)
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
     (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format)
-  7 top-level tools (describe.py, timing.py, api.py, ...: any other hybridmoe_jax/<name>.py);
-    they may import everything, and no package module may import them.
-  8 apps built on the tools' `load` API: serve (the OpenAI server), chat (the REPL),
-    lm_eval_adapter (lm-evaluation-harness); they may import tools, nothing imports them.
-data: imports only config, run_config, sharding and data; only train, infer, evals and the tools
+  7 tools (tools/: describe, aot, agent_eval, timing) and api.py (`load`); they may import
+    everything, and no package module may import them.
+  8 serve: apps built on the `load` API (the OpenAI server, the chat REPL, the lm-eval
+    adapter); they may import tools, nothing imports them.
+data: imports only config and data; only train, infer, evals and the tools
   (rank >= 5) import it.
 __init__ modules belong to their package (same group, same rules); the root
   hybridmoe_jax/__init__.py loads its public names lazily and imports nothing.
@@ -26,13 +26,11 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
-RANKS = {"config": 0, "hardware": 0, "run_config": 0, "rl_config": 0, "sharding": 0, "cli_flags": 0, "plots": 0, "io": 0,
-         "ops": 1, "pallas_kernels": 1, "layers": 2, "model": 3, "parallel": 4, "train": 5,
-         "infer": 5, "evals": 6, "convert": 6, "rl": 6, "serve": 8, "chat": 8,
-         "lm_eval_adapter": 8}
+RANKS = {"config": 0, "plots": 0, "io": 0, "ops": 1, "pallas_kernels": 1, "layers": 2,
+         "model": 3, "parallel": 4, "train": 5, "infer": 5, "evals": 6, "convert": 6, "rl": 6,
+         "tools": 7, "api": 7, "serve": 8}
 TOOLS_RANK = 7
-APPS_RANK = 8
-DATA_IMPORTS = {"config", "hardware", "run_config", "sharding", "data"}
+DATA_IMPORTS = {"config", "data"}
 DATA_IMPORTERS_MIN_RANK = 5
 SIBLINGS_APART = {frozenset({"train", "infer"})}
 
@@ -83,7 +81,7 @@ def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
 
 
 def _group(name: str) -> str:
-  """hybridmoe_jax.layers.moe -> "layers"; hybridmoe_jax.describe -> "describe";
+  """hybridmoe_jax.layers.moe -> "layers"; hybridmoe_jax.tools.describe -> "describe";
   hybridmoe_jax -> "__root__"; pallas_kernels.* -> "pallas_kernels"."""
   parts = name.split(".")
   if parts[0] == "pallas_kernels":
@@ -92,10 +90,10 @@ def _group(name: str) -> str:
 
 
 def _rank(group: str) -> int | None:
-  """None for data (its own rules) and the root package; TOOLS_RANK for top-level tools."""
+  """None for data (its own rules) and the root package; a new top-level module needs a rank."""
   if group in ("data", "__root__"):
     return None
-  return RANKS.get(group, TOOLS_RANK)
+  return RANKS[group]
 
 
 def _violation(src: str, dst: str) -> str | None:
@@ -115,8 +113,8 @@ def _violation(src: str, dst: str) -> str | None:
                  "may import data")
   if frozenset({a, b}) in SIBLINGS_APART:
     return f"{a} and {b} must not import each other"
-  if rb == TOOLS_RANK and ra < APPS_RANK:
-    return f"top-level tool {b} is not importable from the package"
+  if rb == TOOLS_RANK and ra < TOOLS_RANK:
+    return f"tool {b} is not importable from the package"
   if rb > ra:
     return f"{a} (rank {ra}) may not import {b} (rank {rb})"
   return None
@@ -189,18 +187,18 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
   rules flag what they forbid (else the test above could pass by seeing nothing)."""
   modules = _modules()
   src = tmp_path / "moe.py"
-  src.write_text("import jax\nfrom hybridmoe_jax import sharding\nfrom ..ops.glu import get_glu\n"
+  src.write_text("import jax\nfrom hybridmoe_jax.config import sharding\nfrom ..ops.glu import get_glu\n"
                  "from . import norms\n\ndef f():\n  from hybridmoe_jax.parallel import ep_moe\n"
                  "  import hybridmoe_jax.model.decoder\n")
   got = _imports("hybridmoe_jax.layers.moe", src, modules)
-  assert got == {"hybridmoe_jax.sharding", "hybridmoe_jax.ops.glu", "hybridmoe_jax.layers.norms",
+  assert got == {"hybridmoe_jax.config.sharding", "hybridmoe_jax.ops.glu", "hybridmoe_jax.layers.norms",
                  "hybridmoe_jax.parallel.ep_moe", "hybridmoe_jax.model.decoder"}, got
   assert "hybridmoe_jax.ops.glu" in _graph()["hybridmoe_jax.ops"]      # an __init__'s imports
   for src_mod, dst in [("hybridmoe_jax.layers.moe", "hybridmoe_jax.parallel.ep_moe"),
                        ("hybridmoe_jax.train.step", "hybridmoe_jax.infer.engine"),
                        ("hybridmoe_jax.data.pipeline", "hybridmoe_jax.ops.glu"),
                        ("hybridmoe_jax.model.decoder", "hybridmoe_jax.data.tokenizer"),
-                       ("hybridmoe_jax.ops.kda", "hybridmoe_jax.describe"),
+                       ("hybridmoe_jax.ops.kda", "hybridmoe_jax.tools.describe"),
                        ("hybridmoe_jax", "hybridmoe_jax.config")]:
     assert _violation(src_mod, dst), (src_mod, dst)
   assert not _violation("hybridmoe_jax.train.step", "hybridmoe_jax.data.tokenizer")

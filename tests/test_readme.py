@@ -148,7 +148,7 @@ def _source_of(program: str) -> str:
 def defined_flags(program: str) -> set[str] | None:
   """Flags a CLI defines, read from its source (absl DEFINE_*, argparse add_argument, the
   shared --config flag); None when they are another package's (checked when it runs)."""
-  if program == "hybridmoe_jax.lm_eval_adapter":
+  if program == "hybridmoe_jax.serve.lm_eval_adapter":
     return None    # lm_eval's own CLI with our model registered
   src = _source_of(program)
   names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", src))
@@ -164,7 +164,7 @@ def defined_flags(program: str) -> set[str] | None:
 
 
 def config_field_exists(config_file: str, dotted: str) -> bool:
-  from hybridmoe_jax.cli_flags import load_config_file  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax.config.flags import load_config_file  # pylint: disable=import-outside-toplevel
   node = load_config_file(str(ROOT / config_file))
   for part in dotted.split("."):
     if not hasattr(node, "keys") or part not in node.keys():
@@ -261,7 +261,7 @@ def _skip_reason(c: Command) -> str | None:
             "tensorboard": "a server"}[prog]
   if prog == "hybridmoe_jax.serve":
     return "a server (tests/serve drives it with the openai client)"
-  if prog == "hybridmoe_jax.lm_eval_adapter" and importlib.util.find_spec("lm_eval") is None:
+  if prog == "hybridmoe_jax.serve.lm_eval_adapter" and importlib.util.find_spec("lm_eval") is None:
     return "the lm-eval extra is not installed"
   if f.get("config.hardware.topology") and importlib.util.find_spec("libtpu") is None:
     return "the TPU AOT compile needs libtpu (.[tpu])"

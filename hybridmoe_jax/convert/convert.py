@@ -194,7 +194,7 @@ def _our_source(src_dir: str):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from hybridmoe_jax.evals import loading  # pylint: disable=import-outside-toplevel
-  from hybridmoe_jax.sharding import path_string  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax.config.sharding import path_string  # pylint: disable=import-outside-toplevel
   from hybridmoe_jax.train.state import split_model  # pylint: disable=import-outside-toplevel
 
   is_run = os.path.isdir(os.path.join(src_dir, "checkpoints"))

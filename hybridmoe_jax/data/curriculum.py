@@ -32,7 +32,7 @@ from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import vlm_pipeline
-from hybridmoe_jax.run_config import CurriculumConfig, DataConfig
+from hybridmoe_jax.config.run import CurriculumConfig, DataConfig
 
 
 class Stage(Protocol):

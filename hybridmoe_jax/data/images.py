@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridmoe_jax.run_config import QA_WEIGHTS, QUESTION_TYPES
+from hybridmoe_jax.config.run import QA_WEIGHTS, QUESTION_TYPES
 
 # Where an image goes in a document's text (one marker per image).
 IMAGE_MARKER = "<image>"

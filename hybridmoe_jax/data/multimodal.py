@@ -32,7 +32,7 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
-from hybridmoe_jax.run_config import VisionDataConfig
+from hybridmoe_jax.config.run import VisionDataConfig
 
 IMAGE_MARKER = images_lib.IMAGE_MARKER
 

@@ -22,7 +22,7 @@ import numpy as np
 from hybridmoe_jax.data import packing
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
-from hybridmoe_jax.run_config import DataConfig
+from hybridmoe_jax.config.run import DataConfig
 
 Batch = dict[str, np.ndarray]
 

@@ -41,7 +41,7 @@ from absl import logging
 import numpy as np
 
 from hybridmoe_jax.data import long_docs
-from hybridmoe_jax.run_config import BAD_RECORD_MODES, DataConfig
+from hybridmoe_jax.config.run import BAD_RECORD_MODES, DataConfig
 
 PathLike = Union[str, os.PathLike]
 TEXT_SUFFIXES = (".txt", ".md")

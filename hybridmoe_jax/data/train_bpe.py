@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 from hybridmoe_jax.data import hf_tokenizers
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data.token_roles import CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError
-from hybridmoe_jax.run_config import DataConfig
+from hybridmoe_jax.config.run import DataConfig
 
 SPECIAL_TOKENS = tuple(hf_tokenizers.ROLE_TOKENS[r][0]
                        for r in TEXT_ROLES + CHAT_ROLES + IMAGE_ROLES)

@@ -21,7 +21,7 @@ from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data.image_text_source import ImageJsonlSource
 from hybridmoe_jax.data.multimodal import Processor, VLMPackedIterator
-from hybridmoe_jax.run_config import DataConfig
+from hybridmoe_jax.config.run import DataConfig
 
 
 @dataclasses.dataclass(frozen=True)

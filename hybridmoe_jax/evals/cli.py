@@ -14,7 +14,7 @@ from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import (EvalOptions, default_output_dir, resolve_tasks,
                                         run_evals)
 from hybridmoe_jax.model.impls import describe_impls
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 
 
 def load_model_config(path: str) -> ModelConfig:

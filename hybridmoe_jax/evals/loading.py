@@ -20,7 +20,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ModelConfig, migrate_legacy, model_config_from_dict
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
+from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import optim

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
-from hybridmoe_jax.run_config import DataConfig
+from hybridmoe_jax.config.run import DataConfig
 from hybridmoe_jax.infer import Engine
 
 

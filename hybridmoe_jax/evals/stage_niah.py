@@ -20,7 +20,7 @@ from hybridmoe_jax.config import require
 from hybridmoe_jax.data.tokenizer import Tokenizer
 from hybridmoe_jax.evals import niah
 from hybridmoe_jax.infer import Engine
-from hybridmoe_jax.run_config import RunConfig
+from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train.run_inputs import run_tokenizer
 
 

@@ -31,7 +31,7 @@ from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.context_decode import ContextDecode, ShardedMLACache
 from hybridmoe_jax.parallel.rules import tree_shardings
-from hybridmoe_jax.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import BATCH_AXES
 
 
 class ContextParallelEngine(Engine):

@@ -29,7 +29,7 @@ from hybridmoe_jax.config import MoEConfig
 from hybridmoe_jax.ops.quantile_balance import (bias_from_histogram, qb_histogram, qb_range,
                                                 sign_rule_update)
 from hybridmoe_jax.ops.routing import Routes, expert_load, max_violation
-from hybridmoe_jax.sharding import path_string
+from hybridmoe_jax.config.sharding import path_string
 
 Stats = dict[str, jax.Array]
 _F32 = jnp.float32

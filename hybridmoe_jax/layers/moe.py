@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybridmoe_jax import sharding
+from hybridmoe_jax.config import sharding
 from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.balancing import Stats, routing_stats
 from hybridmoe_jax.layers.norms import RMSNorm

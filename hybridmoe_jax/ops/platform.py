@@ -18,7 +18,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from hybridmoe_jax.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import BATCH_AXES
 
 
 def _mesh_platform() -> str | None:

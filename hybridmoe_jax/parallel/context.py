@@ -59,7 +59,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from hybridmoe_jax.layers.conv import short_conv
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import BATCH_AXES
 
 CONTEXT_AXIS = "context"
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -48,7 +48,7 @@ from hybridmoe_jax.config import MLAConfig
 from hybridmoe_jax.layers.mla import latent_attention_partial
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel, affine_maps
-from hybridmoe_jax.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import BATCH_AXES
 
 _F32 = jnp.float32
 _NEG = -1e30            # as layers.mla: an empty piece has max -1e30, sum 0

@@ -37,7 +37,7 @@ from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
 from hybridmoe_jax.ops.routing import Routes
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all, resolve_impl
-from hybridmoe_jax.sharding import BATCH_AXES, TOKEN_AXES
+from hybridmoe_jax.config.sharding import BATCH_AXES, TOKEN_AXES
 
 _F32 = jnp.float32
 EXPERT_AXIS = "expert"

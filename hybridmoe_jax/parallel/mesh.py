@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.run_config import MeshConfig
-from hybridmoe_jax.sharding import BATCH_AXES, MESH_AXES, TOKEN_AXES  # noqa: F401  (re-exported)
+from hybridmoe_jax.config.run import MeshConfig
+from hybridmoe_jax.config.sharding import BATCH_AXES, MESH_AXES, TOKEN_AXES  # noqa: F401  (re-exported)
 
 
 def _bad(field: str, value: Any, allowed: str) -> ConfigError:

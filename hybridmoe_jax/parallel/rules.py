@@ -12,7 +12,7 @@ parameter. A dimension whose size the mesh axes do not divide, or a leaf whose r
 match its pattern, stays replicated in that dimension (e.g. the 259-row byte embedding over
 tensor=2), and a mesh axis is used at most once per array.
 `LOGICAL_RULES`, `spec_for` and the activation hint `constrain` live in
-`hybridmoe_jax.sharding` (below the layers, which annotate with them).
+`hybridmoe_jax.config.sharding` (below the layers, which annotate with them).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from absl import logging
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from hybridmoe_jax.sharding import LOGICAL_RULES, mesh_axes, path_string, spec_for
+from hybridmoe_jax.config.sharding import LOGICAL_RULES, mesh_axes, path_string, spec_for
 
 _M = r"(^|/)"
 PARAM_LOGICAL: tuple[tuple[str, tuple[str | None, ...]], ...] = (

@@ -16,7 +16,7 @@ import os
 import jax
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.hardware import TPU_GENERATIONS, parse_topology
+from hybridmoe_jax.config.hardware import TPU_GENERATIONS, parse_topology
 
 
 class TopologyUnavailable(ConfigError):

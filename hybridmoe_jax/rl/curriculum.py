@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 
 from hybridmoe_jax.config import check_tree
-from hybridmoe_jax.rl_config import CurriculumSettings, RLEnvConfig
+from hybridmoe_jax.config.rl import CurriculumSettings, RLEnvConfig
 
 _STATE_VERSION = 1
 

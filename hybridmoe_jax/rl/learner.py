@@ -46,7 +46,7 @@ from flax import nnx
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.infer.sampling import SamplingConfig, sampling_logits
 from hybridmoe_jax.rl import losses
-from hybridmoe_jax.rl_config import RLConfig
+from hybridmoe_jax.config.rl import RLConfig
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import TrainState

@@ -18,7 +18,7 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import demos as demos_lib
 from hybridmoe_jax.rl.envs.base import make_env
-from hybridmoe_jax.rl_config import RLConfig
+from hybridmoe_jax.config.rl import RLConfig
 
 DEMO_SEED_BASE = 2**39
 

@@ -59,7 +59,7 @@ from hybridmoe_jax.rl.chat_format import chat_ids
 from hybridmoe_jax.rl.episode import Trajectory
 from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
+from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import optim, run_errors, workdir_lock

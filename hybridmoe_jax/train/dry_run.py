@@ -27,9 +27,9 @@ from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.decoder import DecoderLayer
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
-from hybridmoe_jax.hardware import parse_topology
-from hybridmoe_jax.run_config import MeshConfig, RunConfig
-from hybridmoe_jax.sharding import MESH_AXES
+from hybridmoe_jax.config.hardware import parse_topology
+from hybridmoe_jax.config.run import MeshConfig, RunConfig
+from hybridmoe_jax.config.sharding import MESH_AXES
 from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
 

@@ -28,7 +28,7 @@ from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.model.impls import log_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
-from hybridmoe_jax.run_config import RunConfig
+from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim, params_export
 from hybridmoe_jax.train import plan as plan_lib

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, muon
 
-from hybridmoe_jax.run_config import TrainConfig
-from hybridmoe_jax.sharding import path_string
+from hybridmoe_jax.config.run import TrainConfig
+from hybridmoe_jax.config.sharding import path_string
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridmoe_jax.io import safetensors
-from hybridmoe_jax.sharding import path_string
+from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.train import io_noise
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, CheckpointWriteError
 

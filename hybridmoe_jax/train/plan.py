@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridmoe_jax.run_config import RunConfig, StageConfig
+from hybridmoe_jax.config.run import RunConfig, StageConfig
 from hybridmoe_jax.train import optim
 
 

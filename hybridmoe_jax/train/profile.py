@@ -15,7 +15,7 @@ from typing import Callable
 from absl import logging
 import jax
 
-from hybridmoe_jax.run_config import parse_profile_steps
+from hybridmoe_jax.config.run import parse_profile_steps
 
 
 class StepProfiler:

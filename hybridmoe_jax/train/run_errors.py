@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from hybridmoe_jax.run_config import RunConfig
+from hybridmoe_jax.config.run import RunConfig
 
 
 class InputError(ValueError):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from hybridmoe_jax import sharding
+from hybridmoe_jax.config import sharding
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_IDS
 from hybridmoe_jax.layers.balancing import update_routing_biases

@@ -21,7 +21,7 @@ from hybridmoe_jax.infer import Engine, cache_bytes, init_cache
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests.infer.helpers import full_logits, tiny_cfg
 from tests.train.train_fakes import set_tiny_model

@@ -21,7 +21,7 @@ from hybridmoe_jax.evals.loading import load_from_params
 from hybridmoe_jax.infer.engine import generate
 from hybridmoe_jax.io.safetensors import CheckpointReader
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.sharding import path_string
+from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.train.params_export import export_params
 from hybridmoe_jax.train.state import split_model
 from tests.convert.kimi_tiny import tiny_hf_config, tiny_hf_weights, write_hf_dir

@@ -16,7 +16,7 @@ from hybridmoe_jax.data import hf_tokenizers
 from hybridmoe_jax.data.tokenizer import (CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError,
                                           check_vocab, make_tokenizer, save_tokenizer,
                                           tokenizer_from_dir)
-from hybridmoe_jax.run_config import DataConfig
+from hybridmoe_jax.config.run import DataConfig
 from tests.conftest import ROOT
 
 pytest.importorskip("tokenizers", reason="the `tokenizers` extra is not installed")
@@ -279,7 +279,7 @@ def test_train_bpe_script(tmp_path, capsys):
 
 
 def test_tiny_bpe_preset_fits_its_tokenizer():
-  from hybridmoe_jax.run_config import run_config_from_dict
+  from hybridmoe_jax.config.run import run_config_from_dict
   from tests.conftest import load_config
   run = run_config_from_dict(load_config("tiny_bpe"))
   tok = make_tokenizer(run.data.tokenizer)

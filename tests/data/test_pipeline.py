@@ -12,7 +12,7 @@ from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import (BundledTextSource, ByteTokenizer, JsonlSource, TextFileSource,
                                 build_train_and_eval, eval_batches, make_pipeline, make_source,
                                 split_source, unpack_row)
-from hybridmoe_jax.run_config import DataConfig
+from hybridmoe_jax.config.run import DataConfig
 
 TOK = ByteTokenizer()
 KEYS = ("tokens", "segment_ids", "positions")

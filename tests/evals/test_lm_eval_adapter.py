@@ -18,7 +18,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from hybridmoe_jax import api  # noqa: E402
-from hybridmoe_jax import lm_eval_adapter  # noqa: E402
+from hybridmoe_jax.serve import lm_eval_adapter  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 from tests.serve.fixtures import write_chat_model  # noqa: E402
 

@@ -16,7 +16,7 @@ from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests.train.train_fakes import set_tiny_model
 

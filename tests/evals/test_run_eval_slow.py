@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, load_config
 
 FAST_FLAGS = ["--ppl_max_len=128", "--ppl_max_docs=1", "--niah_lengths=96,112",

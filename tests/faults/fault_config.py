@@ -6,7 +6,7 @@ compile) on the bundled byte text; short sequences, a checkpoint every 2 steps, 
 away (the trials check that every committed checkpoint survives).
 """
 
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 from tests.train.train_fakes import set_tiny_model
 
 

@@ -15,7 +15,7 @@ import time
 import types
 
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS, one_device
 from tests.train.test_loop import _config, _train_losses
 from tests.train.train_fakes import FakeIterator

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.faults import helpers

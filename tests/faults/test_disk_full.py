@@ -16,7 +16,7 @@ from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.faults import helpers
 
 FULL_AT = 6  # the save of this step hits the full disk

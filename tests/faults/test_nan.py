@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.faults import helpers
 from tests.train.train_fakes import FakeIterator
 

@@ -19,7 +19,7 @@ from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import loop
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.faults import helpers
 
 FULL_AT = 6

@@ -9,7 +9,7 @@ import pytest
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.faults import helpers
 
 

@@ -42,7 +42,7 @@ def test_rl_init_from_a_run_with_another_vocabulary_names_it(tmp_path):
   (src / "checkpoints").mkdir()
   other = _config()
   other.model.vocab_size = 259                       # the byte tokenizer's run
-  from hybridmoe_jax.run_config import run_config_from_dict  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.config.run import run_config_from_dict  # pylint: disable=g-import-not-at-top
   import dataclasses  # pylint: disable=g-import-not-at-top
   ckpt_lib.write_workdir_config(str(src), dataclasses.asdict(run_config_from_dict(other).model))
   c = _config()

@@ -1,7 +1,6 @@
 """Every parameter of every preset is placed by exactly one sharding decision."""
 
 import dataclasses
-import pathlib
 import re
 
 import jax
@@ -11,8 +10,8 @@ from flax import nnx
 
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel import rules
-from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.sharding import path_string
+from hybridmoe_jax.config.run import run_config_from_dict
+from hybridmoe_jax.config.sharding import path_string
 from tests.conftest import ROOT, load_config
 
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))

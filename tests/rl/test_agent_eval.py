@@ -15,8 +15,8 @@ import types
 import numpy as np
 import pytest
 
-from hybridmoe_jax import agent_eval
-from hybridmoe_jax.agent_eval import AgentOptions, options_from_flags, resolve_envs
+from hybridmoe_jax.tools import agent_eval
+from hybridmoe_jax.tools.agent_eval import AgentOptions, options_from_flags, resolve_envs
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer
@@ -27,7 +27,7 @@ from hybridmoe_jax.rl.trajectory_log import (decode_with_specials, format_record
                                              read_trajectories, trajectory_record,
                                              write_trajectories)
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests.train.train_fakes import FakeIterator, set_tiny_model
 

@@ -20,7 +20,7 @@ from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import learner, sft
 from hybridmoe_jax.rl.episode import group_specs
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from hybridmoe_jax.rl_config import RLConfig, RLEnvConfig
+from hybridmoe_jax.config.rl import RLConfig, RLEnvConfig
 from hybridmoe_jax.train.state import split_model, TrainState
 from tests.infer.helpers import tiny_cfg
 
@@ -134,8 +134,8 @@ def test_rollout_and_learner_logps_agree_on_rl_tiny():
   token's behaviour log-prob vs the learner's within RL_TINY_LOGP_BOUND; so every token
   ratio and GSPO's sequence ratio are within ~2e-5 of 1 on-policy, far inside the clip
   ranges (0.2 / 0.28 and 3e-4 / 4e-4)."""
-  from hybridmoe_jax.run_config import run_config_from_dict  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.cli_flags import load_config_file  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.config.run import run_config_from_dict  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.config.flags import load_config_file  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   rc = run_config_from_dict(load_config_file(
       pathlib.Path(__file__).resolve().parents[2] / "configs" / "rl_tiny.py"))

@@ -21,7 +21,7 @@ import pytest
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import learner, losses
-from hybridmoe_jax.rl_config import RLConfig, RLEnvConfig
+from hybridmoe_jax.config.rl import RLConfig, RLEnvConfig
 
 ROWS, LEN, BUDGET = 6, 20, 48
 

@@ -16,7 +16,7 @@ import pytest
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import trainer
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.flags import load_config_file
 from tests.conftest import ROOT
 
 RL_TINY = ROOT / "configs" / "rl_tiny.py"

@@ -1,4 +1,4 @@
-"""The chat REPL (`python -m hybridmoe_jax.chat`) with stdin piped: streamed replies equal the
+"""The chat REPL (`python -m hybridmoe_jax.serve.chat`) with stdin piped: streamed replies equal the
 engine's greedy generation of the whole conversation so far (chat format, the sampled ids
 kept), /reset forgets it, /exit ends; the plain-transcript mode and the refusal of a
 conversation that no longer fits."""
@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from hybridmoe_jax import api, chat
+from hybridmoe_jax import api
+from hybridmoe_jax.serve import chat
 from hybridmoe_jax.infer.streaming import stream_text
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
@@ -32,7 +33,7 @@ def _greedy(lm, ids, n, stop):
 def test_piped_conversation_equals_generate_and_reset_forgets(model_path):
   lines = "hello\nmore please\n/reset\nhello\n/exit\n"
   env = dict(os.environ, PYTHONIOENCODING="utf-8")
-  r = subprocess.run([sys.executable, "-m", "hybridmoe_jax.chat", f"--workdir={model_path}",
+  r = subprocess.run([sys.executable, "-m", "hybridmoe_jax.serve.chat", f"--workdir={model_path}",
                       "--max_tokens=6", "--temperature=0", "--max_len=128"], input=lines,
                      capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Deviceless TPU AOT compilation (hybridmoe_jax/aot.py): the real steps compiled by libtpu for
+"""Deviceless TPU AOT compilation (hybridmoe_jax/tools/aot.py): the real steps compiled by libtpu for
 a v5p topology on this CPU host, with the implementations chosen for the TPU target.
 
 Skipped, with the reason, when libtpu (the `[tpu]` extra) is not installed. The compile of
@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.hardware import HardwareConfig, parse_topology
-from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.cli_flags import load_config_file
+from hybridmoe_jax.config.hardware import HardwareConfig, parse_topology
+from hybridmoe_jax.config.run import run_config_from_dict
+from hybridmoe_jax.config.flags import load_config_file
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed: pip install "
@@ -85,7 +85,7 @@ def _tiny():
 
 @pytest.fixture(scope="module")
 def tiny_compiled():
-  from hybridmoe_jax import aot
+  from hybridmoe_jax.tools import aot
 
   return aot.compile_run(_tiny(), max_len=256, prefill_chunk=128)
 
@@ -93,7 +93,7 @@ def tiny_compiled():
 @needs_libtpu
 @pytest.mark.slow
 def test_tiny_steps_compile_for_v5p_with_pallas_and_ep(tiny_compiled):
-  from hybridmoe_jax import aot
+  from hybridmoe_jax.tools import aot
 
   train, prefill, decode = tiny_compiled["programs"]
   assert [p.name.split()[0] for p in (train, prefill, decode)] == ["train", "prefill", "decode"]

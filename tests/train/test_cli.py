@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from hybridmoe_jax import cli_flags
+from hybridmoe_jax.config import flags as cli_flags
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train.params_export import load_exported_params
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config
@@ -92,7 +92,7 @@ def test_moved_fields_are_one_line(flag, needles):
   assert all(n in msg for n in needles), msg
 
 
-@pytest.mark.parametrize("cmd", [RUN, [sys.executable, "-m", "hybridmoe_jax.describe"]])
+@pytest.mark.parametrize("cmd", [RUN, [sys.executable, "-m", "hybridmoe_jax.tools.describe"]])
 def test_misspelt_override_of_a_named_config_file_is_one_line(tmp_path, cmd):
   """With --config given, ml_collections reads overrides inside app.run (a raw traceback
   before cli_flags.parse_flags)."""

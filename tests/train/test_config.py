@@ -8,10 +8,10 @@ import ml_collections
 import pytest
 
 from hybridmoe_jax.config import ComputeConfig, ConfigError, migrate_legacy
-from hybridmoe_jax.run_config import (DataConfig, MeshConfig, RunConfig, TrainConfig,
+from hybridmoe_jax.config.run import (DataConfig, MeshConfig, RunConfig, TrainConfig,
                                       VisionDataConfig, run_config_from_dict)
 from hybridmoe_jax.parallel.mesh import mesh_shape
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 from tests.conftest import load_config
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from hybridmoe_jax.config import ConfigError, migrate_legacy
 from hybridmoe_jax.evals import report
-from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import run_config_from_dict
+from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config, one_device

@@ -6,7 +6,7 @@ import json
 from matplotlib import image as mpimg
 import numpy as np
 
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.monitor import Monitor
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.run_config import TrainConfig, parse_profile_steps
+from hybridmoe_jax.config.run import TrainConfig, parse_profile_steps
 from hybridmoe_jax.train import profile
 
 

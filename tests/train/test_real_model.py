@@ -9,7 +9,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
 from hybridmoe_jax.layers.moe import RoutingBias
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train import optim, step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model

@@ -5,9 +5,9 @@ import json
 
 from absl import logging as absl_logging
 
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train import run_inputs
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 
 
 def _saved(run):

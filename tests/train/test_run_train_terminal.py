@@ -13,7 +13,7 @@ import pytest
 
 from hybridmoe_jax.train.params_export import load_exported_params
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, load_config
 
 RUN = [sys.executable, str(ROOT / "run_train.py")]

@@ -12,8 +12,8 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import optim, step as step_lib
-from hybridmoe_jax.run_config import run_config_from_dict
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import run_config_from_dict
+from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.plan import build_plan
 from hybridmoe_jax.train.state import create_train_state
 from tests.train.train_fakes import FakeIterator, tiny_model_config

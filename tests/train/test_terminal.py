@@ -11,7 +11,7 @@ from absl import logging as absl_logging
 import pytest
 
 from hybridmoe_jax.train import terminal
-from hybridmoe_jax.run_config import default_config
+from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.monitor import Monitor
 from tests.train.test_monitor import _metrics, run_monitor
 

@@ -9,7 +9,7 @@ import pytest
 
 from hybridmoe_jax.evals import cli
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
-from hybridmoe_jax.run_config import run_config_from_dict
+from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, load_config, one_device
 from tests.train.train_fakes import set_tiny_model
 

@@ -12,7 +12,7 @@ from flax import nnx
 from hybridmoe_jax.config import ConfigError, from_dict, model_config_from_dict
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
-from hybridmoe_jax.run_config import VisionDataConfig
+from hybridmoe_jax.config.run import VisionDataConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_PAD_ID, ByteTokenizer
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.layers import vision as V

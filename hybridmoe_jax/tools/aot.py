@@ -47,9 +47,9 @@ from hybridmoe_jax.parallel import shard_state, topology
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.exchange import resolve_impl_why
 from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
-from hybridmoe_jax.hardware import CHIPS
-from hybridmoe_jax.run_config import RunConfig, run_config_from_dict
-from hybridmoe_jax.sharding import BATCH_AXES, TOKEN_AXES
+from hybridmoe_jax.config.hardware import CHIPS
+from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
+from hybridmoe_jax.config.sharding import BATCH_AXES, TOKEN_AXES
 from hybridmoe_jax.train import dry_run as dry_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import plan as plan_lib

@@ -101,7 +101,7 @@ class HardwareConfig(Checked):
   `margin` is the share of that memory kept free for XLA's scratch buffers, fragmentation
   and the runtime (the plan must fit in (1 - margin) x memory).
   `topology` (a TPU topology or slice name, see `parse_topology`) makes `--dry_run` also
-  compile the steps ahead of time for that TPU slice (`hybridmoe_jax/aot.py`, libtpu's
+  compile the steps ahead of time for that TPU slice (`hybridmoe_jax/tools/aot.py`, libtpu's
   compiler, no TPU needed); it implies `device` (tpu_v5p for 'v5p-256').
   """
 

@@ -1,11 +1,11 @@
 """Print a config's parameter breakdown per component, without allocating the model.
 
-  python -m hybridmoe_jax.describe --config=configs/kimi_k3.py
+  python -m hybridmoe_jax.tools.describe --config=configs/kimi_k3.py
 """
 
 from absl import app
 
-from hybridmoe_jax import cli_flags
+from hybridmoe_jax.config import flags as cli_flags
 from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, vision_breakdown
 

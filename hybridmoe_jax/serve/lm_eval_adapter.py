@@ -1,11 +1,11 @@
 """lm-evaluation-harness adapter: our models as an `lm_eval` LM named "hybridmoe_jax".
 
-    python -m hybridmoe_jax.lm_eval_adapter --model hybridmoe_jax \\
+    python -m hybridmoe_jax.serve.lm_eval_adapter --model hybridmoe_jax \\
         --model_args workdir=runs/default,max_len=2048 --tasks lambada_openai
 
 is the `lm_eval` command line with this model registered (lm_eval 0.4 finds models only in
 its own registry: it has no plugin entry point, so importing this module is what registers
-the class). In Python: `import hybridmoe_jax.lm_eval_adapter` then
+the class). In Python: `import hybridmoe_jax.serve.lm_eval_adapter` then
 `lm_eval.simple_evaluate(model="hybridmoe_jax", model_args="workdir=...", tasks=[...])`.
 Needs the optional extra `lm-eval` (lm_eval pulls torch: `pip install torch==2.13.0` first
 for the CPU wheel).

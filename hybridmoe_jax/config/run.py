@@ -17,8 +17,8 @@ import ml_collections
 
 from hybridmoe_jax.config import (Allowed, Checked, ComputeConfig, ModelConfig, VisionConfig,
                                   from_dict, ranged, require)
-from hybridmoe_jax.hardware import HardwareConfig
-from hybridmoe_jax.rl_config import RLConfig
+from hybridmoe_jax.config.hardware import HardwareConfig
+from hybridmoe_jax.config.rl import RLConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")

@@ -1,4 +1,4 @@
-"""`python -m hybridmoe_jax.chat --workdir=DIR`: a terminal chat with a model, streamed.
+"""`python -m hybridmoe_jax.serve.chat --workdir=DIR`: a terminal chat with a model, streamed.
 
 Reads one line per user turn, keeps the whole conversation, and streams the reply token by
 token (`Engine.generate_stream` + `infer.streaming.TextStream`, the pieces
@@ -119,7 +119,7 @@ def reply(conv: Conversation, line: str, *, max_tokens: int, sampling: SamplingC
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m hybridmoe_jax.chat", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m hybridmoe_jax.serve.chat", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", required=True, help="the model (workdir, params export, HF dir)")
   p.add_argument("--max_tokens", type=int, default=256, help="tokens per reply at most")

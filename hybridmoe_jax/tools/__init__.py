@@ -1,0 +1,2 @@
+"""Tools over the model: describe a config, AOT-compile for a topology, agent evaluation,
+benchmark timing."""
