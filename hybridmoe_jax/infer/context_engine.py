@@ -1,8 +1,9 @@
 """Prefill and generation with the prompt sharded over the mesh axis `context`: prompts
 longer than one device holds (`parallel.context_decode` for the layout and the math).
 
-`ContextParallelEngine(model, mesh, max_len=N)` is an `Engine` whose model runs with the
-`ContextDecode` runner in its mixers and whose cache keeps every MLA layer's latents split
+`ContextParallelEngine(model, mesh, max_len=N)` is an `Engine` whose steps are traced under
+the execution plan of the `ContextDecode` runner (`ops.plan`; entered with the mesh, which
+keys the jitted programs apart from a local engine's) and whose cache keeps every MLA layer's latents split
 along N over `context` (N / n slots per device; KDA states and conv tails replicated). The
 prompt is fed in ONE sharded chunk (padded on the right to a multiple of n, the padding
 masked), into a fresh cache; decoding, `generate` and sampling are `Engine`'s own jitted
@@ -22,7 +23,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.infer.engine import Engine, _prefill_chunk, _score_chunk
@@ -38,8 +38,7 @@ class ContextParallelEngine(Engine):
   """`Engine` over a cache sharded along its length on `mesh`'s `context` axis.
 
   Args:
-    model: a HybridLM (a copy runs with the context-parallel runner; the model itself is
-      left as it is).
+    model: a HybridLM.
     mesh: a mesh with a `context` axis (e.g. `parallel.mesh.build_mesh({"context": 4})`).
     max_len: cache capacity in tokens per row (prompt + generated), rounded up to a
       multiple of mesh.context; each device holds max_len / n of it.
@@ -54,13 +53,9 @@ class ContextParallelEngine(Engine):
     self.mesh = mesh
     self.shards = mesh.shape[CONTEXT_AXIS]
     self.slots_per_shard = math.ceil(max_len / self.shards)
-    runner = ContextDecode(mesh)
-    copy = nnx.merge(*nnx.split(model))
-    for layer in copy.layers:
-      layer.mixer.context = runner
-      if layer.is_moe:   # routing and local experts on each device's own prompt tokens
-        layer.ffn.context = runner
-    super().__init__(copy, max_len=self.slots_per_shard * self.shards,
+    # Mixers on the sharded cache; routing and local experts on each device's prompt tokens.
+    self.placement = ContextDecode(mesh).placement
+    super().__init__(model, max_len=self.slots_per_shard * self.shards,
                      prefill_chunk=self.slots_per_shard * self.shards, kv_block=kv_block)
     self.state = jax.device_put(self.state, tree_shardings(self.state, mesh))
 
@@ -97,18 +92,18 @@ class ContextParallelEngine(Engine):
     tokens = jax.device_put(np.pad(tokens, ((0, 0), (0, pad))),
                             NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXIS)))
     n_valid = jax.device_put(n_valid, NamedSharding(self.mesh, P(BATCH_AXES)))
-    with jax.set_mesh(self.mesh):
+    with self.placement():
       return _prefill_chunk(self.graphdef, self.state, tokens, None, self.init_cache(b),
                             n_valid, kv_block=self.kv_block)
 
   def decode_step(self, token, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
     """As `Engine.decode_step` (one token per row, replicated) on the sharded cache."""
-    with jax.set_mesh(self.mesh):
+    with self.placement():
       return super().decode_step(token, cache)
 
   def generate(self, prompt, **kwargs):
     """As `Engine.generate` (same arguments; no images)."""
-    with jax.set_mesh(self.mesh):
+    with self.placement():
       return super().generate(prompt, **kwargs)
 
   def score(self, tokens) -> tuple[np.ndarray, np.ndarray]:
@@ -119,7 +114,7 @@ class ContextParallelEngine(Engine):
     pad = ((0, 0), (0, -t % self.shards))
     targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     seq = NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXIS))
-    with jax.set_mesh(self.mesh):
+    with self.placement():
       nll, pred, _ = _score_chunk(
           self.graphdef, self.state, jax.device_put(np.pad(tokens, pad), seq),
           jax.device_put(np.pad(targets, pad), seq), self.init_cache(b),

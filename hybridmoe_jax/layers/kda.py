@@ -54,14 +54,10 @@ class KDALayer(nnx.Module):
   """Short convs -> L2-normalised q, k -> gated delta rule -> per-head norm -> gated output."""
 
   def __init__(self, d_model: int, cfg: KDAConfig, *, norm_eps: float,
-               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs, context=None):
-    """context: None, or a context-parallel runner (`parallel.context.ContextParallel`):
-    the training forward then runs the recurrence and the short convolutions (explicit
-    left halo) shard by shard over the sequence; a runner with `shards_cache`
-    (`parallel.context_decode.ContextDecode`) runs the recurrence of a cached chunk of T > 1
-    tokens (a sharded prompt) the same way and returns the final state."""
+               compute: ComputeConfig = ComputeConfig(), rngs: nnx.Rngs):
+    """Where the recurrence and the short convolutions run (sequence shards under a
+    context-parallel plan) is `ops.kda.kda`'s and `ops.conv.short_conv`'s choice."""
     self.cfg = cfg
-    self.context = context
     self.dtype = jnp.dtype(compute.dtype)
     self.impl, self.chunk_size = compute.kda_impl, compute.kda_chunk_size
     self.norm_eps = norm_eps
@@ -69,7 +65,7 @@ class KDALayer(nnx.Module):
         cfg.num_v_heads * cfg.v_head_dim)
     lin = lambda i, o: linear(i, o, dtype=compute.dtype, rngs=rngs)
     self.q_proj, self.k_proj, self.v_proj = lin(d_model, hk), lin(d_model, hk), lin(d_model, hvv)
-    conv = lambda c: ShortConv(c, cfg.conv_size, rngs=rngs, context=context)
+    conv = lambda c: ShortConv(c, cfg.conv_size, rngs=rngs)
     self.q_conv, self.k_conv, self.v_conv = conv(hk), conv(hk), conv(hvv)
     self.f_a, self.f_b = lin(d_model, cfg.decay_rank), lin(cfg.decay_rank, hvk)
     self.b_proj = lin(d_model, cfg.num_v_heads)
@@ -128,30 +124,17 @@ class KDALayer(nnx.Module):
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     g = self.log_decay(x)
     lower_bound = cfg.lower_bound if cfg.gate == "bounded" else None
-    if cache is None and self.context is not None:
-      o = self.context.kda(q, k, v, g, beta, segment_ids=segment_ids,
-                           chunk_size=self.chunk_size, impl=self.impl, lower_bound=lower_bound)
-      new_cache = None
-    elif cache is None:
-      o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=self.chunk_size,
-                 impl=self.impl, lower_bound=lower_bound)
-      new_cache = None
-    else:
-      if segment_ids is not None:
-        real = segment_ids > 0                                             # [B, T]
-        beta = jnp.where(real[..., None], beta, 0.0)
-        g = jnp.where(real[..., None, None], g, 0.0)
-      if t > 1 and getattr(self.context, "shards_cache", False):
-        # A prompt sharded over the context axis (`parallel.context_decode`): each shard
-        # folds the earlier shards' maps; the final state comes back replicated.
-        o, state = self.context.kda_continue(q, k, v, g, beta, initial_state=cache.state,
-                                             chunk_size=self.chunk_size, impl=self.impl,
-                                             lower_bound=lower_bound)
-      else:
-        impl = "recurrent" if t == 1 else self.impl
-        o, state = kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
-                       chunk_size=self.chunk_size, impl=impl, lower_bound=lower_bound)
-      new_cache = KDACache(q_tail, k_tail, v_tail, state)
+    state = None if cache is None else cache.state
+    if cache is not None and segment_ids is not None:
+      real = segment_ids > 0                                               # [B, T]
+      beta = jnp.where(real[..., None], beta, 0.0)
+      g = jnp.where(real[..., None, None], g, 0.0)
+      segment_ids = None    # a cached chunk is one document; padding is beta = g = 0
+    o, state = kda(q, k, v, g, beta, segment_ids=segment_ids, initial_state=state,
+                   output_final_state=cache is not None, chunk_size=self.chunk_size,
+                   impl="recurrent" if cache is not None and t == 1 else self.impl,
+                   lower_bound=lower_bound)
+    new_cache = None if cache is None else KDACache(q_tail, k_tail, v_tail, state)
     o = rms_norm(o, self.o_norm_scale[...], self.norm_eps)
     gate = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(o.dtype)
     o = o.reshape(b, t, -1) * gate

@@ -6,10 +6,11 @@ I expert width, n_in = expert input width (latent l, else d).
   w_gate, w_up [E, n_in, I]; w_down [E, I, n_in]; all parameters fp32, matmuls in `dtype`.
 The balancing bias only selects experts; the train step updates it from the additive stats
 this layer returns (`layers.balancing`), outside the gradient and the optimizer.
-Where the routed experts run is the caller's choice, fixed at construction: `dispatch=None`
-runs them here (`compute.moe_impl`: "ragged" sorted `ragged_dot`, or the "dense" one-hot
-reference); an expert-parallel dispatch built by `parallel` (`ep_moe.ExpertParallelDispatch`)
-runs them over a mesh and returns the statistics psum-ed over every token shard.
+Where the routed experts run is the execution plan's choice (`ops.plan`, read by
+`run_experts`): without a dispatch here (`compute.moe_impl`: "ragged" sorted `ragged_dot`,
+or the "dense" one-hot reference); the plan's expert-parallel dispatch
+(`parallel.ep_moe.ExpertParallelDispatch`) runs them over a mesh and returns the statistics
+psum-ed over every token shard.
 Routing replay (RL, DESIGN s9): `replay` [B, T, k] int32 fixes which experts each token runs
 (recorded by an earlier forward); their weights still come from the current router
 (`ops.routing.replay_route`), so the router keeps its gradient. The balancing statistics
@@ -30,6 +31,7 @@ from hybridmoe_jax.layers.balancing import Stats, routing_stats
 from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.ops.glu import get_glu
 from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
+from hybridmoe_jax.ops.plan import ExecutionPlan, current_plan
 from hybridmoe_jax.ops.routing import Routes, replay_route, sigmoid_topk_route
 
 _F32 = jnp.float32
@@ -46,7 +48,7 @@ class ExpertDispatch(Protocol):
   router's fresh top-k), so a dispatch without replay support may omit the keyword.
   Under a context runner the m tokens come split over (data, fsdp, context), each device's
   block flattened in place (`parallel.context.ContextParallel.flatten_tokens`).
-  Must be hashable: it is static model structure (part of the graphdef).
+  Must be hashable (part of the `ops.plan.ExecutionPlan`).
   """
 
   def __call__(self, x, routes: Routes, bias, valid, w_gate, w_up, w_down, *,
@@ -62,7 +64,7 @@ class TokenRunner(Protocol):
   device's own block, flattened in place (device-major token order);
   tokenwise(fn, per_token, shared) -> fn(*per_token, *shared) = (per-token outputs, additive
   outputs) run on each device's tokens, the additive part summed over all of them.
-  Must be hashable: static model structure.
+  Must be hashable (the plan's `context`).
   """
 
   def splits(self, b: int, t: int) -> bool: ...
@@ -136,6 +138,55 @@ def _dense_experts(x, experts, weights, w_gate, w_up, w_down, glu, dtype):
 _EXPERT_IMPLS = {"ragged": _ragged_experts, "dense": _dense_experts}
 
 
+def choose(impl: str, plan: ExecutionPlan | None = None) -> tuple[str, str]:
+  """Where the routed experts run (the dispatch table of `run_experts`): (name, reason),
+  name "dispatch" (the plan's `moe_dispatch`) or a local `compute.moe_impl`."""
+  plan = current_plan() if plan is None else plan
+  d = plan.moe_dispatch
+  if d is None:
+    return impl, f"local {impl!r} experts (compute.moe_impl)"
+  if impl != "ragged":
+    raise ValueError(f"compute.moe_impl={impl!r} is invalid with an expert-parallel "
+                     "dispatch: allowed 'ragged' (the dense one-hot path is single-device "
+                     "only)")
+  fields = [("mesh", dict(d.mesh.shape))] if getattr(d, "mesh", None) is not None else []
+  fields += [(n, getattr(d, n)) for n in ("capacity_factor", "exchange") if hasattr(d, n)]
+  return "dispatch", f"{type(d).__name__}({', '.join(f'{n}={v}' for n, v in fields)})"
+
+
+def run_experts(route, run, xf, h, valid, replay, weights, experts, *, cfg: MoEConfig,
+                impl: str, glu, dtype):
+  """Routes the m tokens and runs their experts where the plan says (`choose`).
+
+  Args:
+    route: (xf, replay, router, bias) -> (fresh Routes, Routes to run).
+    run: (fn, per_token, shared) -> fn(*per_token, *shared) on the tokens' devices (a
+      context runner's `tokenwise`, or a plain call).
+    xf: [m, d] router inputs; h: [m, n_in] expert inputs (dtype); valid: [m] bool or None;
+      replay: [m, k] int32 or None; weights: (router [d, E], bias [E]) fp32; experts:
+      (w_gate, w_up [E, n_in, I], w_down [E, I, n_in]).
+  Returns:
+    (y [m, n_in] fp32, `routing_stats` of the m tokens, chosen experts [m, k] int32).
+  """
+  name, _ = choose(impl)
+  bias = weights[1]
+  if name != "dispatch":
+    def local(xf, h, valid, replay, router, bias, w_gate, w_up, w_down):
+      fresh, routes = route(xf, replay, router, bias)
+      y = _EXPERT_IMPLS[name](h, routes.experts, routes.weights, w_gate, w_up, w_down, glu,
+                              dtype)
+      return (y, routes.experts), routing_stats(fresh, bias, valid, cfg)
+
+    (y, chosen), stats = run(local, (xf, h, valid, replay), weights + experts)
+    return y, stats, chosen
+  (fresh, routes), _ = run(lambda *a: (route(*a), {}), (xf, replay), weights)
+  ok = jnp.ones(h.shape[:1], bool) if valid is None else valid
+  replayed = {} if replay is None else {"stats_routes": fresh}
+  y, stats = current_plan().moe_dispatch(h, routes, bias, ok, *experts, cfg=cfg, glu=glu,
+                                         dtype=dtype, **replayed)
+  return y, stats, routes.experts
+
+
 class MoE(nnx.Module):
   """Routed (optionally latent) experts plus fused shared experts.
 
@@ -143,25 +194,16 @@ class MoE(nnx.Module):
   else:    y = sum_e p_e Expert_e(x) + Shared(x)
   with routes and p from `sigmoid_topk_route` (the bias chooses, the scores weigh), or
   under replay the given routes and p from `replay_route`.
-  `dispatch`: None runs the routed experts on this device with `compute.moe_impl`; else an
-  `ExpertDispatch` (built outside the layers, e.g. expert-parallel over a mesh), which
-  needs moe_impl "ragged" (the dense one-hot path is a local reference only).
-  `context`: None, or the model's context-parallel runner (`TokenRunner`): when a batch is
-  laid out over its token axes the routing (and the local experts and the statistics) run
-  on each device's own tokens, never on the gathered sequence.
+  Where the routed experts run is `run_experts`' choice (the plan's `ExpertDispatch`, which
+  needs moe_impl "ragged", or this device). Under a plan whose context runner
+  (`TokenRunner`) lays the batch out over its token axes, the routing (and the local experts
+  and the statistics) run on each device's own tokens, never on the gathered sequence.
   """
 
   def __init__(self, d_model: int, cfg: MoEConfig, *, norm_eps: float,
-               compute: ComputeConfig, rngs: nnx.Rngs, dispatch: ExpertDispatch | None = None,
-               context: TokenRunner | None = None):
-    if dispatch is not None and compute.moe_impl != "ragged":
-      raise ValueError(f"compute.moe_impl={compute.moe_impl!r} is invalid with an "
-                       "expert-parallel dispatch: allowed 'ragged' (the dense one-hot path "
-                       "is single-device only)")
+               compute: ComputeConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.impl = compute.moe_impl
-    self.dispatch = dispatch
-    self.context = context
     self.dtype = jnp.dtype(compute.dtype)
     e, i_dim = cfg.num_experts, cfg.expert_intermediate
     n_in = cfg.latent_dim or d_model
@@ -215,7 +257,8 @@ class MoE(nnx.Module):
     # Under a context runner every token-wise step runs where the tokens are: XLA does not
     # partition top_k (nor the experts' sort) along the tokens and would gather the whole
     # sequence's [B T, E] scores (or its [B T, d] inputs) onto every device.
-    ctx = self.context if self.context is not None and self.context.splits(b, t) else None
+    ctx = current_plan().context
+    ctx = ctx if ctx is not None and ctx.splits(b, t) else None
     if ctx is None:
       flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
       unflat = lambda a: a.reshape(b, t, *a.shape[1:])
@@ -243,25 +286,8 @@ class MoE(nnx.Module):
 
     weights = (self.router[...], self.bias[...])
     experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
-    bias = weights[1]
-    if self.dispatch is None:
-      def local(xf, h, valid, replay, router, bias, w_gate, w_up, w_down):
-        fresh, routes = route(xf, replay, router, bias)
-        y = _EXPERT_IMPLS[self.impl](h, routes.experts, routes.weights, w_gate, w_up,
-                                     w_down, glu, dtype)
-        return (y, routes.experts), routing_stats(fresh, bias, valid, cfg)
-
-      (y, chosen), stats = run(local, (xf, h, valid, replay), weights + experts)
-    else:
-      def routed(xf, replay, router, bias):
-        return route(xf, replay, router, bias), {}
-
-      (fresh, routes), _ = run(routed, (xf, replay), weights)
-      ok = jnp.ones(h.shape[:1], bool) if valid is None else valid
-      replayed = {} if replay is None else {"stats_routes": fresh}
-      y, stats = self.dispatch(h, routes, bias, ok, *experts, cfg=cfg, glu=glu, dtype=dtype,
-                               **replayed)
-      chosen = routes.experts
+    y, stats, chosen = run_experts(route, run, xf, h, valid, replay, weights, experts,
+                                   cfg=cfg, impl=self.impl, glu=glu, dtype=dtype)
     # Back to [B, T, ...] before the rest: there the token-wise matmuls see one layout
     # (an expert-parallel y comes back split over `expert` too).
     y = unflat(y)

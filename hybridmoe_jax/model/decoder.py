@@ -43,6 +43,7 @@ from hybridmoe_jax.layers.moe import GLUMLP, MoE
 from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.layers.vision import VisionTower
 from hybridmoe_jax.model.cache import DecodeCache
+from hybridmoe_jax.ops.plan import current_plan
 
 REMAT_POLICIES = {
     "none": None,
@@ -55,20 +56,18 @@ class DecoderLayer(nnx.Module):
   """Pre-norm mixer (KDA or MLA) then pre-norm FFN (dense or MoE), each fed by AttnRes."""
 
   def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs,
-               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None, context=None):
+               compute: ComputeConfig = ComputeConfig()):
     d, eps, dtype = cfg.d_model, cfg.norm_eps, compute.dtype
     self.index = index
     self.kind = cfg.layer_kinds[index]
     self.block = index // cfg.attnres.block_size + 1
     self.mixer_norm = RMSNorm(d, eps=eps)
     mixer_cls, mixer_cfg = (KDALayer, cfg.kda) if self.kind == "kda" else (MLALayer, cfg.mla)
-    self.mixer = mixer_cls(d, mixer_cfg, norm_eps=eps, compute=compute, rngs=rngs,
-                           context=context)
+    self.mixer = mixer_cls(d, mixer_cfg, norm_eps=eps, compute=compute, rngs=rngs)
     self.ffn_norm = RMSNorm(d, eps=eps)
     self.is_moe = cfg.is_moe_layer(index)
     if self.is_moe:
-      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs, dispatch=moe_dispatch,
-                     context=context)
+      self.ffn = MoE(d, cfg.moe, norm_eps=eps, compute=compute, rngs=rngs)
     else:
       self.ffn = GLUMLP(d, cfg.moe.dense_intermediate, glu=cfg.moe.glu, dtype=dtype, rngs=rngs)
     self.attnres = cfg.attnres.enabled
@@ -117,20 +116,17 @@ class HybridLM(nnx.Module):
   """Decoder-only hybrid KDA/MLA sparse-MoE language model."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
-               compute: ComputeConfig = ComputeConfig(), moe_dispatch=None, context=None):
-    """moe_dispatch: the routed experts' dispatch (None: local; `parallel.ep_moe`);
-    context: sequence-sharded mixers for the training forward, and the MoE's token-wise
-    routing (None: whole sequences on each device; `parallel.context.ContextParallel`). With a zigzag context layout the training
-    forward moves its per-token inputs into the layout and its last hidden state back, so
-    inputs and outputs stay in sequence order."""
+               compute: ComputeConfig = ComputeConfig()):
+    """One graph for every placement: where its ops run (context-parallel mixers, expert-
+    parallel MoE) is the execution plan of the trace (`ops.plan`). Under a zigzag context
+    layout the training forward moves its per-token inputs into the layout and its last
+    hidden state back, so inputs and outputs stay in sequence order."""
     self.cfg = cfg
     self.compute = compute
-    self.context = context
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(compute.dtype),
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, i, compute=compute, rngs=rngs,
-                                         moe_dispatch=moe_dispatch, context=context)
+    self.layers = nnx.List([DecoderLayer(cfg, i, compute=compute, rngs=rngs)
                             for i in range(cfg.num_layers)])
     if cfg.vision.enabled:
       self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=compute.dtype,
@@ -211,7 +207,7 @@ class HybridLM(nnx.Module):
                        f"{tuple(lead.shape[:2])}")
     # Context-parallel training forward: per-token arrays in the shards' layout (an identity
     # unless zigzag); the mixers know the layout, token-wise layers need not.
-    layout = self.context if cache is None else None
+    layout = current_plan().context if cache is None else None
     if layout is not None:
       tokens, segment_ids, image_index, inputs_embeds = (
           None if a is None else layout.to_layout(a)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from .decay import check_lower_bound
 from .kda_chunked import check_chunk_size, kda_chunked
 from .kda_recurrent import check_kda_inputs, kda_recurrent
+from .plan import ExecutionPlan, current_plan, run_local
 from .platform import on_row_shards, target_platform
 
 Impl = Literal["auto", "recurrent", "chunked", "pallas"]
@@ -75,6 +76,31 @@ def resolve_impl(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
   return "pallas", f"Pallas kernel on {backend}{where}"
 
 
+def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
+           lower_bound: float | None, tokens: int, continues: bool,
+           plan: ExecutionPlan | None = None, backend: str | None = None) -> tuple[str, str]:
+  """The dispatch table of `kda`: which implementation runs, and why.
+
+  In order: the plan (a context-parallel runner takes a whole sequence, "context", or a
+  prompt of tokens > 1 continuing a context-sharded cache, "context_continue"), then
+  `resolve_impl` (explicit impl, static Pallas domain, target platform).
+
+  Args:
+    impl, head_dim, v_head_dim, chunk_size, lower_bound, backend: as `resolve_impl`.
+    tokens: T; continues: an initial state is given and the final state wanted (decode).
+    plan: default the current one (`ops.plan.current_plan`).
+  Returns:
+    (name in ("context", "context_continue", "recurrent", "chunked", "pallas"), reason).
+  """
+  plan = current_plan() if plan is None else plan
+  if plan.context is not None and not continues:
+    return "context", f"sequence shards of {type(plan.context).__name__} (plan)"
+  if plan.shards_cache and continues and tokens > 1:
+    return "context_continue", "a prompt sharded over the context axis (plan)"
+  return resolve_impl(impl, head_dim=head_dim, v_head_dim=v_head_dim, chunk_size=chunk_size,
+                      lower_bound=lower_bound, backend=backend)
+
+
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
   """With concrete gates, rejects any g outside [lower_bound, 0] (e.g. a positive g, or an
   unbounded gate passed to the bounded path). Traced gates cannot be inspected: skipped."""
@@ -122,7 +148,9 @@ def kda(
       changes and documents never interact.
     chunk_size: C for the chunked paths, a power of two >= 16.
     impl: "recurrent" (token scan, exact reference), "chunked" (XLA), "pallas" (kernel),
-      or "auto": pallas on GPU/TPU when it accepts the input, else chunked.
+      or "auto": pallas on GPU/TPU when it accepts the input, else chunked. A plan with a
+      context runner overrides it (`choose`): whole sequences (no initial_state) run
+      shard by shard, and so does a prompt continuing a context-sharded cache.
     lower_bound: the bounded gate's lb in [-5, 0); lets the chunked paths use dense
       diagonal blocks. Concrete gates are checked against it.
 
@@ -135,12 +163,21 @@ def kda(
     NotImplementedError: impl="pallas" where no kernel can take the input.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
-  resolved, _ = resolve_impl(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
-                             chunk_size=chunk_size, lower_bound=lower_bound)
+  plan = current_plan()
+  resolved, _ = choose(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                       chunk_size=chunk_size, lower_bound=lower_bound, tokens=q.shape[1],
+                       continues=initial_state is not None, plan=plan)
   check_chunk_size(chunk_size)
   if lower_bound is not None:
     check_lower_bound(lower_bound)
     _check_gate_range(g, lower_bound)
+  opts = dict(scale=scale, chunk_size=chunk_size, impl=impl, lower_bound=lower_bound)
+  if resolved == "context":
+    o = run_local(plan.context.kda, q, k, v, g, beta, segment_ids=segment_ids, **opts)
+    return o, None
+  if resolved == "context_continue":
+    return run_local(plan.context.kda_continue, q, k, v, g, beta,
+                     initial_state=initial_state, **opts)
 
   common = dict(
       scale=scale,

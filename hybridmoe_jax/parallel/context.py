@@ -30,7 +30,7 @@ Per-shard bodies, called inside `jax.shard_map` with the sequence axis split ove
   never read.
 - `previous_tokens` / `short_conv_shard`: the short convolutions' left halo, explicit: each
   piece gets the last W-1 tokens (and segment ids) of the piece before it in sequence order
-  by ppermute (zeros for the first piece), then convolves with `layers.conv.short_conv`.
+  by ppermute (zeros for the first piece), then convolves with `ops.conv.short_conv`.
   Used in both layouts (with zigzag XLA's automatic halo would read the wrong neighbours).
 
 - token-wise work (the MoE): XLA does not partition the router's top_k (nor the experts'
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from hybridmoe_jax.layers.conv import short_conv
+from hybridmoe_jax.ops.conv import short_conv
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.config.sharding import BATCH_AXES
@@ -139,7 +139,7 @@ def short_conv_shard(x: jax.Array, w: jax.Array, *, segment_ids: jax.Array | Non
                      axis_name: str = CONTEXT_AXIS, zigzag: bool = False) -> jax.Array:
   """One shard of the short convolution (inside shard_map): x [B, T, C] local tokens,
   w [W, C] fp32, segment_ids [B, T] int32 or None -> [B, T, C] in x's dtype, equal to
-  `layers.conv.short_conv` over the whole sequence (taps never cross a change of id)."""
+  `ops.conv.short_conv` over the whole sequence (taps never cross a change of id)."""
   b, t = x.shape[:2]
   m = piece_table(jax.lax.axis_size(axis_name), zigzag).shape[1]
   lag = w.shape[0] - 1
@@ -374,7 +374,7 @@ class ContextParallel:
                          out_specs=(tok, P()), check_vma=False)(*per_token, *shared)
 
   def short_conv(self, x, w, *, segment_ids=None) -> jax.Array:
-    """`layers.conv.short_conv(x, w, segment_ids=...)` over the whole sequence, each shard
+    """`ops.conv.short_conv(x, w, segment_ids=...)` over the whole sequence, each shard
     reading its left halo explicitly (`short_conv_shard`); w [W, C] is replicated."""
     seg = self._segments(segment_ids, x.shape[:2])
     body = lambda x, s, w: short_conv_shard(x, w, segment_ids=s, zigzag=self.zigzag)

@@ -2,8 +2,9 @@
 
 A prompt longer than one device holds: the MLA latent cache stays split along its length N
 over `context` (each device O(T / n) of it), the KDA layers' states are constant in T and
-replicated. `ContextDecode(mesh)` is the runner the model's mixers call in their cached
-branch (`infer.context_engine.ContextParallelEngine` installs it); n = shards.
+replicated. `ContextDecode(mesh)` is the runner the model's ops call under its execution
+plan (`ContextDecode.placement`, which `infer.context_engine.ContextParallelEngine` enters);
+n = shards.
 
 Cache layout (`ShardedMLACache`): shard r holds local slots [0, N_loc) of every row and
 `filled [B, n]` (replicated) counts the slots in use on each shard; the used slots of a
@@ -37,16 +38,18 @@ on one device, 7.5 MB on 4 shards; the decode step's collectives are 80 bytes at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import MLAConfig
-from hybridmoe_jax.layers.mla import latent_attention_partial
+from hybridmoe_jax.ops.latent_attention import latent_attention_partial
 from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel, affine_maps
 from hybridmoe_jax.config.sharding import BATCH_AXES
 
@@ -209,7 +212,14 @@ class ContextDecode(ContextParallel):
   token is a decode step, replicated over `context`.
   """
 
-  shards_cache: ClassVar[bool] = True   # what the layers' cached branches look for
+  shards_cache: ClassVar[bool] = True   # what the ops' cached dispatch looks for (`ops.plan`)
+
+  @contextlib.contextmanager
+  def placement(self) -> Iterator[None]:
+    """The mesh and the plan with this runner, entered together around every traced call
+    (the mesh is part of jit's key: these programs never mix with local ones)."""
+    with jax.set_mesh(self.mesh), execution_plan(ExecutionPlan(context=self)):
+      yield
 
   def kda_continue(self, q, k, v, g, beta, *, initial_state, **opts
                    ) -> tuple[jax.Array, jax.Array]:

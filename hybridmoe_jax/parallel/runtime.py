@@ -2,10 +2,10 @@
 
 `setup(mesh_sizes, cfg, compute, batch_size=..., grad_accum=..., seq_len=...)` builds the mesh,
 checks the model and batch against it (one ConfigError each, before any data or compute)
-and answers the loop's few questions: which MoE dispatch the model gets, how to initialise
-or restore the state onto the mesh, what to pass to `make_train_step` / `make_eval_step`.
-A single-process single-device run gets `mesh=None` and `moe_dispatch=None`: the plain,
-unsharded code path.
+and answers the loop's few questions: where the ops run (`plan`, the execution plan the
+steps are traced under), how to initialise or restore the state onto the mesh, what to pass
+to `make_train_step` / `make_eval_step`. A single-process single-device run gets
+`mesh=None` and the LOCAL plan: the plain, unsharded code path.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig
+from hybridmoe_jax.ops.plan import ExecutionPlan
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.parallel import shard_state
 from hybridmoe_jax.parallel.context import ContextParallel
@@ -25,8 +26,9 @@ from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 
 @dataclasses.dataclass
 class Runtime:
-  """mesh (None: one device, unsharded); the MoE dispatch to build the model with (None:
-  local experts); state_shardings, set once the state exists."""
+  """mesh (None: one device, unsharded); the MoE dispatch and the context runner of the
+  plan (None: local experts, whole sequences); state_shardings, set once the state
+  exists."""
 
   mesh: Mesh | None
   moe_dispatch: ExpertParallelDispatch | None = None
@@ -34,6 +36,11 @@ class Runtime:
   process_index: int = 0
   process_count: int = 1
   state_shardings: Any = None
+
+  @property
+  def plan(self) -> ExecutionPlan:
+    """Where the model's ops run on this mesh (`ops.plan`)."""
+    return ExecutionPlan(context=self.context, moe_dispatch=self.moe_dispatch)
 
   def restore_target(self, abstract_state):
     """The abstract state orbax restores into: with shardings on a mesh (any mesh shape)."""
@@ -59,8 +66,8 @@ class Runtime:
     if self.mesh is None:
       return {}
     if train:
-      return {"mesh": self.mesh, "state_shardings": self.state_shardings}
-    return {"mesh": self.mesh}
+      return {"mesh": self.mesh, "state_shardings": self.state_shardings, "plan": self.plan}
+    return {"mesh": self.mesh, "plan": self.plan}
 
 
 def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfig, *,

@@ -46,6 +46,7 @@ from flax import nnx
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.infer.sampling import SamplingConfig, sampling_logits
 from hybridmoe_jax.rl import losses
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.config.rl import RLConfig
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import step as step_lib
@@ -100,16 +101,17 @@ def _forward(graphdef, params, biases, rest, tokens, segment_ids, routes=None,
   return model(tokens, segment_ids=segment_ids, **kw)
 
 
-def token_logps(graphdef, sampling: SamplingConfig, *, record_routes: bool = False
-                ) -> Callable:
+def token_logps(graphdef, sampling: SamplingConfig, *, record_routes: bool = False,
+                plan: ExecutionPlan | None = None) -> Callable:
   """jitted (params, biases, rest, tokens [R,T], segment_ids [R,T]) -> lp [R,T] fp32 (under
   the `sampling` distribution: sampling_logps), or (lp, routes) with record_routes (routes:
-  {MoE layer index: int32 [R, T, k]})."""
+  {MoE layer index: int32 [R, T, k]}); traced under `plan` (the training runtime's)."""
 
   @jax.jit
   def fn(params, biases, rest, tokens, segment_ids):
-    logits, aux = _forward(graphdef, params, biases, rest, tokens, segment_ids,
-                           record_routes=record_routes)
+    with execution_plan(plan):
+      logits, aux = _forward(graphdef, params, biases, rest, tokens, segment_ids,
+                             record_routes=record_routes)
     lp = sampling_logps(logits, tokens, sampling)
     return (lp, aux["routes"]) if record_routes else lp
 
@@ -163,7 +165,8 @@ def policy_objective(lp, batch: dict, rl: RLConfig, lp_ref=None, logits=None
 
 def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTransformation,
                  rl: RLConfig, schedule: optax.Schedule, sampling: SamplingConfig, *,
-                 mesh: jax.sharding.Mesh | None = None, state_shardings=None
+                 mesh: jax.sharding.Mesh | None = None, state_shardings=None,
+                 plan: ExecutionPlan | None = None
                  ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """The jitted `rl_step(state, batch, lp_ref, routes) -> (state, metrics)`; `state` is
   donated: the pre-training step (train/step.py make_train_step: optimizer, clipping,
@@ -171,7 +174,7 @@ def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTra
   and the routing biases frozen unless rl.update_biases. sampling: the rollouts' (vocab_limit
   resolved: Rollout.config.sampling), the policy being trained. batch: host (numpy) arrays
   of rl/batch.py; lp_ref: [R, T] (under the same sampling) or None; routes: the rollout
-  policy's routed experts (routing replay) or None. `mesh` / `state_shardings`: the
+  policy's routed experts (routing replay) or None. `mesh` / `state_shardings` / `plan`: the
   pre-training runtime's."""
 
   def loss_fn(params, state: TrainState, batch, lp_ref, routes):
@@ -184,7 +187,7 @@ def make_rl_step(graphdef: nnx.GraphDef, cfg: ModelConfig, tx: optax.GradientTra
     return loss, (aux.get("moe", {}), metrics)
 
   step = step_lib.make_train_step(graphdef, cfg, tx, grad_accum=1, schedule=schedule,
-                                  mesh=mesh, state_shardings=state_shardings,
+                                  mesh=mesh, state_shardings=state_shardings, plan=plan,
                                   loss_fn=loss_fn, update_biases=rl.update_biases)
 
   def rl_step(state: TrainState, batch: dict, lp_ref, routes):

@@ -51,7 +51,6 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.infer.engine import Engine
 from hybridmoe_jax.infer.sampling import SamplingConfig
-from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
@@ -66,7 +65,7 @@ from hybridmoe_jax.train import optim, run_errors, workdir_lock
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.run_inputs import run_tokenizer
 from hybridmoe_jax.train.step_loop import StopFlag
-from hybridmoe_jax.train.state import abstract_train_state, create_train_state, split_model
+from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
 def _tokenizer(config: RunConfig):
   tok = run_tokenizer(config)   # the pre-training checks (file, vocab size)
@@ -186,12 +185,9 @@ class _Run:
                                      batch_size=rows, grad_accum=1,
                                      seq_len=-(-rl.max_tokens // 64) * 64)
     _check_sft_batch(rl, self.rt)
-    self.graphdef, abstract = abstract_train_state(
-        cfg, config.compute, self.tx, t.seed, moe_dispatch=self.rt.moe_dispatch,
-        context=self.rt.context)
-    # The cached forward (rollouts) runs a local-MoE graph over the same (sharded) state.
-    self.engine_graphdef = split_model(nnx.eval_shape(
-        lambda: HybridLM(cfg, rngs=nnx.Rngs(0), compute=config.compute)))[0]
+    # One graph: the train steps trace it under the runtime's plan, the rollouts (the cached
+    # forward) under the local one, over the same (sharded) state.
+    self.graphdef, abstract = abstract_train_state(cfg, config.compute, self.tx, t.seed)
     self.ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints,
                                       async_save=t.async_checkpoints)
     self.signature = ckpt_lib.structure_signature(abstract)
@@ -211,8 +207,7 @@ class _Run:
     else:
       self.host = run_state.HostState(phase="sft" if self.sft_steps else "rl")
       state = self.rt.init_state(lambda: create_train_state(
-          cfg, config.compute, self.tx, t.seed, moe_dispatch=self.rt.moe_dispatch,
-          context=self.rt.context)[1], abstract)
+          cfg, config.compute, self.tx, t.seed)[1], abstract)
       if rl.init_from:
         state = self._placed(_load_init(rl, self.graphdef, state, self.model_dict))
     ckpt_lib.write_workdir_config(workdir, self.model_dict)
@@ -266,8 +261,7 @@ class _Run:
   # ---- RL ------------------------------------------------------------------------------
   def build_rollouts(self) -> None:
     rl = self.rl
-    model = nnx.merge(self.engine_graphdef, self.state.params, self.state.biases,
-                      self.state.rest)
+    model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
     max_len = -(-rl.max_tokens // 64) * 64
     self.engine = Engine(model, max_len=max_len, prefill_chunk=rl.prefill_chunk)
     base = RolloutConfig(max_tokens=rl.max_tokens, max_turn_tokens=rl.max_turn_tokens,
@@ -278,8 +272,9 @@ class _Run:
     self.greedy = Rollout(self.engine, self.tokenizer, greedy, batch=rl.rollout_batch)
     # The policy trained is the one sampled (vocab limit, temperature, nucleus).
     sampling = self.rollout.config.sampling
-    self.lp_fn = learner.token_logps(self.graphdef, sampling)
-    self.routes_fn = (learner.token_logps(self.graphdef, sampling, record_routes=True)
+    self.lp_fn = learner.token_logps(self.graphdef, sampling, plan=self.rt.plan)
+    self.routes_fn = (learner.token_logps(self.graphdef, sampling, record_routes=True,
+                                          plan=self.rt.plan)
                       if rl.routing_replay else None)
     self.rl_step = learner.make_rl_step(self.graphdef, self.config.model, self.tx, rl,
                                         self.schedule, sampling, **self.rt.step_kwargs())
@@ -306,8 +301,7 @@ class _Run:
             else contextlib.nullcontext())
 
   def _sync_engine(self) -> None:
-    model = nnx.merge(self.engine_graphdef, self.state.params, self.state.biases,
-                      self.state.rest)
+    model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
     _, self.engine.state = nnx.split(model)
 
   def evaluate(self) -> dict[str, float]:

@@ -42,6 +42,7 @@ from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.impls import describe_impls
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import runtime as runtime_lib
 from hybridmoe_jax.parallel import shard_state, topology
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
@@ -107,9 +108,11 @@ def step_seconds(c: "Compiled", chip: str) -> tuple[float | None, str]:
   return None, "n/a"
 
 
-def _compile(name: str, fn, args, kwargs, mesh, tokens: int) -> Compiled:
+def _compile(name: str, fn, args, kwargs, mesh, tokens: int,
+             where: ExecutionPlan | None = None) -> Compiled:
+  """fn lowered and compiled under `mesh` and the execution plan `where`."""
   t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), execution_plan(where):
     compiled = fn.lower(*args, **kwargs).compile()
   return Compiled(name=name, tokens=tokens, compile_s=time.perf_counter() - t0,
                   memory=_memory(compiled), cost=_cost(compiled),
@@ -144,11 +147,11 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan) -> list[Compile
     rt = runtime_lib.setup(_mesh_sizes(run), run.model, run.compute,
                            batch_size=s.batch_size, grad_accum=t.grad_accum,
                            seq_len=s.seq_len, devices=devices)
-    graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed,
-                                              moe_dispatch=rt.moe_dispatch, context=rt.context)
+    graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed)
     shardings = shard_state.state_shardings(abstract, rt.mesh)
     step = make_train_step(graphdef, run.model, tx, grad_accum=t.grad_accum,
-                           schedule=plan.schedule(), state_shardings=shardings)
+                           schedule=plan.schedule(), state_shardings=shardings,
+                           plan=rt.plan)
     tokens = jax.ShapeDtypeStruct((s.batch_size, s.seq_len), jnp.int32,
                                   sharding=batch_sharding(rt.mesh, sequence=True))
     batch = {"tokens": tokens, "segment_ids": tokens}
@@ -171,6 +174,13 @@ def _mesh_sizes(run: RunConfig) -> dict[str, Any]:
   return dataclasses.asdict(run.mesh)
 
 
+def _serve_plan(run: RunConfig, mesh) -> ExecutionPlan:
+  """The serving programs' plan: expert-parallel MoE on a multi-device mesh ("ragged")."""
+  return ExecutionPlan(moe_dispatch=(
+      ExpertParallelDispatch(mesh, capacity_factor=run.compute.moe_capacity_factor)
+      if run.compute.moe_impl == "ragged" and mesh.size > 1 else None))
+
+
 def _mesh(run: RunConfig, devices):
   return build_mesh({a: v for a, v in _mesh_sizes(run).items() if a != "context_zigzag"},
                     devices)
@@ -183,10 +193,9 @@ def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
   over the batch axes. Whole sequences per device (no context runner)."""
   mesh = _mesh(run, devices)
   rows = math.prod(mesh.shape[a] for a in TOKEN_AXES)
-  dispatch = (ExpertParallelDispatch(mesh, capacity_factor=run.compute.moe_capacity_factor)
-              if run.compute.moe_impl == "ragged" and mesh.size > 1 else None)
+  where = _serve_plan(run, mesh)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(
-      run.model, rngs=nnx.Rngs(0), compute=run.compute, moe_dispatch=dispatch)))
+      run.model, rngs=nnx.Rngs(0), compute=run.compute)))
   state_sh = shard_state.state_shardings(state, mesh)
   cache = jax.eval_shape(lambda: init_cache(run.model, rows, max_len, dtype=run.compute.dtype))
   rows_sh = NamedSharding(mesh, P(BATCH_AXES + ("expert",)))
@@ -195,10 +204,11 @@ def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
   tok = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sh)
   prefill = _compile(f"prefill P={prefill_chunk:,} N={max_len:,}", engine._prefill_chunk,
                      (graphdef, state_s, tok((rows, prefill_chunk)), None, cache_s,
-                      tok((rows,))), {"kv_block": kv_block}, mesh, rows * prefill_chunk)
+                      tok((rows,))), {"kv_block": kv_block}, mesh, rows * prefill_chunk,
+                     where)
   decode = _compile(f"decode B={rows} N={max_len:,}", engine._decode_step,
                     (graphdef, state_s, tok((rows,)), cache_s), {"kv_block": kv_block}, mesh,
-                    rows)
+                    rows, where)
   active = active_from_breakdown(run.model, param_breakdown(run.model))
   for c in (prefill, decode):
     c.model_flops = 2.0 * active * c.tokens / len(devices)
@@ -249,10 +259,8 @@ def compile_run(config, *, layers: tuple[int, int] | None = None, serve: bool = 
     for p in progs[len(plan.stages):]:  # prefill, decode: 2 x the full model's active
       p.model_flops = 2.0 * active * p.tokens / len(devices)
   mesh = _mesh(run, devices)
-  dispatch = (ExpertParallelDispatch(mesh, capacity_factor=run.compute.moe_capacity_factor)
-              if run.compute.moe_impl == "ragged" and mesh.size > 1 else None)
   with jax.set_mesh(mesh):
-    impls = describe_impls(run.model, run.compute, moe_dispatch=dispatch)
+    impls = describe_impls(run.model, run.compute, plan=_serve_plan(run, mesh))
     impls.append("MoE exchange: %s (%s)" % resolve_impl_why("auto"))
   return {"programs": progs, "devices": len(devices), "chip": run.hardware.chip,
           "impls": impls, "extrapolated": layers, "run": run, "mesh": dict(mesh.shape)}

@@ -58,8 +58,7 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
   """-> graphdef, state, state-layout signature, the restored checkpoint's meta (None when
   training starts afresh)."""
   t, compute = run.train, run.compute
-  graphdef, abstract = abstract_train_state(cfg, compute, tx, t.seed,
-                                            moe_dispatch=rt.moe_dispatch, context=rt.context)
+  graphdef, abstract = abstract_train_state(cfg, compute, tx, t.seed)
   signature = ckpt_lib.structure_signature(abstract)
   # On a mesh: restored straight into this run's shardings (the saving mesh may differ).
   restored = ckpt.restore_latest(rt.restore_target(abstract), model_dict)
@@ -68,10 +67,7 @@ def _restore_or_init(ckpt, cfg: ModelConfig, run: RunConfig, tx, data, model_dic
       logging.warning("no usable checkpoint in %s (%d set aside: %s): training starts again "
                       "at step 0", ckpt.directory, len(ckpt.skipped),
                       "; ".join(f"step {s}: {why}" for s, why in ckpt.skipped))
-    state = rt.init_state(lambda: create_train_state(cfg, compute, tx, t.seed,
-                                                     moe_dispatch=rt.moe_dispatch,
-                                                     context=rt.context)[1],
-                          abstract)
+    state = rt.init_state(lambda: create_train_state(cfg, compute, tx, t.seed)[1], abstract)
     return graphdef, state, signature, None
   state, data_state, meta = restored
   data.train.set_state(data_state)
@@ -220,7 +216,7 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
                                tokenizer, wall0)
   ckpt_lib.write_workdir_config(workdir, model_dict)
   _log_sizes(state)
-  log_impls(cfg, config.compute, moe_dispatch=rt.moe_dispatch)
+  log_impls(cfg, config.compute, plan=rt.plan)
   meta = {"model_config": model_dict, "signature": signature,
           "config": json.dumps(dataclasses.asdict(config))}
   eval_step = step_lib.make_eval_step(graphdef, image_ids=image_ids,

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
-from hybridmoe_jax.layers.moe import ExpertDispatch, RoutingBias
+from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
 
 
@@ -36,8 +36,7 @@ def split_model(model: nnx.Module):
 
 
 def create_train_state(cfg: ModelConfig, compute: ComputeConfig,
-                       tx: optax.GradientTransformation, seed: int, *,
-                       moe_dispatch: ExpertDispatch | None = None, context=None
+                       tx: optax.GradientTransformation, seed: int
                        ) -> tuple[nnx.GraphDef, TrainState]:
   """Build the model and its state (allocates; see `abstract_train_state` for shapes only).
 
@@ -45,12 +44,9 @@ def create_train_state(cfg: ModelConfig, compute: ComputeConfig,
     cfg: the architecture; compute: runtime knobs (dtype, remat, kernel impls).
     tx: the optimizer (its state is built over `params` only).
     seed: model init seed (nnx.Rngs(seed)); the training RNG is PRNGKey(seed + 1).
-    moe_dispatch: where the MoE layers run their experts (`parallel.runtime.Runtime
-      .moe_dispatch`; None: on this device). Static: it lives in the graphdef.
-    context: the sequence-sharded mixers (`Runtime.context`; None: whole sequences).
+  Where the model's ops run is the steps' execution plan (`ops.plan`), not the graphdef's.
   """
-  model = HybridLM(cfg, rngs=nnx.Rngs(seed), compute=compute, moe_dispatch=moe_dispatch,
-                   context=context)
+  model = HybridLM(cfg, rngs=nnx.Rngs(seed), compute=compute)
   graphdef, params, biases, rest = split_model(model)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                      biases=biases, rest=rest, rng=jax.random.PRNGKey(seed + 1),
@@ -59,16 +55,14 @@ def create_train_state(cfg: ModelConfig, compute: ComputeConfig,
 
 
 def abstract_train_state(cfg: ModelConfig, compute: ComputeConfig,
-                         tx: optax.GradientTransformation, seed: int, *,
-                         moe_dispatch: ExpertDispatch | None = None, context=None
+                         tx: optax.GradientTransformation, seed: int
                          ) -> tuple[nnx.GraphDef, TrainState]:
   """`create_train_state`'s graphdef and state shapes (jax.ShapeDtypeStruct leaves);
   allocates nothing."""
   out = {}
 
   def build():
-    graphdef, state = create_train_state(cfg, compute, tx, seed, moe_dispatch=moe_dispatch,
-                                         context=context)
+    graphdef, state = create_train_state(cfg, compute, tx, seed)
     out["graphdef"] = graphdef
     return state
 

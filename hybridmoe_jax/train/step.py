@@ -23,6 +23,7 @@ from hybridmoe_jax.config import sharding
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_IDS
 from hybridmoe_jax.layers.balancing import update_routing_biases
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import TrainState
@@ -116,6 +117,16 @@ def _where(ok, new, old):
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
+def _planned(fn, plan: ExecutionPlan | None):
+  """fn traced under `plan` (entered inside the traced body: the jitted function is this
+  closure, so its programs never mix plans)."""
+
+  def traced(*args):
+    with execution_plan(plan):
+      return fn(*args)
+  return traced
+
+
 def _on_mesh(fn, mesh, batch_arg: int):
   """Run jitted `fn` under `jax.set_mesh(mesh)` with argument `batch_arg` (a dict of host
   arrays: this process's rows) placed on the mesh, batch dimension over (data, fsdp)."""
@@ -137,7 +148,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
                     tx: optax.GradientTransformation, *, grad_accum: int,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh | None = None,
                     state_shardings=None, image_ids: tuple[int, ...] = IMAGE_IDS,
-                    loss_fn: LossFn | None = None, update_biases: bool = True
+                    loss_fn: LossFn | None = None, update_biases: bool = True,
+                    plan: ExecutionPlan | None = None
                     ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """The jitted `train_step(state, batch, *extra) -> (state, metrics)`; `state` is donated.
 
@@ -149,8 +161,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
   `update_biases` is False: biases frozen), a non-finite loss / gradient / update skipped.
   `schedule` maps applied updates to the learning rate (the optimizer's, reported as a
   metric). With `mesh`, the step runs under that mesh (host batches placed over data x
-  fsdp; the expert-parallel MoE comes with `graphdef`, built with the runtime's dispatch)
-  and the new state is constrained to `state_shardings` (the input layout). `image_ids`:
+  fsdp) and the new state is constrained to `state_shardings` (the input layout); `plan`
+  (`Runtime.plan`: context-parallel mixers, expert-parallel MoE) is entered while the step
+  is traced, so each step function compiles its own plan. `image_ids`:
   the run tokenizer's image ids (no loss on them).
   """
   if loss_fn is not None and grad_accum != 1:
@@ -202,14 +215,15 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     }
     return new_state, metrics
 
-  step = jax.jit(train_step, donate_argnums=0)
+  step = jax.jit(_planned(train_step, plan), donate_argnums=0)
   return step if mesh is None else _on_mesh(step, mesh, batch_arg=1)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = None,
-                   image_ids: tuple[int, ...] = IMAGE_IDS
+                   image_ids: tuple[int, ...] = IMAGE_IDS, plan: ExecutionPlan | None = None
                    ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-  """The jitted `eval_step(params, biases, batch, rest) -> (sum_nll, num_tokens)`."""
+  """The jitted `eval_step(params, biases, batch, rest) -> (sum_nll, num_tokens)`, traced
+  under `plan` (as `make_train_step`)."""
 
   def eval_step(params, biases, batch: Batch, rest):
     nll, (count, _) = _forward_nll(graphdef, params, biases, rest, batch["tokens"],
@@ -217,5 +231,5 @@ def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = N
                                    model_inputs(batch, IMAGE_BATCH_KEYS), tuple(image_ids))
     return nll, count
 
-  step = jax.jit(eval_step)
+  step = jax.jit(_planned(eval_step, plan))
   return step if mesh is None else _on_mesh(step, mesh, batch_arg=2)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ConfigError, MLAConfig
 from hybridmoe_jax.layers.mla import MLALayer, rope, segment_positions
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 
 
 def test_rope_is_a_rotation_relative_in_position():
@@ -51,5 +52,7 @@ def test_rope_config_checks_and_context_refusal():
     MLAConfig(rope_theta=-1.0)
   with pytest.raises(ConfigError, match="qk_rope_head_dim"):
     MLAConfig(qk_rope_head_dim=3, rope_theta=1e4)
+  layer = MLALayer(32, MLAConfig(rope_theta=1e4), norm_eps=1e-5, rngs=nnx.Rngs(0))
   with pytest.raises(NotImplementedError, match="context parallelism"):
-    MLALayer(32, MLAConfig(rope_theta=1e4), norm_eps=1e-5, rngs=nnx.Rngs(0), context=object())
+    with execution_plan(ExecutionPlan(context=object())):
+      layer(jnp.zeros((1, 4, 32)))

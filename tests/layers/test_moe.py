@@ -11,6 +11,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.balancing import layer_metrics, update_bias, update_routing_biases
 from hybridmoe_jax.layers.moe import GLUMLP, MoE, RoutingBias
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.ops.quantile_balance import quantile_balance
 from hybridmoe_jax.ops.routing import max_violation
 
@@ -249,7 +250,8 @@ class BalancingTest(parameterized.TestCase):
     cfg = _cfg()
     x = _x()
     ref_y, ref_stats, _ = _moe(cfg)(x)
-    y, stats, _ = _moe(cfg, dispatch=_Recorder())(x)
+    with execution_plan(ExecutionPlan(moe_dispatch=_Recorder())):
+      y, stats, _ = _moe(cfg)(x)
     self.assertEqual(_Recorder.calls, 1)
     _assert_close(self, y, ref_y, 1e-6)
     np.testing.assert_array_equal(stats["load"], ref_stats["load"])
@@ -257,7 +259,8 @@ class BalancingTest(parameterized.TestCase):
 
   def test_dense_impl_refuses_a_dispatch(self):
     with self.assertRaisesRegex(ValueError, "compute.moe_impl='dense'"):
-      _moe(_cfg(), "dense", dispatch=_Recorder())
+      with execution_plan(ExecutionPlan(moe_dispatch=_Recorder())):
+        _moe(_cfg(), "dense")(_x())
 
 
 class BiasStateTest(absltest.TestCase):

@@ -149,7 +149,7 @@ def test_decode_collectives_do_not_grow_with_the_prompt(model, mesh):
   all-gather of the cache."""
   def hlo(max_len):
     cp = ContextParallelEngine(model, mesh, max_len=max_len, kv_block=KV_BLOCK)
-    with jax.set_mesh(mesh):
+    with cp.placement():
       return engine_lib._decode_step.lower(cp.graphdef, cp.state, jnp.zeros((2,), jnp.int32),
                                            cp.init_cache(2), kv_block=KV_BLOCK
                                            ).compile().as_text()

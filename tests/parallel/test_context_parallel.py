@@ -4,6 +4,7 @@ forward and gradients, in the contiguous and the zigzag layout (shard r holds pi
 
 import collections
 import dataclasses
+import functools
 import re
 
 import jax
@@ -14,11 +15,12 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
 
 from hybridmoe_jax.config import ComputeConfig
-from hybridmoe_jax.layers.conv import short_conv
+from hybridmoe_jax.ops.conv import short_conv
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
 from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, kda_shard,
                                             latent_attention_shard, piece_table,
                                             previous_tokens, short_conv_shard)
@@ -47,6 +49,14 @@ def _sharded(mesh, body, n_in, zigzag=False):
     return f
   perm = _layout_order(zigzag)
   return lambda *a: f(*(x[:, perm] for x in a))[:, np.argsort(perm)]
+
+
+def _under(plan, fn):
+  """fn traced under the execution plan `plan`."""
+  def traced(*args, **kwargs):
+    with execution_plan(plan):
+      return fn(*args, **kwargs)
+  return traced
 
 
 def _layout_order(zigzag, n=N, t=T):
@@ -274,11 +284,12 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   flat_scan = dict(jax.tree_util.tree_flatten_with_path(scan[1])[0])
   mesh = make_mesh(**sizes)
   dispatch = ExpertParallelDispatch(mesh) if sizes.get("expert", 1) > 1 else None
-  model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute, moe_dispatch=dispatch,
-                   context=ContextParallel(mesh, block=8, zigzag=zigzag))
+  plan = ExecutionPlan(context=ContextParallel(mesh, block=8, zigzag=zigzag),
+                       moe_dispatch=dispatch)
+  model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute)
   placed = [jax.device_put(x, batch_sharding(mesh, sequence=True)) for x in (tokens, seg)]
   with jax.set_mesh(mesh):
-    got = nnx.jit(_logits_and_grads)(model, *placed)
+    got = nnx.jit(_under(plan, _logits_and_grads))(model, *placed)
   assert _max_rel(got[0], want[0]) < 1e-5
   for i, experts in want[2].items():   # recorded routes come back in sequence order
     np.testing.assert_array_equal(got[2][i], experts, err_msg=f"routes of layer {i}")
@@ -325,10 +336,10 @@ def _routing_hlo(mesh, t, dispatch=None):
   cfg = tiny_model_config(num_experts=_E, experts_per_token=2)
   cfg = dataclasses.replace(cfg, layer_kinds=("kda",), num_layers=1,
                             moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
-  model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=ComputeConfig(kda_chunk_size=16),
-                   moe_dispatch=dispatch, context=ContextParallel(mesh))
+  model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=ComputeConfig(kda_chunk_size=16))
   graphdef, state = nnx.split(model)
 
+  @functools.partial(_under, ExecutionPlan(context=ContextParallel(mesh), moe_dispatch=dispatch))
   def loss(state, tokens, seg):
     logits, aux = nnx.merge(graphdef, state)(tokens, segment_ids=seg, record_routes=True)
     return jnp.mean(logits[..., 0] * (seg > 0)) + 0 * jnp.sum(aux["routes"][0])
@@ -380,8 +391,7 @@ def test_moe_layer_on_token_shards_equals_one_device(replayed):
   mask = jnp.asarray(np.arange(T)[None] < np.array([[T], [T - 3], [50], [T]]))
   replay = (jnp.asarray(np.argsort(rng.random((b, T, _E)), -1)[..., :2], jnp.int32)
             if replayed else None)
-  make = lambda context: MoE(d, cfg, norm_eps=1e-6, compute=ComputeConfig(),
-                             rngs=nnx.Rngs(0), context=context)
+  make = lambda: MoE(d, cfg, norm_eps=1e-6, compute=ComputeConfig(), rngs=nnx.Rngs(0))
 
   def run(model, x, mask, replay):
     def loss(model, x):
@@ -390,10 +400,11 @@ def test_moe_layer_on_token_shards_equals_one_device(replayed):
     (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
     return out, (nnx.to_pure_dict(grads[0]), grads[1])
 
-  want = nnx.jit(run)(make(None), x, mask, replay)
+  want = nnx.jit(run)(make(), x, mask, replay)
   put = lambda a: None if a is None else jax.device_put(a, batch_sharding(mesh, sequence=True))
   with jax.set_mesh(mesh):
-    got = nnx.jit(run)(make(ContextParallel(mesh)), put(x), put(mask), put(replay))
+    got = nnx.jit(_under(ExecutionPlan(context=ContextParallel(mesh)), run))(
+        make(), put(x), put(mask), put(replay))
   (y, stats, experts), grads = got
   assert _max_rel(y, want[0][0]) < 1e-5
   np.testing.assert_array_equal(experts, want[0][2])

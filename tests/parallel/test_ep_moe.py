@@ -17,6 +17,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from tests.conftest import rel_rms
 from tests.parallel.helpers import make_mesh
@@ -28,17 +29,25 @@ SKEW = np.zeros((E,), np.float32)
 SKEW[:2] = 10.0   # experts 0 and 1 (both on expert shard 0 for EP <= 8) win every token
 
 
-def _loss_fn(graphdef):
+def _loss_fn(graphdef, dispatch=None):
   def loss(params, rest, x, r):
     model = nnx.merge(graphdef, params, rest)
-    y, stats, _ = model(x, mask=jnp.ones(x.shape[:2], bool).at[0, :3].set(False))
+    with execution_plan(ExecutionPlan(moe_dispatch=dispatch)):
+      y, stats, _ = model(x, mask=jnp.ones(x.shape[:2], bool).at[0, :3].set(False))
     return jnp.sum(y * r), stats
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
 
 
-def _moe(cfg, impl="ragged", dispatch=None):
-  return MoE(D, cfg, norm_eps=1e-5, compute=ComputeConfig(moe_impl=impl), rngs=nnx.Rngs(0),
-             dispatch=dispatch)
+def _fwd(dispatch=None):
+  """The jitted MoE forward (m, x, **kwargs), traced under a plan with `dispatch`."""
+  def fwd(m, x, **kwargs):
+    with execution_plan(ExecutionPlan(moe_dispatch=dispatch)):
+      return m(x, **kwargs)
+  return nnx.jit(fwd)
+
+
+def _moe(cfg, impl="ragged"):
+  return MoE(D, cfg, norm_eps=1e-5, compute=ComputeConfig(moe_impl=impl), rngs=nnx.Rngs(0))
 
 
 def _run(impl, bias, x, r, cfg=CFG):
@@ -76,9 +85,8 @@ def _check(got, ref):
 def test_ep_matches_dense_reference(inputs, ep, data, fsdp):
   x, r, biases, refs = inputs
   mesh = make_mesh(data=data, fsdp=fsdp, expert=ep)
-  model = _moe(CFG, dispatch=ExpertParallelDispatch(mesh))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  step = _loss_fn(graphdef)
+  graphdef, params, rest = nnx.split(_moe(CFG), nnx.Param, ...)
+  step = _loss_fn(graphdef, ExpertParallelDispatch(mesh))
   # No mesh context: the dispatch carries its mesh (the layer never reads an ambient one).
   for name in ("random", "skewed"):   # one compilation: the bias is an input
     rest["bias"].set_value(jnp.asarray(biases[name]))
@@ -94,10 +102,11 @@ def test_capacity_factor_drops_and_counts(inputs):
   x, r, _, refs = inputs
   cfg = dataclasses.replace(CFG, num_shared_experts=0, latent_dim=0)
   mesh = make_mesh(data=1, expert=8)
-  model = _moe(cfg, dispatch=ExpertParallelDispatch(mesh, capacity_factor=1.0))
+  model = _moe(cfg)
   model.bias[...] = jnp.asarray(SKEW)
   with jax.set_mesh(mesh):
-    y, stats, _ = nnx.jit(lambda m, x: m(x, mask=jnp.ones(x.shape[:2], bool)))(model, x)
+    y, stats, _ = _fwd(ExpertParallelDispatch(mesh, capacity_factor=1.0))(
+        model, x, mask=jnp.ones(x.shape[:2], bool))
   dense = _moe(cfg, "dense")
   dense.bias[...] = jnp.asarray(SKEW)
   y_ref, _, _ = dense(x)
@@ -117,14 +126,12 @@ def test_replay_runs_the_given_experts_and_counts_the_routers_own():
   rng = np.random.default_rng(1)
   replay = np.stack([rng.permutation(E)[:K] for _ in range(x.shape[0] * x.shape[1])])
   replay = jnp.asarray(replay.reshape(*x.shape[:2], K), jnp.int32)
-  models = [_moe(CFG), _moe(CFG, dispatch=ExpertParallelDispatch(make_mesh(data=2, expert=4)))]
-  bias = jnp.asarray(rng.normal(size=(E,)).astype(np.float32) * 0.1)
-  for model in models:
-    model.bias[...] = bias
-  fwd = nnx.jit(lambda m, x, replay: m(x, replay=replay))
-  _, fresh, _ = fwd(models[0], x, None)
-  y_ref, stats_ref, experts_ref = fwd(models[0], x, replay)
-  y, stats, experts = fwd(models[1], x, replay)
+  model = _moe(CFG)
+  model.bias[...] = jnp.asarray(rng.normal(size=(E,)).astype(np.float32) * 0.1)
+  local, ep = _fwd(), _fwd(ExpertParallelDispatch(make_mesh(data=2, expert=4)))
+  _, fresh, _ = local(model, x, replay=None)
+  y_ref, stats_ref, experts_ref = local(model, x, replay=replay)
+  y, stats, experts = ep(model, x, replay=replay)
   np.testing.assert_array_equal(experts, replay)
   np.testing.assert_array_equal(experts_ref, replay)
   assert rel_rms(y_ref, y) < 1e-5
@@ -139,7 +146,8 @@ def test_dispatch_validates_its_arguments():
     ExpertParallelDispatch(make_mesh(expert=8), capacity_factor=-1.0)
   with pytest.raises(ValueError, match="exchange impl"):
     ExpertParallelDispatch(make_mesh(expert=8), exchange="fast")
-  bad = _moe(dataclasses.replace(CFG, num_experts=12),
-             dispatch=ExpertParallelDispatch(make_mesh(data=1, expert=8)))
+  bad = _moe(dataclasses.replace(CFG, num_experts=12))
   with pytest.raises(ValueError, match="12 experts do not split over mesh.expert=8"):
-    bad(jnp.zeros((8, 4, D)))
+    with execution_plan(ExecutionPlan(
+        moe_dispatch=ExpertParallelDispatch(make_mesh(data=1, expert=8)))):
+      bad(jnp.zeros((8, 4, D)))

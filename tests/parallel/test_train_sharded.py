@@ -18,6 +18,7 @@ from hybridmoe_jax.layers.balancing import update_bias
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.quantile_balance import bias_from_histogram, qb_range
+from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import rules, runtime
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import mesh_shape
@@ -73,11 +74,12 @@ def test_sharded_train_step_equals_unsharded(sizes):
   rt = _setup(c, sizes)
   assert isinstance(rt.moe_dispatch, ExpertParallelDispatch) and rt.moe_dispatch.mesh is rt.mesh
   assert (rt.context is not None) == ("context" in sizes)
-  kw = dict(moe_dispatch=rt.moe_dispatch, context=rt.context)
-  graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0, **kw)
-  state = rt.init_state(lambda: create_train_state(cfg, COMPUTE, tx, 0, **kw)[1], abstract)
-  # The reference: the same values on one device, the plain (local experts, unsharded) step.
+  graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0)
+  state = rt.init_state(lambda: create_train_state(cfg, COMPUTE, tx, 0)[1], abstract)
+  # The reference: the same values on one device, the plain (local experts, unsharded) step
+  # of the same graph (the plan, not the graphdef, says where the ops run).
   ref_graphdef, _ = abstract_train_state(cfg, COMPUTE, tx, 0)
+  assert ref_graphdef == graphdef
   ref = jax.device_put(jax.device_get(state), jax.devices()[0])
   step_args = dict(grad_accum=run.train.grad_accum, schedule=schedule)
   ref_step = make_train_step(ref_graphdef, cfg, tx, **step_args)
@@ -115,17 +117,22 @@ def test_sharded_qb_bias_is_the_pooled_global_quantile():
   cfg = model_config_from_dict(c.model).moe
   cfg = dataclasses.replace(cfg, num_experts=16, experts_per_token=2)
   mesh = make_mesh(data=2, fsdp=2, expert=2)
-  model, sharded = (MoE(32, cfg, norm_eps=1e-5, compute=COMPUTE, rngs=nnx.Rngs(1), dispatch=d)
-                    for d in (None, ExpertParallelDispatch(mesh)))
+  model = MoE(32, cfg, norm_eps=1e-5, compute=COMPUTE, rngs=nnx.Rngs(1))
   model.bias[...] = jnp.linspace(-0.2, 0.3, 16)
-  sharded.bias[...] = jnp.linspace(-0.2, 0.3, 16)
   x = jax.random.normal(jax.random.PRNGKey(2), (8, 16, 32)) * jnp.linspace(0.2, 3, 8)[:, None,
                                                                                       None]
-  fwd = nnx.jit(lambda m, x, mask: m(x, mask=mask)[1])
+
+  def fwd(plan):
+    def stats(m, x, mask):
+      with execution_plan(plan):
+        return m(x, mask=mask)[1]
+    return nnx.jit(stats)
+
   every = jnp.ones(x.shape[:2], bool)
-  ref = fwd(model, x, every)
+  local = fwd(None)
+  ref = local(model, x, every)
   with jax.set_mesh(mesh):
-    got = fwd(sharded, x, every)
+    got = fwd(ExecutionPlan(moe_dispatch=ExpertParallelDispatch(mesh)))(model, x, every)
   np.testing.assert_array_equal(got["qb_hist"], ref["qb_hist"])
   np.testing.assert_array_equal(got["load"], ref["load"])
   bias = model.bias[...]
@@ -133,7 +140,7 @@ def test_sharded_qb_bias_is_the_pooled_global_quantile():
   np.testing.assert_array_equal(new, new_ref)
   # Average of per-row-group quantiles (what pooling avoids) is measurably different.
   rows = jnp.arange(8)[:, None]
-  shards = [fwd(model, x, every & (rows // 2 == i)) for i in range(4)]   # same compile
+  shards = [local(model, x, every & (rows // 2 == i)) for i in range(4)]   # same compile
   lo, hi = qb_range(bias)
   per = [bias_from_histogram(s["qb_hist"], lo, hi, jnp.sum(s["load"]) / 16) for s in shards]
   assert float(jnp.max(jnp.abs(jnp.mean(jnp.stack(per), 0) - new))) > 1e-3
@@ -197,7 +204,7 @@ def test_zigzag_flag_reaches_the_context_runner():
 
 def test_single_device_mesh_is_the_plain_path():
   rt = _setup(_config(), dict(data=1, fsdp=-1, expert=1, tensor=1), devices=jax.devices()[:1])
-  assert rt.mesh is None and rt.moe_dispatch is None and rt.step_kwargs() == {}
+  assert rt.mesh is None and rt.plan == LOCAL and rt.step_kwargs() == {}
 
 
 def test_dense_moe_impl_stays_local_on_a_mesh():

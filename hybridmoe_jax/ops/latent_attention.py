@@ -1,0 +1,207 @@
+"""MLA's latent attention: one dispatch table for the training forward, one for the cached
+forward, over one shared latent KV head (DESIGN s2).
+
+Conventions: B batch, T tokens, H heads, d_c latent, Dn/Dr/Dv the nope/rope-slot/value head
+dims, N cache capacity. W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv] are the up projections; the
+absorbed query of head h is [W_uk_h q_nope_h ; q_rope_h] (`absorb`), and the absorbed output
+W_uv_h^T o_c_h (`unabsorb`).
+
+`latent_attention` (training, whole packed sequences) runs, in order of `choose`:
+  "context"  under a plan with a context runner: absorbed, over latents gathered across the
+             sequence shards (`plan.context.latent_attention`);
+  else the core `ops.attention_backends.resolve_impl` picks (dense / blockwise XLA, cuDNN,
+  Triton, splash) over the expanded heads k_h = [W_uk_h c ; k_r], v_h = W_uv_h c.
+`cached_latent_attention` (decode) writes the chunk's latents and attends, by `choose_cached`:
+  "context_cache"  the cache sharded along N (`plan.context.cached_latent_attention`);
+  "absorbed"       here: blockwise online softmax over the filled part of the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import attention_backends as backends
+from .plan import ExecutionPlan, current_plan, run_local
+
+_F32 = jnp.float32
+NEG_INF = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
+
+
+def absorb(q: jax.Array, w_uk: jax.Array) -> jax.Array:
+  """q [B, T, H, Dn + Dr], W_uk [d_c, H, Dn] -> absorbed q [B, T, H, d_c + Dr] in q's dtype."""
+  dn = w_uk.shape[-1]
+  q_c = jnp.einsum("bthn,chn->bthc", q[..., :dn], w_uk, preferred_element_type=_F32)
+  return jnp.concatenate([q_c.astype(q.dtype), q[..., dn:]], axis=-1)
+
+
+def unabsorb(o_c: jax.Array, w_uv: jax.Array, dtype) -> jax.Array:
+  """o_c [B, T, H, d_c], W_uv [d_c, H, Dv] -> [B, T, H, Dv] float32 (matmul in `dtype`)."""
+  return jnp.einsum("bthc,chv->bthv", o_c.astype(dtype), w_uv, preferred_element_type=_F32)
+
+
+def write_cache(buf: jax.Array, new: jax.Array, start: jax.Array, n_valid: jax.Array) -> jax.Array:
+  """buf[b, start[b] + i] = new[b, i] for i < n_valid[b]; padding (and overflow) dropped."""
+  b, n = buf.shape[:2]
+  i = jnp.arange(new.shape[1])[None, :]
+  idx = jnp.where(i < n_valid[:, None], start[:, None] + i, n)    # out of range -> dropped
+  return buf.at[jnp.arange(b)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
+
+
+def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
+                             q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
+                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Causal attention of T queries over one shared latent KV head, blockwise (flash style),
+  left unnormalised so that attention over pieces of a cache can be merged exactly
+  (`parallel.context_decode` merges the pieces held by different devices).
+
+  Args:
+    q_c: [B, T, H, d_c] absorbed queries; q_r: [B, T, H, Dr] rope-slot queries.
+    c: [B, N, d_c] cached latents (keys and values); k_r: [B, N, Dr] cached rope keys.
+    q_pos: [B, T] int32 positions of the queries in their row (key j visible iff j <= q_pos).
+    total: [B] int32 filled positions per row; only ceil(total / kv_block) blocks of a row
+      are read, so the cost grows with the context, not with the capacity N (queries past
+      `total`, i.e. padding, see no keys beyond it).
+    scale: logit scale.
+    kv_block: keys per block.
+  Returns:
+    (m [B, T, H] running max of the logits (-1e30 where no key is visible), l [B, T, H] sum
+    of exp(s - m), acc [B, T, H, d_c] sum of exp(s - m) c), all float32.
+  """
+  b, t, h, d_c = q_c.shape
+  n = c.shape[1]
+  blk = min(kv_block, n)
+  q = jnp.concatenate([q_c, q_r], axis=-1).reshape(b, t * h, -1)   # heads share the keys
+
+  def row(q, c, k_r, q_pos, total):
+    """One row: q [T*H, D], c [N, d_c], k_r [N, Dr], q_pos [T], total []. Vmapped, so each
+    row's blocks take the masked or the unmasked path by its own positions alone (a row's
+    bits do not depend on which other rows share the batch)."""
+    n_blocks = (total + blk - 1) // blk
+    # Blocks that every query sees whole need no mask: on CPU the masks cost as much as the
+    # block's matmuls (2.4x slower at 128K), and at long context nearly every block is such.
+    n_full = jnp.clip((jnp.min(q_pos) + 1) // blk, 0, jnp.minimum(n_blocks, n // blk))
+
+    def scores(start):
+      kb = jnp.concatenate([jax.lax.dynamic_slice_in_dim(c, start, blk, axis=0),
+                            jax.lax.dynamic_slice_in_dim(k_r, start, blk, axis=0)], axis=-1)
+      return jnp.einsum("qd,nd->qn", q, kb, preferred_element_type=_F32) * scale, kb[:, :d_c]
+
+    def update(carry, s, cb, seen):
+      m, l, acc = carry
+      if seen is not None:
+        s = jnp.where(seen, s, NEG_INF)
+      m_new = jnp.maximum(m, s.max(-1))
+      e = jnp.exp(s - m_new[:, None])
+      if seen is not None:
+        e = jnp.where(seen, e, 0.0)
+      corr = jnp.exp(m - m_new)
+      acc = acc * corr[:, None] + jnp.einsum("qn,nc->qc", e.astype(cb.dtype), cb,
+                                             preferred_element_type=_F32)
+      return m_new, l * corr + e.sum(-1), acc
+
+    def full_block(j, carry):
+      s, cb = scores(j * blk)
+      return update(carry, s, cb, None)
+
+    def edge_block(j, carry):
+      # The last block may overhang N: slide it back and mask what earlier blocks covered.
+      start = jnp.minimum(j * blk, n - blk)
+      s, cb = scores(start)
+      k_pos = (start + jnp.arange(blk))[None, :]
+      seen = (k_pos >= j * blk) & (k_pos <= q_pos[:, None])                  # [T, blk]
+      return update(carry, s, cb, jnp.repeat(seen, h, axis=0))               # [T*H, blk]
+
+    init = (jnp.full((t * h,), NEG_INF, _F32), jnp.zeros((t * h,), _F32),
+            jnp.zeros((t * h, d_c), _F32))
+    carry = jax.lax.fori_loop(0, n_full, full_block, init)
+    return jax.lax.fori_loop(n_full, n_blocks, edge_block, carry)
+
+  m, l, acc = jax.vmap(row)(q, c, k_r, q_pos, total)
+  return m.reshape(b, t, h), l.reshape(b, t, h), acc.reshape(b, t, h, d_c)
+
+
+def latent_attention_blockwise(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
+                      q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
+                      ) -> jax.Array:
+  """`latent_attention_partial` normalised: [B, T, H, d_c] float32 sum_j softmax_j c_j."""
+  _, l, acc = latent_attention_partial(q_c, q_r, c, k_r, q_pos, total, scale, kv_block)
+  return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def choose(impl: str, *, plan: ExecutionPlan | None = None, **facts) -> tuple[str, str]:
+  """The training forward's dispatch table: (name, reason). "context" under a plan with a
+  context runner, else `attention_backends.resolve_impl(impl, **facts)`."""
+  plan = current_plan() if plan is None else plan
+  if plan.context is not None:
+    return "context", f"absorbed over the sequence shards of {type(plan.context).__name__}"
+  return backends.resolve_impl(impl, **facts)
+
+
+def choose_cached(plan: ExecutionPlan | None = None) -> tuple[str, str]:
+  """The cached forward's dispatch table: (name, reason)."""
+  plan = current_plan() if plan is None else plan
+  if plan.shards_cache:
+    return "context_cache", "the cache is sharded over the context axis (plan)"
+  return "absorbed", "blockwise online softmax over the filled cache"
+
+
+def latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, w_uk: jax.Array,
+                     w_uv: jax.Array, *, segment_ids: jax.Array | None, scale: float,
+                     impl: str, block: int, interpret: bool = False) -> jax.Array:
+  """Causal attention of whole (packed) sequences over their latents (training).
+
+  Args:
+    q: [B, T, H, Dn + Dr] queries (compute dtype); c: [B, T, d_c] latents; k_r: [B, T, Dr]
+      rope keys; w_uk, w_uv: the up projections (compute dtype).
+    segment_ids: [B, T] int32 packed-document ids, or None.
+    scale: logit scale; impl, block, interpret: `compute.mla_impl`, `compute.mla_block`, the
+      Pallas interpreter (tests).
+  Returns:
+    [B, T, H, Dv] (float32 or the core's dtype).
+  """
+  b, t, h, _ = q.shape
+  backend, capability = backends.current_backend()
+  name, _ = choose(impl, backend=backend, seq_len=t, block=block, head_dim=q.shape[-1],
+                   v_head_dim=w_uv.shape[-1], dtype=jnp.dtype(q.dtype).name,
+                   has_segments=segment_ids is not None, compute_capability=capability,
+                   interpret=interpret)
+  if name == "context":
+    o_c = run_local(current_plan().context.latent_attention, absorb(q, w_uk), c, k_r,
+                    segment_ids=segment_ids, scale=scale)
+    return unabsorb(o_c, w_uv, q.dtype)
+  k = jnp.einsum("btc,chn->bthn", c, w_uk)
+  k = jnp.concatenate([k, jnp.broadcast_to(k_r[:, :, None, :], (b, t, h, k_r.shape[-1]))
+                       .astype(k.dtype)], axis=-1)
+  v = jnp.einsum("btc,chv->bthv", c, w_uv)
+  return backends.attend(name, q, k, v, segment_ids=segment_ids, scale=scale, block=block,
+                         interpret=interpret)
+
+
+def cached_latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, cache,
+                            length: jax.Array, n_valid: jax.Array, w_uk: jax.Array,
+                            w_uv: jax.Array, *, scale: float, kv_block: int):
+  """Writes a chunk's latents into the cache and attends (decode).
+
+  Args:
+    q: [B, T, H, Dn + Dr] queries; c: [B, T, d_c], k_r: [B, T, Dr] the chunk's latents.
+    cache: a pytree with fields c [B, N, d_c] and k_r [B, N, Dr] (`layers.mla.MLACache`, or
+      the plan's sharded cache).
+    length: [B] int32 tokens already cached; n_valid: [B] int32 real tokens of the chunk (a
+      prefix of each row): row b's token i sits at position length[b] + i.
+    w_uk, w_uv: the up projections; scale: logit scale; kv_block: keys per block.
+  Returns:
+    (o [B, T, H, Dv] float32, the updated cache).
+  """
+  q_abs = absorb(q, w_uk)
+  if choose_cached()[0] == "context_cache":
+    o_c, cache = run_local(current_plan().context.cached_latent_attention, q_abs, c, k_r,
+                           cache, n_valid, scale=scale, kv_block=kv_block)
+    return unabsorb(o_c, w_uv, q.dtype), cache
+  cache = cache._replace(c=write_cache(cache.c, c, length, n_valid),
+                         k_r=write_cache(cache.k_r, k_r, length, n_valid))
+  q_pos = length[:, None] + jnp.arange(q.shape[1])[None, :]
+  d_c = c.shape[-1]
+  o_c = latent_attention_blockwise(q_abs[..., :d_c], q_abs[..., d_c:], cache.c, cache.k_r,
+                                   q_pos, length + n_valid, scale, kv_block)
+  return unabsorb(o_c, w_uv, q.dtype), cache
