@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe_jax.ops import kda
+from hybridmoe_jax.ops.kda import kda
 from pallas_kernels.kda import kda_pallas
 from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
 

@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops import kda
+from hybridmoe_jax.ops.kda import kda
 
 
 def make_inputs(B, T, H, K, V, lower_bound, seed=0):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridmoe_jax.ops.kda_chunked import kda_chunked
+from hybridmoe_jax.ops.kda.chunked import kda_chunked
 from hybridmoe_jax.parallel.topology import topology_devices
 from pallas_kernels.kda import kda_pallas
 

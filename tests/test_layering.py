@@ -3,7 +3,10 @@
 Ranks (a module may import modules of its own group or of a lower rank only):
   0 config (the typed config tree: model, run, rl, hardware, sharding axes, the CLIs' --config
     flag), plots (figures: numpy + matplotlib only), io (file formats: numpy + json)
-  1 ops, pallas_kernels (external, importable with jax alone)
+  1 ops, pallas_kernels (external, importable with jax alone; pallas_kernels builds on the
+    ops' XLA helpers, e.g. ops.kda.chunked)
+  1.5 ops_api: an op's entry point and dispatch table that may run a Pallas kernel
+    (ops.kda = ops/kda/__init__ and ops/kda/api.py): above both, so no arrow runs upward
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
     (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format)
   7 tools (tools/: describe, aot, agent_eval, timing) and api.py (`load`); they may import
@@ -26,7 +29,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
-RANKS = {"config": 0, "plots": 0, "io": 0, "ops": 1, "pallas_kernels": 1, "layers": 2,
+OPS_API = ("hybridmoe_jax.ops.kda", "hybridmoe_jax.ops.kda.api")
+RANKS = {"config": 0, "plots": 0, "io": 0, "ops": 1, "pallas_kernels": 1, "ops_api": 1.5,
+         "layers": 2,
          "model": 3, "parallel": 4, "train": 5, "infer": 5, "evals": 6, "convert": 6, "rl": 6,
          "tools": 7, "api": 7, "serve": 8}
 TOOLS_RANK = 7
@@ -82,10 +87,12 @@ def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
 
 def _group(name: str) -> str:
   """hybridmoe_jax.layers.moe -> "layers"; hybridmoe_jax.tools.describe -> "describe";
-  hybridmoe_jax -> "__root__"; pallas_kernels.* -> "pallas_kernels"."""
+  hybridmoe_jax -> "__root__"; pallas_kernels.* -> "pallas_kernels"; OPS_API -> "ops_api"."""
   parts = name.split(".")
   if parts[0] == "pallas_kernels":
     return "pallas_kernels"
+  if name in OPS_API:
+    return "ops_api"
   return parts[1] if len(parts) > 1 else "__root__"
 
 
@@ -204,6 +211,9 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
   assert not _violation("hybridmoe_jax.train.step", "hybridmoe_jax.data.tokenizer")
   assert not _violation("hybridmoe_jax.evals.loading", "hybridmoe_jax.train.state")
   assert not _violation("hybridmoe_jax.ops.kda", "pallas_kernels.kda")
+  assert not _violation("pallas_kernels.kda.reference", "hybridmoe_jax.ops.kda.chunked")
+  assert _violation("pallas_kernels.kda.api", "hybridmoe_jax.ops.kda.api")
+  assert _violation("hybridmoe_jax.ops.conv", "hybridmoe_jax.ops.kda")
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -222,3 +232,57 @@ def test_nothing_outside_tests_imports_the_test_package():
         continue
       bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tests"]
   assert not bad, bad
+
+
+def test_layers_reach_parallel_and_kernels_only_through_the_plan_and_ops():
+  """layers/ has one code path: no runner (parallel) or kernel package (pallas_kernels) in
+  its imports; where an op runs is the execution plan's (`ops.plan`) and the op's choice."""
+  graph = _graph()
+  bad = [f"{src} -> {dst}" for src in graph if _group(src) == "layers" for dst in graph[src]
+         if _group(dst) in ("parallel", "pallas_kernels")]
+  assert not bad, bad
+
+
+def _calls(path: pathlib.Path, names: set[str]) -> list[int]:
+  """Lines of `path` calling one of `names` ("f" or "module.f"; docstrings and comments do
+  not count)."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Call):
+      f = node.func
+      name = (f.id if isinstance(f, ast.Name) else f"{f.value.id}.{f.attr}"
+              if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else "")
+      if name in names:
+        out.append(node.lineno)
+  return out
+
+
+def _callers(names: set[str], allowed_dirs: tuple[str, ...], allowed_files: set[str]):
+  bad = []
+  for path in sorted((ROOT / "hybridmoe_jax").rglob("*.py")):
+    rel = path.relative_to(ROOT / "hybridmoe_jax").as_posix()
+    if rel.split("/")[0] in allowed_dirs or rel in allowed_files:
+      continue
+    bad += [f"{rel}:{line}" for line in _calls(path, names)]
+  return bad
+
+
+def test_models_and_graphdefs_are_built_in_few_places():
+  """One graph per model: HybridLM is constructed, and split into a graphdef, in model/,
+  train/ and these named loaders only (a second graph of the same model, e.g. for rollouts,
+  is what the execution plan replaced)."""
+  built = {"api.py", "convert/loading.py", "evals/loading.py", "rl/evaluate.py",
+           "tools/aot.py"}
+  assert not _callers({"HybridLM"}, ("model", "train"), built)
+  assert _calls(ROOT / "hybridmoe_jax/train/state.py", {"HybridLM"})  # the check sees them
+  split = {"api.py", "convert/loading.py", "convert/convert.py", "evals/loading.py",
+           "infer/engine.py", "rl/trainer.py", "tools/aot.py"}
+  assert not _callers({"nnx.split", "split_model"}, ("model", "train"), split)
+
+
+def test_gradients_are_taken_in_train_only():
+  """Every gradient goes through train/ (the step and its swappable loss; RL's objective is
+  a loss_fn of `train.step.make_train_step`)."""
+  grads = {f"{m}.{f}" for m in ("jax", "nnx") for f in ("grad", "value_and_grad")}
+  assert not _callers(grads, ("train",), set())
+  assert _calls(ROOT / "hybridmoe_jax/train/step.py", grads)   # the check sees them

@@ -5,14 +5,8 @@ nope/rope-slot/value head dims, N cache capacity. The rope slot is a shared key 
 never rotated.
 
 Training runs over whole (packed) sequences, decoding continues from an `MLACache` (per
-token only the latent c and the rope key k_r); where each runs (the XLA / kernel cores, the
-absorbed form, a context-parallel plan) is `ops.latent_attention`'s dispatch table. The
-absorbed form: With W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv]:
-    q~_h = W_uk_h q_nope_h                 [d_c]
-    s_j  = (q~_h . c_j + q_rope_h . k_r_j) / sqrt(Dn + Dr)
-    o_h  = W_uv_h^T sum_j softmax(s)_j c_j
-i.e. one shared KV head [c ; k_r] of width d_c + Dr, attended blockwise with an online
-softmax, so memory is O(T * kv_block), not O(T * N).
+token only the latent c and the rope key k_r): both call `ops.latent_attention`, whose
+dispatch tables pick the core (XLA / kernels, the absorbed form, a context-parallel plan).
 
 `cfg.rope_theta > 0` (an ablation of the NoPE design) rotates the rope slot, q_rope_h and k_r,
 by RoPE at each token's position: its place in its own packed document when training, its
@@ -135,9 +129,8 @@ class MLALayer(nnx.Module):
       [B, T, H, Dv] float32.
     """
     w_uk, w_uv = self._up_kernels()
-    q_abs, d_c = absorb(q, w_uk), self.cfg.kv_lora_rank
-    o_c = latent_attention_blockwise(q_abs[..., :d_c], q_abs[..., d_c:], cache.c, cache.k_r,
-                                     q_pos, total, self.cfg.qk_head_dim ** -0.5, kv_block)
+    o_c = latent_attention_blockwise(absorb(q, w_uk), cache.c, cache.k_r, q_pos, total,
+                                     self.cfg.qk_head_dim ** -0.5, kv_block)
     return unabsorb(o_c, w_uv, q.dtype)
 
   def expanded_attention(self, q: jax.Array, cache: "MLACache", q_pos: jax.Array

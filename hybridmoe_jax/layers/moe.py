@@ -19,8 +19,6 @@ always describe the router's OWN fresh top-k (what QB has to balance), replay or
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,45 +30,9 @@ from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.ops.glu import get_glu
 from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
 from hybridmoe_jax.ops.plan import ExecutionPlan, current_plan
-from hybridmoe_jax.ops.routing import Routes, replay_route, sigmoid_topk_route
+from hybridmoe_jax.ops.routing import replay_route, sigmoid_topk_route
 
 _F32 = jnp.float32
-
-
-class ExpertDispatch(Protocol):
-  """Runs the routed experts somewhere other than this device (e.g. expert-parallel).
-
-  __call__(x [m, n_in] compute dtype, routes: Routes of the m tokens, bias [E] fp32,
-  valid [m] bool, w_gate, w_up [E, n_in, I], w_down [E, I, n_in], *, cfg: MoEConfig,
-  glu, dtype, stats_routes: Routes | None = None) -> (y [m, n_in] fp32 = sum_k weights *
-  Expert(x), `routing_stats` of all m tokens computed from `stats_routes`, or from
-  `routes` when it is None). The MoE passes `stats_routes` only under routing replay (the
-  router's fresh top-k), so a dispatch without replay support may omit the keyword.
-  Under a context runner the m tokens come split over (data, fsdp, context), each device's
-  block flattened in place (`parallel.context.ContextParallel.flatten_tokens`).
-  Must be hashable (part of the `ops.plan.ExecutionPlan`).
-  """
-
-  def __call__(self, x, routes: Routes, bias, valid, w_gate, w_up, w_down, *,
-               cfg: MoEConfig, glu, dtype, stats_routes: Routes | None = None
-               ) -> tuple[jax.Array, Stats]: ...
-
-
-class TokenRunner(Protocol):
-  """Runs token-wise work where the tokens live (`parallel.context.ContextParallel`).
-
-  splits(B, T) -> bool: the [B, T] batch is laid out over the runner's token axes;
-  flatten_tokens([B, T, ...]) -> [m, ...] and unflatten_tokens([m, ...], B, T): each
-  device's own block, flattened in place (device-major token order);
-  tokenwise(fn, per_token, shared) -> fn(*per_token, *shared) = (per-token outputs, additive
-  outputs) run on each device's tokens, the additive part summed over all of them.
-  Must be hashable (the plan's `context`).
-  """
-
-  def splits(self, b: int, t: int) -> bool: ...
-  def flatten_tokens(self, x: jax.Array) -> jax.Array: ...
-  def unflatten_tokens(self, y: jax.Array, b: int, t: int) -> jax.Array: ...
-  def tokenwise(self, fn, per_token: tuple, shared: tuple = ()): ...
 
 
 class RoutingBias(nnx.Variable):
@@ -194,9 +156,9 @@ class MoE(nnx.Module):
   else:    y = sum_e p_e Expert_e(x) + Shared(x)
   with routes and p from `sigmoid_topk_route` (the bias chooses, the scores weigh), or
   under replay the given routes and p from `replay_route`.
-  Where the routed experts run is `run_experts`' choice (the plan's `ExpertDispatch`, which
-  needs moe_impl "ragged", or this device). Under a plan whose context runner
-  (`TokenRunner`) lays the batch out over its token axes, the routing (and the local experts
+  Where the routed experts run is `run_experts`' choice (the plan's `moe_dispatch`, which
+  needs moe_impl "ragged", or this device). Under a plan whose context runner lays the
+  batch out over its token axes, the routing (and the local experts
   and the statistics) run on each device's own tokens, never on the gathered sequence.
   """
 

@@ -8,9 +8,6 @@ from .decay import bounded_log_decay
 from .decay import unbounded_log_decay
 from .glu import situ_glu
 from .glu import swiglu
-from .kda import kda
-from .kda_chunked import kda_chunked
-from .kda_recurrent import kda_recurrent
 from .quantile_balance import bias_from_histogram
 from .quantile_balance import qb_histogram
 from .quantile_balance import quantile_balance

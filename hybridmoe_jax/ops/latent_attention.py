@@ -1,19 +1,13 @@
-"""MLA's latent attention: one dispatch table for the training forward, one for the cached
-forward, over one shared latent KV head (DESIGN s2).
+"""MLA's latent attention (DESIGN s2): one dispatch table for training, one for decoding.
 
-Conventions: B batch, T tokens, H heads, d_c latent, Dn/Dr/Dv the nope/rope-slot/value head
-dims, N cache capacity. W_uk [d_c, H, Dn] and W_uv [d_c, H, Dv] are the up projections; the
-absorbed query of head h is [W_uk_h q_nope_h ; q_rope_h] (`absorb`), and the absorbed output
-W_uv_h^T o_c_h (`unabsorb`).
-
-`latent_attention` (training, whole packed sequences) runs, in order of `choose`:
-  "context"  under a plan with a context runner: absorbed, over latents gathered across the
-             sequence shards (`plan.context.latent_attention`);
-  else the core `ops.attention_backends.resolve_impl` picks (dense / blockwise XLA, cuDNN,
-  Triton, splash) over the expanded heads k_h = [W_uk_h c ; k_r], v_h = W_uv_h c.
-`cached_latent_attention` (decode) writes the chunk's latents and attends, by `choose_cached`:
-  "context_cache"  the cache sharded along N (`plan.context.cached_latent_attention`);
-  "absorbed"       here: blockwise online softmax over the filled part of the cache.
+B batch, T tokens, H heads, d_c latent, Dn/Dr/Dv the nope/rope-slot/value head dims, N cache
+capacity; up projections W_uk [d_c, H, Dn], W_uv [d_c, H, Dv]. Absorbed form: one shared KV
+head [c ; k_r] of width d_c + Dr, query [W_uk_h q_nope_h ; q_rope_h] (`absorb`), output
+W_uv_h^T sum_j softmax(s)_j c_j (`unabsorb`), attended blockwise with an online softmax.
+`latent_attention` (training; `choose`): "context" (plan: absorbed over the sequence
+shards), else the XLA / kernel core of `attention_backends.resolve_impl` over the expanded
+heads. `cached_latent_attention` (decode; `choose_cached`): "context_cache" (plan: the
+cache split along N), else "absorbed" here, over the filled part of the cache.
 """
 
 from __future__ import annotations
@@ -48,15 +42,15 @@ def write_cache(buf: jax.Array, new: jax.Array, start: jax.Array, n_valid: jax.A
   return buf.at[jnp.arange(b)[:, None], idx].set(new.astype(buf.dtype), mode="drop")
 
 
-def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
-                             q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
+def latent_attention_partial(q: jax.Array, c: jax.Array, k_r: jax.Array, q_pos: jax.Array,
+                             total: jax.Array, scale: float, kv_block: int
                              ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Causal attention of T queries over one shared latent KV head, blockwise (flash style),
   left unnormalised so that attention over pieces of a cache can be merged exactly
   (`parallel.context_decode` merges the pieces held by different devices).
 
   Args:
-    q_c: [B, T, H, d_c] absorbed queries; q_r: [B, T, H, Dr] rope-slot queries.
+    q: [B, T, H, d_c + Dr] absorbed queries (`absorb`).
     c: [B, N, d_c] cached latents (keys and values); k_r: [B, N, Dr] cached rope keys.
     q_pos: [B, T] int32 positions of the queries in their row (key j visible iff j <= q_pos).
     total: [B] int32 filled positions per row; only ceil(total / kv_block) blocks of a row
@@ -68,10 +62,10 @@ def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: 
     (m [B, T, H] running max of the logits (-1e30 where no key is visible), l [B, T, H] sum
     of exp(s - m), acc [B, T, H, d_c] sum of exp(s - m) c), all float32.
   """
-  b, t, h, d_c = q_c.shape
-  n = c.shape[1]
+  b, t, h, _ = q.shape
+  n, d_c = c.shape[1:]
   blk = min(kv_block, n)
-  q = jnp.concatenate([q_c, q_r], axis=-1).reshape(b, t * h, -1)   # heads share the keys
+  q = q.reshape(b, t * h, -1)   # the heads share the keys
 
   def row(q, c, k_r, q_pos, total):
     """One row: q [T*H, D], c [N, d_c], k_r [N, Dr], q_pos [T], total []. Vmapped, so each
@@ -121,11 +115,10 @@ def latent_attention_partial(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: 
   return m.reshape(b, t, h), l.reshape(b, t, h), acc.reshape(b, t, h, d_c)
 
 
-def latent_attention_blockwise(q_c: jax.Array, q_r: jax.Array, c: jax.Array, k_r: jax.Array,
-                      q_pos: jax.Array, total: jax.Array, scale: float, kv_block: int
-                      ) -> jax.Array:
+def latent_attention_blockwise(q: jax.Array, c: jax.Array, k_r: jax.Array, q_pos: jax.Array,
+                               total: jax.Array, scale: float, kv_block: int) -> jax.Array:
   """`latent_attention_partial` normalised: [B, T, H, d_c] float32 sum_j softmax_j c_j."""
-  _, l, acc = latent_attention_partial(q_c, q_r, c, k_r, q_pos, total, scale, kv_block)
+  _, l, acc = latent_attention_partial(q, c, k_r, q_pos, total, scale, kv_block)
   return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
@@ -201,7 +194,6 @@ def cached_latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, cache,
   cache = cache._replace(c=write_cache(cache.c, c, length, n_valid),
                          k_r=write_cache(cache.k_r, k_r, length, n_valid))
   q_pos = length[:, None] + jnp.arange(q.shape[1])[None, :]
-  d_c = c.shape[-1]
-  o_c = latent_attention_blockwise(q_abs[..., :d_c], q_abs[..., d_c:], cache.c, cache.k_r,
-                                   q_pos, length + n_valid, scale, kv_block)
+  o_c = latent_attention_blockwise(q_abs, cache.c, cache.k_r, q_pos, length + n_valid, scale,
+                                   kv_block)
   return unabsorb(o_c, w_uv, q.dtype), cache

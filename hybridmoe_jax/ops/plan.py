@@ -1,11 +1,9 @@
-"""Where the ops of the current trace run: the execution plan.
+"""Where the ops of the current trace run: one model graph, many placements.
 
-A model is one graph; where its ops run (a context-parallel runner over sequence shards, an
-expert-parallel MoE dispatch) is a property of the program being traced, not of the model.
-`parallel.runtime` builds the plan from the mesh; the train/eval steps, the AOT compiler and
-the context-parallel engine enter it around tracing (`with execution_plan(plan): ...`), and
-each op's dispatcher (`ops.kda.kda`, `ops.conv.short_conv`, the MLA and MoE layers' cores)
-reads it at trace time. Outside any `with`, the plan is LOCAL: everything on this device.
+`parallel.runtime` builds the plan from the mesh; the train / eval steps, the AOT compiler
+and the context-parallel engine enter it while tracing (`with execution_plan(plan): ...`),
+and each op's dispatch table (`ops.kda.choose`, `ops.conv.short_conv`,
+`ops.latent_attention.choose`, `layers.moe.choose`) reads it. Outside any `with`: LOCAL.
 The plan carries the runners as objects, so ops never import `parallel`.
 """
 
@@ -19,12 +17,19 @@ from typing import Any, Iterator
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionPlan:
-  """context: a context-parallel runner (`parallel.context.ContextParallel`; its subclass
-  `parallel.context_decode.ContextDecode` also holds the decode cache sharded over the
-  sequence), or None: whole sequences on each device.
-  moe_dispatch: the routed experts' dispatch (`parallel.ep_moe.ExpertParallelDispatch`), or
-  None: local experts (`compute.moe_impl`).
-  Hashable: jitted functions may key their programs on it."""
+  """Hashable (jitted functions may key their programs on it).
+
+  context: None (whole sequences on each device) or a context-parallel runner
+    (`parallel.context.ContextParallel`): short_conv / kda / latent_attention over the
+    sequence shards; splits(B, T), flatten_tokens, unflatten_tokens and tokenwise(fn,
+    per_token, shared) run token-wise work (MoE routing) on each device's own tokens.
+    Its subclass `parallel.context_decode.ContextDecode` (shards_cache) also holds the
+    decode cache split over the sequence: kda_continue, cached_latent_attention.
+  moe_dispatch: None (local experts, `compute.moe_impl`) or a callable (x [m, n_in], routes,
+    bias [E], valid [m], w_gate, w_up, w_down, *, cfg, glu, dtype, stats_routes=None) ->
+    (y [m, n_in] fp32, routing stats of all m tokens) that runs the routed experts
+    elsewhere (`parallel.ep_moe.ExpertParallelDispatch`).
+  """
 
   context: Any = None
   moe_dispatch: Any = None
@@ -55,7 +60,7 @@ def execution_plan(plan: ExecutionPlan | None) -> Iterator[ExecutionPlan]:
 
 
 def run_local(fn, *args, **kwargs):
-  """fn(*args, **kwargs) under the LOCAL plan: a runner's per-shard body calls the same ops
-  and must get their local implementations, not the runner again."""
+  """fn(*args, **kwargs) under LOCAL: a runner's per-shard body calls the same ops, which
+  must then run here, not call the runner again."""
   with execution_plan(LOCAL):
     return fn(*args, **kwargs)

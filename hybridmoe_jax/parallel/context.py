@@ -39,10 +39,10 @@ Per-shard bodies, called inside `jax.shard_map` with the sequence axis split ove
   `flatten_tokens` flattens each device's own block in place and `tokenwise` runs the
   routing, the local experts and the (psum-ed) statistics on it (`layers.moe.MoE`).
 
-`ContextParallel(mesh, block, zigzag)` is what a model is built with (`HybridLM(...,
-context=...)`, like the MoE dispatch): its methods take global arrays (batch over data x
-fsdp, sequence over `context`, in the layout) and run the shard bodies in one shard_map
-each. Conventions as in `ops.kda` / `ops.blockwise_attention`.
+`ContextParallel(mesh, block, zigzag)` is the `context` of an execution plan (`ops.plan`;
+the ops call it while the plan is active): its methods take global arrays (batch over
+data x fsdp, sequence over `context`, in the layout) and run the shard bodies in one
+shard_map each. Conventions as in `ops.kda` / `ops.blockwise_attention`.
 """
 
 from __future__ import annotations

@@ -145,7 +145,6 @@ def prefill_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *, scale
   b, t, h, _ = q.shape
   d_c = c.shape[-1]
   r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
-  q_c, q_r = q[..., :d_c], q[..., d_c:]
   q_pos = r * t + jnp.arange(t)
   perm = [(i, (i + 1) % n) for i in range(n)]
 
@@ -153,8 +152,7 @@ def prefill_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *, scale
     """Merge the keys of shard `src` (positions src T + j) into the partial."""
     rel = jnp.broadcast_to(q_pos - src * t, (b, t))
     total = jnp.full((b,), jnp.clip((r - src + 1) * t, 0, t), jnp.int32)  # 0: not read
-    return _merge(part, latent_attention_partial(q_c, q_r, c_blk, r_blk, rel, total, scale,
-                                                 kv_block))
+    return _merge(part, latent_attention_partial(q, c_blk, r_blk, rel, total, scale, kv_block))
 
   def step(s, carry):
     part, c_blk, r_blk = carry
@@ -192,9 +190,8 @@ def decode_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array,
   new_r = cache.k_r.at[rows, idx].set(k_r[:, 0].astype(cache.k_r.dtype), mode="drop")
   filled = cache.filled + jax.nn.one_hot(owner, n, dtype=jnp.int32) * (n_valid > 0)[:, None]
   local = jax.lax.dynamic_index_in_dim(filled, r, axis=1, keepdims=False)       # [B]
-  d_c = c.shape[-1]
-  m, l, acc = latent_attention_partial(q[..., :d_c], q[..., d_c:], new_c, new_r,
-                                       (local - 1)[:, None], local, scale, kv_block)
+  m, l, acc = latent_attention_partial(q, new_c, new_r, (local - 1)[:, None], local, scale,
+                                       kv_block)
   # Log-sum-exp merge over the shards: [B, 1, H] and [B, 1, H, d_c] fp32, whatever T is.
   m_all = jax.lax.pmax(m, axis_name)
   w = jnp.exp(m - m_all)

@@ -157,7 +157,7 @@ def expert_parallel_shard(x, experts, weights, valid, w_gate, w_up, w_down, *,
 @dataclasses.dataclass(frozen=True)
 class ExpertParallelDispatch:
   """The MoE's routed experts over `mesh`: one shard_map over the token axes, experts owned
-  by `expert` shards (an `layers.moe.ExpertDispatch`; static, hashable model structure).
+  by `expert` shards (an `ops.plan.ExecutionPlan.moe_dispatch`).
 
   Attributes:
     mesh: the run's mesh; it must have an `expert` axis (the other token axes are optional).

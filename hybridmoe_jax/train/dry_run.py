@@ -129,7 +129,7 @@ REMATS = ("none", "dots", "full")
 
 
 def kda_scan_tokens(chunk_size: int) -> int:
-  """Tokens per step of the chunked KDA's scan (ops/kda_chunked.py: at least 64 and two
+  """Tokens per step of the chunked KDA's scan (ops/kda/chunked.py: at least 64 and two
   chunks): the scan keeps one fp32 state per step for the backward."""
   return chunk_size * max(2, 64 // chunk_size)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe_jax.ops.decay import check_lower_bound
-from hybridmoe_jax.ops.kda_recurrent import check_kda_inputs
+from hybridmoe_jax.ops.kda.recurrent import check_kda_inputs
 from hybridmoe_jax.ops.platform import target_platform
 
 from .config import (

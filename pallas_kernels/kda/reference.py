@@ -3,7 +3,7 @@
 Conventions: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
 state [B, HV, K, V] float32. Chunk layout [B*HV, N, C, F] float32 (N chunks of C tokens).
 
-`kda_reference` is the exact chunked XLA path (ops/kda_chunked.py, equal to the token
+`kda_reference` is the exact chunked XLA path (ops/kda/chunked.py, equal to the token
 recurrence to fp32 rounding). `chunk_prep` computes, in XLA, the chunk-parallel quantities
 of the chunked form (W, U, q e^G, k e^(G_C - G), A_qk, e^G_C) with the kernels' anchoring and
 refined 16 x 16 inverses: the split forward feeds them to the Pallas recurrence, and the
@@ -18,11 +18,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops.kda_blocks import invert_unit_lower
-from hybridmoe_jax.ops.kda_chunked import (  # the chunked path's own building blocks
-    _chunk_cumsum,
-    _intra_chunk_scores,
-    _to_chunks,
+from hybridmoe_jax.ops.kda.blocks import invert_unit_lower
+from hybridmoe_jax.ops.kda.chunked import (  # the chunked path's own building blocks
+    chunk_cumsum,
+    intra_chunk_scores,
+    split_chunks,
     kda_chunked,
 )
 
@@ -52,7 +52,7 @@ class ChunkPrep(NamedTuple):
 def to_chunks(x: jax.Array, chunk_size: int) -> jax.Array:
   """[B, T, HV, ...] -> [B*HV, N, C, ...] float32, zero-padded along T."""
   n = -(-x.shape[1] // chunk_size)
-  return _to_chunks(x, n, chunk_size)
+  return split_chunks(x, n, chunk_size)
 
 
 def _refined_inverse(L: jax.Array) -> jax.Array:
@@ -100,9 +100,9 @@ def chunk_prep(q, k, v, g, beta, seg=None, *, scale: float, lower_bound: float,
   kc = to_chunks(jnp.repeat(k, rep, axis=2), c)
   vc, gc = to_chunks(v, c), to_chunks(g, c)
   bc = to_chunks(beta, c)[..., None]
-  G = _chunk_cumsum(gc, None)
+  G = chunk_cumsum(gc, None)
   sc = None if seg is None else jnp.repeat(seg.reshape(seg.shape[0], -1, c), HV, axis=0)
-  a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, G, sc, lower_bound)
+  a_qk, a_kk = intra_chunk_scores(qc, kc, gc, G, sc, lower_bound)
   strict = jnp.tril(jnp.ones((c, c), bool), -1)
   lower = jnp.where(strict, bc * a_kk, 0.0)
   # Every exponent below is <= 0 (sums of gates), so masking the product is NaN-free.

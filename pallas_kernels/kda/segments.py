@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops.kda_recurrent import segment_starts
+from hybridmoe_jax.ops.kda.recurrent import segment_starts
 
 
 def chunk_local_segments(segment_ids: jax.Array, chunk_size: int) -> jax.Array:

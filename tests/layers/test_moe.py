@@ -208,7 +208,7 @@ class _TwoMoE(nnx.Module):
 
 
 class _Recorder:
-  """An ExpertDispatch that runs the local ragged path and records that it was called."""
+  """A plan's moe_dispatch that runs the local ragged path and records that it was called."""
 
   calls = 0
 

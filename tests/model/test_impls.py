@@ -4,7 +4,7 @@ import pytest
 
 from hybridmoe_jax.config import ComputeConfig, KDAConfig, ModelConfig
 from hybridmoe_jax.model.impls import describe_impls
-from hybridmoe_jax.ops.kda import resolve_impl
+from hybridmoe_jax.ops.kda import choose
 
 
 def _kda_line(cfg, compute, backend):
@@ -13,22 +13,22 @@ def _kda_line(cfg, compute, backend):
 
 def test_auto_resolves_by_backend_and_domain():
   cfg = ModelConfig(kda=KDAConfig(head_dim=32, v_head_dim=32))
-  assert resolve_impl("auto", head_dim=32, v_head_dim=32, chunk_size=64, lower_bound=-5.0,
+  assert choose("auto", head_dim=32, v_head_dim=32, chunk_size=64, lower_bound=-5.0,
                       backend="gpu") == ("pallas", "Pallas kernel on gpu")
-  name, why = resolve_impl("auto", head_dim=32, v_head_dim=32, chunk_size=64,
+  name, why = choose("auto", head_dim=32, v_head_dim=32, chunk_size=64,
                            lower_bound=-5.0, backend="cpu")
   assert name == "chunked" and "'cpu'" in why
   # Out of the kernels' domain on an accelerator: the reason is the domain error.
-  name, why = resolve_impl("auto", head_dim=24, v_head_dim=32, chunk_size=64,
+  name, why = choose("auto", head_dim=24, v_head_dim=32, chunk_size=64,
                            lower_bound=-5.0, backend="tpu")
   assert name == "chunked" and "K=24" in why
-  name, why = resolve_impl("auto", head_dim=32, v_head_dim=32, chunk_size=64,
+  name, why = choose("auto", head_dim=32, v_head_dim=32, chunk_size=64,
                            lower_bound=None, backend="gpu")
   assert name == "chunked" and "bounded gate" in why
-  assert resolve_impl("recurrent", head_dim=24, v_head_dim=8, chunk_size=16,
+  assert choose("recurrent", head_dim=24, v_head_dim=8, chunk_size=16,
                       lower_bound=None) == ("recurrent", "requested")
   with pytest.raises(ValueError, match="impl must be one of"):
-    resolve_impl("flash", head_dim=32, v_head_dim=32, chunk_size=64, lower_bound=-5.0)
+    choose("flash", head_dim=32, v_head_dim=32, chunk_size=64, lower_bound=-5.0)
   # The model report names the layers and carries the reason.
   line = _kda_line(cfg, ComputeConfig(), "cpu")
   assert line.startswith("layers 0,1,2 (kda): chunked") and "'cpu'" in line

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridmoe_jax.ops import kda, kda_chunked, kda_recurrent
-from hybridmoe_jax.ops.kda_blocks import diag_block_pairwise
-from hybridmoe_jax.ops.kda_chunked import _intra_chunk_scores
+from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.ops.kda.blocks import diag_block_pairwise
+from hybridmoe_jax.ops.kda.chunked import intra_chunk_scores, kda_chunked
+from hybridmoe_jax.ops.kda.recurrent import kda_recurrent
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "data" / "kda_reference.npz"
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -270,16 +271,16 @@ def test_anchored_block_overflows_unbounded_but_not_bounded():
   16-blocks) against float64; the anchored path needs the bound, the pairwise one not."""
   a, b, _, g = block_inputs(0, "unbounded", n=48)
   assert g.min() < -20.0
-  anchored = np.asarray(_intra_chunk_scores(a, b, g, None, None, -5.0)[0])
+  anchored = np.asarray(intra_chunk_scores(a, b, g, None, None, -5.0)[0])
   assert not np.isfinite(anchored).all()  # e^(+-anchored exponent) overflows fp32
-  pairwise = np.asarray(_intra_chunk_scores(a, b, g, None, None, None)[0])
+  pairwise = np.asarray(intra_chunk_scores(a, b, g, None, None, None)[0])
   assert np.isfinite(pairwise).all()
   assert rel_rms(pairwise, scores_f64(a, b, g)) < 1e-5
 
   a, b, _, g = block_inputs(1, "bounded", n=48)
   ref = scores_f64(a, b, g)
   for lb in (-5.0, None):
-    a_qk, a_kk = (np.asarray(x) for x in _intra_chunk_scores(a, b, g, None, None, lb))
+    a_qk, a_kk = (np.asarray(x) for x in intra_chunk_scores(a, b, g, None, None, lb))
     assert np.isfinite(a_qk).all()
     assert rel_rms(a_qk, ref) < 1e-5, lb
     assert rel_rms(a_kk, scores_f64(b, b, g)) < 1e-5, lb
@@ -299,7 +300,7 @@ def test_anchor_is_causal(m):
   a, b, _, g = block_inputs(3, "bounded", n=48)
   g2 = g.copy()
   g2[:, m] = -4.9
-  A1, A2 = (np.asarray(_intra_chunk_scores(a, b, x, None, None, -5.0)[0]) for x in (g, g2))
+  A1, A2 = (np.asarray(intra_chunk_scores(a, b, x, None, None, -5.0)[0]) for x in (g, g2))
   np.testing.assert_array_equal(A1[:, :m], A2[:, :m])
   assert not np.array_equal(A1[:, m:], A2[:, m:])
 

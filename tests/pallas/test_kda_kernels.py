@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridmoe_jax.ops import kda, kda_chunked, kda_recurrent
+from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.ops.kda.chunked import kda_chunked
+from hybridmoe_jax.ops.kda.recurrent import kda_recurrent
 from pallas_kernels.kda import GpuConfig, TpuConfig, kda_pallas
 
 NATIVE = os.environ.get("KDA_PALLAS_NATIVE", "0") == "1"

@@ -56,7 +56,7 @@ def test_libtpu_rejection_is_one_line_and_choosers_see_the_target():
   """A name libtpu rejects is a one-line ConfigError; under a mesh of TPU devices every
   chooser picks the TPU implementation although this host is a CPU."""
   from hybridmoe_jax.ops import attention_backends
-  from hybridmoe_jax.ops.kda import resolve_impl
+  from hybridmoe_jax.ops.kda import choose
   from hybridmoe_jax.parallel import exchange, topology
   from hybridmoe_jax.parallel.mesh import build_mesh
 
@@ -67,9 +67,9 @@ def test_libtpu_rejection_is_one_line_and_choosers_see_the_target():
   assert len(devices) == 4 and devices[0].platform == "tpu"
   assert jax.default_backend() == "cpu"
   kda_args = dict(head_dim=128, v_head_dim=128, chunk_size=64, lower_bound=-5.0)
-  assert resolve_impl("auto", **kda_args)[0] == "chunked"           # no mesh: the host
+  assert choose("auto", **kda_args)[0] == "chunked"           # no mesh: the host
   with jax.set_mesh(build_mesh({"fsdp": 2, "expert": 2}, devices)):
-    name, why = resolve_impl("auto", **kda_args)
+    name, why = choose("auto", **kda_args)
     assert name == "pallas" and "tpu" in why and "mesh" in why
     assert attention_backends.current_backend() == ("tpu", None)
     assert exchange.resolve_impl("auto") == "native"

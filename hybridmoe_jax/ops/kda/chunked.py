@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .decay import check_lower_bound
-from .kda_blocks import causal_mask, diag_block_pairwise, invert_unit_lower
-from .kda_recurrent import check_kda_inputs, segment_starts
+from ..decay import check_lower_bound
+from .blocks import causal_mask, diag_block_pairwise, invert_unit_lower
+from .recurrent import check_kda_inputs, segment_starts
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _SUB = 16  # block length: diagonal blocks are 16 x 16
@@ -166,7 +166,7 @@ def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
 # [B*HV, N, C, F]; segments as a per-token index whose equal values may interact.
 
 
-def _to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
+def split_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
   """[B, T, HV, ...] -> [B*HV, N, C, ...] float32, zero-padded along T."""
   pad = [(0, 0), (0, n * c - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
   x = jnp.pad(x.astype(_f32), pad)
@@ -174,17 +174,17 @@ def _to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
   return x.reshape(-1, *x.shape[2:])
 
 
-def _chunk_cumsum(g: jax.Array, seg: None) -> jax.Array:
+def chunk_cumsum(g: jax.Array, seg: None) -> jax.Array:
   """Inclusive cumsum G of chunks g [..., C, K] (seg must be None), from block cumsums."""
   if seg is not None:
-    raise NotImplementedError("_chunk_cumsum: segments are masked by kda_chunked, not here")
+    raise NotImplementedError("chunk_cumsum: segments are masked by kda_chunked, not here")
   nb = g.shape[-2] // _SUB
   Gl = _mm(causal_mask(_SUB).astype(_f32), _sub(g))
   before = jnp.tril(jnp.ones((nb, nb), _f32), -1)
   return (_mm(before, Gl[..., -1, :])[..., None, :] + Gl).reshape(g.shape)
 
 
-def _intra_chunk_scores(q, k, g, G, sidx, lower_bound):
+def intra_chunk_scores(q, k, g, G, sidx, lower_bound):
   """A_qk, A_kk [..., C, C], zero above the diagonal, of chunks q, k, g [..., C, K].
 
   G (the chunk cumsum) is not needed: the factors come from 16-block cumsums. sidx

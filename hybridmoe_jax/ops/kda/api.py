@@ -1,4 +1,9 @@
-"""Kimi Delta Attention (KDA): one entry point over the recurrent, chunked and Pallas paths.
+"""Kimi Delta Attention (KDA): one entry point, one dispatch table (`choose`).
+
+Implementations: "recurrent" (`recurrent.py`, the token scan: the exact reference),
+"chunked" (`chunked.py` over `blocks.py`, XLA), "pallas" (pallas_kernels/kda), and under an
+execution plan with a context runner (`ops.plan`) "context" (a whole sequence shard by shard)
+and "context_continue" (a prompt continuing a context-sharded decode cache).
 
 Conventions (DESIGN s1): B batch, T tokens, H q/k heads, HV value heads (a multiple of H),
 K key dim, V value dim, C chunk length.
@@ -17,11 +22,11 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from .decay import check_lower_bound
-from .kda_chunked import check_chunk_size, kda_chunked
-from .kda_recurrent import check_kda_inputs, kda_recurrent
-from .plan import ExecutionPlan, current_plan, run_local
-from .platform import on_row_shards, target_platform
+from ..decay import check_lower_bound
+from ..plan import ExecutionPlan, current_plan, run_local
+from ..platform import on_row_shards, target_platform
+from .chunked import check_chunk_size, kda_chunked
+from .recurrent import check_kda_inputs, kda_recurrent
 
 Impl = Literal["auto", "recurrent", "chunked", "pallas"]
 
@@ -30,9 +35,10 @@ def _kda_pallas(q, k, v, g, beta, **kwargs):
   """The Pallas kernels (pallas_kernels/kda; interpreted on CPU), packed sequences
   (segment_ids) included. Inputs outside their domain (unbounded gate, head dims, chunk
   size) raise NotImplementedError before any work; "auto" never sends them here
-  (`resolve_impl` checks the same domain first). Under a mesh: on each device's rows
+  (`choose` checks the same domain first). Under a mesh: on each device's rows
   (`ops.platform.on_row_shards`; XLA cannot partition a Mosaic call)."""
-  from pallas_kernels.kda import kda_pallas  # lazy: Pallas only when used
+  # Imported at use: pallas_kernels builds on `chunked` / `blocks`, whose package is this one.
+  from pallas_kernels.kda import kda_pallas
 
   initial_state, segment_ids = kwargs.pop("initial_state"), kwargs.pop("segment_ids")
   body = lambda q, k, v, g, beta, s0, seg: kda_pallas(q, k, v, g, beta, initial_state=s0,
@@ -43,22 +49,32 @@ def _kda_pallas(q, k, v, g, beta, **kwargs):
 PALLAS_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 
 
-def resolve_impl(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
-                 lower_bound: float | None, backend: str | None = None) -> tuple[str, str]:
-  """Which implementation `kda(..., impl=impl)` runs for these static properties, and why.
+def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
+           lower_bound: float | None, tokens: int = 1, continues: bool = False,
+           plan: ExecutionPlan | None = None, backend: str | None = None) -> tuple[str, str]:
+  """Which implementation `kda(..., impl=impl)` runs, and why: in order the plan (a context
+  runner), the explicit impl, the target platform, the Pallas kernels' static domain.
 
   Args:
     impl: the requested implementation ("auto" picks).
     head_dim, v_head_dim: K and V; chunk_size: C; lower_bound: the bounded gate's lb, or
       None for an unbounded gate.
+    tokens: T; continues: a state comes in or goes out (a cached chunk).
+    plan: default the current one (`ops.plan.current_plan`).
     backend: a jax platform name; default the platform the program is compiled for
       (`ops.platform.target_platform`: the active mesh's devices, else the host's).
   Returns:
-    (name, reason): name in ("recurrent", "chunked", "pallas"); reason a short sentence
-    (for "auto" falling back to "chunked": the Pallas domain error).
+    (name, reason): name in ("context", "context_continue", "recurrent", "chunked",
+    "pallas"); reason a short sentence (for "auto" falling back to "chunked": the Pallas
+    domain error).
   """
   if impl not in get_args(Impl):
     raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
+  plan = current_plan() if plan is None else plan
+  if plan.context is not None and not continues:
+    return "context", f"sequence shards of {type(plan.context).__name__} (plan)"
+  if plan.shards_cache and continues and tokens > 1:
+    return "context_continue", "a prompt sharded over the context axis (plan)"
   if impl != "auto":
     return impl, "requested"
   where = ""
@@ -67,38 +83,13 @@ def resolve_impl(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
     where = f" ({source})"
   if backend not in PALLAS_BACKENDS:
     return "chunked", f"the Pallas kernels target GPU/TPU, the target is {backend!r}{where}"
-  from pallas_kernels.kda import check_domain_dims  # lazy: Pallas only when used
+  from pallas_kernels.kda import check_domain_dims  # imported at use, as in _kda_pallas
 
   try:
     check_domain_dims(head_dim, v_head_dim, lower_bound=lower_bound, chunk_size=chunk_size)
   except NotImplementedError as e:
     return "chunked", str(e)
   return "pallas", f"Pallas kernel on {backend}{where}"
-
-
-def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
-           lower_bound: float | None, tokens: int, continues: bool,
-           plan: ExecutionPlan | None = None, backend: str | None = None) -> tuple[str, str]:
-  """The dispatch table of `kda`: which implementation runs, and why.
-
-  In order: the plan (a context-parallel runner takes a whole sequence, "context", or a
-  prompt of tokens > 1 continuing a context-sharded cache, "context_continue"), then
-  `resolve_impl` (explicit impl, static Pallas domain, target platform).
-
-  Args:
-    impl, head_dim, v_head_dim, chunk_size, lower_bound, backend: as `resolve_impl`.
-    tokens: T; continues: an initial state is given and the final state wanted (decode).
-    plan: default the current one (`ops.plan.current_plan`).
-  Returns:
-    (name in ("context", "context_continue", "recurrent", "chunked", "pallas"), reason).
-  """
-  plan = current_plan() if plan is None else plan
-  if plan.context is not None and not continues:
-    return "context", f"sequence shards of {type(plan.context).__name__} (plan)"
-  if plan.shards_cache and continues and tokens > 1:
-    return "context_continue", "a prompt sharded over the context axis (plan)"
-  return resolve_impl(impl, head_dim=head_dim, v_head_dim=v_head_dim, chunk_size=chunk_size,
-                      lower_bound=lower_bound, backend=backend)
 
 
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
@@ -166,28 +157,21 @@ def kda(
   plan = current_plan()
   resolved, _ = choose(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
                        chunk_size=chunk_size, lower_bound=lower_bound, tokens=q.shape[1],
-                       continues=initial_state is not None, plan=plan)
+                       continues=initial_state is not None or output_final_state, plan=plan)
   check_chunk_size(chunk_size)
   if lower_bound is not None:
     check_lower_bound(lower_bound)
     _check_gate_range(g, lower_bound)
-  opts = dict(scale=scale, chunk_size=chunk_size, impl=impl, lower_bound=lower_bound)
+  opts = dict(scale=scale, chunk_size=chunk_size, lower_bound=lower_bound)
+  state = dict(initial_state=initial_state, output_final_state=output_final_state,
+               segment_ids=segment_ids)
   if resolved == "context":
-    o = run_local(plan.context.kda, q, k, v, g, beta, segment_ids=segment_ids, **opts)
-    return o, None
+    return run_local(plan.context.kda, q, k, v, g, beta, segment_ids=segment_ids, impl=impl,
+                     **opts), None
   if resolved == "context_continue":
     return run_local(plan.context.kda_continue, q, k, v, g, beta,
-                     initial_state=initial_state, **opts)
-
-  common = dict(
-      scale=scale,
-      initial_state=initial_state,
-      output_final_state=output_final_state,
-      segment_ids=segment_ids,
-  )
+                     initial_state=initial_state, impl=impl, **opts)
   if resolved == "recurrent":
-    return kda_recurrent(q, k, v, g, beta, **common)
-  chunked = dict(common, chunk_size=chunk_size, lower_bound=lower_bound)
-  if resolved == "pallas":
-    return _kda_pallas(q, k, v, g, beta, **chunked)
-  return kda_chunked(q, k, v, g, beta, **chunked)
+    return kda_recurrent(q, k, v, g, beta, scale=scale, **state)
+  return (_kda_pallas if resolved == "pallas" else kda_chunked)(q, k, v, g, beta, **opts,
+                                                                **state)
