@@ -23,9 +23,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.linear import linear
 from hybridmoe_jax.layers.norms import RMSNorm
-from hybridmoe_jax.ops.latent_attention import (NEG_INF, absorb, cached_latent_attention,
-                                                latent_attention, latent_attention_blockwise,
-                                                unabsorb)
+from hybridmoe_jax.ops.latent_attention import cached_latent_attention, latent_attention
 from hybridmoe_jax.ops.plan import current_plan
 
 _F32 = jnp.float32
@@ -114,42 +112,6 @@ class MLALayer(nnx.Module):
     w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim)
     w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.v_head_dim)
     return w_uk.astype(self.dtype), w_uv.astype(self.dtype)
-
-  def absorbed_attention(self, q: jax.Array, cache: "MLACache", q_pos: jax.Array,
-                         total: jax.Array, *, kv_block: int) -> jax.Array:
-    """Decode attention in the absorbed form, blockwise over the filled part of the cache.
-
-    Args:
-      q: [B, T, H, Dn + Dr] queries (compute dtype).
-      cache: MLACache holding the keys (the chunk's own latents already written).
-      q_pos: [B, T] int32 query positions; key j is visible to a query iff j <= its position.
-      total: [B] int32 filled positions per row (bounds the blocks read).
-      kv_block: keys per block.
-    Returns:
-      [B, T, H, Dv] float32.
-    """
-    w_uk, w_uv = self._up_kernels()
-    o_c = latent_attention_blockwise(absorb(q, w_uk), cache.c, cache.k_r, q_pos, total,
-                                     self.cfg.qk_head_dim ** -0.5, kv_block)
-    return unabsorb(o_c, w_uv, q.dtype)
-
-  def expanded_attention(self, q: jax.Array, cache: "MLACache", q_pos: jax.Array
-                         ) -> jax.Array:
-    """The training form over the whole cache (k_h = [W_uk_h c ; k_r], v_h = W_uv_h c):
-    the exact reference of `absorbed_attention` (same arguments but total and kv_block)."""
-    w_uk, w_uv = self._up_kernels()
-    b, n, _ = cache.c.shape
-    h = self.cfg.num_heads
-    k = jnp.einsum("bnc,chd->bnhd", cache.c, w_uk)
-    k_r = jnp.broadcast_to(cache.k_r[:, :, None, :], (b, n, h, cache.k_r.shape[-1]))
-    k = jnp.concatenate([k, k_r.astype(k.dtype)], axis=-1)
-    v = jnp.einsum("bnc,chd->bnhd", cache.c, w_uv)
-    s = jnp.einsum("bthd,bnhd->bhtn", q, k, preferred_element_type=_F32)
-    s = s * self.cfg.qk_head_dim ** -0.5
-    visible = jnp.arange(n)[None, None, :] <= q_pos[..., None]              # [B, T, N]
-    s = jnp.where(visible[:, None], s, NEG_INF)
-    probs = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhtn,bnhd->bthd", probs.astype(v.dtype), v, preferred_element_type=_F32)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                cache: MLACache | None = None, length: jax.Array | None = None,

@@ -118,18 +118,11 @@ def choose(impl: str, plan: ExecutionPlan | None = None) -> tuple[str, str]:
 
 def run_experts(route, run, xf, h, valid, replay, weights, experts, *, cfg: MoEConfig,
                 impl: str, glu, dtype):
-  """Routes the m tokens and runs their experts where the plan says (`choose`).
-
-  Args:
-    route: (xf, replay, router, bias) -> (fresh Routes, Routes to run).
-    run: (fn, per_token, shared) -> fn(*per_token, *shared) on the tokens' devices (a
-      context runner's `tokenwise`, or a plain call).
-    xf: [m, d] router inputs; h: [m, n_in] expert inputs (dtype); valid: [m] bool or None;
-      replay: [m, k] int32 or None; weights: (router [d, E], bias [E]) fp32; experts:
-      (w_gate, w_up [E, n_in, I], w_down [E, I, n_in]).
-  Returns:
-    (y [m, n_in] fp32, `routing_stats` of the m tokens, chosen experts [m, k] int32).
-  """
+  """Routes the m tokens and runs their experts where the plan says (`choose`): route
+  (xf, replay, router, bias) -> (fresh, run Routes); run(fn, per_token, shared) on the
+  tokens' devices; xf [m, d], h [m, n_in] (dtype), valid [m] bool | None, replay [m, k] |
+  None, weights (router [d, E], bias [E]) fp32, experts (w_gate, w_up [E, n_in, I], w_down
+  [E, I, n_in]) -> (y [m, n_in] fp32, `routing_stats` of the m tokens, experts [m, k])."""
   name, _ = choose(impl)
   bias = weights[1]
   if name != "dispatch":

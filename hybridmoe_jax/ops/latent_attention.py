@@ -142,17 +142,10 @@ def choose_cached(plan: ExecutionPlan | None = None) -> tuple[str, str]:
 def latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, w_uk: jax.Array,
                      w_uv: jax.Array, *, segment_ids: jax.Array | None, scale: float,
                      impl: str, block: int, interpret: bool = False) -> jax.Array:
-  """Causal attention of whole (packed) sequences over their latents (training).
-
-  Args:
-    q: [B, T, H, Dn + Dr] queries (compute dtype); c: [B, T, d_c] latents; k_r: [B, T, Dr]
-      rope keys; w_uk, w_uv: the up projections (compute dtype).
-    segment_ids: [B, T] int32 packed-document ids, or None.
-    scale: logit scale; impl, block, interpret: `compute.mla_impl`, `compute.mla_block`, the
-      Pallas interpreter (tests).
-  Returns:
-    [B, T, H, Dv] (float32 or the core's dtype).
-  """
+  """Causal attention of whole (packed) sequences over their latents (training): q [B, T,
+  H, Dn + Dr], c [B, T, d_c], k_r [B, T, Dr], w_uk / w_uv in the compute dtype, segment_ids
+  [B, T] int32 or None -> [B, T, H, Dv] (float32 or the core's dtype). impl, block,
+  interpret: `compute.mla_impl`, `compute.mla_block`, the Pallas interpreter (tests)."""
   b, t, h, _ = q.shape
   backend, capability = backends.current_backend()
   name, _ = choose(impl, backend=backend, seq_len=t, block=block, head_dim=q.shape[-1],
@@ -174,18 +167,11 @@ def latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, w_uk: jax.Array
 def cached_latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, cache,
                             length: jax.Array, n_valid: jax.Array, w_uk: jax.Array,
                             w_uv: jax.Array, *, scale: float, kv_block: int):
-  """Writes a chunk's latents into the cache and attends (decode).
-
-  Args:
-    q: [B, T, H, Dn + Dr] queries; c: [B, T, d_c], k_r: [B, T, Dr] the chunk's latents.
-    cache: a pytree with fields c [B, N, d_c] and k_r [B, N, Dr] (`layers.mla.MLACache`, or
-      the plan's sharded cache).
-    length: [B] int32 tokens already cached; n_valid: [B] int32 real tokens of the chunk (a
-      prefix of each row): row b's token i sits at position length[b] + i.
-    w_uk, w_uv: the up projections; scale: logit scale; kv_block: keys per block.
-  Returns:
-    (o [B, T, H, Dv] float32, the updated cache).
-  """
+  """Writes a chunk's latents (c [B, T, d_c], k_r [B, T, Dr]) into the cache (fields c
+  [B, N, d_c], k_r [B, N, Dr]: `layers.mla.MLACache` or the plan's sharded one) and attends
+  with q [B, T, H, Dn + Dr]: row b's token i sits at position length[b] + i (length, n_valid
+  [B] int32: tokens cached before, real tokens of the chunk, a prefix of each row).
+  Returns (o [B, T, H, Dv] float32, the updated cache)."""
   q_abs = absorb(q, w_uk)
   if choose_cached()[0] == "context_cache":
     o_c, cache = run_local(current_plan().context.cached_latent_attention, q_abs, c, k_r,

@@ -1,10 +1,6 @@
-"""Where the ops of the current trace run: one model graph, many placements.
-
-`parallel.runtime` builds the plan from the mesh; the train / eval steps, the AOT compiler
-and the context-parallel engine enter it while tracing (`with execution_plan(plan): ...`),
-and each op's dispatch table (`ops.kda.choose`, `ops.conv.short_conv`,
-`ops.latent_attention.choose`, `layers.moe.choose`) reads it. Outside any `with`: LOCAL.
-The plan carries the runners as objects, so ops never import `parallel`.
+"""Where the ops of the current trace run: one model graph, many placements. Built by
+`parallel.runtime`, entered while tracing (`with execution_plan(plan): ...`; LOCAL outside),
+read by each op's dispatch table; it carries the runners, so ops never import `parallel`.
 """
 
 from __future__ import annotations

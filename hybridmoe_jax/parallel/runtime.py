@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig
-from hybridmoe_jax.ops.plan import ExecutionPlan
+from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.parallel import shard_state
 from hybridmoe_jax.parallel.context import ContextParallel
@@ -26,21 +26,15 @@ from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 
 @dataclasses.dataclass
 class Runtime:
-  """mesh (None: one device, unsharded); the MoE dispatch and the context runner of the
-  plan (None: local experts, whole sequences); state_shardings, set once the state
-  exists."""
+  """mesh (None: one device, unsharded); plan: where the model's ops run on it (`ops.plan`:
+  the expert-parallel dispatch, the context runner when mesh.context > 1); state_shardings,
+  set once the state exists."""
 
   mesh: Mesh | None
-  moe_dispatch: ExpertParallelDispatch | None = None
-  context: ContextParallel | None = None     # mesh.context > 1: sequence-sharded mixers
+  plan: ExecutionPlan = LOCAL
   process_index: int = 0
   process_count: int = 1
   state_shardings: Any = None
-
-  @property
-  def plan(self) -> ExecutionPlan:
-    """Where the model's ops run on this mesh (`ops.plan`)."""
-    return ExecutionPlan(context=self.context, moe_dispatch=self.moe_dispatch)
 
   def restore_target(self, abstract_state):
     """The abstract state orbax restores into: with shardings on a mesh (any mesh shape)."""
@@ -111,5 +105,5 @@ def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfi
               if compute.moe_impl == "ragged" else None)
   context = (ContextParallel(mesh, block=compute.mla_block, zigzag=zigzag)
              if mesh.shape["context"] > 1 else None)
-  return Runtime(mesh=mesh, moe_dispatch=dispatch, context=context,
+  return Runtime(mesh=mesh, plan=ExecutionPlan(context=context, moe_dispatch=dispatch),
                  process_index=jax.process_index(), process_count=count)

@@ -117,16 +117,6 @@ def _where(ok, new, old):
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _planned(fn, plan: ExecutionPlan | None):
-  """fn traced under `plan` (entered inside the traced body: the jitted function is this
-  closure, so its programs never mix plans)."""
-
-  def traced(*args):
-    with execution_plan(plan):
-      return fn(*args)
-  return traced
-
-
 def _on_mesh(fn, mesh, batch_arg: int):
   """Run jitted `fn` under `jax.set_mesh(mesh)` with argument `batch_arg` (a dict of host
   arrays: this process's rows) placed on the mesh, batch dimension over (data, fsdp)."""
@@ -162,8 +152,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
   `schedule` maps applied updates to the learning rate (the optimizer's, reported as a
   metric). With `mesh`, the step runs under that mesh (host batches placed over data x
   fsdp) and the new state is constrained to `state_shardings` (the input layout); `plan`
-  (`Runtime.plan`: context-parallel mixers, expert-parallel MoE) is entered while the step
-  is traced, so each step function compiles its own plan. `image_ids`:
+  (`Runtime.plan`: context-parallel mixers, expert-parallel MoE) is entered inside the
+  traced function, so each step function compiles its own plan. `image_ids`:
   the run tokenizer's image ids (no loss on them).
   """
   if loss_fn is not None and grad_accum != 1:
@@ -215,7 +205,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     }
     return new_state, metrics
 
-  step = jax.jit(_planned(train_step, plan), donate_argnums=0)
+  step = jax.jit(execution_plan(plan)(train_step), donate_argnums=0)
   return step if mesh is None else _on_mesh(step, mesh, batch_arg=1)
 
 
@@ -231,5 +221,5 @@ def make_eval_step(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = N
                                    model_inputs(batch, IMAGE_BATCH_KEYS), tuple(image_ids))
     return nll, count
 
-  step = jax.jit(_planned(eval_step, plan))
+  step = jax.jit(execution_plan(plan)(eval_step))
   return step if mesh is None else _on_mesh(step, mesh, batch_arg=2)

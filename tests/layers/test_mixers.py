@@ -14,6 +14,7 @@ from hybridmoe_jax.config import ComputeConfig, KDAConfig, MLAConfig
 from hybridmoe_jax.layers.conv import ShortConv
 from hybridmoe_jax.layers.kda import KDACache, KDALayer
 from hybridmoe_jax.layers.mla import MLACache, MLALayer
+from hybridmoe_jax.ops.latent_attention import absorb, latent_attention_blockwise, unabsorb
 from tests.conftest import rel_rms
 
 D = 32
@@ -153,6 +154,25 @@ def test_conv_cache_equals_short_conv():
     conv(x, cache=jnp.zeros((2, 2, 6)))
 
 
+def _expanded_attention(layer, q, cache, q_pos):
+  """The training form over the whole cache (k_h = [W_uk_h c ; k_r], v_h = W_uv_h c): the
+  exact reference of the absorbed blockwise form. q [B, T, H, Dn + Dr] -> [B, T, H, Dv]."""
+  w_uk, w_uv = layer._up_kernels()
+  b, n, _ = cache.c.shape
+  h = layer.cfg.num_heads
+  k = jnp.einsum("bnc,chd->bnhd", cache.c, w_uk)
+  k_r = jnp.broadcast_to(cache.k_r[:, :, None, :], (b, n, h, cache.k_r.shape[-1]))
+  k = jnp.concatenate([k, k_r.astype(k.dtype)], axis=-1)
+  v = jnp.einsum("bnc,chd->bnhd", cache.c, w_uv)
+  s = jnp.einsum("bthd,bnhd->bhtn", q, k, preferred_element_type=jnp.float32)
+  s = s * layer.cfg.qk_head_dim ** -0.5
+  visible = jnp.arange(n)[None, None, :] <= q_pos[..., None]              # [B, T, N]
+  s = jnp.where(visible[:, None], s, -1e30)
+  probs = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("bhtn,bnhd->bthd", probs.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)
+
+
 @pytest.mark.parametrize("kw,q_pos", [
     ({}, [[2, 3, 4, 5], [7, 8, 9, 10]]),
     ({"qk_rope_head_dim": 0, "q_lora_rank": 8}, [[2, 3, 4, 5], [7, 8, 9, 10]]),
@@ -169,8 +189,11 @@ def test_absorbed_mla_attention_equals_expanded(kw, q_pos):
                    jax.random.normal(keys[1], (2, 11, cfg.qk_rope_head_dim)))
   q = jax.random.normal(keys[2], (2, 4, cfg.num_heads, cfg.qk_head_dim))
   q_pos = jnp.array(q_pos)
-  a = layer.absorbed_attention(q, cache, q_pos, q_pos[:, -1] + 1, kv_block=3)
-  e = layer.expanded_attention(q, cache, q_pos)
+  w_uk, w_uv = layer._up_kernels()
+  o_c = latent_attention_blockwise(absorb(q, w_uk), cache.c, cache.k_r, q_pos,
+                                   q_pos[:, -1] + 1, cfg.qk_head_dim ** -0.5, 3)
+  a = unabsorb(o_c, w_uv, q.dtype)
+  e = _expanded_attention(layer, q, cache, q_pos)
   assert a.shape == (2, 4, cfg.num_heads, cfg.v_head_dim) and a.dtype == jnp.float32
   np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 

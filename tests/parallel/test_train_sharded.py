@@ -72,8 +72,9 @@ def test_sharded_train_step_equals_unsharded(sizes):
   schedule = build_plan(run).schedule()
   tx = optim.make_optimizer(run.train, schedule)
   rt = _setup(c, sizes)
-  assert isinstance(rt.moe_dispatch, ExpertParallelDispatch) and rt.moe_dispatch.mesh is rt.mesh
-  assert (rt.context is not None) == ("context" in sizes)
+  dispatch = rt.plan.moe_dispatch
+  assert isinstance(dispatch, ExpertParallelDispatch) and dispatch.mesh is rt.mesh
+  assert (rt.plan.context is not None) == ("context" in sizes)
   graphdef, abstract = abstract_train_state(cfg, COMPUTE, tx, 0)
   state = rt.init_state(lambda: create_train_state(cfg, COMPUTE, tx, 0)[1], abstract)
   # The reference: the same values on one device, the plain (local experts, unsharded) step
@@ -197,9 +198,9 @@ def test_zigzag_flag_reaches_the_context_runner():
   c = _config()
   c.train.seq_len = 16
   sizes = dict(data=2, expert=2, context=2)
-  assert not _setup(c, sizes).context.zigzag
+  assert not _setup(c, sizes).plan.context.zigzag
   rt = _setup(c, dict(sizes, context_zigzag=True))
-  assert rt.context.zigzag and rt.context.size == 2
+  assert rt.plan.context.zigzag and rt.plan.context.size == 2
 
 
 def test_single_device_mesh_is_the_plain_path():
@@ -209,7 +210,7 @@ def test_single_device_mesh_is_the_plain_path():
 
 def test_dense_moe_impl_stays_local_on_a_mesh():
   rt = _setup(_config(), dict(data=2, expert=4), ComputeConfig(moe_impl="dense"))
-  assert rt.mesh is not None and rt.moe_dispatch is None
+  assert rt.mesh is not None and rt.plan.moe_dispatch is None
 
 
 def test_mesh_shape_resolves_and_names_bad_fields():

@@ -13,9 +13,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import trainer
+from hybridmoe_jax.train.state import abstract_train_state
 from hybridmoe_jax.config.flags import load_config_file
 from tests.conftest import ROOT
 
@@ -170,3 +172,21 @@ def test_rl_mesh_errors(tmp_path, monkeypatch):
   c.mesh.data, c.mesh.expert = 2, 2
   with pytest.raises(ConfigError, match="rl.sft_batch"):
     trainer.train_rl(c, str(tmp_path / "b"))
+
+
+def test_rollouts_and_the_expert_parallel_learner_share_one_graphdef(tmp_path, monkeypatch):
+  """On a data 2 x expert 2 mesh the learner runs the expert-parallel MoE (its plan) and the
+  rollouts the local one, over ONE graph: the rollout engine's graphdef is the learner's,
+  which is the graphdef of the model built with no mesh at all."""
+  monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
+                      lambda: jax.devices()[:4])
+  c = _config(sft_steps=0, iterations=1, minibatches=1)
+  c.mesh.data, c.mesh.expert = 2, 2
+  c = trainer.run_config_from_dict(c)
+  run = trainer._Run(c, str(tmp_path), trainer._tokenizer(c))
+  assert run.rt.plan.moe_dispatch is not None
+  run.build_rollouts()
+  assert run.engine.graphdef == nnx.split(nnx.merge(run.graphdef, run.state.params,
+                                                    run.state.biases, run.state.rest))[0]
+  assert run.graphdef == abstract_train_state(c.model, c.compute, run.tx, c.train.seed)[0]
+  assert not hasattr(run, "engine_graphdef")

@@ -56,13 +56,10 @@ def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
   runner), the explicit impl, the target platform, the Pallas kernels' static domain.
 
   Args:
-    impl: the requested implementation ("auto" picks).
-    head_dim, v_head_dim: K and V; chunk_size: C; lower_bound: the bounded gate's lb, or
-      None for an unbounded gate.
-    tokens: T; continues: a state comes in or goes out (a cached chunk).
-    plan: default the current one (`ops.plan.current_plan`).
-    backend: a jax platform name; default the platform the program is compiled for
-      (`ops.platform.target_platform`: the active mesh's devices, else the host's).
+    impl ("auto" picks); head_dim, v_head_dim: K, V; chunk_size: C; lower_bound: the bounded
+      gate's lb (None: unbounded); tokens: T; continues: a state comes in or goes out.
+    plan: default the current one; backend: a jax platform name, default the one the
+      program is compiled for (`ops.platform.target_platform`).
   Returns:
     (name, reason): name in ("context", "context_continue", "recurrent", "chunked",
     "pallas"); reason a short sentence (for "auto" falling back to "chunked": the Pallas
