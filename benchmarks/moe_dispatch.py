@@ -44,6 +44,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
+from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.tools.timing import time_fn
@@ -54,9 +55,10 @@ def build(num_experts: int, impl: str, dispatch=None):
                   expert_intermediate=ARGS.inter, num_shared_experts=0, latent_dim=0,
                   balancing="qb", qb_num_bins=256)
   model = MoE(ARGS.d, cfg, norm_eps=1e-5, compute=ComputeConfig(moe_impl=impl),
-              rngs=nnx.Rngs(0), dispatch=dispatch)
+              rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
+  @execution_plan(ExecutionPlan(moe_dispatch=dispatch))
   def loss(params, x, r):
     y, _, _ = nnx.merge(graphdef, params, rest)(x)
     return jnp.sum(y * r)
