@@ -115,13 +115,6 @@ def latent_attention_partial(q: jax.Array, c: jax.Array, k_r: jax.Array, q_pos: 
   return m.reshape(b, t, h), l.reshape(b, t, h), acc.reshape(b, t, h, d_c)
 
 
-def latent_attention_blockwise(q: jax.Array, c: jax.Array, k_r: jax.Array, q_pos: jax.Array,
-                               total: jax.Array, scale: float, kv_block: int) -> jax.Array:
-  """`latent_attention_partial` normalised: [B, T, H, d_c] float32 sum_j softmax_j c_j."""
-  _, l, acc = latent_attention_partial(q, c, k_r, q_pos, total, scale, kv_block)
-  return acc / jnp.maximum(l, 1e-30)[..., None]
-
-
 def choose(impl: str, *, plan: ExecutionPlan | None = None, **facts) -> tuple[str, str]:
   """The training forward's dispatch table: (name, reason). "context" under a plan with a
   context runner, else `attention_backends.resolve_impl(impl, **facts)`."""
@@ -180,6 +173,6 @@ def cached_latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, cache,
   cache = cache._replace(c=write_cache(cache.c, c, length, n_valid),
                          k_r=write_cache(cache.k_r, k_r, length, n_valid))
   q_pos = length[:, None] + jnp.arange(q.shape[1])[None, :]
-  o_c = latent_attention_blockwise(q_abs, cache.c, cache.k_r, q_pos, length + n_valid, scale,
-                                   kv_block)
-  return unabsorb(o_c, w_uv, q.dtype), cache
+  _, l, acc = latent_attention_partial(q_abs, cache.c, cache.k_r, q_pos, length + n_valid,
+                                       scale, kv_block)
+  return unabsorb(acc / jnp.maximum(l, 1e-30)[..., None], w_uv, q.dtype), cache

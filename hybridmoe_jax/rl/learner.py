@@ -108,10 +108,10 @@ def token_logps(graphdef, sampling: SamplingConfig, *, record_routes: bool = Fal
   {MoE layer index: int32 [R, T, k]}); traced under `plan` (the training runtime's)."""
 
   @jax.jit
+  @execution_plan(plan)
   def fn(params, biases, rest, tokens, segment_ids):
-    with execution_plan(plan):
-      logits, aux = _forward(graphdef, params, biases, rest, tokens, segment_ids,
-                             record_routes=record_routes)
+    logits, aux = _forward(graphdef, params, biases, rest, tokens, segment_ids,
+                           record_routes=record_routes)
     lp = sampling_logps(logits, tokens, sampling)
     return (lp, aux["routes"]) if record_routes else lp
 

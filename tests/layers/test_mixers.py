@@ -14,7 +14,7 @@ from hybridmoe_jax.config import ComputeConfig, KDAConfig, MLAConfig
 from hybridmoe_jax.layers.conv import ShortConv
 from hybridmoe_jax.layers.kda import KDACache, KDALayer
 from hybridmoe_jax.layers.mla import MLACache, MLALayer
-from hybridmoe_jax.ops.latent_attention import absorb, latent_attention_blockwise, unabsorb
+from hybridmoe_jax.ops.latent_attention import absorb, latent_attention_partial, unabsorb
 from tests.conftest import rel_rms
 
 D = 32
@@ -190,9 +190,9 @@ def test_absorbed_mla_attention_equals_expanded(kw, q_pos):
   q = jax.random.normal(keys[2], (2, 4, cfg.num_heads, cfg.qk_head_dim))
   q_pos = jnp.array(q_pos)
   w_uk, w_uv = layer._up_kernels()
-  o_c = latent_attention_blockwise(absorb(q, w_uk), cache.c, cache.k_r, q_pos,
-                                   q_pos[:, -1] + 1, cfg.qk_head_dim ** -0.5, 3)
-  a = unabsorb(o_c, w_uv, q.dtype)
+  _, l, acc = latent_attention_partial(absorb(q, w_uk), cache.c, cache.k_r, q_pos,
+                                       q_pos[:, -1] + 1, cfg.qk_head_dim ** -0.5, 3)
+  a = unabsorb(acc / jnp.maximum(l, 1e-30)[..., None], w_uv, q.dtype)
   e = _expanded_attention(layer, q, cache, q_pos)
   assert a.shape == (2, 4, cfg.num_heads, cfg.v_head_dim) and a.dtype == jnp.float32
   np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)

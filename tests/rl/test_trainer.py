@@ -81,8 +81,8 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
   assert len(_records(part, "rl")) == 3 and len(_records(part, "sft")) == 2   # no redo
   assert [r["iteration"] for r in _records(part, "eval")] == [0, 2, 3]
 
-  # data 2 x expert 2: the expert-parallel learner and SFT step, rollouts with the local-MoE
-  # graph over the same sharded weights. SFT losses equal one device's; the one on-policy
+  # data 2 x expert 2: the expert-parallel learner and SFT step (their plan), rollouts with
+  # the local MoE over the same graph and sharded weights. SFT losses equal one device's; the one on-policy
   # update sees ratio 1 (the training forward recomputes the rollout's log-probs). Dynamic
   # sampling off: the update runs even when every reward is equal.
   monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
