@@ -14,7 +14,8 @@ which leaves that row's cache untouched), so rows of one call are ragged:
   - finished and paused slots feed nothing (idle) until a queued episode takes them.
 Rows are grouped by the width their own pending tokens need (1; feed_width for a short tool
 result; else P) and each group makes one call (three compiled shapes in all), so a row's
-arithmetic never depends on what its neighbours feed. In the same jitted call, every row
+arithmetic never depends on what its neighbours feed. In the same jitted call
+(infer.engine.feed_and_draw_fn: the sampler of the server and Engine.generate_stream), every row
 whose pending tokens are now all cached draws its next token from the logits of its last
 real token (the other rows' draws are ignored), with a key fold_in(PRNGKey(sample_seed),
 position): an episode's tokens and log-probs do not depend on its batch neighbours, its
