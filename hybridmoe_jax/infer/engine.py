@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridmoe_jax.infer.sampling import SamplingConfig, sample
+from hybridmoe_jax.infer.sampling import SamplingConfig, draw_from, sample, sampling_logits
 from hybridmoe_jax.model.cache import DecodeCache, init_cache
 from hybridmoe_jax.model.decoder import HybridLM
 
@@ -152,43 +152,71 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
   return out, lengths, cache
 
 
+class Drawn(NamedTuple):
+  """One `_feed_and_draw` step: the drawn (or forced) token per row, its log-probs and the
+  advanced keys and cache."""
+  token: jax.Array        # int32 [B]
+  logp: jax.Array         # float32 [B] under the raw logits
+  sample_logp: jax.Array  # float32 [B] under the sampling distribution (sampling_logits)
+  keys: jax.Array         # uint32 [B, 2]
+  cache: DecodeCache
+
+
 def _feed_and_draw(graphdef, state, tokens, n_valid, cache, keys, draw, temperature, top_k,
-                   top_p, vocab_limit, kv_block):
+                   top_p, vocab_limit, forced=None, *, kv_block, split_keys):
   """One cached forward over a ragged chunk, then one draw per row with the row's own key
-  and sampling settings (jitted per graphdef by `feed_and_draw_fn`).
+  and sampling settings: the one sampler of the server, `Engine.generate_stream` and the RL
+  rollouts (jitted per graphdef by `feed_and_draw_fn`).
 
   Args:
     tokens: int32 [B, W]; row b's first n_valid[b] tokens are real, the rest padding
       (segment id 0: a row with n_valid 0 leaves its cache untouched).
     n_valid: int32 [B] in [0, W].
     cache: the DecodeCache (donated).
-    keys: uint32 [B, 2] per-row PRNG keys; draw: bool [B], the rows whose key advances.
-    temperature, top_p: float32 [B]; top_k: int32 [B]; vocab_limit: int32 scalar.
+    keys: uint32 [B, 2] per-row PRNG keys, derived by the caller; draw: bool [B], the rows
+      whose key advances (split_keys only).
+    temperature, top_p: float32 [B] or scalar; top_k: int32 [B] or scalar; vocab_limit:
+      int32 scalar.
+    forced: None, or int32 [B]: a token id to take instead of the draw, or -1 (draw).
+    split_keys (static): True: key, sub = split(key), draw with sub, return the advanced key
+      (a stream of one prompt then equals `generate`'s tokens with the same seed); False:
+      draw with the key as given (the RL rollouts' fold_in(PRNGKey(seed), position)) and
+      return the keys unchanged.
 
   Returns:
-    (token int32 [B] drawn from each row's last real token's logits, keys [B, 2], cache).
-    A row draws as `generate` does for one prompt: key, sub = split(key), then `sample`
-    with sub, so a stream of one prompt equals `generate`'s tokens with the same seed.
+    Drawn: the token drawn from each row's last real token's logits (or forced), its
+    log-prob under the raw logits and under the sampling distribution
+    (infer.sampling.sampling_logits: the behaviour policy), keys, the new cache.
   """
   _TRACES["feed_and_draw"] += 1
   model = nnx.merge(graphdef, state)
   last = jnp.maximum(n_valid - 1, 0)[:, None]
   logits, cache = _forward(model, tokens, None, cache, n_valid, kv_block, logits_at=last)
+  logits = logits[:, 0].astype(jnp.float32)                                # [B, V]
+  b = logits.shape[0]
+  temperature, top_k, top_p = (jnp.broadcast_to(x, (b,)) for x in (temperature, top_k, top_p))
 
   def one(row_logits, key, t, k, p):
-    key, sub = jax.random.split(key)
-    return sample(row_logits[None], sub, t, k, p, vocab_limit)[0], key
+    nxt, sub = jax.random.split(key) if split_keys else (key, key)
+    dist = sampling_logits(row_logits, t, k, p, vocab_limit)
+    return draw_from(dist[None], sub, t)[0], dist, nxt
 
-  tok, advanced = jax.vmap(one)(logits[:, 0], keys, temperature, top_k, top_p)
-  return tok, jnp.where(draw[:, None], advanced, keys), cache
+  tok, dist, advanced = jax.vmap(one)(logits, keys, temperature, top_k, top_p)
+  if forced is not None:
+    tok = jnp.where(forced >= 0, forced, tok)
+  pick = lambda x: jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], -1)[:, 0]
+  keys = jnp.where(draw[:, None], advanced, keys) if split_keys else keys
+  return Drawn(tok, pick(logits), pick(dist), keys, cache)
 
 
 @functools.lru_cache(maxsize=None)
-def feed_and_draw_fn(graphdef, kv_block: int):
+def feed_and_draw_fn(graphdef, kv_block: int, split_keys: bool = True):
   """The jitted `_feed_and_draw` of one model graph (the graphdef is closed over: hashing
   it as a static argument on every call costs milliseconds per decoded token). Used by
-  `Engine.generate_stream` and the server's continuous-batching scheduler."""
-  return jax.jit(functools.partial(_feed_and_draw, graphdef, kv_block=kv_block),
+  `Engine.generate_stream`, the server's continuous-batching scheduler and the RL rollouts
+  (split_keys=False)."""
+  return jax.jit(functools.partial(_feed_and_draw, graphdef, kv_block=kv_block,
+                                   split_keys=split_keys),
                  donate_argnames=("cache",))
 
 
@@ -438,11 +466,11 @@ class Engine:
     chunks = list(self._chunks(tokens))
     for i, (_, part, _, n_valid) in enumerate(chunks):
       draw = np.array([i == len(chunks) - 1])
-      tok, keys, cache = step(self.state, part, n_valid, cache, keys, draw, *row)
+      tok, _, _, keys, cache = step(self.state, part, n_valid, cache, keys, draw, *row)
     for n in range(min(int(max_new_tokens), room)):
       if n:
-        tok, keys, cache = step(self.state, np.asarray(tok)[:, None], np.ones(1, np.int32),
-                                cache, keys, np.ones(1, bool), *row)
+        tok, _, _, keys, cache = step(self.state, np.asarray(tok)[:, None],
+                                      np.ones(1, np.int32), cache, keys, np.ones(1, bool), *row)
       t = int(np.asarray(tok)[0])
       yield t
       if t in stop:

@@ -80,7 +80,12 @@ def sampling_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, vocab_limit: jax.Array | int = 0) -> jax.Array:
   """logits [B, V] -> [B] int32; temperature/top_k/top_p/vocab_limit are traced scalars."""
-  dist = sampling_logits(logits, temperature, top_k, top_p, vocab_limit)
+  return draw_from(sampling_logits(logits, temperature, top_k, top_p, vocab_limit), key,
+                   temperature)
+
+
+def draw_from(dist: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
+  """dist [B, V] (sampling_logits) -> [B] int32: a categorical draw, the argmax if greedy."""
   drawn = jax.random.categorical(key, dist, axis=-1).astype(jnp.int32)
   greedy = jnp.argmax(dist, axis=-1).astype(jnp.int32)
   return jnp.where(temperature > 0, drawn, greedy)

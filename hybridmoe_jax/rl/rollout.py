@@ -14,7 +14,8 @@ which leaves that row's cache untouched), so rows of one call are ragged:
   - finished and paused slots feed nothing (idle) until a queued episode takes them.
 Rows are grouped by the width their own pending tokens need (1; feed_width for a short tool
 result; else P) and each group makes one call (three compiled shapes in all), so a row's
-arithmetic never depends on what its neighbours feed. In the same jitted call, every row
+arithmetic never depends on what its neighbours feed. In the same jitted call
+(infer.engine.feed_and_draw_fn: the sampler of the server and Engine.generate_stream), every row
 whose pending tokens are now all cached draws its next token from the logits of its last
 real token (the other rows' draws are ignored), with a key fold_in(PRNGKey(sample_seed),
 position): an episode's tokens and log-probs do not depend on its batch neighbours, its
@@ -41,10 +42,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from hybridmoe_jax.infer.engine import Engine
-from hybridmoe_jax.infer.sampling import SamplingConfig, sampling_logits
+from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
+from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
@@ -54,64 +54,17 @@ _TRACES: collections.Counter = collections.Counter()
 
 
 def trace_counts() -> dict[str, int]:
-  """Compilations so far of the jitted rollout step ("feed_and_sample") and row moves."""
+  """Compilations so far of the row moves ("put_row", "get_row"); the rollout step is
+  infer.engine's "feed_and_draw" (infer.trace_counts)."""
   return dict(_TRACES)
 
 
 # ---- the jitted pieces -------------------------------------------------------------------
 
-def _pick(logp: jax.Array, tok: jax.Array) -> jax.Array:
-  return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-
-
-@functools.lru_cache(maxsize=None)
-def _feed_and_sample_fn(graphdef, kv_block: int):
-  """The jitted `_feed_and_sample` of one model graph: the graphdef is closed over, not a
-  static argument, because hashing an nnx graphdef on every call costs milliseconds."""
-  return jax.jit(functools.partial(_feed_and_sample, graphdef, kv_block=kv_block),
-                 donate_argnames=("cache",))
-
-
-def _feed_and_sample(graphdef, state, tokens, n_valid, cache, seeds, positions, forced,
-                     sampling, kv_block):
-  """One model call over a ragged chunk, then one draw per row (jitted per graphdef by
-  _feed_and_sample_fn).
-
-  Args:
-    tokens: int32 [B, W]; row b's first n_valid[b] tokens are real, the rest padding.
-    n_valid: int32 [B] in [0, W].
-    cache: the DecodeCache (donated).
-    seeds, positions: uint32 / int32 [B]: row b draws with fold_in(PRNGKey(seeds[b]),
-      positions[b]).
-    forced: int32 [B]: a token id to take instead of the draw, or -1.
-    sampling: (temperature, top_k, top_p, vocab_limit) traced scalars.
-
-  Returns:
-    (token int32 [B], logp float32 [B] under the raw logits, sample_logp float32 [B] under
-    the sampling distribution (infer.sampling.sampling_logits: the behaviour policy), the
-    new cache).
-  """
-  _TRACES["feed_and_sample"] += 1
-  model = nnx.merge(graphdef, state)
-  w = tokens.shape[1]
-  real = (jnp.arange(w)[None, :] < n_valid[:, None]).astype(jnp.int32)
-  last = jnp.maximum(n_valid - 1, 0)[:, None]
-  logits, aux = model(tokens, segment_ids=real, cache=cache, logits_at=last, kv_block=kv_block)
-  logits = logits[:, 0].astype(jnp.float32)                                 # [B, V]
-  dist = sampling_logits(logits, *sampling)
-  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
-  drawn = jax.vmap(jax.random.categorical)(keys, dist).astype(jnp.int32)
-  tok = jnp.where(forced >= 0, forced, drawn)
-  logp = _pick(jax.nn.log_softmax(logits, axis=-1), tok)
-  sample_logp = _pick(jax.nn.log_softmax(dist, axis=-1), tok)
-  return tok, logp, sample_logp, aux["cache"]
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _reset_row(cache: DecodeCache, b) -> DecodeCache:
-  """Row b emptied (length 0, zero states / tails / latents) for a new episode."""
-  _TRACES["reset_row"] += 1
-  return jax.tree.map(lambda x: x.at[b].set(jnp.zeros_like(x[0])), cache)
+@jax.jit
+def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+  """uint32 [B, 2]: row b draws with fold_in(PRNGKey(seeds[b]), positions[b])."""
+  return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -237,7 +190,7 @@ class Rollout:
     self.engine, self.tokenizer, self.batch = engine, tokenizer, int(batch)
     self.config = dataclasses.replace(config, sampling=sampling)
     self._sampling = sampling.as_arrays()
-    self._step = _feed_and_sample_fn(engine.graphdef, engine.kv_block)
+    self._step = feed_and_draw_fn(engine.graphdef, engine.kv_block, split_keys=False)
 
   # ---- episode start / resume ------------------------------------------------------------
 
@@ -355,7 +308,7 @@ class Rollout:
                           env=row.env)
 
   def _call(self, slots, members, width: int, cache: DecodeCache):
-    """One _feed_and_sample call feeding up to `width` pending tokens of each member slot
+    """One feed_and_draw call feeding up to `width` pending tokens of each member slot
     (the other rows idle) -> (cache, {slot: (token or None if the row still has tokens to
     feed, logp, sample_logp, forced?, tokens fed)})."""
     b = self.batch
@@ -372,8 +325,9 @@ class Rollout:
       seeds[s], positions[s] = row.spec.sample_seed, row.n
       if not row.to_feed:
         forced[s] = self._forced_token(row)
-    tok, logp, slp, cache = self._step(self.engine.state, tokens, n_valid, cache, seeds,
-                                       positions, forced, self._sampling)
+    tok, logp, slp, _, cache = self._step(
+        self.engine.state, tokens, n_valid, cache, _row_keys(seeds, positions),
+        np.zeros(b, bool), *self._sampling, forced)
     tok, logp, slp = np.asarray(tok), np.asarray(logp), np.asarray(slp)
     out = {}
     for s in members:
@@ -428,7 +382,7 @@ class Rollout:
           if row.index in pending_rows:
             cache = _put_row(cache, pending_rows[row.index].cache, jnp.int32(s))
           else:
-            cache = _reset_row(cache, jnp.int32(s))
+            cache = clear_row(cache, jnp.int32(s))
       # Rows are grouped by their own feed width, one call per width (see _width).
       widths = [self._width(len(r.to_feed)) if r is not None else 0 for r in slots]
       draws = {}

@@ -215,9 +215,9 @@ class Scheduler:
     temperature = np.array([j.temperature for j in rows], np.float32)
     top_k = np.array([j.top_k for j in rows], np.int32)
     top_p = np.array([j.top_p for j in rows], np.float32)
-    tok, keys, self._cache = self._step(self.engine.state, tokens, n_valid, self._cache,
-                                        self._keys, draw, temperature, top_k, top_p,
-                                        self._vocab_limit)
+    tok, _, _, keys, self._cache = self._step(
+        self.engine.state, tokens, n_valid, self._cache, self._keys, draw, temperature, top_k,
+        top_p, self._vocab_limit)
     tok, self._keys = np.asarray(tok), np.array(keys)
     self.stats[counter] += 1
     self.stats["max_rows"] = max(self.stats["max_rows"], int((n_valid > 0).sum()))

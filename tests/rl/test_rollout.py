@@ -17,13 +17,13 @@ from flax import nnx
 
 from hybridmoe_jax.data.token_roles import TokenizerError
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
-from hybridmoe_jax.infer import Engine, SamplingConfig
+from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
 from hybridmoe_jax.infer.sampling import filter_logits, sampling_logits
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer, Tool, ToolCall, register_tool
 from hybridmoe_jax.rl.episode import (EpisodeSpec, PendingEpisode, group_specs, oracle_script)
-from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig, trace_counts
+from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from tests.infer.helpers import tiny_cfg
 
 TOK = ByteTokenizer(chat=True)
@@ -186,7 +186,7 @@ def test_free_sampling_with_filters_rows_end_at_different_times():
 
 
 def test_paused_and_resumed_episodes_equal_uninterrupted_ones(uninterrupted):
-  before = trace_counts()["feed_and_sample"]
+  before = trace_counts()["feed_and_draw"]
   rollout = _rollout(token_budget=23)
   res = rollout.run(_specs())
   done = {t.spec: t for t in res.finished}
@@ -210,7 +210,7 @@ def test_paused_and_resumed_episodes_equal_uninterrupted_ones(uninterrupted):
     np.testing.assert_array_equal(got.sample_logp, want.sample_logp)
     assert (got.reward, got.finish_reason, got.num_turns) == (
         want.reward, want.finish_reason, want.num_turns)
-  assert trace_counts()["feed_and_sample"] == before      # no new compilations
+  assert trace_counts()["feed_and_draw"] == before      # no new compilations
 
 
 def test_max_tokens_cuts_an_episode():
