@@ -14,7 +14,7 @@ from hybridmoe_jax.config import ComputeConfig, KDAConfig, MLAConfig
 from hybridmoe_jax.layers.conv import ShortConv
 from hybridmoe_jax.layers.kda import KDACache, KDALayer
 from hybridmoe_jax.layers.mla import MLACache, MLALayer
-from tests.conftest import rel_rms
+from tests._support import rel_rms
 
 D = 32
 F32 = ComputeConfig(kda_chunk_size=16)
@@ -79,7 +79,7 @@ def test_packed_equals_separate(kind, kw):
   start = 0
   for n in lens:
     alone, _ = _call(layer, x[:, start:start + n])
-    assert rel_rms(alone, packed[:, start:start + n]) < 1e-5, (kind, n)
+    assert rel_rms(packed[:, start:start + n], alone) < 1e-5, (kind, n)
     start += n
 
 
