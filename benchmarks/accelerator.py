@@ -46,8 +46,8 @@ def time_train_step(preset: str, batch: int, seq: int, steps: int, dtype: str) -
   def run():
     box[0], box[1] = step(box[0], b)
     return box[1]
-  t = time_fns({"step": run}, steps)["step"]
-  compile_s, ms, metrics = t.first, t.median * 1e3, box[1]
+  compile_s, median = time_fns({"step": run}, steps)["step"]
+  ms, metrics = median * 1e3, box[1]
   return dict(bench="train_step", preset=preset, batch=batch, seq=seq, dtype=dtype,
               backend=jax.default_backend(), device=jax.devices()[0].device_kind,
               step_ms=round(ms, 2), tokens_per_s=round(batch * seq / ms * 1e3, 1),

@@ -68,7 +68,7 @@ def model_rate(config, stage, steps: int) -> float:
   def step():
     box[0], m = train_step(box[0], batch)
     return m["loss"]
-  median = time_fns({"step": step}, steps)["step"].median   # one warm-up step compiles
+  median = time_fns({"step": step}, steps)["step"][1]   # one warm-up step compiles
   return stage.batch_size * stage.seq_len / median
 
 

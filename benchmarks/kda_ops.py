@@ -81,8 +81,7 @@ def main():
         fns[f"chunked_c{c}"] = build("chunked", c, args.lower_bound, backward)
       timed = time_fns({name: functools.partial(fn, *inputs) for name, fn in fns.items()},
                        args.repeats)
-      first = {name: t.first for name, t in timed.items()}
-      med = {name: t.median for name, t in timed.items()}
+      first, med = ({name: t[i] for name, t in timed.items()} for i in (0, 1))
       rec = med["recurrent"]
       cells = []
       for c in args.chunk:

@@ -56,8 +56,8 @@ def episodes(batch: int, forced: bool) -> list[EpisodeSpec]:
 def timed(fn, repeats: int):
   """-> (result of the last run, median seconds of `repeats` runs after one warm-up)."""
   runs = []
-  t = time_fns({"run": lambda: runs.append(fn()) or runs[-1]}, repeats)["run"]
-  return runs[-1], t.median
+  median = time_fns({"run": lambda: runs.append(fn()) or runs[-1]}, repeats)["run"][1]
+  return runs[-1], median
 
 
 def main():
