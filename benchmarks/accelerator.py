@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ from benchmarks.memory_model import one_device_run  # noqa: E402  pylint: disabl
 from hybridmoe_jax.train import optim  # noqa: E402
 from hybridmoe_jax.train.state import create_train_state  # noqa: E402
 from hybridmoe_jax.train.step import make_train_step  # noqa: E402
+from hybridmoe_jax.tools.timing import time_fns  # noqa: E402
 
 
 def time_train_step(preset: str, batch: int, seq: int, steps: int, dtype: str) -> dict:
@@ -42,17 +41,13 @@ def time_train_step(preset: str, batch: int, seq: int, steps: int, dtype: str) -
   seg = jnp.asarray(np.repeat(np.arange(4), -(-seq // 4))[None, :seq].repeat(batch, 0),
                     jnp.int32)  # four packed documents per row
   b = {"tokens": tokens, "segment_ids": seg}
-  t0 = time.perf_counter()
-  state, metrics = step(state, b)
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, metrics = step(state, b)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t0)
-  ms = statistics.median(times) * 1e3
+  box = [state, None]   # (train state, metrics), advanced by each step
+
+  def run():
+    box[0], box[1] = step(box[0], b)
+    return box[1]
+  compile_s, median = time_fns({"step": run}, steps)["step"]
+  ms, metrics = median * 1e3, box[1]
   return dict(bench="train_step", preset=preset, batch=batch, seq=seq, dtype=dtype,
               backend=jax.default_backend(), device=jax.devices()[0].device_kind,
               step_ms=round(ms, 2), tokens_per_s=round(batch * seq / ms * 1e3, 1),

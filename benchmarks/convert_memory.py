@@ -21,12 +21,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from hybridmoe_jax.convert import hf_config  # noqa: E402  pylint: disable=wrong-import-position
+from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402  pylint: disable=wrong-import-position
 from hybridmoe_jax.convert.abstract import (hf_specs,  # noqa: E402  pylint: disable=wrong-import-position
                                             write_sparse_hf_checkpoint)
 
@@ -54,12 +54,12 @@ def scaled(hf: dict, scale: str) -> dict:
 
 
 def run(cmd: list[str]) -> tuple[dict, float]:
-  t0 = time.perf_counter()
-  p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
-                     env=dict(os.environ, PYTHONPATH=ROOT))
+  with stopwatch() as sw:
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
   if p.returncode:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-  return json.loads(p.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
+  return json.loads(p.stdout.strip().splitlines()[-1]), sw.seconds
 
 
 def measure(scale: str, reverse: bool, workdir: str) -> list[dict]:

@@ -15,7 +15,6 @@ keeps up.
 import json
 import os
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -23,6 +22,7 @@ import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
+from hybridmoe_jax.tools.timing import stopwatch, time_fns  # pylint: disable=g-import-not-at-top
 _CONFIG = flags.DEFINE_string("config", os.path.join(_ROOT, "configs", "curriculum_cpu.py"),
                               "Curriculum preset.")
 _BATCHES = flags.DEFINE_integer("batches", 30, "Timed batches per stage and setting.")
@@ -38,10 +38,10 @@ def pipeline_rate(stage, data, workers: int, batches: int) -> tuple[float, float
                                  num_packing_bins=16)
   it = iter(ds)
   next(it)  # start-up: worker processes, first pack
-  t0 = time.perf_counter()
-  for _ in range(batches):
-    next(it)
-  dt = time.perf_counter() - t0
+  with stopwatch() as sw:
+    for _ in range(batches):
+      next(it)
+  dt = sw.seconds
   if hasattr(it, "close"):
     it.close()
   return batches / dt, batches * stage.batch_size * stage.seq_len / dt
@@ -50,7 +50,6 @@ def pipeline_rate(stage, data, workers: int, batches: int) -> tuple[float, float
 def model_rate(config, stage, steps: int) -> float:
   """Tokens/s of the jitted train step at the stage's shape (after compilation)."""
   # pylint: disable=g-import-not-at-top
-  import jax
   from hybridmoe_jax.train import optim
   from hybridmoe_jax.train import plan as plan_lib
   from hybridmoe_jax.train import step as step_lib
@@ -64,15 +63,13 @@ def model_rate(config, stage, steps: int) -> float:
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, 256, (stage.batch_size, stage.seq_len), dtype=np.int32),
            "segment_ids": np.ones((stage.batch_size, stage.seq_len), np.int32)}
-  state, m = train_step(state, batch)
-  jax.block_until_ready(m["loss"])
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = train_step(state, batch)
-    jax.block_until_ready(m["loss"])
-    times.append(time.perf_counter() - t0)
-  return stage.batch_size * stage.seq_len / float(np.median(times))
+  box = [state]
+
+  def step():
+    box[0], m = train_step(box[0], batch)
+    return m["loss"]
+  median = time_fns({"step": step}, steps)["step"][1]   # one warm-up step compiles
+  return stage.batch_size * stage.seq_len / median
 
 
 def main(argv):

@@ -23,7 +23,6 @@ import json
 import os
 import resource
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,8 @@ from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-imp
 from hybridmoe_jax.infer import Engine, cache_bytes, init_cache, mla_bytes_per_token
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.config.flags import load_config_file
+from hybridmoe_jax.tools import timing
+from hybridmoe_jax.tools.timing import stopwatch, time_fns
 
 
 def model_configs():
@@ -53,29 +54,29 @@ def bench_model(name, cfg, contexts, steps, chunk, kv_block, deadline):
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   engine = Engine(model, max_len=max(contexts) + steps, prefill_chunk=chunk, kv_block=kv_block)
   # Warm-up compiles prefill and decode for this capacity (excluded from all timings).
-  t0 = time.perf_counter()
-  _, cache = engine.prefill(np.zeros((1, 1), np.int32))
-  _block(engine.decode_step(jnp.zeros((1,), jnp.int32), cache))
-  compile_s = time.perf_counter() - t0
+  with stopwatch() as sw:
+    _, cache = engine.prefill(np.zeros((1, 1), np.int32))
+    _block(engine.decode_step(jnp.zeros((1,), jnp.int32), cache))
+  compile_s = sw.seconds
   rng = np.random.default_rng(0)
   rows = []
   for ctx in contexts:
-    if time.perf_counter() > deadline:
+    if timing.now() > deadline:
       print(f"# {name}: time budget spent, skipping L >= {ctx}", file=sys.stderr)
       break
     tokens = rng.integers(0, 256, (1, ctx), dtype=np.int32)
-    t0 = time.perf_counter()
-    logits, cache = engine.prefill(tokens)
-    first = int(jnp.argmax(logits[0]))
-    ttft = time.perf_counter() - t0
-    tok, times = jnp.array([first], jnp.int32), []
-    for _ in range(steps):
-      t0 = time.perf_counter()
-      logits, cache = engine.decode_step(tok, cache)
-      tok = jnp.argmax(logits, -1).astype(jnp.int32)
-      _block(tok)
-      times.append(time.perf_counter() - t0)
-    decode_ms = float(np.median(times)) * 1e3   # median: robust to a shared, busy CPU
+    with stopwatch() as sw:
+      logits, cache = engine.prefill(tokens)
+      first = int(jnp.argmax(logits[0]))
+    ttft = sw.seconds
+    state = [jnp.array([first], jnp.int32), cache]    # (token, cache), advanced by each step
+
+    def step():
+      logits, state[1] = engine.decode_step(*state)
+      state[0] = jnp.argmax(logits, -1).astype(jnp.int32)
+      return state[0]
+    # median: robust to a shared, busy CPU
+    decode_ms = time_fns({"decode": step}, steps, warmup=0)["decode"][1] * 1e3
     sized = cache_bytes(init_cache(cfg, 1, ctx))
     # The contract: KDA state constant, MLA cache exactly (d_c + Dr) * layers * bytes / token.
     assert sized["mla"] == ctx * mla_bytes_per_token(cfg), sized
@@ -108,7 +109,7 @@ def main():
   rows = []
   for name in a.models.split(","):
     rows += bench_model(name, configs[name], contexts, a.decode_steps, a.prefill_chunk,
-                        a.kv_block, time.perf_counter() + a.budget_s)
+                        a.kv_block, timing.now() + a.budget_s)
   print(f"\n{'model':>8} {'context':>8} {'cache KiB':>10} {'TTFT s':>8} {'prefill tok/s':>13} "
         f"{'decode ms/tok':>13}")
   for r in rows:

@@ -26,13 +26,13 @@ import dataclasses
 import functools
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.tools.timing import time_fn
 from pallas_kernels.kda import kda_pallas
 from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
 
@@ -105,13 +105,7 @@ def jax_fn(impl, mode, chunk, interpret, K, V, segment_ids):
 
 
 def time_jax(fn, args, repeats):
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return time_fn(fn, args, repeats)[1]   # after a compile + warm-up call
 
 
 def time_fla(args_np, mode, repeats, segment_ids=None):

@@ -13,14 +13,14 @@ is not installed), so none is timed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.tools.timing import time_fns
 
 
 def make_inputs(B, T, H, K, V, lower_bound, seed=0):
@@ -51,22 +51,6 @@ def build(impl, chunk_size, lower_bound, backward):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def time_interleaved(fns: dict, args: tuple, repeats: int) -> tuple[dict, dict]:
-  """-> (compile + first-call seconds, median seconds) per name; calls interleaved."""
-  first, times = {}, {name: [] for name in fns}
-  for name, fn in fns.items():
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first[name] = time.perf_counter() - t0
-  names = list(fns)
-  for r in range(repeats):
-    for name in names[r % len(names):] + names[: r % len(names)]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(fns[name](*args))
-      times[name].append(time.perf_counter() - t0)
-  return first, {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -95,7 +79,9 @@ def main():
       fns = {"recurrent": build("recurrent", 64, None, backward)}
       for c in args.chunk:
         fns[f"chunked_c{c}"] = build("chunked", c, args.lower_bound, backward)
-      first, med = time_interleaved(fns, inputs, args.repeats)
+      timed = time_fns({name: functools.partial(fn, *inputs) for name, fn in fns.items()},
+                       args.repeats)
+      first, med = ({name: t[i] for name, t in timed.items()} for i in (0, 1))
       rec = med["recurrent"]
       cells = []
       for c in args.chunk:

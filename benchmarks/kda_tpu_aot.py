@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybridmoe_jax.ops.kda.chunked import kda_chunked
 from hybridmoe_jax.parallel.topology import topology_devices
+from hybridmoe_jax.tools.timing import stopwatch
 from pallas_kernels.kda import kda_pallas
 
 LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
@@ -81,11 +81,10 @@ def program(impl: str, mode: str):
 def compile_one(mesh: Mesh, impl: str, mode: str, T: int, packed: bool) -> dict:
   specs = arg_specs(T, packed)
   rep = NamedSharding(mesh, PartitionSpec())
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
+  with stopwatch() as sw, jax.set_mesh(mesh):
     fn = jax.jit(program(impl, mode), in_shardings=(rep,) * len(specs))
     compiled = fn.lower(*specs).compile()
-  seconds = time.perf_counter() - t0
+  seconds = sw.seconds
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.train.state import abstract_train_state
 from hybridmoe_jax.train.step import make_train_step
+from hybridmoe_jax.tools.timing import Stopwatch
 
 _CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     for t in (int(x) for x in args.lengths.split(",")):
       for remat in args.remats.split(","):
         run = one_device_run(preset, args.batch, t, remat)
-        t0 = time.perf_counter()
+        sw = Stopwatch()
         xla = xla_bytes(run)
         est = model_bytes(run)
         row = {"preset": preset, "T": t, "B": args.batch, "remat": remat,
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
                "xla_temp": xla["temp"], "model_total": round(est["total"]),
                "ratio_xla_over_model": round(xla["total"] / est["total"], 3),
                "model": {k: round(v) for k, v in est.items() if k != "total"},
-               "compile_s": round(time.perf_counter() - t0, 1)}
+               "compile_s": round(sw.seconds, 1)}
         print(json.dumps(row), flush=True)
         rows.append(row)
   print(f"\n{'preset':8} {'T':>6} {'remat':6} {'XLA MiB':>10} {'model MiB':>10} {'XLA/model':>9}")

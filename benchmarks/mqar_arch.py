@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from hybridmoe_jax.config import ComputeConfig, ModelConfig, model_config_from_d
 from hybridmoe_jax.evals.mqar import accuracy, make_mqar, token_ranges
 from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.config.flags import load_config_file
+from hybridmoe_jax.tools.timing import Stopwatch
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def cells(lengths, pairs):
 
 
 def run_arch(arch: str, args) -> tuple[list[dict], float, list[float]]:
-  t0 = time.perf_counter()
+  sw = Stopwatch()
   cfg = arch_config(arch, vocab=args.vocab, d_model=args.d_model)
   model = HybridLM(cfg, rngs=nnx.Rngs(args.seed), compute=ComputeConfig(kda_impl=args.kda_impl))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -124,8 +124,8 @@ def run_arch(arch: str, args) -> tuple[list[dict], float, list[float]]:
     if args.log_every and (i + 1) % args.log_every == 0:
       print(f"  [{arch}] step {i + 1:5d}  loss {np.mean(losses[-args.log_every:]):.3f}  "
             f"train acc {np.mean(accs[-args.log_every:]):.3f}  "
-            f"{time.perf_counter() - t0:6.1f}s", flush=True)
-  train_s = time.perf_counter() - t0
+            f"{sw.seconds:6.1f}s", flush=True)
+  train_s = sw.seconds
   predict = make_predict(graphdef)
   eval_rng = np.random.default_rng(10_000 + args.seed)   # held out: a different stream
   rows = []
@@ -135,7 +135,7 @@ def run_arch(arch: str, args) -> tuple[list[dict], float, list[float]]:
     rows.append({"arch": arch, "length": t, "pairs": p,
                  "accuracy": accuracy(pred, b.targets),
                  "queries": int(args.eval_samples * p)})
-  wall = time.perf_counter() - t0
+  wall = sw.seconds
   for r in rows:
     r.update(steps=args.steps, batch=args.batch, seed=args.seed, train_s=round(train_s, 1),
              wall_s=round(wall, 1), final_train_loss=float(np.mean(losses[-50:])))

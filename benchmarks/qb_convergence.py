@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 
 from hybridmoe_jax.ops.quantile_balance import quantile_balance, sign_rule_update
 from hybridmoe_jax.ops.routing import expert_load, max_violation, sigmoid_topk_route
+from hybridmoe_jax.tools.timing import stopwatch
 
 # name: (E experts, k per token, m tokens, skew of the per-expert logit offsets)
 SPECS = {
@@ -48,9 +48,9 @@ def curve(logits: jax.Array, k: int, update, steps: int) -> tuple[list[float], f
 
   run = jax.jit(lambda: jax.lax.scan(step, jnp.zeros(num_experts), None, length=steps))
   jax.block_until_ready(run())  # compile
-  start = time.perf_counter()
-  bias, vios = jax.block_until_ready(run())
-  seconds = (time.perf_counter() - start) / steps
+  with stopwatch() as sw:
+    bias, vios = jax.block_until_ready(run())
+  seconds = sw.seconds / steps
   final = expert_load(sigmoid_topk_route(logits, bias, k).experts, num_experts)
   return [float(v) for v in vios] + [float(max_violation(final))], seconds
 

@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 import numpy as np
 
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from hybridmoe_jax.rl import trainer  # noqa: E402
 from hybridmoe_jax.config.flags import load_config_file  # noqa: E402
+from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
 
 ALGOS = {
     "grpo": dict(advantage="grpo", loss="clip", loss_agg_mode="token-mean"),
@@ -73,9 +73,9 @@ def run(args) -> list[dict]:
     tag = f"{args.sft_steps or ''}" + (f"L{args.sft_levels.replace(',', '')}"
                                        if args.sft_levels else "")
     sft_dir = os.path.join(args.out, f"sft{tag}_s{seed}")
-    t0 = time.time()
-    trainer.train_rl(_config(args, seed, iterations=0, eval_every=0), sft_dir)
-    sft_s = time.time() - t0
+    with stopwatch() as sw:
+      trainer.train_rl(_config(args, seed, iterations=0, eval_every=0), sft_dir)
+    sft_s = sw.seconds
     for algo in args.algos:
       start = "" if args.start_level is None else f"_start{args.start_level}"
       workdir = os.path.join(args.out, f"{algo}{tag}{start}_s{seed}")
@@ -83,9 +83,9 @@ def run(args) -> list[dict]:
                 eval_every=args.eval_every, eval_episodes=args.eval_episodes,
                 eval_levels=tuple(int(x) for x in args.eval_levels.split(",")),
                 group_size=args.group_size, opmd_tau=args.opmd_tau)
-      t0 = time.time()
-      s = trainer.train_rl(_config(args, seed, **rl), workdir)
-      wall = time.time() - t0
+      with stopwatch() as sw:
+        s = trainer.train_rl(_config(args, seed, **rl), workdir)
+      wall = sw.seconds
       evals = _records(workdir, "eval")
       steps = _records(workdir, "rl")
       before, after = _success(evals[0]), _success(evals[-1])

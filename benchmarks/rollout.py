@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import numpy as np
@@ -43,6 +41,7 @@ from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.flags import load_config_file
+from hybridmoe_jax.tools.timing import time_fns
 
 
 def episodes(batch: int, forced: bool) -> list[EpisodeSpec]:
@@ -56,13 +55,9 @@ def episodes(batch: int, forced: bool) -> list[EpisodeSpec]:
 
 def timed(fn, repeats: int):
   """-> (result of the last run, median seconds of `repeats` runs after one warm-up)."""
-  fn()
-  times, out = [], None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - t0)
-  return out, statistics.median(times)
+  runs = []
+  median = time_fns({"run": lambda: runs.append(fn()) or runs[-1]}, repeats)["run"][1]
+  return runs[-1], median
 
 
 def main():

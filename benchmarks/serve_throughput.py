@@ -47,6 +47,8 @@ from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.train.params_export import export_params
+from hybridmoe_jax.tools import timing
+from hybridmoe_jax.tools.timing import Stopwatch, stopwatch
 
 
 def _export(path: str) -> str:
@@ -66,13 +68,13 @@ def _server(path: str, *, slots: int, max_len: int, prefill_chunk: int):
                            f"--port={port}", f"--slots={slots}", f"--max_len={max_len}",
                            f"--prefill_chunk={prefill_chunk}", "--model_name=tiny"], cwd=_ROOT)
   try:
-    deadline = time.monotonic() + 300
+    deadline = timing.now() + 300
     while True:
       try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).close()
         break
       except OSError:
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if proc.poll() is not None or timing.now() > deadline:
           raise SystemExit("the server did not start") from None
         time.sleep(0.5)
     yield f"http://127.0.0.1:{port}/v1"
@@ -94,12 +96,12 @@ def _pct(xs, q) -> float:
 def reference(lm: LoadedModel, prompts: list[str], max_tokens: int) -> dict:
   lm.generate(prompts[0], max_new_tokens=max_tokens)           # compile
   texts, lat = [], []
-  t0 = time.perf_counter()
-  for p in prompts:
-    s = time.perf_counter()
-    texts.append(lm.generate(p, max_new_tokens=max_tokens))
-    lat.append(time.perf_counter() - s)
-  wall = time.perf_counter() - t0
+  with stopwatch() as all_sw:
+    for p in prompts:
+      with stopwatch() as sw:
+        texts.append(lm.generate(p, max_new_tokens=max_tokens))
+      lat.append(sw.seconds)
+  wall = all_sw.seconds
   tokens = 0
   for p in prompts:          # completion tokens as the server counts them (EOS included)
     out = lm.engine.generate(lm.tokenizer.encode(p, bos=True)[None], max_new_tokens=max_tokens,
@@ -112,23 +114,22 @@ def reference(lm: LoadedModel, prompts: list[str], max_tokens: int) -> dict:
 
 def served(client, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
   def one(p):
-    s = time.perf_counter()
+    sw = Stopwatch()
     first, text, tokens = None, "", 0
     for chunk in client.completions.create(model="tiny", prompt=p, max_tokens=max_tokens,
                                            temperature=0, stream=True,
                                            stream_options={"include_usage": True}):
       if chunk.choices and first is None:
-        first = time.perf_counter() - s
+        first = sw.seconds
       if chunk.choices:
         text += chunk.choices[0].text
       if chunk.usage is not None:
         tokens = chunk.usage.completion_tokens
-    return text, tokens, time.perf_counter() - s, first
+    return text, tokens, sw.seconds, first
 
-  t0 = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+  with stopwatch() as all_sw, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
     results = list(pool.map(one, prompts))
-  wall = time.perf_counter() - t0
+  wall = all_sw.seconds
   tokens = sum(r[1] for r in results)
   return {"path": "server", "concurrency": concurrency, "wall_s": wall, "tokens": tokens,
           "tok_per_s": tokens / wall, "latency_p50_s": _pct([r[2] for r in results], 50),

@@ -63,7 +63,6 @@ jax.devices()
 import contextlib
 import pathlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,13 +72,6 @@ def load_config(name: str):
   """Load configs/<name>.py and return its get_config() ConfigDict."""
   from hybridmoe_jax.config.flags import load_config_file  # pylint: disable=g-import-not-at-top
   return load_config_file(ROOT / "configs" / f"{name}.py")
-
-
-def rel_rms(ref, x) -> float:
-  """rms(ref - x) / rms(ref), in float64."""
-  ref = np.asarray(ref, np.float64)
-  x = np.asarray(x, np.float64)
-  return float(np.sqrt(np.mean((ref - x) ** 2)) / (np.sqrt(np.mean(ref ** 2)) + 1e-30))
 
 
 @contextlib.contextmanager

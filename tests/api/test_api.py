@@ -203,9 +203,9 @@ def test_hugging_face_dir_loads_with_its_tiktoken_tokenizer(tmp_path):
   from hybridmoe_jax.convert import load_hf_model
   from hybridmoe_jax.data.tokenizer import make_tokenizer
   from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
-  from tests.data.test_file_tokenizers import _tiktoken_dir
+  from tests.data.test_file_tokenizers import tiktoken_dir
   hf = write_hf_dir(tmp_path / "hf", tiny_hf_config(vocab_size=300), shards=1)
-  _tiktoken_dir(hf)  # 266 BPE ranks + Kimi-style named specials: every id < 300
+  tiktoken_dir(hf)  # 266 BPE ranks + Kimi-style named specials: every id < 300
   lm = api.load(hf, max_len=64, prefill_chunk=16, kv_block=16)
   assert lm.info["source"] == "huggingface"
   assert lm.tokenizer.vocab_size == make_tokenizer(hf).vocab_size <= 300

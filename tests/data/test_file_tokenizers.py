@@ -46,7 +46,7 @@ MERGES = [b"th", b"the", b" the", b"at", b" c", b" cat", b"\xc3\xa9", b"h\xc3\xa
           b"\xe6\x97\xa5"]
 
 
-def _tiktoken_dir(d, *, config=True, merges=MERGES):
+def tiktoken_dir(d, *, config=True, merges=MERGES):
   """256 single bytes + merges, ranks 0..n-1; Kimi-style config naming some specials."""
   os.makedirs(d, exist_ok=True)
   tokens = [bytes([b]) for b in range(256)] + list(merges)
@@ -67,7 +67,7 @@ def _tiktoken_dir(d, *, config=True, merges=MERGES):
 def files(tmp_path_factory):
   root = tmp_path_factory.mktemp("tok")
   os.makedirs(root / "hf")
-  return {"hf": _hf_file(str(root / "hf")), "tiktoken": _tiktoken_dir(str(root / "tk"))}
+  return {"hf": _hf_file(str(root / "hf")), "tiktoken": tiktoken_dir(str(root / "tk"))}
 
 
 @pytest.mark.parametrize("kind", ["hf", "tiktoken"])
@@ -176,7 +176,7 @@ def test_errors_are_one_line_and_name_the_file(tmp_path, files):
   with pytest.raises(TokenizerError, match="line 2") as e:
     make_tokenizer(str(bad_tk))
   assert str(bad_tk) in _one_line(e)
-  no_bytes = _tiktoken_dir(str(tmp_path / "nobytes"), config=False, merges=[])
+  no_bytes = tiktoken_dir(str(tmp_path / "nobytes"), config=False, merges=[])
   lines = open(os.path.join(no_bytes, "tiktoken.model")).read().splitlines()
   with open(os.path.join(no_bytes, "tiktoken.model"), "w") as f:  # drop byte 0, renumber
     f.write("\n".join(f"{ln.split()[0]} {i}" for i, ln in enumerate(lines[1:])) + "\n")
@@ -186,7 +186,7 @@ def test_errors_are_one_line_and_name_the_file(tmp_path, files):
 
 
 def test_missing_named_special_token_is_an_error(tmp_path):
-  d = _tiktoken_dir(str(tmp_path / "tk"))
+  d = tiktoken_dir(str(tmp_path / "tk"))
   cfg_path = os.path.join(d, "tokenizer_config.json")
   cfg = json.load(open(cfg_path))
   cfg["bos_token"] = {"content": "<|begin_of_text|>"}  # not a token of this vocabulary
@@ -231,7 +231,7 @@ def test_save_copies_and_refuses_another_tokenizer(tmp_path, files):
   with pytest.raises(TokenizerError, match="already holds tiktoken.model") as e:
     save_tokenizer(make_tokenizer(files["hf"]), str(out))
   _one_line(e)
-  other = _tiktoken_dir(str(tmp_path / "other"), merges=MERGES[:3])
+  other = tiktoken_dir(str(tmp_path / "other"), merges=MERGES[:3])
   with pytest.raises(TokenizerError, match="holds another tokenizer") as e:
     save_tokenizer(make_tokenizer(other), str(out))
   _one_line(e)

@@ -17,17 +17,15 @@ import types
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS, one_device
-from tests.train.test_loop import _config, _train_losses
-from tests.train.train_fakes import FakeIterator
+from tests.train.train_fakes import FakeIterator, tiny_run_config, train_losses  # noqa: F401
 
 FAULT_CONFIG = ROOT / "tests" / "faults" / "fault_config.py"
-train_losses = _train_losses  # {step: loss}, the last record of a step wins
 
 
 def tiny_config(**train):
-  """tests/train/test_loop.py's tiny run, checkpoints every 2 steps, none rotated away."""
-  return _config(**{**dict(checkpoint_every=2, keep_checkpoints=1000, heatmap_every=0,
-                           eval_every=0), **train})
+  """train_fakes.tiny_run_config, checkpoints every 2 steps, none rotated away."""
+  return tiny_run_config(**{**dict(checkpoint_every=2, keep_checkpoints=1000, heatmap_every=0,
+                                   eval_every=0), **train})
 
 
 def fake_data(config, iterator=None):

@@ -12,14 +12,14 @@ from hybridmoe_jax.rl import run_state, trainer
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import loop, workdir_lock
 from tests.faults import helpers
-from tests.rl.test_trainer import _config
+from tests.rl.test_trainer import tiny_rl_config
 
 
 def test_rl_workdir_locked_by_another_run_is_one_line(tmp_path):
   with workdir_lock.WorkdirLock(str(tmp_path)):
     with pytest.raises(loop.InputError, match=f"workdir {tmp_path} is in use by another run "
                        f"\\(pid {os.getpid()}"):
-      trainer.train_rl(_config(), str(tmp_path))
+      trainer.train_rl(tiny_rl_config(), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == [workdir_lock.LOCK_FILE + ".guard"]
 
 
@@ -27,11 +27,11 @@ def test_rl_workdir_that_is_a_file_or_empty_is_one_line(tmp_path, monkeypatch):
   path = tmp_path / "file"
   path.write_text("mine")
   with pytest.raises(loop.InputError, match=f"--workdir={path} is a file"):
-    trainer.train_rl(_config(), str(path))
+    trainer.train_rl(tiny_rl_config(), str(path))
   assert path.read_text() == "mine"
   monkeypatch.chdir(tmp_path)
   with pytest.raises(loop.InputError, match="--workdir= is empty"):
-    trainer.train_rl(_config(), "")
+    trainer.train_rl(tiny_rl_config(), "")
   assert os.listdir(tmp_path) == ["file"]
 
 
@@ -40,12 +40,12 @@ def test_rl_init_from_a_run_with_another_vocabulary_names_it(tmp_path):
   src = tmp_path / "pretrained"
   src.mkdir()
   (src / "checkpoints").mkdir()
-  other = _config()
+  other = tiny_rl_config()
   other.model.vocab_size = 259                       # the byte tokenizer's run
   from hybridmoe_jax.config.run import run_config_from_dict  # pylint: disable=g-import-not-at-top
   import dataclasses  # pylint: disable=g-import-not-at-top
   ckpt_lib.write_workdir_config(str(src), dataclasses.asdict(run_config_from_dict(other).model))
-  c = _config()
+  c = tiny_rl_config()
   c.rl.init_from = str(src)
   with pytest.raises(ConfigError) as e:
     trainer.train_rl(c, str(tmp_path / "rl"))
@@ -59,7 +59,7 @@ def test_truncated_newest_rl_state_falls_back_and_old_ones_rotate(tmp_path):
   """A truncated newest rl_state/<step>.pkl stopped the resume with an unpickling traceback;
   old rl_state/*.pkl were never deleted when their checkpoints rotated away."""
   workdir = tmp_path / "rl"
-  cfg = _config(iterations=3, save_every=1, eval_every=0)
+  cfg = tiny_rl_config(iterations=3, save_every=1, eval_every=0)
   cfg.train.keep_checkpoints = 2
   trainer.train_rl(cfg, str(workdir))
   steps = helpers.committed_steps(workdir)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from hybridmoe_jax.infer import Engine, KDACache, MLACache, decode_step, prefill, trace_counts
 from hybridmoe_jax.model import HybridLM
-from tests.conftest import rel_rms
+from tests._support import rel_err, rel_rms
 from tests.infer.helpers import full_logits, random_tokens, tiny_cfg, tiny_model
 
 T = 48          # sequence length of every test
@@ -26,11 +26,6 @@ def setup():
   return model, engine, tokens, np.asarray(full_logits(model, tokens))
 
 
-def _rel_max(ref, x):
-  ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
-  return float(np.max(np.abs(ref - x)) / np.max(np.abs(ref)))
-
-
 def test_teacher_forced_decode_matches_forward(setup):
   _, engine, tokens, ref = setup
   last, cache = engine.prefill(tokens[:, :PROMPT])
@@ -40,8 +35,8 @@ def test_teacher_forced_decode_matches_forward(setup):
     steps.append(logits)
   got = jnp.stack(steps, axis=1)              # predictions at positions PROMPT-1 .. T-2
   assert cache.length.tolist() == [T - 1, T - 1]
-  assert _rel_max(ref[:, PROMPT - 1:T - 1], got) < 1e-4
-  assert rel_rms(ref[:, PROMPT - 1:T - 1], got) < 1e-4
+  assert rel_err(got, ref[:, PROMPT - 1:T - 1]) < 1e-4
+  assert rel_rms(got, ref[:, PROMPT - 1:T - 1]) < 1e-4
 
 
 def test_prefill_in_pieces_equals_one_prefill(setup):
@@ -49,7 +44,7 @@ def test_prefill_in_pieces_equals_one_prefill(setup):
   _, engine, tokens, ref = setup
   _, cache = engine.prefill(tokens[:, :9])
   last, cache = engine.prefill(tokens[:, 9:PROMPT], cache)
-  assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and cache.length.tolist() == [PROMPT] * 2
+  assert rel_err(last, ref[:, PROMPT - 1]) < 1e-4 and cache.length.tolist() == [PROMPT] * 2
 
 
 def test_score_matches_forward(setup):
@@ -57,7 +52,7 @@ def test_score_matches_forward(setup):
   logp = jax.nn.log_softmax(ref[:, :-1], -1)
   want = -np.take_along_axis(np.asarray(logp), np.asarray(tokens)[:, 1:, None], -1)[..., 0]
   nll, pred = engine.score(tokens)            # 48 = 3 chunks of 16
-  assert nll.shape == (2, T - 1) and rel_rms(want, nll) < 1e-5
+  assert nll.shape == (2, T - 1) and rel_rms(nll, want) < 1e-5
   np.testing.assert_array_equal(pred, np.argmax(ref[:, :-1], -1))
 
 
@@ -108,7 +103,7 @@ def test_functional_api(setup):
   model, engine, tokens, ref = setup
   last, cache = prefill(model, tokens[:, :PROMPT], max_len=T + 4, chunk_size=16, kv_block=8)
   logits, cache = decode_step(model, tokens[:, PROMPT], cache, kv_block=8)
-  assert _rel_max(ref[:, PROMPT - 1], last) < 1e-4 and _rel_max(ref[:, PROMPT], logits) < 1e-4
+  assert rel_err(last, ref[:, PROMPT - 1]) < 1e-4 and rel_err(logits, ref[:, PROMPT]) < 1e-4
 
 
 def test_variant_without_attnres_rope_slot_with_qlora():
@@ -127,4 +122,4 @@ def test_variant_without_attnres_rope_slot_with_qlora():
     logits, cache = engine.decode_step(tokens[:, t], cache)
     steps.append(logits)
   got = np.asarray(jnp.stack(steps, 1))
-  assert _rel_max(ref[:, 10:29], got) < 1e-4
+  assert rel_err(got, ref[:, 10:29]) < 1e-4

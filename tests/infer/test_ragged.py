@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from hybridmoe_jax.infer import Engine
+from tests._support import rel_err
 from tests.infer.helpers import random_tokens, two_layer_model
 
 LENGTHS = np.array([37, 9, 20], np.int32)   # 37 spans 3 chunks of 16; 9 ends in the first
@@ -31,11 +32,6 @@ def _rows_alone(model, tokens, lengths):
   return np.asarray(nnx.jit(lambda m, t, s: m(t, segment_ids=s)[0])(model, tokens, seg))
 
 
-def _rel_max(ref, x):
-  ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
-  return float(np.max(np.abs(ref - x)) / np.max(np.abs(ref)))
-
-
 def test_ragged_prefill_then_decode_matches_each_row_alone(setup):
   model, engine, tokens, padded = setup
   last, cache = engine.prefill(padded, lengths=LENGTHS)
@@ -45,8 +41,8 @@ def test_ragged_prefill_then_decode_matches_each_row_alone(setup):
   assert cache.length.tolist() == (LENGTHS + 1).tolist()
   ref = _rows_alone(model, tokens, LENGTHS + 1)
   for b, n in enumerate(LENGTHS):
-    assert _rel_max(ref[b, n - 1], last[b]) < 1e-4, b
-    assert _rel_max(ref[b, n], step[b]) < 1e-4, b
+    assert rel_err(last[b], ref[b, n - 1]) < 1e-4, b
+    assert rel_err(step[b], ref[b, n]) < 1e-4, b
 
 
 def test_ragged_rows_continue_an_existing_cache(setup):
@@ -63,7 +59,7 @@ def test_ragged_rows_continue_an_existing_cache(setup):
   assert cache.length.tolist() == (first + more).tolist()
   ref = _rows_alone(model, tokens, LENGTHS + 1)
   for b in (0, 2):
-    assert _rel_max(ref[b, LENGTHS[b] - 1], last[b]) < 1e-4, b
+    assert rel_err(last[b], ref[b, LENGTHS[b] - 1]) < 1e-4, b
 
 
 def test_ragged_generate_continues_each_row_from_its_own_end(setup):
@@ -95,7 +91,7 @@ def test_ragged_score_and_forward_match_each_row_alone(setup):
     want = -logp[b, np.arange(n - 1), padded[b, 1:n]]
     np.testing.assert_allclose(nll[b, :n - 1], want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(pred[b, :n - 1], ref[b, :n - 1].argmax(-1))
-    assert _rel_max(ref[b, :n], full[b, :n]) < 1e-4 and _rel_max(ref[b, :n], cached[b, :n]) < 1e-4
+    assert rel_err(full[b, :n], ref[b, :n]) < 1e-4 and rel_err(cached[b, :n], ref[b, :n]) < 1e-4
   with pytest.raises(ValueError, match=r"lengths must lie in \[1, 37\]"):
     engine.score(padded, [0, 3, 3])
   with pytest.raises(ValueError, match="max_len=52"):       # a cache of 52 cannot hold 60

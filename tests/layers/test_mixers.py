@@ -15,7 +15,7 @@ from hybridmoe_jax.layers.conv import ShortConv
 from hybridmoe_jax.layers.kda import KDACache, KDALayer
 from hybridmoe_jax.layers.mla import MLACache, MLALayer
 from hybridmoe_jax.ops.latent_attention import absorb, latent_attention_partial, unabsorb
-from tests.conftest import rel_rms
+from tests._support import rel_rms
 
 D = 32
 F32 = ComputeConfig(kda_chunk_size=16)
@@ -80,7 +80,7 @@ def test_packed_equals_separate(kind, kw):
   start = 0
   for n in lens:
     alone, _ = _call(layer, x[:, start:start + n])
-    assert rel_rms(alone, packed[:, start:start + n]) < 1e-5, (kind, n)
+    assert rel_rms(packed[:, start:start + n], alone) < 1e-5, (kind, n)
     start += n
 
 

@@ -8,7 +8,8 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
 from hybridmoe_jax.model import HybridLM
-from tests.conftest import load_config, rel_rms
+from tests._support import rel_rms
+from tests.conftest import load_config
 
 
 # Model-level tests default to the token-scan KDA: it compiles in a fraction of the chunked
@@ -43,7 +44,7 @@ def test_chunked_kda_in_model_matches_recurrent(tiny):
   chunked = HybridLM(tiny_cfg(), rngs=nnx.Rngs(0), compute=ComputeConfig(kda_impl="chunked"))
   tokens = _tokens(7, 1, 70)
   seg = jnp.concatenate([jnp.ones((1, 30), jnp.int32), jnp.full((1, 40), 2, jnp.int32)], 1)
-  assert rel_rms(_forward(model, tokens, seg)[0], _forward(chunked, tokens, seg)[0]) < 1e-5
+  assert rel_rms(_forward(chunked, tokens, seg)[0], _forward(model, tokens, seg)[0]) < 1e-5
 
 
 def _tokens(key, b, t, vocab=256):
@@ -88,7 +89,7 @@ def test_packed_documents_equal_separate_runs(tiny):
   alone, _ = _forward(model, rows, valid)
   start = 0
   for i, n in enumerate(lens):
-    assert rel_rms(alone[i, :n], logits[0, start:start + n]) < 1e-5
+    assert rel_rms(logits[0, start:start + n], alone[i, :n]) < 1e-5
     start += n
 
 

@@ -34,7 +34,3 @@ def value_and_grads(fn, q, k, v, w):
   return run(q, k, v, w)
 
 
-def max_rel(a, b) -> float:
-  """max |a - b| / max |b| in float64."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))

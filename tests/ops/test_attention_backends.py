@@ -13,7 +13,8 @@ from hybridmoe_jax.model.impls import describe_impls, log_impls
 from hybridmoe_jax.ops import attention_backends as ab
 from hybridmoe_jax.ops.blockwise_attention import attention_reference
 from hybridmoe_jax.train import dry_run
-from tests.ops.attention_helpers import (attention_inputs, max_rel, packed_segments,
+from tests._support import rel_err
+from tests.ops.attention_helpers import (attention_inputs, packed_segments,
                                         value_and_grads)
 
 
@@ -29,7 +30,7 @@ def _reference(seg, scale=None):
 def _assert_matches(got, ref, tol):
   for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
     assert a.shape == r.shape and a.dtype == r.dtype, name
-    assert max_rel(a, r) < tol, (name, max_rel(a, r))
+    assert rel_err(a, r) < tol, (name, rel_err(a, r))
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -64,7 +65,7 @@ def test_kernels_bfloat16_forward():
   ref = _reference(seg)(*(x.astype(jnp.float32) for x in (q, k, v)))
   for out in (ab.triton_attention(q, k, v, segment_ids=seg, block=16, interpret=True),
               ab.splash_attention(q, k, v, segment_ids=seg, interpret=True)):
-    assert out.dtype == jnp.bfloat16 and max_rel(out, ref) < 1e-2
+    assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 1e-2
 
 
 def test_cudnn_wrapper_argument_mapping_through_xla():
@@ -214,10 +215,10 @@ def test_mla_layer_kernel_equals_dense(impl, monkeypatch):
 
     outs[name] = out_and_grads(layer)
   assert set(ran) == {"dense", impl}     # the kernel itself ran, not a fallback
-  assert max_rel(outs[impl][0], outs["dense"][0]) < 1e-5
+  assert rel_err(outs[impl][0], outs["dense"][0]) < 1e-5
   g_kernel, g_dense = (jax.tree.leaves(nnx.to_pure_dict(outs[i][1])) for i in (impl, "dense"))
   for a, r in zip(g_kernel, g_dense):
-    assert max_rel(a, r) < 1e-4
+    assert rel_err(a, r) < 1e-4
   with pytest.raises(ValueError, match=f"compute.mla_impl='{impl}' runs on backend"):
     MLALayer(32, cfg, norm_eps=1e-6, rngs=nnx.Rngs(0),
              compute=ComputeConfig(mla_impl=impl))(x, segment_ids=seg)

@@ -14,21 +14,10 @@ from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.kda.blocks import diag_block_pairwise
 from hybridmoe_jax.ops.kda.chunked import intra_chunk_scores, kda_chunked
 from hybridmoe_jax.ops.kda.recurrent import kda_recurrent
+from tests._support import assert_close, rel_rms
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "data" / "kda_reference.npz"
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-
-
-def rel_rms(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.sqrt(np.mean((x - ref) ** 2)) / (np.sqrt(np.mean(ref**2)) + 1e-30))
-
-
-def assert_close(x, ref, rtol, name=""):
-  """fla's convention: max abs error <= 1e-6, or relative RMS error < rtol."""
-  err = float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64))))
-  rel = rel_rms(x, ref)
-  assert err <= 1e-6 or rel < rtol, f"{name}: max abs {err}, rel rms {rel}"
 
 
 def l2norm(x):

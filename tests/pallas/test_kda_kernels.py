@@ -21,6 +21,7 @@ from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.kda.chunked import kda_chunked
 from hybridmoe_jax.ops.kda.recurrent import kda_recurrent
 from pallas_kernels.kda import GpuConfig, TpuConfig, kda_pallas
+from tests._support import assert_close
 
 NATIVE = os.environ.get("KDA_PALLAS_NATIVE", "0") == "1"
 PLATFORM = jax.default_backend()
@@ -28,19 +29,6 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 F32_TOL = dict(o=1e-5, ht=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dg=1e-5, dbeta=1e-5, dh0=1e-5)
 BF16_TOL = dict(o=0.005, ht=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02,
                 dh0=0.008)
-
-
-def rel_rms(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.sqrt(np.mean((x - ref) ** 2)) / (np.sqrt(np.mean(ref**2)) + 1e-30))
-
-
-def assert_close(x, ref, rtol, name):
-  """fla's convention: max abs error <= 1e-6, or relative RMS error < rtol."""
-  assert np.isfinite(np.asarray(x, np.float32)).all(), f"{name}: not finite"
-  err = float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(ref, np.float64))))
-  rel = rel_rms(x, ref)
-  assert err <= 1e-6 or rel < rtol, f"{name}: max abs {err}, rel rms {rel} (tol {rtol})"
 
 
 def make_inputs(seed, B, T, H, HV, K, V, lb=-5.0, dtype=jnp.float32):

@@ -19,7 +19,8 @@ from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.context_decode import ContextDecode, kda_continue_shard
 from hybridmoe_jax.parallel.mesh import build_mesh
-from tests.parallel.test_context_parallel import _collective_bytes
+from tests._support import rel_err
+from tests.parallel.helpers import collective_bytes
 from tests.train.train_fakes import tiny_model_config
 
 N = 4                         # context shards
@@ -56,11 +57,6 @@ def engines(model, mesh):
           ContextParallelEngine(model, mesh, max_len=MAX_LEN, kv_block=KV_BLOCK))
 
 
-def _max_rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-
-
 def _positions(filled_history, n_loc):
   """Sharded slot -> sequence position per row, replaying the layout: the prompt's shard r
   holds positions [r t, (r + 1) t) in its first slots; each decoded token goes to the first
@@ -95,10 +91,10 @@ def _check_caches(got, want, filled_history):
         for row in range(pos.shape[0]):
           used = pos[row] >= 0
           assert used.sum() == int(want.length[row])
-          assert _max_rel(gv[row, used], wv[row, pos[row, used]]) < 1e-5, name
+          assert rel_err(gv[row, used], wv[row, pos[row, used]]) < 1e-5, name
     else:
       for name, gv, wv in zip(g._fields, g, w):
-        assert _max_rel(gv, wv) < 1e-5, name
+        assert rel_err(gv, wv) < 1e-5, name
 
 
 def test_prefill_and_decode_equal_one_device(engines, prompt):
@@ -108,7 +104,7 @@ def test_prefill_and_decode_equal_one_device(engines, prompt):
   tokens, lengths = prompt
   want, ref_cache = ref.prefill(tokens, lengths=lengths)
   got, cache = cp.prefill(tokens, lengths=lengths)
-  assert _max_rel(got, want) < 1e-5
+  assert rel_err(got, want) < 1e-5
   mla = next(layer for layer in cache.layers if hasattr(layer, "filled"))
   history = [np.asarray(mla.filled)]
   np.testing.assert_array_equal(history[0], [[10, 10, 10, 7], [10, 10, 10, 0]])
@@ -117,7 +113,7 @@ def test_prefill_and_decode_equal_one_device(engines, prompt):
   for _ in range(STEPS):
     want, ref_cache = ref.decode_step(token, ref_cache)
     got, cache = cp.decode_step(token, cache)
-    assert _max_rel(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     mla = next(layer for layer in cache.layers if hasattr(layer, "filled"))
     history.append(np.asarray(mla.filled))
     token = np.argmax(np.asarray(want), -1)
@@ -139,7 +135,7 @@ def test_score_equals_one_device(engines, prompt):
   ref, cp = engines
   tokens = prompt[0]
   want, got = ref.score(tokens), cp.score(tokens)
-  assert _max_rel(got[0], want[0]) < 1e-5
+  assert rel_err(got[0], want[0]) < 1e-5
   np.testing.assert_array_equal(got[1], want[1])
 
 
@@ -154,7 +150,7 @@ def test_decode_collectives_do_not_grow_with_the_prompt(model, mesh):
                                            cp.init_cache(2), kv_block=KV_BLOCK
                                            ).compile().as_text()
 
-  short, long = _collective_bytes(hlo(64)), _collective_bytes(hlo(1024))
+  short, long = collective_bytes(hlo(64)), collective_bytes(hlo(1024))
   assert short == long, (short, long)
   mla = model.cfg.mla
   assert set(short) == {"all-reduce"}, short
@@ -179,8 +175,8 @@ def test_kda_continue_shard_from_a_state(mesh):
       lambda *a: kda_continue_shard(*a[:5], initial_state=a[5], **opts), mesh=mesh,
       in_specs=(seq,) * 5 + (P(),), out_specs=(seq, P()), check_vma=False))
   got_o, got_s = run(q, kk, v, g, beta, s0)
-  assert _max_rel(got_o, want_o) < 1e-5
-  assert _max_rel(got_s, want_s) < 1e-5
+  assert rel_err(got_o, want_o) < 1e-5
+  assert rel_err(got_s, want_s) < 1e-5
 
 
 def test_bad_inputs_raise_naming_the_field(engines, mesh, model):
@@ -213,12 +209,12 @@ def test_rows_over_data_and_prompt_over_context(engines, model, prompt):
   tokens, lengths = prompt
   want, ref_cache = ref.prefill(tokens, lengths=lengths)
   got, cache = cp.prefill(tokens, lengths=lengths)
-  assert _max_rel(got, want) < 1e-5
+  assert rel_err(got, want) < 1e-5
   mla = next(layer for layer in cache.layers if hasattr(layer, "filled"))
   assert mla.c.sharding.shard_shape(mla.c.shape) == (1, MAX_LEN // N, mla.c.shape[2])
   token = np.argmax(np.asarray(want), -1)
   for _ in range(2):
     want, ref_cache = ref.decode_step(token, ref_cache)
     got, cache = cp.decode_step(token, cache)
-    assert _max_rel(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     token = np.argmax(np.asarray(want), -1)

@@ -26,7 +26,8 @@ from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, kda_s
                                             previous_tokens, short_conv_shard)
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import batch_sharding
-from tests.parallel.helpers import make_mesh
+from tests._support import rel_err
+from tests.parallel.helpers import HLO_ARRAY, collective_bytes, make_mesh
 from tests.train.train_fakes import tiny_model_config
 
 N = 4                                   # context shards
@@ -90,20 +91,15 @@ def _kda_inputs(seed, h=1, hv=2, k=16, v=16):
           f32(rng.standard_normal((B, T, hv, v))))
 
 
-def _max_rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-
-
 def _check_value_and_grads(single, sharded, args, w):
   want = single(*args)
   got = jax.jit(sharded)(*args)
-  assert _max_rel(got, want) < 1e-5
+  assert rel_err(got, want) < 1e-5
   argnums = tuple(range(len(args)))
   g_want = jax.grad(lambda *a: jnp.sum(single(*a) * w), argnums)(*args)
   g_got = jax.jit(jax.grad(lambda *a: jnp.sum(sharded(*a) * w), argnums))(*args)
   for i, (a, r) in enumerate(zip(g_got, g_want)):
-    assert _max_rel(a, r) < 1e-5, f"gradient of argument {i}"
+    assert rel_err(a, r) < 1e-5, f"gradient of argument {i}"
 
 
 # Unpacked: the packed case covers it (one document per row is a special case); slow.
@@ -192,22 +188,6 @@ def test_layout_moves_are_the_permutation(zigzag):
       np.testing.assert_array_equal(jax.jit(cp.from_layout)(moved), a)
 
 
-_COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter|collective-permute|"
-                         r"all-to-all)(?:-start)?\(")
-_ARRAY = re.compile(r"\b(f32|f16|bf16|s32|u32|pred|s8|u8)\[([0-9,]*)\]")
-_BYTES = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "pred": 1, "s8": 1, "u8": 1}
-
-
-def _collective_bytes(hlo: str) -> dict[str, int]:
-  """Result bytes per collective kind in compiled HLO text."""
-  out = {}
-  for m in _COLLECTIVE.finditer(hlo):
-    size = sum(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
-               for dt, dims in _ARRAY.findall(m.group(1)))
-    out[m.group(2)] = out.get(m.group(2), 0) + size
-  return out
-
-
 @pytest.mark.parametrize("zigzag", LAYOUTS)
 def test_kda_cross_shard_bytes_do_not_grow_with_length(mesh, zigzag):
   """Forward and backward of the sharded KDA at T = 2K and 8K tokens (inputs already in the
@@ -223,7 +203,7 @@ def test_kda_cross_shard_bytes_do_not_grow_with_length(mesh, zigzag):
     loss = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2, 3, 4))
     return jax.jit(loss).lower(*args).compile().as_text()
 
-  short, long = _collective_bytes(hlo(2048)), _collective_bytes(hlo(8192))
+  short, long = collective_bytes(hlo(2048)), collective_bytes(hlo(8192))
   assert short and "all-gather" in short, short
   assert short == long, (short, long)
   # The maps: N shards x m pieces x [1, 1, 16, 16 + 16] fp32, far below one shard's
@@ -290,7 +270,7 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   placed = [jax.device_put(x, batch_sharding(mesh, sequence=True)) for x in (tokens, seg)]
   with jax.set_mesh(mesh):
     got = nnx.jit(_under(plan, _logits_and_grads))(model, *placed)
-  assert _max_rel(got[0], want[0]) < 1e-5
+  assert rel_err(got[0], want[0]) < 1e-5
   for i, experts in want[2].items():   # recorded routes come back in sequence order
     np.testing.assert_array_equal(got[2][i], experts, err_msg=f"routes of layer {i}")
   flat_got = dict(jax.tree_util.tree_flatten_with_path(got[1])[0])
@@ -300,10 +280,10 @@ def test_whole_model_logits_and_gradients_equal_one_device(sizes, zigzag):
   module = lambda path: path[:3] if path[0].key == "layers" else path[:1]
   floor = collections.defaultdict(float)   # module -> worst chunked-vs-scan leaf in it
   for path, w in flat_want:
-    floor[module(path)] = max(floor[module(path)], _max_rel(flat_scan[path], w))
+    floor[module(path)] = max(floor[module(path)], rel_err(flat_scan[path], w))
   for path, w in flat_want:
     tol = max(1e-5, 2 * floor[module(path)])
-    assert _max_rel(flat_got[path], w) < tol, (jax.tree_util.keystr(path), tol)
+    assert rel_err(flat_got[path], w) < tol, (jax.tree_util.keystr(path), tol)
 
 
 # --------------------------------------------------------------------------- MoE routing
@@ -321,7 +301,7 @@ def _moving_collectives(hlo: str) -> collections.Counter:
     if _ALONE.search(m.group(3)):
       continue
     arrays = tuple((dt, tuple(int(d) for d in dims.split(",") if d))
-                   for dt, dims in _ARRAY.findall(m.group(1)))
+                   for dt, dims in HLO_ARRAY.findall(m.group(1)))
     out[(m.group(2), arrays)] += 1
   return out
 
@@ -406,7 +386,7 @@ def test_moe_layer_on_token_shards_equals_one_device(replayed):
     got = nnx.jit(_under(ExecutionPlan(context=ContextParallel(mesh)), run))(
         make(), put(x), put(mask), put(replay))
   (y, stats, experts), grads = got
-  assert _max_rel(y, want[0][0]) < 1e-5
+  assert rel_err(y, want[0][0]) < 1e-5
   np.testing.assert_array_equal(experts, want[0][2])
   if replayed:
     np.testing.assert_array_equal(experts, replay)
@@ -417,4 +397,4 @@ def test_moe_layer_on_token_shards_equals_one_device(replayed):
   flat_got = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
   assert len(flat_got) == len(flat_want)
   for path, g in flat_want:
-    assert _max_rel(flat_got[path], g) < 1e-5, jax.tree_util.keystr(path)
+    assert rel_err(flat_got[path], g) < 1e-5, jax.tree_util.keystr(path)

@@ -19,7 +19,7 @@ from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
-from tests.conftest import rel_rms
+from tests._support import rel_rms
 from tests.parallel.helpers import make_mesh
 
 D, E, K = 16, 16, 2
@@ -75,10 +75,10 @@ def _check(got, ref):
   np.testing.assert_array_equal(stats["load"], rstats["load"])
   np.testing.assert_array_equal(stats["qb_hist"], rstats["qb_hist"])
   assert int(stats["dropped"]) == 0
-  assert rel_rms(rg_x, g_x) < 1e-5
+  assert rel_rms(g_x, rg_x) < 1e-5
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(rg_params),
                                jax.tree_util.tree_leaves_with_path(g_params)):
-    assert rel_rms(a, b) < 1e-5, jax.tree_util.keystr(path)
+    assert rel_rms(b, a) < 1e-5, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("ep,data,fsdp", [(1, 8, 1), (2, 2, 2), (4, 2, 1), (8, 1, 1)])
@@ -114,7 +114,7 @@ def test_capacity_factor_drops_and_counts(inputs):
   assert int(stats["dropped"]) == (m - m // 8) * K          # numpy count: 7/8 of all rows
   y, y_ref = np.asarray(y).reshape(m, D), np.asarray(y_ref).reshape(m, D)
   kept = m // 8                                              # shard 0's own tokens
-  assert rel_rms(y_ref[:kept], y[:kept]) < 1e-5
+  assert rel_rms(y[:kept], y_ref[:kept]) < 1e-5
   np.testing.assert_array_equal(y[kept:], 0.0)
 
 
@@ -134,7 +134,7 @@ def test_replay_runs_the_given_experts_and_counts_the_routers_own():
   y, stats, experts = ep(model, x, replay=replay)
   np.testing.assert_array_equal(experts, replay)
   np.testing.assert_array_equal(experts_ref, replay)
-  assert rel_rms(y_ref, y) < 1e-5
+  assert rel_rms(y, y_ref) < 1e-5
   for got in (stats_ref, stats):
     jax.tree.map(np.testing.assert_array_equal, got, fresh)
   replayed_load = np.bincount(np.asarray(replay).reshape(-1), minlength=E)

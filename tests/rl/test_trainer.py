@@ -29,7 +29,7 @@ OVERRIDES = dict(iterations=3, sft_steps=2, sft_batch=4, sft_demos=8, group_size
                  sft_levels=(0,))
 
 
-def _config(**rl):
+def tiny_rl_config(**rl):
   config = load_config_file(RL_TINY)
   config.model.num_layers = 2
   config.model.layer_kinds = ("kda", "mla")
@@ -52,7 +52,7 @@ def _iteration_losses(workdir):
 
 def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path, monkeypatch):
   ref = tmp_path / "ref"
-  s = trainer.train_rl(_config(), str(ref))
+  s = trainer.train_rl(tiny_rl_config(), str(ref))
   assert s["phase"] == "rl" and s["iteration"] == 3 and s["stopped_by"] is None
   sft = _records(ref, "sft")
   assert [r["step"] for r in sft] == [1, 2] and all(r["loss"] > 0 for r in sft)
@@ -73,9 +73,9 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
   assert os.path.isfile(ref / "tokenizer" / "byte_chat.json")
 
   part = tmp_path / "part"
-  s = trainer.train_rl(_config(iterations=2), str(part))
+  s = trainer.train_rl(tiny_rl_config(iterations=2), str(part))
   assert s["iteration"] == 2
-  s = trainer.train_rl(_config(), str(part))       # resumes at iteration 2
+  s = trainer.train_rl(tiny_rl_config(), str(part))       # resumes at iteration 2
   assert s["iteration"] == 3
   assert _iteration_losses(part) == _iteration_losses(ref)
   assert len(_records(part, "rl")) == 3 and len(_records(part, "sft")) == 2   # no redo
@@ -87,7 +87,7 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
   # sampling off: the update runs even when every reward is equal.
   monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
                       lambda: jax.devices()[:4])
-  c = _config(iterations=1, minibatches=1, eval_every=0, dynamic_sampling=False)
+  c = tiny_rl_config(iterations=1, minibatches=1, eval_every=0, dynamic_sampling=False)
   c.mesh.data, c.mesh.expert = 2, 2
   s = trainer.train_rl(c, str(tmp_path / "mesh"))
   assert s["iteration"] == 1
@@ -101,22 +101,22 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
 
 def test_bad_rl_configs_fail_before_compute(tmp_path):
   with pytest.raises(ConfigError, match="rl.envs.nope"):
-    c = _config()
+    c = tiny_rl_config()
     c.rl.envs = {"nope": {}}
     trainer.train_rl(c, str(tmp_path / "a"))
   with pytest.raises(ConfigError, match="byte_chat"):
-    c = _config()
+    c = tiny_rl_config()
     c.data.tokenizer = "byte"
     c.model.vocab_size = 259
     trainer.train_rl(c, str(tmp_path / "b"))
   with pytest.raises(ConfigError, match="max_level"):
-    c = _config()
+    c = tiny_rl_config()
     c.rl.envs = {"arithmetic": {"max_level": 99}}
     trainer.train_rl(c, str(tmp_path / "c"))
   with pytest.raises(ConfigError, match="rl.minibatches"):
-    trainer.train_rl(_config(minibatches=3), str(tmp_path / "d"))
+    trainer.train_rl(tiny_rl_config(minibatches=3), str(tmp_path / "d"))
   with pytest.raises(ConfigError, match="rl.init_from"):
-    trainer.train_rl(_config(init_from=str(tmp_path / "missing")), str(tmp_path / "e"))
+    trainer.train_rl(tiny_rl_config(init_from=str(tmp_path / "missing")), str(tmp_path / "e"))
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -164,11 +164,11 @@ def test_sigkill_during_rl_then_resume_reproduces_the_losses(tmp_path):
 def test_rl_mesh_errors(tmp_path, monkeypatch):
   monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
                       lambda: jax.devices()[:4])
-  c = _config()
+  c = tiny_rl_config()
   c.mesh.data, c.mesh.context = 2, 2
   with pytest.raises(ConfigError, match="mesh.context"):
     trainer.train_rl(c, str(tmp_path / "a"))
-  c = _config(sft_batch=3)
+  c = tiny_rl_config(sft_batch=3)
   c.mesh.data, c.mesh.expert = 2, 2
   with pytest.raises(ConfigError, match="rl.sft_batch"):
     trainer.train_rl(c, str(tmp_path / "b"))
@@ -180,7 +180,7 @@ def test_rollouts_and_the_expert_parallel_learner_share_one_graphdef(tmp_path, m
   which is the graphdef of the model built with no mesh at all."""
   monkeypatch.setattr("hybridmoe_jax.parallel.mesh.available_devices",
                       lambda: jax.devices()[:4])
-  c = _config(sft_steps=0, iterations=1, minibatches=1)
+  c = tiny_rl_config(sft_steps=0, iterations=1, minibatches=1)
   c.mesh.data, c.mesh.expert = 2, 2
   c = trainer.run_config_from_dict(c)
   run = trainer._Run(c, str(tmp_path), trainer._tokenizer(c))

@@ -15,11 +15,10 @@ import pytest
 from hybridmoe_jax.config import ConfigError, migrate_legacy
 from hybridmoe_jax.evals import report
 from hybridmoe_jax.config.run import run_config_from_dict
-from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config, one_device
-from tests.train.train_fakes import FakeIterator, set_tiny_model
+from tests.train.train_fakes import FakeIterator, tiny_run_config, train_losses
 
 OLD_RUN = ROOT / "tests" / "testdata" / "run_928f724"  # see its README.md
 
@@ -42,17 +41,6 @@ class _Iter(FakeIterator):
     return super().__next__()
 
 
-def _config(**train):
-  config = default_config()
-  set_tiny_model(config)
-  config.model.vocab_size = 64
-  config.train.update({**dict(steps=8, batch_size=4, seq_len=16, lr=3e-2, warmup=2,
-                              log_every=1, eval_every=4, eval_batches=2, checkpoint_every=3,
-                              keep_checkpoints=5, heatmap_every=4, maxvio_alert_steps=3,
-                              maxvio_alert_threshold=0.0, async_checkpoints=True), **train})
-  return config
-
-
 def _data(config, **kw):
   t = config.train
   evals = list(FakeIterator(t.batch_size, t.seq_len, seed=99, length=2))
@@ -65,23 +53,13 @@ def _run(config, workdir, **kw):
                             data=_data(config, **data_kw), **kw)
 
 
-def _train_losses(workdir):
-  out = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if r.get("split") == "train":
-        out[r["step"]] = r["loss"]          # a re-done step overwrites: last record wins
-  return out
-
-
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
   """The default 8-step run, exported: checked end to end, and the reference that the
   crash-and-resume tests must reproduce (each run compiles its own steps)."""
   workdir = tmp_path_factory.mktemp("ref")
   with one_device():
-    return workdir, _run(_config(profile_steps="2:3"), workdir,
+    return workdir, _run(tiny_run_config(profile_steps="2:3"), workdir,
                          export_params_to=str(workdir / "export"))
 
 
@@ -90,7 +68,7 @@ def three_steps(tmp_path_factory):
   """A finished 3-step run, copied by the tests that resume or refuse it."""
   workdir = tmp_path_factory.mktemp("three_steps")
   with one_device():
-    _run(_config(steps=3), workdir)
+    _run(tiny_run_config(steps=3), workdir)
   return workdir
 
 
@@ -111,7 +89,7 @@ def test_end_to_end_outputs(ref, tmp_path):
   page = open(report.write_report(str(workdir), str(workdir / "report"))).read()
   assert "train.profile_steps" in page and "checkpoints_corrupt" not in page
   assert re.search(r"backend\s*</td><td[^>]*>cpu<", page) and 'class="note"' not in page
-  assert len(_train_losses(workdir)) == 8
+  assert len(train_losses(workdir)) == 8
   assert json.load(open(workdir / "model_config.json"))["d_model"] == 16
   exported = params_export.load_exported_params(workdir / "export")
   emb = exported["params"]["embed"]["embedding"]
@@ -119,12 +97,12 @@ def test_end_to_end_outputs(ref, tmp_path):
   assert "routing_biases" in exported
   # Rerunning a finished run restores and does nothing more (on a copy: `ref` is shared).
   shutil.copytree(workdir, tmp_path / "w")
-  s2 = _run(_config(), tmp_path / "w")
+  s2 = _run(tiny_run_config(), tmp_path / "w")
   assert s2["start_step"] == 8 and s2["end_step"] == 8
 
 
 def test_resume_after_crash_is_exact(ref, tmp_path):
-  config = _config()
+  config = tiny_run_config()
   ref_dir, ref = ref
 
   def crash():
@@ -135,7 +113,7 @@ def test_resume_after_crash_is_exact(ref, tmp_path):
   assert sorted(int(d) for d in os.listdir(tmp_path / "run" / "checkpoints")) == [3]
   res = _run(config, tmp_path / "run")
   assert res["start_step"] == 3 and res["end_step"] == 8
-  assert _train_losses(tmp_path / "run") == _train_losses(ref_dir)
+  assert train_losses(tmp_path / "run") == train_losses(ref_dir)
   for a, b in zip(jax.tree.leaves(ref["state"]), jax.tree.leaves(res["state"])):
     np.testing.assert_array_equal(a, b)
   # A fresh run's state is committed to its device as a restored one is: jit keys its
@@ -145,7 +123,7 @@ def test_resume_after_crash_is_exact(ref, tmp_path):
 
 
 def test_corrupt_latest_checkpoint_falls_back(ref, tmp_path):
-  config = _config()
+  config = tiny_run_config()
   ref = ref[1]
 
   def crash():
@@ -167,7 +145,7 @@ def test_corrupt_latest_checkpoint_falls_back(ref, tmp_path):
 
 
 def test_sigint_saves_and_exits(tmp_path):
-  config = _config(checkpoint_every=100)
+  config = tiny_run_config(checkpoint_every=100)
   s = _run(config, tmp_path, at=4, hook=lambda: os.kill(os.getpid(), signal.SIGINT))
   assert s["stopped_by"] == "SIGINT" and s["end_step"] == 5
   assert os.listdir(tmp_path / "checkpoints") == ["5"]
@@ -178,14 +156,14 @@ def test_sigint_saves_and_exits(tmp_path):
 
 def test_incompatible_workdir_is_refused(three_steps, tmp_path):
   shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
-  config = _config(steps=6)
+  config = tiny_run_config(steps=6)
   config.model.d_model = 32
   with pytest.raises(ConfigError, match="d_model"):
     _run(config, tmp_path)
   os.remove(tmp_path / "model_config.json")       # the checkpoint's own copy still catches it
   with pytest.raises(ConfigError, match="d_model"):
     _run(config, tmp_path)
-  config = _config(steps=6, optimizer="muon")
+  config = tiny_run_config(steps=6, optimizer="muon")
   with pytest.raises(ConfigError, match="layout"):
     _run(config, tmp_path)
 
@@ -197,7 +175,7 @@ def test_run_saved_before_a_new_config_field_still_resumes(three_steps, tmp_path
   del saved["vision"]                              # written before vision existed
   saved["moe"].pop("sign_gamma")
   path.write_text(json.dumps(saved))
-  s = _run(_config(steps=5), tmp_path)
+  s = _run(tiny_run_config(steps=5), tmp_path)
   assert s["start_step"] == 3 and s["end_step"] == 5
 
 
@@ -233,7 +211,7 @@ def test_run_directory_of_older_code_resumes(tmp_path):
 
 
 def test_bad_tokens_stop_before_training(tmp_path):
-  config = _config()
+  config = tiny_run_config()
   data = _data(config)
   data.train.vocab = 100                             # ids up to 99 > vocab_size 64
   with pytest.raises(InputError, match="outside the model vocabulary"):
@@ -242,7 +220,7 @@ def test_bad_tokens_stop_before_training(tmp_path):
 
 
 def test_empty_dataset_stops(tmp_path):
-  config = _config()
+  config = tiny_run_config()
   data = _data(config)
   data.train.length = 0
   with pytest.raises(InputError, match="empty"):

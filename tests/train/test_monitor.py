@@ -10,7 +10,7 @@ from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.monitor import Monitor
 
 
-def _metrics(loss, vio, finite=True):
+def monitor_metrics(loss, vio, finite=True):
   # metrics["moe"] as the train step names it: by the MoE module's path.
   moe = {"layers/1/ffn": {"max_vio": vio, "bias_min": -0.1, "bias_max": 0.1, "drop_frac": 0.0,
                           "load": np.array([3, 1, 2, 2])},
@@ -28,7 +28,7 @@ def test_alerts_and_outputs(tmp_path, caplog):
   for step in range(1, 31):
     loss = 10.0 if step == 20 else 2.0
     vio = 0.5 if step <= 9 else 0.1           # above threshold for 9 steps -> 2 alerts
-    mon.step(step, _metrics(loss, vio, finite=step != 25))
+    mon.step(step, monitor_metrics(loss, vio, finite=step != 25))
   mon.close()
   assert mon.alerts["maxvio"] == 2 and mon.alerts["maxvio/layers/1/ffn"] == 2
   assert mon.alerts["loss_spike"] == 1 and mon.alerts["nonfinite"] == 1
@@ -57,7 +57,7 @@ def test_heatmap_title_and_window(tmp_path, monkeypatch):
   figs = []
   monkeypatch.setattr("hybridmoe_jax.plots.save", lambda fig, path: figs.append(fig) or path)
   for step in range(1, 5):
-    mon.step(step, _metrics(2.0, 0.25 * step))
+    mon.step(step, monitor_metrics(2.0, 0.25 * step))
   mon.close()
   assert len(figs) == 4                            # expert_load.png + heatmaps/, twice
   title = figs[-1].axes[0].get_title()
@@ -75,7 +75,7 @@ def run_monitor(workdir, total_steps: int, loss=lambda step: 2.0, **train) -> Mo
   mon = Monitor(str(workdir), t, start_step=0, total_steps=total_steps,
                 tokens_seen=lambda s: 64 * s)
   for step in range(1, total_steps + 1):
-    mon.step(step, _metrics(loss(step), 0.1))
+    mon.step(step, monitor_metrics(loss(step), 0.1))
   mon.close()
   return mon
 

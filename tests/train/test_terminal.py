@@ -13,7 +13,7 @@ import pytest
 from hybridmoe_jax.train import terminal
 from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.monitor import Monitor
-from tests.train.test_monitor import _metrics, run_monitor
+from tests.train.test_monitor import monitor_metrics, run_monitor
 
 
 class _Tty(io.StringIO):
@@ -45,7 +45,7 @@ def test_clean_lines_and_a_bar_on_a_terminal(tty, tmp_path):
   t.update(dict(log_every=5, heatmap_every=0))
   mon = Monitor(str(tmp_path), t, start_step=0, total_steps=10, tokens_seen=lambda s: 64 * s)
   for step in range(1, 11):
-    mon.step(step, _metrics(2.0, 0.1))
+    mon.step(step, monitor_metrics(2.0, 0.1))
   absl_logging.warning("disk almost full")
   mon.close()
   out = tty.getvalue()

@@ -1,11 +1,15 @@
-"""Small pieces for the train tests: a tiny real HybridLM config and an in-memory packed
-iterator."""
+"""Small pieces for the train tests: a tiny real HybridLM config, the tiny run config, an
+in-memory packed iterator and the train losses a run logged."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 
 from hybridmoe_jax.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from hybridmoe_jax.config.run import default_config
 
 
 class FakeIterator:
@@ -70,3 +74,27 @@ def set_tiny_model(config) -> None:
   m.mla.update(TINY_MLA)
   m.moe.update(TINY_MOE)
   config.compute.kda_chunk_size = 16
+
+
+def tiny_run_config(**train):
+  """The default run config on the tiny model: 8 short steps that log, evaluate, checkpoint
+  and export often; `train` overrides config.train fields."""
+  config = default_config()
+  set_tiny_model(config)
+  config.model.vocab_size = 64
+  config.train.update({**dict(steps=8, batch_size=4, seq_len=16, lr=3e-2, warmup=2,
+                              log_every=1, eval_every=4, eval_batches=2, checkpoint_every=3,
+                              keep_checkpoints=5, heatmap_every=4, maxvio_alert_steps=3,
+                              maxvio_alert_threshold=0.0, async_checkpoints=True), **train})
+  return config
+
+
+def train_losses(workdir):
+  """{step: train loss} from workdir/metrics.jsonl."""
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("split") == "train":
+        out[r["step"]] = r["loss"]          # a re-done step overwrites: last record wins
+  return out

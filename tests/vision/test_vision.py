@@ -18,7 +18,8 @@ from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.layers import vision as V
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.train import step as step_lib
-from tests.conftest import load_config, rel_rms
+from tests._support import rel_rms
+from tests.conftest import load_config
 from tests.vision.helpers import P, VIS, rand_img as _rand_img, vlm_cfg as _vlm_cfg
 
 
@@ -223,14 +224,14 @@ def test_prefill_with_images_equals_full_forward():
   n = len(doc.tokens)
   assert n > 32
   logits, cache = engine.prefill(b["tokens"], images=b)
-  assert rel_rms(full[0, n - 1], logits[0]) < 1e-4
+  assert rel_rms(logits[0], full[0, n - 1]) < 1e-4
   nxt = int(np.argmax(full[0, n - 1]))
   step, _ = engine.decode_step(jnp.asarray([nxt]), cache)
   toks2 = np.concatenate([b["tokens"], [[nxt]]], 1)
   idx2 = np.concatenate([b["image_index"], [[-1]]], 1)
   full2 = np.asarray(_fwd(model, jnp.asarray(toks2), keys["images"], keys["image_grid"],
                           jnp.asarray(idx2)))
-  assert rel_rms(full2[0, n], step[0]) < 1e-4
+  assert rel_rms(step[0], full2[0, n]) < 1e-4
 
 
 # ---------------------------------------------------------------------------- bad input
