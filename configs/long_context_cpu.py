@@ -2,7 +2,8 @@
 retrieval through a short staged curriculum, 512 -> 2K -> 8K, with NIAH after every stage up to
 8x its length (512 -> 4K, 2K -> 16K, 8K -> 64K). Status (BENCHMARKS.md, "Long-context
 retrieval"): after the 512 stage's 400 steps the model answers in the key format but does not
-yet copy the key (exact match at chance); the 2K / 8K stages have not been run to the end.
+yet copy the key (exact match at chance), also with the answer digits weighted 10-30x in the
+loss (`retrieval_answer_weight`); the 2K / 8K stages have not been run to the end.
 
 Data: bundled pydoc help texts plus synthetic retrieval documents (`data.retrieval`: passkey,
 multi-key NIAH with distractors, key-value recall) through the pipeline's retrieval source, at a
