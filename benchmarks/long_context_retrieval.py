@@ -180,7 +180,8 @@ def draw(results: dict, out_dir: pathlib.Path) -> list[str]:
     return []
   out_dir.mkdir(parents=True, exist_ok=True)
   out = []
-  hybrids = sorted((r for r in runs if r["variant"] == "hybrid"),
+  # The latest recorded hybrid run among those with the most stages (sorted() is stable).
+  hybrids = sorted((r for r in reversed(runs) if r["variant"] == "hybrid"),
                    key=lambda r: (-r["stages"], r["seed"]))
   show = hybrids[0] if hybrids else runs[0]
   for grid in show["niah"]:
