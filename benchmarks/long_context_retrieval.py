@@ -42,18 +42,21 @@ IMAGES = _ROOT / "docs" / "images"
 KV_PAIRS = (2, 4, 8, 16, 32)
 
 
-def run_name(variant: str, stages: int, seed: int, steps: int = 0) -> str:
-  return f"{variant}_n{stages}{f'_t{steps}' if steps else ''}_s{seed}"
+def run_name(variant: str, stages: int, seed: int, steps: int = 0, weight: int = 0) -> str:
+  return (f"{variant}_n{stages}{f'_t{steps}' if steps else ''}{f'_w{weight}' if weight else ''}"
+          f"_s{seed}")
 
 
-def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0) -> float:
+def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0, weight: int = 0,
+          nice: int = 19) -> float:
   """Runs the recipe unless its last stage's NIAH grid exists; -> wall seconds (0 if done)."""
   if os.path.exists(os.path.join(workdir, "eval", f"niah_stage{stages - 1}.json")):
     return 0.0
   t0 = time.time()
-  cmd = ["nice", "-n", "19", sys.executable, str(_ROOT / "run_train.py"),
+  cmd = ["nice", "-n", str(nice), sys.executable, str(_ROOT / "run_train.py"),
          f"--config={_ROOT / 'configs' / 'long_context_cpu.py'}:{variant},stages={stages},"
-         f"seed={seed}{f',steps={steps}' if steps else ''}", f"--workdir={workdir}"]
+         f"seed={seed}{f',steps={steps}' if steps else ''}{f',weight={weight}' if weight else ''}",
+         f"--workdir={workdir}"]
   with open(workdir + ".log", "a", encoding="utf-8") as log:
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
   return time.time() - t0
@@ -79,7 +82,7 @@ def kv_recall(workdir: str, max_len: int) -> dict:
 
 
 def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
-            steps: int = 0) -> dict:
+            steps: int = 0, weight: int = 0) -> dict:
   grids = []
   for k in range(stages):
     with open(os.path.join(workdir, "eval", f"niah_stage{k}.json"), encoding="utf-8") as f:
@@ -90,8 +93,9 @@ def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     train_rows = [r for r in map(json.loads, f) if r.get("split") == "train"]
   last = grids[-1]["stage_seq_len"]
-  return {"run": run_name(variant, stages, seed, steps), "variant": variant, "seed": seed,
-          "stages": stages, "first_stage_steps": steps or None, "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
+  return {"run": run_name(variant, stages, seed, steps, weight), "variant": variant, "seed": seed,
+          "stages": stages, "first_stage_steps": steps or None, "answer_weight": weight or None,
+          "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
           "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
           "train_wall_s": round(seconds, 1)}
 
@@ -176,7 +180,8 @@ def draw(results: dict, out_dir: pathlib.Path) -> list[str]:
     return []
   out_dir.mkdir(parents=True, exist_ok=True)
   out = []
-  hybrids = sorted((r for r in runs if r["variant"] == "hybrid"),
+  # The latest recorded hybrid run among those with the most stages (sorted() is stable).
+  hybrids = sorted((r for r in reversed(runs) if r["variant"] == "hybrid"),
                    key=lambda r: (-r["stages"], r["seed"]))
   show = hybrids[0] if hybrids else runs[0]
   for grid in show["niah"]:
@@ -215,6 +220,9 @@ def main() -> None:
   ap.add_argument("--seeds", default="0")
   ap.add_argument("--stages", type=int, default=3)
   ap.add_argument("--steps", type=int, default=0, help="first stage's steps (0: the recipe's)")
+  ap.add_argument("--weight", type=int, default=0,
+                  help="retrieval answer loss weight of every stage (0: the recipe's)")
+  ap.add_argument("--nice", type=int, default=19, help="niceness of the training runs")
   ap.add_argument("--root", default="runs/lcr")
   ap.add_argument("--results", default=str(RESULTS))
   ap.add_argument("--images", default=str(IMAGES))
@@ -228,9 +236,9 @@ def main() -> None:
     os.makedirs(args.root, exist_ok=True)
     for v in args.variants.split(","):
       for s in (int(x) for x in args.seeds.split(",")):
-        workdir = os.path.join(args.root, run_name(v, args.stages, s, args.steps))
-        seconds = train(v, args.stages, s, workdir, args.steps)
-        row = collect(v, args.stages, s, workdir, seconds, args.steps)
+        workdir = os.path.join(args.root, run_name(v, args.stages, s, args.steps, args.weight))
+        seconds = train(v, args.stages, s, workdir, args.steps, args.weight, args.nice)
+        row = collect(v, args.stages, s, workdir, seconds, args.steps, args.weight)
         if os.path.exists(args.results):  # runs recorded meanwhile by a parallel invocation
           with open(args.results, encoding="utf-8") as f:
             results["runs"] = json.load(f)["runs"]
@@ -239,7 +247,8 @@ def main() -> None:
                          {"niah_by_length": per_length(row["niah"][-1]),
                           "kv_recall": [c["accuracy"] for c in row["kv_recall"]["cells"]]}),
               flush=True)
-        results["machine"] = "2-core CPU box shared with other jobs, runs at nice 19"
+        results["machine"] = (f"2-core CPU box shared with other jobs, runs at nice "
+                              f"{args.nice}")
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         with open(args.results, "w", encoding="utf-8") as f:
           json.dump(results, f, indent=1)

@@ -2,7 +2,8 @@
 retrieval through a short staged curriculum, 512 -> 2K -> 8K, with NIAH after every stage up to
 8x its length (512 -> 4K, 2K -> 16K, 8K -> 64K). Status (BENCHMARKS.md, "Long-context
 retrieval"): after the 512 stage's 400 steps the model answers in the key format but does not
-yet copy the key (exact match at chance); the 2K / 8K stages have not been run to the end.
+yet copy the key (exact match at chance), also with the answer digits weighted 10-30x in the
+loss (`retrieval_answer_weight`); the 2K / 8K stages have not been run to the end.
 
 Data: bundled pydoc help texts plus synthetic retrieval documents (`data.retrieval`: passkey,
 multi-key NIAH with distractors, key-value recall) through the pipeline's retrieval source, at a
@@ -18,7 +19,8 @@ Variants for the ablation (same data, seeds and budget), as the config string:
   configs/long_context_cpu.py:kda          K K K K
   configs/long_context_cpu.py:mla          M M M M (NoPE)
 and ",stages=N" keeps the first N stages (e.g. `:hybrid,stages=1` is the 512-token stage
-alone), ",seed=S" sets the run seed, ",steps=N" the first stage's steps (a reduced recipe). BENCHMARKS.md ("Long-context retrieval") has the numbers;
+alone), ",seed=S" sets the run seed, ",steps=N" the first stage's steps (a reduced recipe), ",weight=W" the answer weight of every stage
+(`retrieval_answer_weight`; 1: plain loss). BENCHMARKS.md ("Long-context retrieval") has the numbers;
 benchmarks/long_context_retrieval.py runs the variants and draws the figures.
 """
 
@@ -34,25 +36,30 @@ VARIANTS = {
 }
 
 STAGES = (
+    # Stage 1: passkey alone (the easiest copy), its answer digits weighted `weight` in the loss.
     dict(name="512", seq_len=512, steps=400, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+         retrieval_kinds=("passkey",), retrieval_answer_weight=10.0,
          lr=3e-3, warmup=30, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.2),
     dict(name="2k", seq_len=2048, steps=40, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+         retrieval_kinds=("passkey", "multikey"), retrieval_answer_weight=10.0,
          lr=1.5e-3, warmup=5, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
-    dict(name="8k", seq_len=8192, steps=16, tokens_per_step=8192, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+    dict(name="8k", seq_len=8192, steps=16, tokens_per_step=8192, weights={"pydoc": 1.0},
+         retrieval_fraction=0.5, retrieval_answer_weight=10.0,
          lr=1e-3, warmup=2, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
 )
 
 
 def _parse(spec: str) -> dict:
   """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
-  out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"]}
+  out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"],
+         "weight": 0}
   for i, part in enumerate(p for p in (spec or "").split(",") if p):
     key, _, value = part.partition("=")
     if not value and i == 0:
       key, value = "variant", key
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
-                       "(allowed: <variant>, stages=N, seed=S, steps=N)")
+                       "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W)")
     out[key] = value if key == "variant" else int(value)
   if out["variant"] not in VARIANTS:
     raise ValueError(f"long_context_cpu variant {out['variant']!r} is not one of "
@@ -61,6 +68,8 @@ def _parse(spec: str) -> dict:
     raise ValueError(f"long_context_cpu stages={out['stages']} must be in [1, {len(STAGES)}]")
   if out["steps"] < 1:
     raise ValueError(f"long_context_cpu steps={out['steps']} must be >= 1")
+  if out["weight"] < 0:
+    raise ValueError(f"long_context_cpu weight={out['weight']} must be >= 1 (0: the stages')")
   return out
 
 
@@ -78,7 +87,10 @@ def get_config(spec: str = ""):
   c.tokens_per_step = 4096          # 512 x 8, 2K x 2, 8K x 1 (a stage's own, see STAGES)
   c.sources = {"pydoc": {"kind": "bundled"}}
   c.num_workers = 0
-  c.stages = (dict(STAGES[0], steps=opts["steps"]),) + STAGES[1:opts["stages"]]
+  stages = (dict(STAGES[0], steps=opts["steps"]),) + STAGES[1:opts["stages"]]
+  if opts["weight"]:
+    stages = tuple(dict(s, retrieval_answer_weight=float(opts["weight"])) for s in stages)
+  c.stages = stages
   c.niah_lengths = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
   c.niah_depths = (0.1, 0.5, 0.9)
   c.niah_samples = 4

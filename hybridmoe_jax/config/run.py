@@ -252,6 +252,9 @@ class StageConfig(Checked):
   length in optimizer steps or in tokens (exactly one); weights: {source name: weight};
   long_upsample: documents of >= long_min_tokens bytes (0: seq_len // 2) appear this many
   times per epoch; retrieval_fraction: share of synthetic passkey / key-value documents;
+  retrieval_answer_weight: loss weight of their answer tokens (the key after a question, the
+  recalled values; other tokens weigh 1); retrieval_kinds: which retrieval documents
+  (`data.retrieval.KINDS`; e.g. passkey alone, the easiest copy, in a first stage);
   lr (None: train.lr), warmup, warmup_from (None: where the previous stage ended),
   schedule, min_lr_ratio, decay_fraction: the stage's learning rate;
   tokens_per_step: this stage's global tokens per optimizer step (0: the curriculum's), for
@@ -268,6 +271,9 @@ class StageConfig(Checked):
   long_upsample: int = ranged(1, ">= 1")
   long_min_tokens: int = ranged(0, ">= 0", "0: seq_len // 2")
   retrieval_fraction: float = ranged(0.0, "[0, 0.5]")
+  retrieval_answer_weight: float = ranged(1.0, "[1, 100]", "1: answers weigh like other tokens")
+  retrieval_kinds: tuple[str, ...] = ranged(("passkey", "multikey", "kv"),
+                                            ("passkey", "multikey", "kv"), nonempty=True)
   lr: float | None = ranged(None, "(0, 10]", "None: train.lr")
   warmup: int = ranged(0, ">= 0")
   warmup_from: float | None = ranged(None, "[0, 10]",

@@ -46,6 +46,8 @@ class Stage(Protocol):
   long_upsample: int
   long_min_bytes: int
   retrieval_fraction: float
+  retrieval_answer_weight: float  # loss weight of retrieval answer tokens (1: plain)
+  retrieval_kinds: tuple[str, ...]
 
   @property
   def end_step(self) -> int: ...
@@ -105,16 +107,20 @@ def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: 
                         f"invalid: its global batch {s.batch_size} must split evenly over "
                         f"{shard_count} hosts")
     comps = [stages_lib.Component(n, train_sources[n], w) for n, w in s.weights.items()]
+    answer_weight = getattr(s, "retrieval_answer_weight", 1.0)
     if s.retrieval_fraction > 0:
       src = retrieval.RetrievalSource(s.seq_len - 2, min_bytes=max(128, (s.seq_len - 2) // 4),
-                                      seed=seed + 7919 * s.index)
+                                      seed=seed + 7919 * s.index, answer_weight=answer_weight,
+                                      kinds=tuple(getattr(s, "retrieval_kinds",
+                                                          retrieval.KINDS)))
       comps.append(stages_lib.Component("retrieval", src, retrieval_weight(
           s.retrieval_fraction, comps, src, long_upsample=s.long_upsample,
           long_min_bytes=s.long_min_bytes)))
     out.append(stages_lib.StageData(
         index=s.index, seq_len=s.seq_len, batch_size=s.batch_size // shard_count,
         steps=s.steps, components=tuple(comps), long_upsample=s.long_upsample,
-        long_min_bytes=s.long_min_bytes, seed=seed + 1009 * s.index))
+        long_min_bytes=s.long_min_bytes, seed=seed + 1009 * s.index,
+        loss_weights=s.retrieval_fraction > 0 and answer_weight != 1.0))
   return out
 
 

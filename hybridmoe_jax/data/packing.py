@@ -1,10 +1,13 @@
 """First-fit packing of tokenized documents into rows of exactly `seq_len` tokens.
 
-Input elements: {"tokens": int32 [n]} with any n >= 0, one per document.
+Input elements: {"tokens": int32 [n]} with any n >= 0, one per document (with
+`loss_weights=True` also {"loss_weights": float32 [n]}).
 Output elements: {"tokens", "segment_ids", "positions"}, each int32 [seq_len]:
   segment_ids  1, 2, 3, ... per document piece within the row, 0 on padding;
   positions    0-based index inside that piece (0 exactly where a segment starts), 0 on padding;
-  tokens       the document's ids, `pad_id` on padding.
+  tokens       the document's ids, `pad_id` on padding;
+  loss_weights (with loss_weights=True) float32 [seq_len]: each token's weight, cut and placed
+               with its token, 0 on padding.
 
 Two grain steps, both checkpointable (get_state/set_state restore to the exact element):
 1. A flat map cuts each document into pieces of at most seq_len tokens. grain's packers never
@@ -26,10 +29,11 @@ import grain
 import numpy as np
 
 class _SplitIntoPieces(grain.experimental.FlatMapTransform):
-  """{"tokens": [n]} -> ceil(n / seq_len) elements {"tokens": [<= seq_len]}, in order."""
+  """{"tokens": [n]} -> ceil(n / seq_len) elements {"tokens": [<= seq_len]}, in order (with
+  loss_weights, their "loss_weights" cut at the same places)."""
 
-  def __init__(self, seq_len: int):
-    self.seq_len = seq_len
+  def __init__(self, seq_len: int, loss_weights: bool = False):
+    self.seq_len, self.loss_weights = seq_len, loss_weights
     # Only FlatMapMapDataset reads max_fan_out; the iterator version used here does not.
     self.max_fan_out = 1 << 30
 
@@ -37,19 +41,29 @@ class _SplitIntoPieces(grain.experimental.FlatMapTransform):
     tokens = np.asarray(element["tokens"], np.int32)
     if tokens.ndim != 1:
       raise ValueError(f"packing expects 1-D token arrays, got shape {tokens.shape}")
-    return [{"tokens": tokens[i:i + self.seq_len]} for i in range(0, len(tokens), self.seq_len)]
+    cuts = range(0, len(tokens), self.seq_len)
+    if not self.loss_weights:
+      return [{"tokens": tokens[i:i + self.seq_len]} for i in cuts]
+    weights = np.asarray(element["loss_weights"], np.float32)
+    if weights.shape != tokens.shape:
+      raise ValueError(f"packing: loss_weights shape {weights.shape} != tokens {tokens.shape}")
+    return [{"tokens": tokens[i:i + self.seq_len], "loss_weights": weights[i:i + self.seq_len]}
+            for i in cuts]
 
 
 def _rename(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {
+  out = {
       "tokens": row["tokens"],
       "segment_ids": row["tokens_segment_ids"],
       "positions": row["tokens_positions"],
   }
+  if "loss_weights" in row:
+    out["loss_weights"] = row["loss_weights"].astype(np.float32)
+  return out
 
 
 def pack_documents(ds: grain.IterDataset, *, seq_len: int, pad_id: int, seed: int,
-                   num_packing_bins: int = 16) -> grain.IterDataset:
+                   num_packing_bins: int = 16, loss_weights: bool = False) -> grain.IterDataset:
   """Packs a stream of documents into fixed rows (see the module docstring).
 
   Args:
@@ -58,21 +72,26 @@ def pack_documents(ds: grain.IterDataset, *, seq_len: int, pad_id: int, seed: in
     pad_id: token id written into padding cells (not 0 for a byte tokenizer: byte 0 is real).
     seed: seeds the order in which a packed group of rows is emitted.
     num_packing_bins: rows filled at once.
+    loss_weights: carry each element's "loss_weights" float32 [n] into the rows (0 on padding).
 
   Returns:
-    IterDataset of {"tokens", "segment_ids", "positions"}: int32 [T] each.
+    IterDataset of {"tokens", "segment_ids", "positions"}: int32 [T] each (and
+    "loss_weights" float32 [T] with loss_weights).
   """
   if seq_len < 1 or num_packing_bins < 1:
     raise ValueError(f"seq_len ({seq_len}) and num_packing_bins ({num_packing_bins}) must be "
                      ">= 1")
-  pieces = grain.experimental.FlatMapIterDataset(ds, _SplitIntoPieces(seq_len))
+  pieces = grain.experimental.FlatMapIterDataset(ds, _SplitIntoPieces(seq_len, loss_weights))
+  lengths, padding = {"tokens": seq_len}, {"tokens": pad_id}
+  if loss_weights:
+    lengths["loss_weights"], padding["loss_weights"] = seq_len, 0.0
   packed = grain.experimental.FirstFitPackIterDataset(
       pieces,
-      length_struct={"tokens": seq_len},
+      length_struct=lengths,
       num_packing_bins=num_packing_bins,
       seed=seed,
       shuffle_bins=True,
-      padding_struct={"tokens": pad_id},
+      padding_struct=padding,
   )
   return packed.map(_rename)
 

@@ -11,7 +11,6 @@ Batches: {"tokens", "segment_ids", "positions"}, each int32 [B, T]; see packing.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Sequence
 
@@ -21,30 +20,19 @@ import numpy as np
 
 from hybridmoe_jax.data import packing
 from hybridmoe_jax.data import sources as sources_lib
+from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.config.run import DataConfig
 
 Batch = dict[str, np.ndarray]
 
 
-def _documents(source: Sequence[str], *, seed: int, shuffle: bool, num_epochs: int | None,
-               shard_index: int, shard_count: int) -> grain.MapDataset:
-  # SafeSource: a document that fails to load in a worker is skipped (None, filtered after
-  # tokenizing) rather than crashing the run; the filter keeps the iterator state's meaning.
-  ds = grain.MapDataset.source(sources_lib.SafeSource(source))[shard_index::shard_count]
-  if len(ds) == 0:
-    raise ValueError(f"data shard {shard_index} of {shard_count} is empty: the source has only "
-                     f"{len(source)} documents")
-  if shuffle:
-    ds = ds.shuffle(seed)  # under repeat() each epoch gets its own permutation
-  return ds.repeat(num_epochs)
-
-
 def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
                   batch_size: int, seed: int, weights: Sequence[float] | None = None,
                   shuffle: bool = True, num_epochs: int | None = None, shard_index: int = 0,
                   shard_count: int = 1, num_packing_bins: int = 16,
-                  drop_remainder: bool = True, prefetch_batches: int = 0) -> grain.DatasetIterator:
+                  drop_remainder: bool = True, prefetch_batches: int = 0,
+                  loss_weights: bool = False) -> grain.DatasetIterator:
   """Builds a checkpointable iterator of packed training batches.
 
   Args:
@@ -61,6 +49,8 @@ def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
     drop_remainder: drop a last partial batch (keeps shapes static under jit).
     prefetch_batches: batches a background thread packs ahead (0: none); the state still
       names the next batch the caller will get.
+    loss_weights: batches also carry "loss_weights" float32 [B, T] (1 per token, a retrieval
+      document's answer weight on its answer tokens, 0 on padding; see packing.py).
 
   Returns:
     grain.DatasetIterator of {"tokens", "segment_ids", "positions"}: int32 [B, T].
@@ -69,8 +59,11 @@ def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
     raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"need 0 <= shard_index ({shard_index}) < shard_count ({shard_count})")
-  docs = functools.partial(_documents, shuffle=shuffle, num_epochs=num_epochs,
-                           shard_index=shard_index, shard_count=shard_count)
+  def docs(src, seed):  # one function with the curriculum's stages (same shard/shuffle/repeat)
+    return stages_lib.component_docs(stages_lib.Component("data", src, 1.0), seed=seed,
+                                     shard_index=shard_index, shard_count=shard_count,
+                                     num_epochs=num_epochs, shuffle=shuffle)
+
   if weights is None:
     ds = docs(source, seed=seed)
   else:
@@ -81,9 +74,9 @@ def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
     if num_epochs is not None:
       raise ValueError("a weighted mixture repeats its sources forever; pass num_epochs=None")
     ds = grain.MapDataset.mix([docs(s, seed=seed + k) for k, s in enumerate(source)], weights)
-  ds = sources_lib.tokenize_documents(ds, tokenizer)
+  ds = sources_lib.tokenize_documents(ds, tokenizer, loss_weights)
   ds = packing.pack_documents(ds, seq_len=seq_len, pad_id=tokenizer.pad_id, seed=seed,
-                              num_packing_bins=num_packing_bins)
+                              num_packing_bins=num_packing_bins, loss_weights=loss_weights)
   ds = ds.batch(batch_size, drop_remainder=drop_remainder)
   if prefetch_batches:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch_batches)
@@ -95,7 +88,7 @@ def _pad_rows(batch: Batch, batch_size: int, pad_id: int) -> Batch:
   missing = batch_size - len(batch["tokens"])
   if missing == 0:
     return batch
-  fill = {"tokens": pad_id, "segment_ids": 0, "positions": 0}
+  fill = {"tokens": pad_id, "segment_ids": 0, "positions": 0, "loss_weights": 0}
   return {k: np.concatenate([v, np.full((missing,) + v.shape[1:], fill[k], v.dtype)])
           for k, v in batch.items()}
 

@@ -20,6 +20,12 @@ disjoint seed stream (`rng_for`). Nothing the evaluation asks was trained on.
 
 Document i is a pure function of (split, seed, i): the source has a fixed (virtual) length
 and needs no storage, so it is indexed, sharded and checkpointed like any other source.
+
+Every document is a `Document`: a str that also names its answer spans (the characters a model
+must retrieve: the key after a question, the values of the recall part) and the loss weight of
+those characters' tokens (`RetrievalSource(answer_weight=...)`). The tokenizer step turns the
+spans into per-token loss weights when the pipeline asks for them (`sources.tokenize_documents`),
+so the copy a retrieval document teaches is not drowned by its hay in the loss.
 """
 
 from __future__ import annotations
@@ -56,6 +62,36 @@ def named_needle(name: str, key: str) -> str:
 def named_question(name: str) -> str:
   """The question of a multi-key document; the key and ". " follow."""
   return f"What is the pass key of the {name}? The pass key of the {name} is "
+
+
+class Document(str):
+  """A retrieval document: the text, plus `answer_spans` ((start, end) character ranges of the
+  answer, in order, non-overlapping) and `answer_weight` (the loss weight of their tokens; 1.0:
+  none extra). Being a str, it goes wherever a document goes; pickles with its fields."""
+
+  answer_spans: tuple[tuple[int, int], ...] = ()
+  answer_weight: float = 1.0
+
+  @classmethod
+  def make(cls, text: str, spans, weight: float = 1.0) -> "Document":
+    doc = cls(text)
+    doc.answer_spans = tuple((int(a), int(b)) for a, b in spans)
+    doc.answer_weight = float(weight)
+    return doc
+
+  def answers(self) -> list[str]:
+    """The answer texts, in order."""
+    return [self[a:b] for a, b in self.answer_spans]
+
+
+def _from_pieces(pieces: list[tuple[str, bool]]) -> Document:
+  """[(text, is_answer)] -> their concatenation, the is_answer pieces as its answer spans."""
+  spans, n = [], 0
+  for t, is_answer in pieces:
+    if is_answer:
+      spans.append((n, n + len(t)))
+    n += len(t)
+  return Document.make("".join(t for t, _ in pieces), spans)
 
 
 # --------------------------------------------------------------------------- held-out split
@@ -132,16 +168,18 @@ def _insert(text: str, cuts: list[int], depths: np.ndarray, pieces: list[str]) -
 
 # --------------------------------------------------------------------------- documents
 def passkey_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
-                     num_digits: int = 5) -> str:
-  """A passkey at a uniform random depth inside ~target_bytes of hay, asked for at the end."""
+                     num_digits: int = 5) -> Document:
+  """A passkey at a uniform random depth inside ~target_bytes of hay, asked for at the end
+  (the answer span: the key after the question)."""
   key = draw_key(rng, split, num_digits)
   needle, question = needle_text(key), QUESTION + key + "."
   text, cuts = hay(rng, max(target_bytes - len(needle) - len(question), 0))
-  return _insert(text, cuts, rng.uniform(0, 1, 1), [needle]) + question
+  body = _insert(text, cuts, rng.uniform(0, 1, 1), [needle])
+  return _from_pieces([(body + QUESTION, False), (key, True), (".", False)])
 
 
 def multikey_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
-                      num_digits: int = 5) -> str:
+                      num_digits: int = 5) -> Document:
   """2-4 named needles (each a distractor for the others) at random depths, then 1-4 of
   them asked for (shuffled); as many as fit in target_bytes (a passkey document when not even
   two needles and a question do)."""
@@ -154,11 +192,12 @@ def multikey_document(rng: np.random.Generator, target_bytes: int, split: str = 
   keys = _draw_keys(rng, split, n, num_digits)
   fit = min(n, (target_bytes - n * needle_bytes) // question_bytes)
   asked = rng.permutation(n)[:int(rng.integers(1, fit + 1))]
-  questions = "".join(named_question(names[j]) + keys[j] + ". " for j in asked)
+  questions = [p for j in asked for p in ((named_question(names[j]), False), (keys[j], True),
+                                           (". ", False))]
   needles = [named_needle(nm, k) for nm, k in zip(names, keys)]
-  room = max(target_bytes - sum(map(len, needles)) - len(questions), 0)
+  room = max(target_bytes - sum(map(len, needles)) - sum(len(t) for t, _ in questions), 0)
   text, cuts = hay(rng, room)
-  return _insert(text, cuts, rng.uniform(0, 1, n), needles) + questions
+  return _from_pieces([(_insert(text, cuts, rng.uniform(0, 1, n), needles), False)] + questions)
 
 
 def kv_pairs(rng: np.random.Generator, split: str, n: int) -> tuple[list[str], list[str]]:
@@ -187,9 +226,10 @@ def kv_pieces(rng: np.random.Generator, target_bytes: int, split: str = "train",
 
 
 def kv_document(rng: np.random.Generator, target_bytes: int, split: str = "train",
-                num_pairs: int | None = None) -> str:
-  """Key-value pairs spread through ~target_bytes of hay, then all of them queried."""
-  return "".join(t for t, _ in kv_pieces(rng, target_bytes, split, num_pairs))
+                num_pairs: int | None = None) -> Document:
+  """Key-value pairs spread through ~target_bytes of hay, then all of them queried (the
+  answer spans: the recalled values)."""
+  return _from_pieces(kv_pieces(rng, target_bytes, split, num_pairs))
 
 
 _MAKERS = {"passkey": passkey_document, "multikey": multikey_document, "kv": kv_document}
@@ -207,11 +247,12 @@ class RetrievalSource:
     num_documents: the virtual length (one "epoch").
     kinds: which generators to cycle through (`KINDS`).
     split: "train" (the curriculum's) or "eval" (held-out keys and seed stream).
+    answer_weight: the loss weight of the answer tokens (`Document.answer_weight`; > 0).
   """
 
   def __init__(self, target_bytes: int, *, min_bytes: int | None = None, seed: int = 0,
                num_documents: int = 1 << 16, kinds: tuple[str, ...] = KINDS,
-               split: str = "train"):
+               split: str = "train", answer_weight: float = 1.0):
     if target_bytes < 64:
       raise ValueError(f"retrieval documents need target_bytes >= 64, got {target_bytes}")
     min_bytes = target_bytes if min_bytes is None else min_bytes
@@ -222,6 +263,9 @@ class RetrievalSource:
     if bad or not kinds:
       raise ValueError(f"retrieval kinds must be among {KINDS}, got {kinds}")
     _check_split(split)
+    if not answer_weight > 0:
+      raise ValueError(f"retrieval answer_weight must be > 0, got {answer_weight}")
+    self.answer_weight = float(answer_weight)
     self.target_bytes, self.seed, self.kinds, self.split = target_bytes, seed, tuple(kinds), split
     self.num_documents = num_documents
     lengths_rng = np.random.default_rng([len(SPLITS) + SPLITS.index(split), seed])
@@ -231,9 +275,11 @@ class RetrievalSource:
   def __len__(self) -> int:
     return self.num_documents
 
-  def __getitem__(self, i) -> str:
+  def __getitem__(self, i) -> Document:
     i = int(i)
     if not 0 <= i < self.num_documents:
       raise IndexError(f"document index {i} out of range for {self.num_documents} documents")
     kind = self.kinds[i % len(self.kinds)]
-    return _MAKERS[kind](rng_for(self.split, self.seed, i), int(self.lengths[i]), self.split)
+    doc = _MAKERS[kind](rng_for(self.split, self.seed, i), int(self.lengths[i]), self.split)
+    doc.answer_weight = self.answer_weight
+    return doc

@@ -99,6 +99,7 @@ class StageData:
   long_upsample: int = 1
   long_min_bytes: int = 0
   seed: int = 0
+  loss_weights: bool = False  # batches carry "loss_weights" float32 [B, T] (packing.py)
 
 
 def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_count: int = 1,
@@ -124,8 +125,9 @@ def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_co
   return ds.repeat(num_epochs)
 
 
-def _component_dataset(comp: Component, *, tokenizer, **kwargs) -> grain.IterDataset:
-  return sources_lib.tokenize_documents(component_docs(comp, **kwargs), tokenizer)
+def _component_dataset(comp: Component, *, tokenizer, loss_weights: bool = False,
+                       **kwargs) -> grain.IterDataset:
+  return sources_lib.tokenize_documents(component_docs(comp, **kwargs), tokenizer, loss_weights)
 
 
 def make_stage_dataset(stage: StageData, *, tokenizer: tokenizer_lib.Tokenizer,
@@ -146,14 +148,15 @@ def make_stage_dataset(stage: StageData, *, tokenizer: tokenizer_lib.Tokenizer,
       _component_dataset(c, tokenizer=tokenizer, seed=stage.seed + k, shard_index=shard_index,
                          shard_count=shard_count, long_upsample=stage.long_upsample,
                          long_min_bytes=stage.long_min_bytes, num_epochs=num_epochs,
-                         shuffle=shuffle)
+                         shuffle=shuffle, loss_weights=stage.loss_weights)
       for k, c in enumerate(stage.components)]
   if len(comps) == 1:
     ds = comps[0]
   else:
     ds = grain.IterDataset.mix(comps, [c.weight for c in stage.components])
   ds = packing.pack_documents(ds, seq_len=stage.seq_len, pad_id=tokenizer.pad_id,
-                              seed=stage.seed, num_packing_bins=num_packing_bins)
+                              seed=stage.seed, num_packing_bins=num_packing_bins,
+                              loss_weights=stage.loss_weights)
   ds = ds.batch(stage.batch_size, drop_remainder=drop_remainder)
   if num_workers > 0:
     # grain's worker processes read absl flags; outside `app.run` (tests, notebooks) they are

@@ -40,6 +40,8 @@ class StagePlan:
   long_min_bytes: int
   retrieval_fraction: float
   lr: optim.LRPiece
+  retrieval_answer_weight: float = 1.0
+  retrieval_kinds: tuple[str, ...] = ("passkey", "multikey", "kv")
 
   @property
   def end_step(self) -> int:
@@ -115,7 +117,9 @@ def build_plan(run: RunConfig) -> Plan:
         start_step=start, tokens_per_step=tps, start_tokens=seen,
         weights={n: v for n, v in st.weights.items() if v > 0},
         long_upsample=st.long_upsample, long_min_bytes=st.long_min_tokens or T // 2,
-        retrieval_fraction=st.retrieval_fraction, lr=lr))
+        retrieval_fraction=st.retrieval_fraction, lr=lr,
+        retrieval_answer_weight=st.retrieval_answer_weight,
+        retrieval_kinds=tuple(st.retrieval_kinds)))
     start, seen, prev_lr = start + steps, seen + steps * tps, lr
   return Plan(c.tokens_per_step, tuple(plans), curriculum=True)
 
@@ -126,7 +130,8 @@ def describe(plan: Plan) -> str:
            f"{plan.total_steps:,} steps, {plan.tokens_seen(plan.total_steps):,} tokens"]
   for s in plan.stages:
     mix = ", ".join(f"{n} {w:g}" for n, w in s.weights.items())
-    extra = f", retrieval {s.retrieval_fraction:g}" if s.retrieval_fraction else ""
+    extra = (f", retrieval {s.retrieval_fraction:g} ({'/'.join(s.retrieval_kinds)}, answers "
+             f"x{s.retrieval_answer_weight:g})" if s.retrieval_fraction else "")
     up = f", long x{s.long_upsample} (>= {s.long_min_bytes} B)" if s.long_upsample > 1 else ""
     lr = s.lr
     lines.append(
