@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from typing import Any
 
@@ -113,10 +114,27 @@ def _compile(name: str, fn, args, kwargs, mesh, tokens: int,
   """fn lowered and compiled under `mesh` and the execution plan `where`."""
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), execution_plan(where):
-    compiled = fn.lower(*args, **kwargs).compile()
+    lowered = fn.lower(*args, **kwargs)
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      # The compiler refuses a program over HBM: a row that says by how much, not a crash.
+      found = _HBM_REFUSAL.search(str(e))
+      if not found:
+        raise
+      temps = float(found.group(1)) * 2 ** 30
+      memory = {"arguments": 0.0, "outputs": 0.0, "aliased": 0.0, "temporaries": temps,
+                "code": 0.0, "total": temps}
+      return Compiled(name=f"{name} [refused: compiler's temporaries alone exceed HBM]",
+                      tokens=tokens, compile_s=time.perf_counter() - t0, memory=memory,
+                      cost={})
   return Compiled(name=name, tokens=tokens, compile_s=time.perf_counter() - t0,
                   memory=_memory(compiled), cost=_cost(compiled),
                   hlo=compiled.as_text() or "")
+
+
+# libtpu's refusal: "... required for HLO temporaries (795.09G) exceeds available HBM ..."
+_HBM_REFUSAL = re.compile(r"HLO temporaries \(([0-9.]+)G\) exceeds available HBM")
 
 
 def _structs(tree, shardings):

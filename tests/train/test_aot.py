@@ -120,3 +120,29 @@ def test_config_rejects_bad_topology_before_any_compile():
   config.hardware.topology = "v5p-300"
   with pytest.raises(ConfigError, match=r"hardware\.topology"):
     run_config_from_dict(config)
+
+
+def test_a_program_over_hbm_is_a_row_saying_by_how_much_not_a_crash():
+  """libtpu refuses a program whose temporaries exceed HBM (as Kimi K3 at 16 rows per data
+  shard does on v5p-2048): the report gets a row with the compiler's figure, over HBM."""
+  from hybridmoe_jax.tools import aot
+
+  class Refused:
+    def lower(self, *a, **k):
+      return self
+
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+          "temporaries (795.09G) exceeds available HBM (95.74G).")
+
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+  c = aot._compile("train stage 0 T=4,096", Refused(), (), {}, mesh, tokens=8)
+  assert "refused" in c.name and c.memory["total"] == pytest.approx(795.09 * 2 ** 30)
+
+  class Other(Refused):
+    def compile(self):
+      raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+    aot._compile("decode", Other(), (), {}, mesh, tokens=1)
