@@ -30,6 +30,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.rl import trainer  # noqa: E402
 from hybridmoe_jax.config.flags import load_config_file  # noqa: E402
 from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
@@ -74,7 +75,8 @@ def run(args) -> list[dict]:
                                        if args.sft_levels else "")
     sft_dir = os.path.join(args.out, f"sft{tag}_s{seed}")
     with stopwatch() as sw:
-      trainer.train_rl(_config(args, seed, iterations=0, eval_every=0), sft_dir)
+      trainer.train_rl(run_config_from_dict(_config(args, seed, iterations=0, eval_every=0)),
+                     sft_dir)
     sft_s = sw.seconds
     for algo in args.algos:
       start = "" if args.start_level is None else f"_start{args.start_level}"
@@ -84,7 +86,7 @@ def run(args) -> list[dict]:
                 eval_levels=tuple(int(x) for x in args.eval_levels.split(",")),
                 group_size=args.group_size, opmd_tau=args.opmd_tau)
       with stopwatch() as sw:
-        s = trainer.train_rl(_config(args, seed, **rl), workdir)
+        s = trainer.train_rl(run_config_from_dict(_config(args, seed, **rl)), workdir)
       wall = sw.seconds
       evals = _records(workdir, "eval")
       steps = _records(workdir, "rl")

@@ -375,6 +375,9 @@ class RunConfig(Checked):
       total += steps
     require(not c.stages or t.steps <= total, "train.steps", t.steps,
             f"at most the curriculum's {total} steps (the sum of the stage lengths)")
+    # Rollouts decode whole sequences on one device's cache: no context-parallel RL.
+    require(not self.rl.enabled or self.mesh.context == 1, "mesh.context", self.mesh.context,
+            "1 for an RL run (rl.envs set): context-parallel RL is not implemented")
 
 
 def default_config() -> ml_collections.ConfigDict:

@@ -58,7 +58,7 @@ from hybridmoe_jax.rl.chat_format import chat_ids
 from hybridmoe_jax.rl.episode import Trajectory
 from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
+from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import optim, run_errors, workdir_lock
@@ -80,10 +80,6 @@ def _tokenizer(config: RunConfig):
 def check_rl_config(config: RunConfig) -> None:
   """Cross-section checks, before any compute."""
   rl = config.rl
-  if config.mesh.context != 1:
-    raise ConfigError(f"config field `mesh.context` = {config.mesh.context} is invalid for an "
-                      "RL run: allowed 1 (rollouts decode whole sequences on the cache; "
-                      "context-parallel RL is not implemented)")
   if jax.process_count() > 1:
     raise ConfigError(f"RL runs on one process (rollouts and environments live on the "
                       f"host), got {jax.process_count()} processes")
@@ -113,9 +109,11 @@ def _check_sft_batch(rl, rt) -> None:
                       f"multiple of mesh.data x mesh.fsdp = {dp}")
 
 
-def train_rl(config, workdir: str) -> dict[str, Any]:
+def train_rl(config: RunConfig, workdir: str) -> dict[str, Any]:
   """Run (or resume) the RL run of `config` in `workdir`; returns a summary."""
-  config = run_config_from_dict(config)
+  if not isinstance(config, RunConfig):
+    raise TypeError(f"train_rl takes a RunConfig, got {type(config).__name__}: convert a "
+                    "ConfigDict once with config.run.run_config_from_dict")
   if not config.rl.enabled:
     raise ConfigError("config field `rl.envs` is empty: not an RL run")
   check_rl_config(config)

@@ -50,7 +50,7 @@ from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.exchange import resolve_impl_why
 from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
 from hybridmoe_jax.config.hardware import CHIPS
-from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
+from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.config.sharding import BATCH_AXES, TOKEN_AXES
 from hybridmoe_jax.train import dry_run as dry_lib
 from hybridmoe_jax.train import optim
@@ -242,14 +242,15 @@ def _extrapolate(small: Compiled, big: Compiled, la: int, lb: int, full: int) ->
                              compile_s=small.compile_s + big.compile_s, hlo="")
 
 
-def compile_run(config, *, layers: tuple[int, int] | None = None, serve: bool = True,
+def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve: bool = True,
                 max_len: int | None = None, prefill_chunk: int = 2048) -> dict:
   """Compile the run's programs for `hardware.topology`; -> {"programs": [Compiled],
   "devices": n, "chip": key, "impls": [lines], "extrapolated": layers or None}.
 
   Raises ConfigError (bad topology / mesh) or topology.TopologyUnavailable (no libtpu).
   """
-  run = run_config_from_dict(config)
+  if not isinstance(run, RunConfig):
+    raise TypeError(f"compile_run takes a RunConfig, got {type(run).__name__}")
   if not run.hardware.topology:
     raise ValueError("compile_run needs hardware.topology (e.g. 'v5p:2x2x1')")
   devices = topology.topology_devices(run.hardware.topology)
@@ -359,10 +360,10 @@ def parse_layers(text: str) -> tuple[int, int] | None:
   return layers
 
 
-def aot_report(config, **kwargs) -> dict:
+def aot_report(run: RunConfig, **kwargs) -> dict:
   """Compile (`compile_run`), print the table; -> compile_run's result with "fits": every
   program's compiler total within the usable memory."""
-  result = compile_run(config, **kwargs)
+  result = compile_run(run, **kwargs)
   print(report(result), flush=True)
   usable = result["run"].hardware.usable_bytes
   result["fits"] = [p.memory["total"] <= usable for p in result["programs"]]

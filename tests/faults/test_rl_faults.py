@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import run_state, trainer
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -19,7 +20,7 @@ def test_rl_workdir_locked_by_another_run_is_one_line(tmp_path):
   with workdir_lock.WorkdirLock(str(tmp_path)):
     with pytest.raises(loop.InputError, match=f"workdir {tmp_path} is in use by another run "
                        f"\\(pid {os.getpid()}"):
-      trainer.train_rl(tiny_rl_config(), str(tmp_path))
+      trainer.train_rl(run_config_from_dict(tiny_rl_config()), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == [workdir_lock.LOCK_FILE + ".guard"]
 
 
@@ -27,11 +28,11 @@ def test_rl_workdir_that_is_a_file_or_empty_is_one_line(tmp_path, monkeypatch):
   path = tmp_path / "file"
   path.write_text("mine")
   with pytest.raises(loop.InputError, match=f"--workdir={path} is a file"):
-    trainer.train_rl(tiny_rl_config(), str(path))
+    trainer.train_rl(run_config_from_dict(tiny_rl_config()), str(path))
   assert path.read_text() == "mine"
   monkeypatch.chdir(tmp_path)
   with pytest.raises(loop.InputError, match="--workdir= is empty"):
-    trainer.train_rl(tiny_rl_config(), "")
+    trainer.train_rl(run_config_from_dict(tiny_rl_config()), "")
   assert os.listdir(tmp_path) == ["file"]
 
 
@@ -48,7 +49,7 @@ def test_rl_init_from_a_run_with_another_vocabulary_names_it(tmp_path):
   c = tiny_rl_config()
   c.rl.init_from = str(src)
   with pytest.raises(ConfigError) as e:
-    trainer.train_rl(c, str(tmp_path / "rl"))
+    trainer.train_rl(run_config_from_dict(c), str(tmp_path / "rl"))
   message = str(e.value)
   assert "\n" not in message and "vocabulary of 259 ids" in message and "266" in message
   assert str(src) in message and "holds a run of an incompatible" not in message
@@ -61,7 +62,7 @@ def test_truncated_newest_rl_state_falls_back_and_old_ones_rotate(tmp_path):
   workdir = tmp_path / "rl"
   cfg = tiny_rl_config(iterations=3, save_every=1, eval_every=0)
   cfg.train.keep_checkpoints = 2
-  trainer.train_rl(cfg, str(workdir))
+  trainer.train_rl(run_config_from_dict(cfg), str(workdir))
   steps = helpers.committed_steps(workdir)
   assert steps == [4, 5]                              # 2 SFT steps + iterations 2, 3
   assert sorted(os.listdir(workdir / run_state.STATE_DIR)) == ["4.pkl", "5.pkl"]
@@ -70,7 +71,7 @@ def test_truncated_newest_rl_state_falls_back_and_old_ones_rotate(tmp_path):
   data = newest.read_bytes()
   newest.write_bytes(data[:len(data) // 2])
   with helpers.LogLines() as log:
-    s = trainer.train_rl(cfg, str(workdir))           # resumes at step 4, redoes iteration 3
+    s = trainer.train_rl(run_config_from_dict(cfg), str(workdir))  # resumes at step 4, redoes iteration 3
   warnings = [m for m in log.messages() if "is corrupt or partial" in m]
   assert len(warnings) == 1 and "5.pkl is unreadable" in warnings[0], log.messages()
   assert s["iteration"] == 3

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import trainer
 from hybridmoe_jax.train.state import abstract_train_state
@@ -52,7 +53,7 @@ def _iteration_losses(workdir):
 
 def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path, monkeypatch):
   ref = tmp_path / "ref"
-  s = trainer.train_rl(tiny_rl_config(), str(ref))
+  s = trainer.train_rl(run_config_from_dict(tiny_rl_config()), str(ref))
   assert s["phase"] == "rl" and s["iteration"] == 3 and s["stopped_by"] is None
   sft = _records(ref, "sft")
   assert [r["step"] for r in sft] == [1, 2] and all(r["loss"] > 0 for r in sft)
@@ -73,9 +74,9 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
   assert os.path.isfile(ref / "tokenizer" / "byte_chat.json")
 
   part = tmp_path / "part"
-  s = trainer.train_rl(tiny_rl_config(iterations=2), str(part))
+  s = trainer.train_rl(run_config_from_dict(tiny_rl_config(iterations=2)), str(part))
   assert s["iteration"] == 2
-  s = trainer.train_rl(tiny_rl_config(), str(part))       # resumes at iteration 2
+  s = trainer.train_rl(run_config_from_dict(tiny_rl_config()), str(part))  # resumes at iteration 2
   assert s["iteration"] == 3
   assert _iteration_losses(part) == _iteration_losses(ref)
   assert len(_records(part, "rl")) == 3 and len(_records(part, "sft")) == 2   # no redo
@@ -89,7 +90,7 @@ def test_rl_run_logs_checkpoints_and_resumes_exactly_and_runs_on_a_mesh(tmp_path
                       lambda: jax.devices()[:4])
   c = tiny_rl_config(iterations=1, minibatches=1, eval_every=0, dynamic_sampling=False)
   c.mesh.data, c.mesh.expert = 2, 2
-  s = trainer.train_rl(c, str(tmp_path / "mesh"))
+  s = trainer.train_rl(run_config_from_dict(c), str(tmp_path / "mesh"))
   assert s["iteration"] == 1
   assert any(len(p.sharding.device_set) == 4 for p in jax.tree.leaves(s["state"].params))
   np.testing.assert_allclose([r["loss"] for r in _records(tmp_path / "mesh", "sft")],
@@ -103,21 +104,28 @@ def test_bad_rl_configs_fail_before_compute(tmp_path):
   with pytest.raises(ConfigError, match="rl.envs.nope"):
     c = tiny_rl_config()
     c.rl.envs = {"nope": {}}
-    trainer.train_rl(c, str(tmp_path / "a"))
+    trainer.train_rl(run_config_from_dict(c), str(tmp_path / "a"))
   with pytest.raises(ConfigError, match="byte_chat"):
     c = tiny_rl_config()
     c.data.tokenizer = "byte"
     c.model.vocab_size = 259
-    trainer.train_rl(c, str(tmp_path / "b"))
+    trainer.train_rl(run_config_from_dict(c), str(tmp_path / "b"))
   with pytest.raises(ConfigError, match="max_level"):
     c = tiny_rl_config()
     c.rl.envs = {"arithmetic": {"max_level": 99}}
-    trainer.train_rl(c, str(tmp_path / "c"))
+    trainer.train_rl(run_config_from_dict(c), str(tmp_path / "c"))
   with pytest.raises(ConfigError, match="rl.minibatches"):
-    trainer.train_rl(tiny_rl_config(minibatches=3), str(tmp_path / "d"))
+    trainer.train_rl(run_config_from_dict(tiny_rl_config(minibatches=3)), str(tmp_path / "d"))
   with pytest.raises(ConfigError, match="rl.init_from"):
-    trainer.train_rl(tiny_rl_config(init_from=str(tmp_path / "missing")), str(tmp_path / "e"))
-  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    trainer.train_rl(run_config_from_dict(tiny_rl_config(init_from=str(tmp_path / "missing"))),
+                     str(tmp_path / "e"))
+  with pytest.raises(ConfigError, match="context-parallel RL"):
+    c = tiny_rl_config()
+    c.mesh.context = 2
+    run_config_from_dict(c)
+  with pytest.raises(TypeError, match="RunConfig"):
+    trainer.train_rl(tiny_rl_config(), str(tmp_path / "f"))
+  assert not any((tmp_path / d).exists() for d in "abf")
 
 
 def _cli(workdir, cache, *extra):
@@ -167,11 +175,11 @@ def test_rl_mesh_errors(tmp_path, monkeypatch):
   c = tiny_rl_config()
   c.mesh.data, c.mesh.context = 2, 2
   with pytest.raises(ConfigError, match="mesh.context"):
-    trainer.train_rl(c, str(tmp_path / "a"))
+    trainer.train_rl(run_config_from_dict(c), str(tmp_path / "a"))
   c = tiny_rl_config(sft_batch=3)
   c.mesh.data, c.mesh.expert = 2, 2
   with pytest.raises(ConfigError, match="rl.sft_batch"):
-    trainer.train_rl(c, str(tmp_path / "b"))
+    trainer.train_rl(run_config_from_dict(c), str(tmp_path / "b"))
 
 
 def test_rollouts_and_the_expert_parallel_learner_share_one_graphdef(tmp_path, monkeypatch):
@@ -182,7 +190,7 @@ def test_rollouts_and_the_expert_parallel_learner_share_one_graphdef(tmp_path, m
                       lambda: jax.devices()[:4])
   c = tiny_rl_config(sft_steps=0, iterations=1, minibatches=1)
   c.mesh.data, c.mesh.expert = 2, 2
-  c = trainer.run_config_from_dict(c)
+  c = run_config_from_dict(c)
   run = trainer._Run(c, str(tmp_path), trainer._tokenizer(c))
   assert run.rt.plan.moe_dispatch is not None
   run.build_rollouts()

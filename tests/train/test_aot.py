@@ -87,7 +87,7 @@ def _tiny():
 def tiny_compiled():
   from hybridmoe_jax.tools import aot
 
-  return aot.compile_run(_tiny(), max_len=256, prefill_chunk=128)
+  return aot.compile_run(run_config_from_dict(_tiny()), max_len=256, prefill_chunk=128)
 
 
 @needs_libtpu
