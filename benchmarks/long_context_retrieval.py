@@ -28,7 +28,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -36,6 +35,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
 from hybridmoe_jax import plots  # pylint: disable=wrong-import-position
+from hybridmoe_jax.tools.timing import stopwatch  # pylint: disable=wrong-import-position
 
 RESULTS = _ROOT / "benchmarks" / "results" / "long_context_retrieval.json"
 IMAGES = _ROOT / "docs" / "images"
@@ -52,14 +52,13 @@ def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0, we
   """Runs the recipe unless its last stage's NIAH grid exists; -> wall seconds (0 if done)."""
   if os.path.exists(os.path.join(workdir, "eval", f"niah_stage{stages - 1}.json")):
     return 0.0
-  t0 = time.time()
   cmd = ["nice", "-n", str(nice), sys.executable, str(_ROOT / "run_train.py"),
          f"--config={_ROOT / 'configs' / 'long_context_cpu.py'}:{variant},stages={stages},"
          f"seed={seed}{f',steps={steps}' if steps else ''}{f',weight={weight}' if weight else ''}",
          f"--workdir={workdir}"]
-  with open(workdir + ".log", "a", encoding="utf-8") as log:
+  with open(workdir + ".log", "a", encoding="utf-8") as log, stopwatch() as sw:
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-  return time.time() - t0
+  return sw.seconds
 
 
 def kv_recall(workdir: str, max_len: int) -> dict:

@@ -19,9 +19,7 @@ SUPPORT = ROOT / "tests" / "_support.py"
 REL_ERR_NAME = re.compile(r"_?(max_)?(rel|err)(_(err|error|rms|max))?")
 CLOCKS = {"perf_counter", "perf_counter_ns", "time", "time_ns", "monotonic", "monotonic_ns"}
 # benchmark file -> why it may read a clock itself
-CLOCK_ALLOWED = {
-    "long_context_retrieval.py": "edited on another branch (issue 29); to convert after merge",
-}
+CLOCK_ALLOWED: dict[str, str] = {}
 
 
 def _trees(folder: str):
