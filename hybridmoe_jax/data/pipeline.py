@@ -19,6 +19,7 @@ import grain
 import numpy as np
 
 from hybridmoe_jax.data import packing
+from hybridmoe_jax.data import documents
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
@@ -74,7 +75,7 @@ def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
     if num_epochs is not None:
       raise ValueError("a weighted mixture repeats its sources forever; pass num_epochs=None")
     ds = grain.MapDataset.mix([docs(s, seed=seed + k) for k, s in enumerate(source)], weights)
-  ds = sources_lib.tokenize_documents(ds, tokenizer, loss_weights)
+  ds = documents.tokenize_documents(ds, tokenizer, loss_weights)
   ds = packing.pack_documents(ds, seq_len=seq_len, pad_id=tokenizer.pad_id, seed=seed,
                               num_packing_bins=num_packing_bins, loss_weights=loss_weights)
   ds = ds.batch(batch_size, drop_remainder=drop_remainder)

@@ -24,7 +24,7 @@ and needs no storage, so it is indexed, sharded and checkpointed like any other 
 Every document is a `Document`: a str that also names its answer spans (the characters a model
 must retrieve: the key after a question, the values of the recall part) and the loss weight of
 those characters' tokens (`RetrievalSource(answer_weight=...)`). The tokenizer step turns the
-spans into per-token loss weights when the pipeline asks for them (`sources.tokenize_documents`),
+spans into per-token loss weights when the pipeline asks for them (`documents.tokenize_documents`),
 so the copy a retrieval document teaches is not drowned by its hay in the loss.
 """
 

@@ -30,7 +30,6 @@ pipelines (or raises in "error" mode), never a crash inside a grain worker for "
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import os
 import pathlib
@@ -403,53 +402,6 @@ class SafeSource:
     logging.warning("data source %r: skipped document %d (%s); %d skipped so far", self.name,
                     int(i), problem[1], sum(self.failures.values()))
     return None
-
-
-def _tokenize(text: str | None, tokenizer) -> dict[str, np.ndarray] | None:
-  # BOS gives the first token of a document something to be predicted from; EOS teaches the
-  # model where documents end (segment ids only tell the attention masks).
-  if text is None:  # SafeSource could not load it; filtered out below
-    return None
-  return {"tokens": tokenizer.encode(text, bos=True, eos=True)}
-
-
-def _not_none(x) -> bool:
-  return x is not None
-
-
-def _tokenize_weighted(text: str | None, tokenizer) -> dict[str, np.ndarray] | None:
-  # A document with answer spans (data.retrieval.Document) is encoded piece by piece at the
-  # span edges, so each answer character lands in tokens of its own (exact for bytes; a BPE may
-  # split the text a little differently than in one piece). Padding gets 0 in the packer.
-  if text is None:
-    return None
-  spans = getattr(text, "answer_spans", ())
-  if not spans:
-    tokens = tokenizer.encode(text, bos=True, eos=True)
-    return {"tokens": tokens, "loss_weights": np.ones(len(tokens), np.float32)}
-  w = float(getattr(text, "answer_weight", 1.0))
-  parts, weights, prev = [tokenizer.encode("", bos=True)], [1.0], 0
-  for a, b in spans:
-    parts += [tokenizer.encode(str(text[prev:a])), tokenizer.encode(str(text[a:b]))]
-    weights += [1.0, w]
-    prev = b
-  parts.append(tokenizer.encode(str(text[prev:]), eos=True))
-  weights.append(1.0)
-  return {"tokens": np.concatenate(parts).astype(np.int32),
-          "loss_weights": np.concatenate([np.full(len(p), wt, np.float32)
-                                          for p, wt in zip(parts, weights)])}
-
-
-def tokenize_documents(ds, tokenizer, loss_weights: bool = False):
-  """grain MapDataset of documents (str, or None where SafeSource skipped one) -> IterDataset
-  of {"tokens": int32 [BOS, ids..., EOS]}, the skipped ones dropped (grain's filter keeps the
-  iterator state's meaning, so a resumed run skips the same documents).
-
-  loss_weights: also give each document "loss_weights" float32 [n]: 1 per token, the
-  document's `answer_weight` on the tokens of its `answer_spans` (retrieval documents)."""
-  fn = _tokenize_weighted if loss_weights else _tokenize
-  ds = ds.map(functools.partial(fn, tokenizer=tokenizer)).to_iter_dataset()
-  return ds.filter(_not_none)
 
 
 class SubsetSource:

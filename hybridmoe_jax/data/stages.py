@@ -28,6 +28,7 @@ import grain
 import numpy as np
 
 from hybridmoe_jax.data import packing
+from hybridmoe_jax.data import documents
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 
@@ -127,7 +128,7 @@ def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_co
 
 def _component_dataset(comp: Component, *, tokenizer, loss_weights: bool = False,
                        **kwargs) -> grain.IterDataset:
-  return sources_lib.tokenize_documents(component_docs(comp, **kwargs), tokenizer, loss_weights)
+  return documents.tokenize_documents(component_docs(comp, **kwargs), tokenizer, loss_weights)
 
 
 def make_stage_dataset(stage: StageData, *, tokenizer: tokenizer_lib.Tokenizer,

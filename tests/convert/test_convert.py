@@ -18,7 +18,7 @@ from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConf
                                   ModelConfig, model_config_from_dict)
 from hybridmoe_jax.convert import convert, hf_config, hf_weights, load_hf_model
 from hybridmoe_jax.evals.loading import load_from_params
-from hybridmoe_jax.infer.engine import generate
+from hybridmoe_jax.infer.functional import generate
 from hybridmoe_jax.io.safetensors import CheckpointReader
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.config.sharding import path_string

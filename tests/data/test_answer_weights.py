@@ -10,7 +10,7 @@ import pytest
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import default_config, run_config_from_dict
-from hybridmoe_jax.data import packing, pipeline, retrieval, sources, stages
+from hybridmoe_jax.data import documents, packing, pipeline, retrieval, stages
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.train import plan as plan_lib
 
@@ -18,7 +18,7 @@ TOK = ByteTokenizer()
 
 
 def _weighted(text):
-  return sources._tokenize_weighted(text, TOK)  # pylint: disable=protected-access
+  return documents._tokenize_weighted(text, TOK)  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("kind", retrieval.KINDS)
@@ -48,7 +48,7 @@ def test_weights_align_with_answer_tokens():
   assert TOK.decode(out["tokens"][out["loss_weights"] == 5.0]) == doc[a:b]
   plain = _weighted("plain text, no span")     # an ordinary document: all 1
   assert np.array_equal(plain["loss_weights"], np.ones(len("plain text, no span") + 2))
-  assert sources._tokenize_weighted(None, TOK) is None  # pylint: disable=protected-access
+  assert documents._tokenize_weighted(None, TOK) is None  # pylint: disable=protected-access
 
 
 def _pack(elements, seq_len, bins=2):
