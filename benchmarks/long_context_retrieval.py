@@ -42,19 +42,26 @@ IMAGES = _ROOT / "docs" / "images"
 KV_PAIRS = (2, 4, 8, 16, 32)
 
 
-def run_name(variant: str, stages: int, seed: int, steps: int = 0, weight: int = 0) -> str:
+def _options(steps: int = 0, weight: int = 0, factor: int = 0) -> str:
+  """The config string's optional fields (0: the recipe's value)."""
+  return "".join(f",{k}={v}" for k, v in (("steps", steps), ("weight", weight),
+                                          ("factor", factor)) if v)
+
+
+def run_name(variant: str, stages: int, seed: int, steps: int = 0, weight: int = 0,
+             factor: int = 0) -> str:
   return (f"{variant}_n{stages}{f'_t{steps}' if steps else ''}{f'_w{weight}' if weight else ''}"
-          f"_s{seed}")
+          f"{f'_f{factor}' if factor else ''}_s{seed}")
 
 
 def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0, weight: int = 0,
-          nice: int = 19) -> float:
+          factor: int = 0, nice: int = 19) -> float:
   """Runs the recipe unless its last stage's NIAH grid exists; -> wall seconds (0 if done)."""
   if os.path.exists(os.path.join(workdir, "eval", f"niah_stage{stages - 1}.json")):
     return 0.0
   cmd = ["nice", "-n", str(nice), sys.executable, str(_ROOT / "run_train.py"),
          f"--config={_ROOT / 'configs' / 'long_context_cpu.py'}:{variant},stages={stages},"
-         f"seed={seed}{f',steps={steps}' if steps else ''}{f',weight={weight}' if weight else ''}",
+         f"seed={seed}{_options(steps, weight, factor)}",
          f"--workdir={workdir}"]
   with open(workdir + ".log", "a", encoding="utf-8") as log, stopwatch() as sw:
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -81,7 +88,7 @@ def kv_recall(workdir: str, max_len: int) -> dict:
 
 
 def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
-            steps: int = 0, weight: int = 0) -> dict:
+            steps: int = 0, weight: int = 0, factor: int = 0) -> dict:
   grids = []
   for k in range(stages):
     with open(os.path.join(workdir, "eval", f"niah_stage{k}.json"), encoding="utf-8") as f:
@@ -92,7 +99,8 @@ def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     train_rows = [r for r in map(json.loads, f) if r.get("split") == "train"]
   last = grids[-1]["stage_seq_len"]
-  return {"run": run_name(variant, stages, seed, steps, weight), "variant": variant, "seed": seed,
+  return {"run": run_name(variant, stages, seed, steps, weight, factor), "variant": variant,
+          "seed": seed,
           "stages": stages, "first_stage_steps": steps or None, "answer_weight": weight or None,
           "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
           "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
@@ -198,16 +206,18 @@ def draw(results: dict, out_dir: pathlib.Path) -> list[str]:
 
 
 def table(results: dict) -> str:
-  """Markdown rows: per run and stage, exact match at the trained length, 2x, 4x, 8x."""
-  lines = ["| run | variant | seed | stage (trained) | step | @1x | @2x | @4x | @8x | digit acc @1x |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  """Markdown rows: per run and stage, exact match at the trained length, 2x ... 32x."""
+  factors = (1, 2, 4, 8, 16, 32)
+  lines = ["| run | variant | seed | stage (trained) | step | "
+           + " | ".join(f"@{f}x" for f in factors) + " | digit acc @1x |",
+           "| --- " * (len(factors) + 6) + "|"]
   for r in sorted(results["runs"], key=lambda r: (r["stages"], ORDER.index(r["variant"]),
                                                   r["seed"])):
     for g in r["niah"]:
       pl, t = per_length(g), g["stage_seq_len"]
       dig = np.asarray(g["digit_accuracy"])
       d1 = float(dig[:, g["lengths"].index(t)].mean()) if t in g["lengths"] else float("nan")
-      cells = [f"{pl[f * t]:.2f}" if f * t in pl else "-" for f in (1, 2, 4, 8)]
+      cells = [f"{pl[f * t]:.2f}" if f * t in pl else "-" for f in factors]
       lines.append(f"| {r['run']} | {r['variant']} | {r['seed']} | {g['stage']} ({t}) | {g['step']} | "
                    + " | ".join(cells) + f" | {d1:.2f} |")
   return "\n".join(lines)
@@ -221,6 +231,8 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=0, help="first stage's steps (0: the recipe's)")
   ap.add_argument("--weight", type=int, default=0,
                   help="retrieval answer loss weight of every stage (0: the recipe's)")
+  ap.add_argument("--factor", type=int, default=0,
+                  help="NIAH up to factor x each stage's length (0: the recipe's, 8)")
   ap.add_argument("--nice", type=int, default=19, help="niceness of the training runs")
   ap.add_argument("--root", default="runs/lcr")
   ap.add_argument("--results", default=str(RESULTS))
@@ -235,9 +247,10 @@ def main() -> None:
     os.makedirs(args.root, exist_ok=True)
     for v in args.variants.split(","):
       for s in (int(x) for x in args.seeds.split(",")):
-        workdir = os.path.join(args.root, run_name(v, args.stages, s, args.steps, args.weight))
-        seconds = train(v, args.stages, s, workdir, args.steps, args.weight, args.nice)
-        row = collect(v, args.stages, s, workdir, seconds, args.steps, args.weight)
+        opts = (args.steps, args.weight, args.factor)
+        workdir = os.path.join(args.root, run_name(v, args.stages, s, *opts))
+        seconds = train(v, args.stages, s, workdir, *opts, nice=args.nice)
+        row = collect(v, args.stages, s, workdir, seconds, *opts)
         if os.path.exists(args.results):  # runs recorded meanwhile by a parallel invocation
           with open(args.results, encoding="utf-8") as f:
             results["runs"] = json.load(f)["runs"]

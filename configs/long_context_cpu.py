@@ -20,7 +20,8 @@ Variants for the ablation (same data, seeds and budget), as the config string:
   configs/long_context_cpu.py:mla          M M M M (NoPE)
 and ",stages=N" keeps the first N stages (e.g. `:hybrid,stages=1` is the 512-token stage
 alone), ",seed=S" sets the run seed, ",steps=N" the first stage's steps (a reduced recipe), ",weight=W" the answer weight of every stage
-(`retrieval_answer_weight`; 1: plain loss). BENCHMARKS.md ("Long-context retrieval") has the numbers;
+(`retrieval_answer_weight`; 1: plain loss), ",factor=F" the longest NIAH prompt after a stage
+(F x its length, default 8, at most 64K). BENCHMARKS.md ("Long-context retrieval") has the numbers;
 benchmarks/long_context_retrieval.py runs the variants and draws the figures.
 """
 
@@ -36,15 +37,19 @@ VARIANTS = {
 }
 
 STAGES = (
-    # Stage 1: passkey alone (the easiest copy), its answer digits weighted `weight` in the loss.
-    dict(name="512", seq_len=512, steps=400, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
-         retrieval_kinds=("passkey",), retrieval_answer_weight=10.0,
+    # Stage 1: passkey alone (the easiest copy) in short documents (64-256 bytes: ~19 answers
+    # per step), their answer digits weighted `weight` in the loss. This is what makes the copy
+    # form within a few hundred steps at d_model 64 (BENCHMARKS.md, "Long-context retrieval").
+    dict(name="512", seq_len=512, steps=600, weights={"pydoc": 1.0}, retrieval_fraction=0.75,
+         retrieval_kinds=("passkey",), retrieval_bytes=(64, 256), retrieval_answer_weight=10.0,
          lr=3e-3, warmup=30, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.2),
-    dict(name="2k", seq_len=2048, steps=40, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
-         retrieval_kinds=("passkey", "multikey"), retrieval_answer_weight=10.0,
+    # Stages 2-3: every distance up to the row, named needles with distractors from 2K on.
+    dict(name="2k", seq_len=2048, steps=60, weights={"pydoc": 1.0}, retrieval_fraction=0.75,
+         retrieval_kinds=("passkey", "multikey"), retrieval_bytes=(64, 2046),
+         retrieval_answer_weight=10.0,
          lr=1.5e-3, warmup=5, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
     dict(name="8k", seq_len=8192, steps=16, tokens_per_step=8192, weights={"pydoc": 1.0},
-         retrieval_fraction=0.5, retrieval_answer_weight=10.0,
+         retrieval_fraction=0.75, retrieval_bytes=(64, 8190), retrieval_answer_weight=10.0,
          lr=1e-3, warmup=2, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.3),
 )
 
@@ -52,14 +57,14 @@ STAGES = (
 def _parse(spec: str) -> dict:
   """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
   out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"],
-         "weight": 0}
+         "weight": 0, "factor": 8}
   for i, part in enumerate(p for p in (spec or "").split(",") if p):
     key, _, value = part.partition("=")
     if not value and i == 0:
       key, value = "variant", key
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
-                       "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W)")
+                       "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W, factor=F)")
     out[key] = value if key == "variant" else int(value)
   if out["variant"] not in VARIANTS:
     raise ValueError(f"long_context_cpu variant {out['variant']!r} is not one of "
@@ -68,6 +73,8 @@ def _parse(spec: str) -> dict:
     raise ValueError(f"long_context_cpu stages={out['stages']} must be in [1, {len(STAGES)}]")
   if out["steps"] < 1:
     raise ValueError(f"long_context_cpu steps={out['steps']} must be >= 1")
+  if not 1 <= out["factor"] <= 128:
+    raise ValueError(f"long_context_cpu factor={out['factor']} must be in [1, 128]")
   if out["weight"] < 0:
     raise ValueError(f"long_context_cpu weight={out['weight']} must be >= 1 (0: the stages')")
   return out
@@ -94,7 +101,7 @@ def get_config(spec: str = ""):
   c.niah_lengths = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
   c.niah_depths = (0.1, 0.5, 0.9)
   c.niah_samples = 4
-  c.niah_max_factor = 8
+  c.niah_max_factor = opts["factor"]
   t = config.train
   t.seed = opts["seed"]
   t.steps = sum(s["steps"] for s in c.stages)

@@ -255,6 +255,9 @@ class StageConfig(Checked):
   retrieval_answer_weight: loss weight of their answer tokens (the key after a question, the
   recalled values; other tokens weigh 1); retrieval_kinds: which retrieval documents
   (`data.retrieval.KINDS`; e.g. passkey alone, the easiest copy, in a first stage);
+  retrieval_bytes: (shortest, longest) retrieval document in bytes, each drawn uniformly
+  between (0: the default, a quarter of the row but >= 128, and the row): short documents
+  put many answers in a step, which is what makes a small model learn the copy;
   lr (None: train.lr), warmup, warmup_from (None: where the previous stage ended),
   schedule, min_lr_ratio, decay_fraction: the stage's learning rate;
   tokens_per_step: this stage's global tokens per optimizer step (0: the curriculum's), for
@@ -270,10 +273,11 @@ class StageConfig(Checked):
   weights: dict[str, float] | None = ranged(None, ">= 0")
   long_upsample: int = ranged(1, ">= 1")
   long_min_tokens: int = ranged(0, ">= 0", "0: seq_len // 2")
-  retrieval_fraction: float = ranged(0.0, "[0, 0.5]")
+  retrieval_fraction: float = ranged(0.0, "[0, 0.9]")
   retrieval_answer_weight: float = ranged(1.0, "[1, 100]", "1: answers weigh like other tokens")
   retrieval_kinds: tuple[str, ...] = ranged(("passkey", "multikey", "kv"),
                                             ("passkey", "multikey", "kv"), nonempty=True)
+  retrieval_bytes: tuple[int, int] = ranged((0, 0), ">= 0", "0: the default bound")
   lr: float | None = ranged(None, "(0, 10]", "None: train.lr")
   warmup: int = ranged(0, ">= 0")
   warmup_from: float | None = ranged(None, "[0, 10]",
@@ -290,6 +294,11 @@ class StageConfig(Checked):
             self.weights, "a dict {source name: weight} with at least one weight > 0")
     require(not self.retrieval_fraction or self.seq_len >= 64, f"{p}.retrieval_fraction",
             self.retrieval_fraction, "0 for stages shorter than 64 tokens")
+    lo, hi = self.retrieval_bytes
+    require(len(self.retrieval_bytes) == 2 and (not lo or 64 <= lo <= (hi or self.seq_len - 2))
+            and hi <= self.seq_len - 2, f"{p}.retrieval_bytes", self.retrieval_bytes,
+            f"(shortest, longest) with 64 <= shortest <= longest <= seq_len - 2 = "
+            f"{self.seq_len - 2} (0: the default)")
 
 
 @dataclasses.dataclass(frozen=True)

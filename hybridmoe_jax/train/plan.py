@@ -42,6 +42,7 @@ class StagePlan:
   lr: optim.LRPiece
   retrieval_answer_weight: float = 1.0
   retrieval_kinds: tuple[str, ...] = ("passkey", "multikey", "kv")
+  retrieval_bytes: tuple[int, int] = (0, 0)
 
   @property
   def end_step(self) -> int:
@@ -119,7 +120,8 @@ def build_plan(run: RunConfig) -> Plan:
         long_upsample=st.long_upsample, long_min_bytes=st.long_min_tokens or T // 2,
         retrieval_fraction=st.retrieval_fraction, lr=lr,
         retrieval_answer_weight=st.retrieval_answer_weight,
-        retrieval_kinds=tuple(st.retrieval_kinds)))
+        retrieval_kinds=tuple(st.retrieval_kinds),
+        retrieval_bytes=tuple(st.retrieval_bytes)))
     start, seen, prev_lr = start + steps, seen + steps * tps, lr
   return Plan(c.tokens_per_step, tuple(plans), curriculum=True)
 

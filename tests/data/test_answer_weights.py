@@ -10,7 +10,7 @@ import pytest
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import default_config, run_config_from_dict
-from hybridmoe_jax.data import documents, packing, pipeline, retrieval, stages
+from hybridmoe_jax.data import curriculum, documents, packing, pipeline, retrieval, sources, stages
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.train import plan as plan_lib
 
@@ -102,7 +102,7 @@ def _curriculum(**stage):
   c = config.curriculum
   c.tokens_per_step = 1024
   c.sources = {"pydoc": {"kind": "bundled"}}
-  c.stages = (dict(seq_len=256, steps=2, weights={"pydoc": 1.0}, retrieval_fraction=0.5,
+  c.stages = (dict(dict(seq_len=256, steps=2, weights={"pydoc": 1.0}, retrieval_fraction=0.5),
                    **stage),)
   config.train.steps = 2
   return config
@@ -110,12 +110,28 @@ def _curriculum(**stage):
 
 def test_stage_field_reaches_the_plan_and_its_range_names_the_field():
   plan = plan_lib.build_plan(run_config_from_dict(_curriculum(
-      retrieval_answer_weight=8.0, retrieval_kinds=("passkey",))))
+      retrieval_answer_weight=8.0, retrieval_kinds=("passkey",), retrieval_bytes=(64, 128))))
   (s,) = plan.stages
   assert s.retrieval_answer_weight == 8.0 and s.retrieval_kinds == ("passkey",)
+  assert s.retrieval_bytes == (64, 128)
   for bad, match in [(dict(retrieval_answer_weight=0.5), r"stages\[0\].retrieval_answer_weight"),
                      (dict(retrieval_answer_weight=500.0), r"retrieval_answer_weight"),
                      (dict(retrieval_kinds=("poem",)), r"stages\[0\].retrieval_kinds"),
-                     (dict(retrieval_kinds=()), r"stages\[0\].retrieval_kinds")]:
+                     (dict(retrieval_kinds=()), r"stages\[0\].retrieval_kinds"),
+                     (dict(retrieval_fraction=0.95), r"stages\[0\].retrieval_fraction"),
+                     (dict(retrieval_bytes=(32, 128)), r"stages\[0\].retrieval_bytes"),
+                     (dict(retrieval_bytes=(200, 100)), r"stages\[0\].retrieval_bytes"),
+                     (dict(retrieval_bytes=(64, 300)), r"seq_len - 2 = 254")]:
     with pytest.raises(ConfigError, match=match):
       run_config_from_dict(_curriculum(**bad))
+
+
+def test_retrieval_bytes_bound_the_documents_of_a_stage():
+  """The stage's (shortest, longest) reach the retrieval source: every document's length lies
+  in the range, and a stage of short documents packs several answers into a row."""
+  data = curriculum.stage_data(plan_lib.build_plan(run_config_from_dict(_curriculum(
+      retrieval_bytes=(64, 100), retrieval_fraction=0.8))).stages,
+      {"pydoc": sources.BundledTextSource()}, seed=0)
+  (src,) = [c.source for c in data[0].components if c.name == "retrieval"]
+  assert src.lengths.min() >= 64 and src.lengths.max() <= 100
+  assert all(64 - 8 <= len(src[i]) <= 100 + 8 for i in range(20))
