@@ -40,11 +40,13 @@ from hybridmoe_jax.tools.timing import Stopwatch
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# arch: (layer kinds, KDA gate, MLA rope_theta; 0: no positions, NoPE)
 ARCHS = {
-    "kda": (("kda",) * 4, "bounded"),
-    "mla": (("mla",) * 4, "bounded"),
-    "hybrid": (("kda", "kda", "kda", "mla"), "bounded"),
-    "kda_unbounded": (("kda",) * 4, "unbounded"),
+    "kda": (("kda",) * 4, "bounded", 0.0),
+    "mla": (("mla",) * 4, "bounded", 0.0),
+    "hybrid": (("kda", "kda", "kda", "mla"), "bounded", 0.0),
+    "hybrid_rope": (("kda", "kda", "kda", "mla"), "bounded", 10000.0),
+    "kda_unbounded": (("kda",) * 4, "unbounded", 0.0),
 }
 
 
@@ -53,13 +55,14 @@ def _tiny_model_dict() -> dict:
 
 
 def arch_config(arch: str, *, vocab: int, d_model: int = 64) -> ModelConfig:
-  kinds, gate = ARCHS[arch]
+  kinds, gate, rope_theta = ARCHS[arch]
   m = _tiny_model_dict()
   m["vocab_size"] = vocab
   m["d_model"] = d_model
   m["num_layers"] = len(kinds)
   m["layer_kinds"] = list(kinds)
   m["kda"]["gate"] = gate
+  m["mla"]["rope_theta"] = rope_theta
   m["moe"]["first_dense_layers"] = len(kinds)   # dense FFN everywhere: no MoE
   m["moe"]["dense_intermediate"] = 2 * d_model
   return model_config_from_dict(m)

@@ -1,9 +1,10 @@
 """Long-context retrieval on CPU: a small hybrid (KDA + NoPE MLA, 3:1) trained for passkey
 retrieval through a short staged curriculum, 512 -> 2K -> 8K, with NIAH after every stage up to
 8x its length (512 -> 4K, 2K -> 16K, 8K -> 64K). Status (BENCHMARKS.md, "Long-context
-retrieval"): after the 512 stage's 400 steps the model answers in the key format but does not
-yet copy the key (exact match at chance), also with the answer digits weighted 10-30x in the
-loss (`retrieval_answer_weight`); the 2K / 8K stages have not been run to the end.
+retrieval"): held-out passkeys are retrieved at 1.00 after the 512 stage (~4 min) up to 4K, and
+after the 8K stage at 1.00 up to 16K and >= 0.9 at 32K / 64K (~12 min on 2 CPU cores with the
+evaluations). What makes a small model learn the copy: many short retrieval documents at the
+first stage (`retrieval_bytes`), their answer digits weighted in the loss.
 
 Data: bundled pydoc help texts plus synthetic retrieval documents (`data.retrieval`: passkey,
 multi-key NIAH with distractors, key-value recall) through the pipeline's retrieval source, at a
