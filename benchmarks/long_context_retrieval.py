@@ -223,6 +223,26 @@ def table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def summary(results: dict) -> str:
+  """Markdown rows: per variant, the first stage's exact match by prompt length over its seeds
+  (mean, min-max)."""
+  first = [r for r in results["runs"] if r["stages"] >= 1]
+  out = []
+  for v in sorted({r["variant"] for r in first}, key=ORDER.index):
+    curves = [per_length(r["niah"][0]) for r in first if r["variant"] == v]
+    lengths = sorted(set.intersection(*(set(c) for c in curves)))
+    if not out:
+      out = ["| variant (seeds) | " + " | ".join(str(n) for n in lengths) + " |",
+             "| --- " * (len(lengths) + 1) + "|"]
+    cells = []
+    for n in lengths:
+      ys = [c[n] for c in curves]
+      cells.append(f"{np.mean(ys):.2f} ({min(ys):.2f}-{max(ys):.2f})" if len(ys) > 1
+                   else f"{ys[0]:.2f}")
+    out.append(f"| {v} ({len(curves)}) | " + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--variants", default="hybrid")
@@ -267,6 +287,7 @@ def main() -> None:
   for path in draw(results, pathlib.Path(args.images)):
     print(f"figure {path}")
   print(table(results))
+  print(summary({"runs": [r for r in results["runs"] if r["stages"] == 1]}))
 
 
 if __name__ == "__main__":
