@@ -36,7 +36,7 @@ every tool result comes back identical.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -47,11 +47,7 @@ from hybridmoe_jax.rl.envs.base import (Action, Answer, Environment, Malformed, 
 
 TOKEN_FIELDS = ("ids", "loss_mask", "forced", "logp", "sample_logp", "turn_index")
 _TOKEN_DTYPES = {"logp": np.float32, "sample_logp": np.float32}
-# Rollout-side finish reasons, beside the environment's FINISH_REASONS.
-ROLLOUT_FINISH_REASONS = ("max_tokens", "max_turns")
 _MAX_SAMPLE_SEED = 2**32 - 1
-
-ForcedTurn = Union[Action, tuple, None]
 
 
 @dataclasses.dataclass(frozen=True)

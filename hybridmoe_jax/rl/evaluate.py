@@ -41,7 +41,6 @@ from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 POLICIES = ("model", "oracle", "random")
 EVAL_SEED_LO = 2**40      # evaluation task seeds: [2**40, 2**41)
 EVAL_SEED_HI = 2**41
-TRAIN_SEED_HI = EVAL_SEED_LO   # the RL trainer's task seeds lie below this
 _MAX_SEED = 2**63 - 1
 
 
