@@ -195,7 +195,7 @@ def evaluate_agent(model: HybridLM, tokenizer, *, envs: Mapping[str, dict],
   temp = {"model": float(temperature), "oracle": 0.0, "random": 1.0}[policy]
   config = RolloutConfig(max_tokens=max_tokens, max_turn_tokens=max_turn_tokens,
                          feed_width=feed_width, sampling=SamplingConfig(temperature=temp))
-  config.check(max_len)
+  config.fits(max_len)
   chat_format.chat_ids(tokenizer)     # a tokenizer without chat roles fails here, one line
   if policy == "oracle":
     # A forced turn longer than max_turn_tokens would be cut (malformed): the oracle would

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe_jax.config import Checked, ranged, require
 from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.model.cache import DecodeCache
@@ -84,8 +85,11 @@ def _get_row(cache: DecodeCache, b) -> DecodeCache:
 # ---- configuration and results ----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  """Attributes:
+class RolloutConfig(Checked):
+  """Checked when built (ConfigError naming `rollout.<field>`); `fits` checks max_tokens
+  against the engine.
+
+  Attributes:
     max_tokens: per episode, all tokens (prompt, turns, tool results); <= the engine's
       max_len.
     max_turn_tokens: tokens per assistant turn (then the turn is cut).
@@ -97,26 +101,22 @@ class RolloutConfig:
     sampling: temperature / top_k / top_p / vocab_limit (vocab_limit 0 becomes the
       tokenizer's vocabulary size: ids past it are never drawn).
   """
-  max_tokens: int = 2048
-  max_turn_tokens: int = 256
-  max_turns: int = 0
-  token_budget: int = 0
-  feed_width: int = 32
+  PATH = "rollout"
+  max_tokens: int = ranged(2048, ">= 2")
+  max_turn_tokens: int = ranged(256, ">= 1")
+  max_turns: int = ranged(0, ">= 0")
+  token_budget: int = ranged(0, ">= 0")
+  feed_width: int = ranged(32, ">= 0")
   sampling: SamplingConfig = SamplingConfig(temperature=1.0)
 
-  def check(self, max_len: int) -> None:
-    for name, v, lo in (("max_tokens", self.max_tokens, 2),
-                        ("max_turn_tokens", self.max_turn_tokens, 1),
-                        ("max_turns", self.max_turns, 0), ("token_budget", self.token_budget, 0),
-                        ("feed_width", self.feed_width, 0)):
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"rollout.{name} = {v!r}: allowed an int >= {lo}")
-    if self.max_tokens > max_len:
-      raise ValueError(f"rollout.max_tokens = {self.max_tokens}: allowed [2, {max_len}] (the "
-                       "engine's max_len, the cache capacity)")
-    if not isinstance(self.sampling, SamplingConfig):
-      raise ValueError(f"rollout.sampling: allowed a SamplingConfig, got "
-                       f"{type(self.sampling).__name__}")
+  def check(self, p: str) -> None:
+    require(isinstance(self.sampling, SamplingConfig), f"{p}.sampling", self.sampling,
+            "a SamplingConfig")
+
+  def fits(self, max_len: int) -> None:
+    """ConfigError unless max_tokens <= the engine's max_len (the cache capacity)."""
+    require(self.max_tokens <= max_len, "rollout.max_tokens", self.max_tokens,
+            f"an integer in [2, {max_len}] (the engine's max_len, the cache capacity)")
 
 
 @dataclasses.dataclass
@@ -178,7 +178,7 @@ class Rollout:
                batch: int = 8):
     if not (isinstance(batch, (int, np.integer)) and batch >= 1):
       raise ValueError(f"rollout batch = {batch!r}: allowed an int >= 1")
-    config.check(engine.max_len)
+    config.fits(engine.max_len)
     self.roles = chat_format.chat_ids(tokenizer)
     if tokenizer.vocab_size > engine.cfg.vocab_size:
       raise ValueError(f"tokenizer vocab_size {tokenizer.vocab_size} > model vocab_size "

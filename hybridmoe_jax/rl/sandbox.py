@@ -54,45 +54,29 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+from hybridmoe_jax.config import Checked, ranged
+
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 VIOLATION_EXIT = 86          # sandbox_boot.VIOLATION_EXIT (kept equal by a test)
 TAIL_CHARS = 2000
 
 
 @dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-  """Per-run limits.
+class SandboxLimits(Checked):
+  """Per-run limits (checked when built: ConfigError naming `SandboxLimits.<field>`).
 
-  Attributes:
-    timeout_s: wall clock, (0, 600].
-    cpu_s: CPU seconds, int in [1, 600].
-    memory_mb: address space, int in [64, 65536] (Python itself needs ~30 MB).
-    file_size_mb: largest file the child may write, stdout/stderr included, [1, 1024].
-    max_procs: RLIMIT_NPROC, int in [0, 4096] (0: no new processes or threads).
-    max_open_files: RLIMIT_NOFILE, int in [16, 4096].
-    max_files: files opened for writing plus directories created, int in [1, 4096]: with
-      file_size_mb it bounds the disk a run can use to about
-      (max_files + 2) x file_size_mb (the 2: stdout and stderr).
+  max_files (files opened for writing plus directories created) with file_size_mb (the
+  largest file the child may write, stdout / stderr included) bounds the disk a run can use
+  to about (max_files + 2) x file_size_mb (the 2: stdout and stderr).
   """
-  timeout_s: float = 2.0
-  cpu_s: int = 1
-  memory_mb: int = 256
-  file_size_mb: int = 4
-  max_procs: int = 0
-  max_open_files: int = 64
-  max_files: int = 32
-
-  def __post_init__(self):
-    checks = [("timeout_s", 0.0, 600.0), ("cpu_s", 1, 600), ("memory_mb", 64, 65536),
-              ("file_size_mb", 1, 1024), ("max_procs", 0, 4096), ("max_open_files", 16, 4096),
-              ("max_files", 1, 4096)]
-    for name, lo, hi in checks:
-      v = getattr(self, name)
-      ok_type = isinstance(v, (int, float)) if name == "timeout_s" else isinstance(v, int)
-      if isinstance(v, bool) or not ok_type or not lo <= v <= hi or \
-          (name == "timeout_s" and v <= 0):
-        bounds = f"(0, {hi}]" if name == "timeout_s" else f"an int in [{lo}, {hi}]"
-        raise ValueError(f"SandboxLimits.{name} = {v!r}: allowed {bounds}")
+  PATH = "SandboxLimits"
+  timeout_s: float = ranged(2.0, "(0, 600]")  # wall clock
+  cpu_s: int = ranged(1, "[1, 600]")  # CPU seconds
+  memory_mb: int = ranged(256, "[64, 65536]")  # address space (Python itself needs ~30 MB)
+  file_size_mb: int = ranged(4, "[1, 1024]")
+  max_procs: int = ranged(0, "[0, 4096]", "0: no new processes or threads")  # RLIMIT_NPROC
+  max_open_files: int = ranged(64, "[16, 4096]")  # RLIMIT_NOFILE
+  max_files: int = ranged(32, "[1, 4096]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,7 +245,7 @@ def test_bad_input_fails_before_compute():
     _rollout().run([EpisodeSpec("arithmetic", 1, 0, forced=(None, (5, 300)))])
   with pytest.raises(ValueError, match="no room to generate"):
     _rollout(max_tokens=100).run([EpisodeSpec("arithmetic", 1, 0)])
-  with pytest.raises(ValueError, match=r"max_tokens = 2000: allowed \[2, 1024\]"):
+  with pytest.raises(ValueError, match=r"max_tokens` = 2000 is invalid: allowed an integer in \[2, 1024\]"):
     _rollout(max_tokens=2000)
   with pytest.raises(ValueError, match="token_budget"):
     _rollout(token_budget=-1)
