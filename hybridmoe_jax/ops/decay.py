@@ -36,9 +36,8 @@ def _per_channel(param: jax.Array, hv: int, k: int, name: str) -> jax.Array:
   """Reshapes a [HV*K] or [HV, K] parameter to [HV, K] float32."""
   param = jnp.asarray(param, jnp.float32)
   if param.size != hv * k or param.ndim not in (1, 2):
-    raise ValueError(
-        f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], got {param.shape}"
-    )
+    raise ValueError(f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], "
+                     f"got {param.shape}")
   return param.reshape(hv, k)
 
 

@@ -95,16 +95,10 @@ def _decays(g: jax.Array, lower_bound: float | None) -> _Decays:
     cols_diag = jnp.exp(first[..., None, :] + shift - Gl)
     # The same trick: both exponents within +-37.5, the product <= 1.
     to_end = cols_diag * jnp.exp(tot - first - shift)[..., None, :]
-  return _Decays(
-      gl=Gl,
-      rows=rows,
-      cols_diag=cols_diag,
-      to_end=to_end,
-      between=jnp.exp(first[..., :, None, :] + gap + shift) * before[:, :, None],
-      from_start=from_start,
-      block_to_end=jnp.exp(_mm(before.T, tot)),
-      total=jnp.exp(jnp.sum(tot, axis=-2)),
-  )
+  return _Decays(gl=Gl, rows=rows, cols_diag=cols_diag, to_end=to_end,
+                 between=jnp.exp(first[..., :, None, :] + gap + shift) * before[:, :, None],
+                 from_start=from_start, block_to_end=jnp.exp(_mm(before.T, tot)),
+                 total=jnp.exp(jnp.sum(tot, axis=-2)))
 
 
 def _scores(q, k, dec: _Decays, keep_qk, keep_kk):
@@ -257,20 +251,11 @@ def _group_step(s, xs, *, c, scale, lower_bound):
   return s, jnp.moveaxis(o, 1, 3).reshape(B, gc, HV, V)
 
 
-def kda_chunked(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    chunk_size: int = 64,
-    lower_bound: float | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                scale: float | None = None, initial_state: jax.Array | None = None,
+                output_final_state: bool = False, segment_ids: jax.Array | None = None,
+                chunk_size: int = 64, lower_bound: float | None = None
+                ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention, chunked form; equal to kda_recurrent up to fp32 rounding.
 
   Args:
