@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridmoe_jax.config import ComputeConfig, ModelConfig
+from hybridmoe_jax.config import ComputeConfig, ModelConfig, is_int
 from hybridmoe_jax.layers.attnres import BlockStream, DepthMix, num_blocks
 from hybridmoe_jax.layers.kda import KDALayer
 from hybridmoe_jax.layers.linear import linear
@@ -290,8 +290,7 @@ def check_routes(cfg: ModelConfig, routes: Mapping[int, Any],
                      f"{type(routes).__name__}")
   k, num_experts = cfg.moe.experts_per_token, cfg.moe.num_experts
   for key, ids in routes.items():
-    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) \
-        or key not in cfg.moe_layers:
+    if not is_int(key) or key not in cfg.moe_layers:
       raise ValueError(f"routes has key {key!r}: allowed the MoE layer indices "
                        f"{list(cfg.moe_layers)}")
     shape, dtype = tuple(getattr(ids, "shape", ())), getattr(ids, "dtype", None)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridmoe_jax.config import is_int
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import (Action, Answer, Environment, Malformed, ToolCall,
@@ -83,7 +84,7 @@ class EpisodeSpec:
     for name, v, hi in (("seed", self.seed, 2**63 - 1), ("sample_seed", self.sample_seed,
                                                          _MAX_SAMPLE_SEED),
                         ("group", self.group, 2**63 - 1)):
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= hi:
+      if not is_int(v) or not 0 <= v <= hi:
         raise ValueError(f"{where}.{name} = {v!r}: allowed an int in [0, {hi}]")
     if not isinstance(self.forced, tuple):
       raise ValueError(f"{where}.forced: allowed a tuple (one entry per turn), got "

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hybridmoe_jax.config import is_int, is_number
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format, trajectory_log
@@ -70,8 +71,7 @@ def _hashable(v):
 
 
 def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (
-      hi is not None and v > hi):
+  if not is_int(v) or v < lo or (hi is not None and v > hi):
     allowed = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
     raise ValueError(f"{name} = {v!r}: allowed {allowed}")
   return int(v)
@@ -185,8 +185,7 @@ def evaluate_agent(model: HybridLM, tokenizer, *, envs: Mapping[str, dict],
   """
   if policy not in POLICIES:
     raise ValueError(f"policy = {policy!r}: allowed one of {list(POLICIES)}")
-  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
-      not temperature >= 0:
+  if not is_number(temperature) or not temperature >= 0:
     raise ValueError(f"temperature = {temperature!r}: allowed a float >= 0 (0 = greedy)")
   examples = _check_int("examples", examples, 0)
   max_len = max_tokens if max_len is None else max_len

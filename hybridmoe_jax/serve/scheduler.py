@@ -38,6 +38,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from hybridmoe_jax.config import is_int
 from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
 
 Event = tuple[str, object]
@@ -81,7 +82,7 @@ class Scheduler:
   """
 
   def __init__(self, engine: Engine, *, slots: int = 8, vocab_limit: int = 0):
-    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+    if not is_int(slots) or slots < 1:
       raise ValueError(f"slots={slots!r} is invalid: allowed an integer >= 1")
     self.engine, self.slots = engine, int(slots)
     self._vocab_limit = np.int32(vocab_limit)

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from hybridmoe_jax.config import is_int
 
 from ..decay import check_lower_bound
 from .blocks import causal_mask, diag_block_pairwise, invert_unit_lower
@@ -38,8 +39,7 @@ _f32 = jnp.float32
 
 def check_chunk_size(chunk_size: int) -> None:
   """Raises ValueError unless chunk_size is a power of two >= 16."""
-  ok = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
-  if not ok or chunk_size < _SUB or chunk_size & (chunk_size - 1):
+  if not is_int(chunk_size) or chunk_size < _SUB or chunk_size & (chunk_size - 1):
     raise ValueError(f"chunk_size must be a power of two >= {_SUB}, got {chunk_size!r}")
 
 
