@@ -24,7 +24,7 @@ from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer, Tool, ToolCall, register_tool
 from hybridmoe_jax.rl.episode import (EpisodeSpec, PendingEpisode, group_specs, oracle_script)
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from tests.infer.helpers import tiny_cfg
+from tests._support import tiny_model_config
 
 TOK = ByteTokenizer(chat=True)
 MAX_LEN = 1024          # cache capacity = the reference forward's padded width
@@ -44,7 +44,7 @@ register_tool(Tool(CRASH, "a tool that always raises", _crash), overwrite=True)
 def _model():
   """The smallest hybrid: one KDA layer (dense FFN), one MLA layer (MoE), AttnRes; fp32;
   vocabulary = the chat byte tokenizer's 266 ids."""
-  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
   return HybridLM(cfg, rngs=nnx.Rngs(0))
 
 
