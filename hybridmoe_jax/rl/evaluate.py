@@ -15,10 +15,6 @@ Held-out seeds: task seeds are drawn from `seed` in [EVAL_SEED_LO, EVAL_SEED_HI)
 [2**40, 2**41); the RL trainer draws its training task seeds below 2**40, so an
 evaluation task is never a training task. The seeds depend on (seed, env, level) only,
 never on the policy or on the other cells.
-
-Result (JSON-able; see `evaluate_agent`): one cell per (env, level) with success rate
-(reward == 1), mean reward, mean assistant turns, mean generated tokens, finish-reason
-counts, the task seeds, and a few example trajectories as trajectory_log records.
 """
 
 from __future__ import annotations
