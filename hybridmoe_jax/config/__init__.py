@@ -382,6 +382,14 @@ class ModelConfig(Checked):
   def moe_layers(self) -> tuple[int, ...]:
     return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
+  def layer_variants(self) -> dict[tuple[str, bool], list[int]]:
+    """(mixer kind, MoE or dense FFN) -> the indices of the layers of that variant, in the
+    order variants first occur: what abstract counts trace once and multiply."""
+    out: dict[tuple[str, bool], list[int]] = {}
+    for i, kind in enumerate(self.layer_kinds):
+      out.setdefault((kind, self.is_moe_layer(i)), []).append(i)
+    return out
+
 
 def default_layer_kinds(num_layers: int) -> tuple[str, ...]:
   """MLA at 1-based layers 4, 8, ... and the last layer; KDA elsewhere (DESIGN s3)."""

@@ -55,14 +55,11 @@ def param_pieces(cfg: ModelConfig, vision: bool = False
   outside the layer stack, 1) from a one-layer model of the same widths (with the vision
   tower only if `vision`). Tracing a 93-layer model in one eval_shape is quadratic in JAX's
   tracer bookkeeping (minutes); one layer per variant takes a second."""
-  variants = collections.Counter((k, cfg.is_moe_layer(i)) for i, k in enumerate(cfg.layer_kinds))
   pieces = []
-  for (kind, is_moe), times in variants.items():
-    index = next(i for i, k in enumerate(cfg.layer_kinds)
-                 if k == kind and cfg.is_moe_layer(i) == is_moe)
+  for index, *rest in cfg.layer_variants().values():
     layer = nnx.eval_shape(lambda i=index: DecoderLayer(cfg, i, compute=ComputeConfig(),
                                                         rngs=nnx.Rngs(0)))
-    pieces.append((index, nnx.state(layer, nnx.Param), times))
+    pieces.append((index, nnx.state(layer, nnx.Param), 1 + len(rest)))
   one = dataclasses.replace(cfg, num_layers=1, layer_kinds=("kda",),
                             moe=dataclasses.replace(cfg.moe, first_dense_layers=1),
                             vision=dataclasses.replace(cfg.vision,
