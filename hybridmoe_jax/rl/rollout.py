@@ -3,27 +3,25 @@
 Conventions: B cache rows (slots), P the engine's prefill chunk, V vocab, n an episode's
 tokens so far (see episode.py for the per-token arrays).
 
-Each slot holds one episode. Every iteration calls the model's cached forward
-(`HybridLM(tokens, segment_ids, cache=..., logits_at=...)`) over chunks [B, W]: each row
-feeds its own pending tokens (segment id 1; the rest of the row is padding, segment id 0,
-which leaves that row's cache untouched), so rows of one call are ragged:
+Each slot holds one episode. Every iteration calls the model's cached forward over chunks
+[B, W]; each row feeds its own pending tokens (segment id 1; the rest of the row is padding,
+segment id 0, which leaves that row's cache untouched), so rows of one call are ragged:
   - a new episode feeds its rendered prompt (system, user, <assistant> header) in chunks of P;
   - a decoding episode feeds the one token it sampled last;
   - an episode whose turn just ended feeds that turn's <end_turn>, the tool result turn and
     the next <assistant> header: O(new tokens), never a re-prefill of the history;
-  - finished and paused slots feed nothing (idle) until a queued episode takes them.
-Rows are grouped by the width their own pending tokens need (1; feed_width for a short tool
-result; else P) and each group makes one call (three compiled shapes in all), so a row's
-arithmetic never depends on what its neighbours feed. In the same jitted call
-(infer.engine.feed_and_draw_fn: the sampler of the server and Engine.generate_stream), every row
-whose pending tokens are now all cached draws its next token from the logits of its last
-real token (the other rows' draws are ignored), with a key fold_in(PRNGKey(sample_seed),
-position): an episode's tokens and log-probs do not depend on its batch neighbours, its
-slot, or on being paused and resumed (bit for bit). A forced turn (teacher forcing, e.g. the
-oracle's actions) replaces the drawn token by the script's, in the same call, and its
-log-probs are recorded all the same.
+  - finished and paused slots feed nothing until a queued episode takes them.
+Rows are grouped by the width their pending tokens need (1; feed_width for a short tool
+result; else P), one call per group (three compiled shapes in all), so a row's arithmetic
+never depends on its neighbours. In the same jitted call (infer.engine.feed_and_draw_fn, the
+server's sampler too) every row whose pending tokens are all cached draws its next token
+from its last real token's logits with the key fold_in(PRNGKey(sample_seed), position): an
+episode's tokens and log-probs do not depend on its batch neighbours, its slot, or on being
+paused and resumed (bit for bit). A forced turn (teacher forcing, e.g. the oracle's
+actions) replaces the drawn token by the script's in the same call; its log-probs are
+recorded all the same.
 
-A turn ends at <end_turn> (or at `max_turn_tokens`, then cut: the chat parser reports it as
+A turn ends at <end_turn> (or is cut at `max_turn_tokens`: the chat parser reports it as
 Malformed). The sampled ids are parsed as they are (chat_format.parse_message: token-in /
 token-out), the environment steps, and the episode finishes (reward, finish reason) or
 queues the tool result. Episodes stop at `max_tokens` tokens (finish reason max_tokens).

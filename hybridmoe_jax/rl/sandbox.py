@@ -4,37 +4,29 @@
 solution's functions, calls each (name, args) and compares the results with `expected` in
 THIS process (the expected values never reach the child, so printing cannot fake a pass).
 Each run: a fresh temp dir as cwd (deleted afterwards), `python -I -S -B` (no site, no user
-paths, no environment variables but a minimal PATH/LANG), its own session / process group,
-and `rl/sandbox_boot.py` as the first code, which sets limits and an audit hook.
+paths, only a minimal PATH/LANG), its own process group, and `rl/sandbox_boot.py` first,
+which sets the limits and an audit hook.
 
-What is guaranteed (kernel-enforced):
-  - CPU seconds (RLIMIT_CPU -> SIGXCPU), address space (RLIMIT_AS -> MemoryError), file size
-    (RLIMIT_FSIZE -> EFBIG: also caps stdout/stderr, which go to files), open files, no
-    core dumps; a wall-clock timeout after which the whole process group is SIGKILLed (also
-    after every normal exit, for anything left behind).
-  - RLIMIT_NPROC = max_procs (default 0): no fork / threads for a non-root user. Root
-    ignores RLIMIT_NPROC, so as root only the audit hook stops process creation.
-  - Disk: each file <= file_size_mb (RLIMIT_FSIZE), and at most max_files files opened for
-    writing or directories made (counted by the hook), so a run leaves at most about
-    (max_files + 2) x file_size_mb in its temp dir, which is deleted afterwards
-    (`SandboxResult.disk_bytes` reports what it left).
-What is best effort (Python level, PEP 578 audit hooks are explicitly NOT a security
-boundary): the hook refuses sockets, process creation, ctypes and any change to a path
-outside the temp dir: writes, creates, deletes, renames / replaces, mode and owner changes,
-links, truncation, through open / io.open / pathlib / os.* alike. Each path is read as the
-characters of a fresh exact str (str and bytes subclasses cannot answer for it: no method of
-theirs is called; PathLike objects are converted by CPython before the hook sees them), made
-absolute, and resolved with its own symlink walk, so `..`, /proc/self/root, /proc/self/cwd
-and /dev/fd/N point where the kernel would go. Writes through os.open or a dir_fd, and to
-anything but a regular file (a device node or FIFO made in the dir), are refused. The hook
-keeps its own references (functions, builtins, the exit code), so patching os / builtins /
-__main__ does not disable it; but code that corrupts interpreter memory, or finds a path
-the hook does not see (a C extension that does its own I/O), escapes it.
-Reading is allowed by design: the child can read any file the user can (environments
-need the standard library; secrets must not be readable by the user running RL).
-Without OS namespaces (bubblewrap, nsjail, gVisor, a container with no network and a
-read-only root) there is no real network or filesystem isolation: run RL with untrusted
-or adversarial code only inside one.
+Guaranteed (kernel-enforced): CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file
+size (RLIMIT_FSIZE, also capping stdout/stderr, which go to files), open files, no core
+dumps; a wall-clock timeout, then SIGKILL of the whole process group (also after every
+normal exit). RLIMIT_NPROC = max_procs (default 0: no fork / threads; root ignores it, so
+as root only the audit hook stops process creation). Disk: at most about (max_files + 2) x
+file_size_mb in the temp dir (files opened for writing and directories made are counted by
+the hook; `SandboxResult.disk_bytes` reports what was left).
+Best effort (PEP 578 audit hooks are NOT a security boundary): the hook refuses sockets,
+process creation, ctypes and any change to a path outside the temp dir (writes, creates,
+deletes, renames, mode / owner changes, links, truncation) through open / pathlib / os.*
+alike. Each path is read as the characters of a fresh exact str (str / bytes subclasses
+cannot answer for it), made absolute and resolved by its own symlink walk, so `..`,
+/proc/self/root, /proc/self/cwd and /dev/fd/N point where the kernel would go. Writes
+through os.open or a dir_fd, and to anything but a regular file, are refused. The hook keeps
+its own references, so patching os / builtins / __main__ does not disable it; code that
+corrupts interpreter memory, or a C extension doing its own I/O, escapes it.
+Reading is allowed by design (environments need the standard library; secrets must not be
+readable by the user running RL). Without OS namespaces (bubblewrap, nsjail, gVisor, a
+container with no network and a read-only root) there is no real network or filesystem
+isolation: run RL with untrusted or adversarial code only inside one.
 
 Results never raise for what the code does: the caller gets a SandboxResult with `killed`
 set ("timeout", "cpu", "memory", "output", "violation", "signal", "error") and continues.
