@@ -258,21 +258,10 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
                 ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention, chunked form; equal to kda_recurrent up to fp32 rounding.
 
-  Args:
-    q, k: [B, T, H, K] L2-normalised queries/keys.
-    v: [B, T, HV, V] values, HV a multiple of H.
-    g: [B, T, HV, K] log decay <= 0 (within [lower_bound, 0] if lower_bound is given).
-    beta: [B, T, HV] write strength.
-    scale: query scale; defaults to K ** -0.5.
-    initial_state: optional [B, HV, K, V] state for the first token's segment.
-    output_final_state: also return the final [B, HV, K, V] float32 state.
-    segment_ids: optional [B, T] integer ids; the state resets where the id changes.
-    chunk_size: C, a power of two >= 16. Any T works (padded internally).
-    lower_bound: if given (in [-5, 0)), the gates are promised to be >= lower_bound and
-      the diagonal 16-blocks use one dense matmul instead of the pairwise form.
-
-  Returns:
-    (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+  Arguments and result as `ops.kda.kda`'s (shapes in the module docstring). chunk_size: C, a
+  power of two >= 16 (any T works, padded internally). lower_bound: if given (in [-5, 0)),
+  the gates are promised to be >= lower_bound and the diagonal 16-blocks use one dense
+  matmul instead of the pairwise form.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   check_chunk_size(chunk_size)

@@ -65,19 +65,8 @@ def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
                   ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention as a token-by-token scan (fp32 state); exact reference.
 
-  Args:
-    q, k: [B, T, H, K] queries/keys, already L2-normalised (not normalised here).
-    v: [B, T, HV, V] values, HV a multiple of H.
-    g: [B, T, HV, K] per-channel log decay, <= 0.
-    beta: [B, T, HV] write strength in (0, 1).
-    scale: query scale; defaults to K ** -0.5.
-    initial_state: optional [B, HV, K, V] state for the first token's segment (float32).
-    output_final_state: also return the state after the last token.
-    segment_ids: optional [B, T] integers; the state is zeroed at every token whose id
-      differs from the previous token's (packed documents never interact).
-
-  Returns:
-    (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+  Arguments and result as `ops.kda.kda`'s (shapes in the module docstring): the state is
+  zeroed at every token whose segment id differs from the previous token's.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   B, T, H, K = q.shape
