@@ -14,14 +14,11 @@ normal exit). RLIMIT_NPROC = max_procs (default 0: no fork / threads; root ignor
 as root only the audit hook stops process creation). Disk: at most about (max_files + 2) x
 file_size_mb in the temp dir (files opened for writing and directories made are counted by
 the hook; `SandboxResult.disk_bytes` reports what was left).
-Best effort (PEP 578 audit hooks are NOT a security boundary): the hook refuses sockets,
-process creation, ctypes and any change to a path outside the temp dir (writes, creates,
-deletes, renames, mode / owner changes, links, truncation) through open / pathlib / os.*
-alike. Each path is read as the characters of a fresh exact str (str / bytes subclasses
+Best effort (PEP 578 audit hooks are NOT a security boundary): the hook (sandbox_boot.py
+lists what it refuses: processes, sockets, ctypes, any change to a path outside the temp
+dir, ...) reads each path as the characters of a fresh exact str (str / bytes subclasses
 cannot answer for it), made absolute and resolved by its own symlink walk, so `..`,
-/proc/self/root, /proc/self/cwd and /dev/fd/N point where the kernel would go. Writes
-through os.open or a dir_fd, and to anything but a regular file, are refused. The hook keeps
-its own references, so patching os / builtins / __main__ does not disable it; code that
+/proc/self/root, /proc/self/cwd and /dev/fd/N point where the kernel would go. Code that
 corrupts interpreter memory, or a C extension doing its own I/O, escapes it.
 Reading is allowed by design (environments need the standard library; secrets must not be
 readable by the user running RL). Without OS namespaces (bubblewrap, nsjail, gVisor, a
