@@ -1,14 +1,12 @@
 """Typed, validated configuration: the one field checker, the model and the compute config.
 
 Config files in `configs/` build an `ml_collections.ConfigDict`; at the CLI boundary
-`from_dict` turns each section into a frozen dataclass (the whole run: `run_config.py`,
-the model alone: `model_config_from_dict`). `from_dict` checks names and types (unknown
-fields, ints / floats / bools / strings, tuples, dicts, nested dataclasses); `check_tree`
-checks ranges: each field's allowed values are declared once, beside its default
-(`ranged`), and a dataclass's `check` relates its fields to each other. Every check raises
-`ConfigError` naming the dotted field, the value and the allowed range, before anything is
-allocated. Field names follow DESIGN.md and, where they exist, the upstream Hugging Face
-config keys.
+`from_dict` turns each section into a frozen dataclass (the whole run: `config/run.py`, the
+model alone: `model_config_from_dict`), checking names and types; `check_tree` checks
+ranges, each field's declared once beside its default (`ranged`), and a dataclass's `check`
+relates its fields. Every check raises `ConfigError` naming the dotted field, the value and
+the allowed range, before anything is allocated. Field names follow DESIGN.md and, where
+they exist, the upstream Hugging Face config keys.
 
 Runtime knobs (precision, remat, kernel choice, EP capacity) are not architecture: they
 live in `ComputeConfig`. Configs saved by older runs hold them in the model / train
