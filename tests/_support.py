@@ -8,7 +8,6 @@ import numpy as np
 
 from hybridmoe_jax.config import (KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                                   model_config_from_dict)
-from tests.conftest import load_config
 
 
 def rel_err(got, want) -> float:
@@ -34,6 +33,9 @@ def assert_close(got, want, rtol, what="", *, atol=1e-6):
 def tiny_model_config(**overrides) -> ModelConfig:
   """configs/tiny.py's model (3 KDA + 1 MLA, AttnRes, MoE) with `overrides` of its model
   section (a nested section given as a dict is merged into the preset's)."""
+  # Imported here: conftest sets the 8-device XLA_FLAGS, which CLI subprocesses that load
+  # the mini model through tests/faults/fault_config.py must not inherit.
+  from tests.conftest import load_config  # pylint: disable=g-import-not-at-top
   model = load_config("tiny").model
   model.update(overrides)
   return model_config_from_dict(model)
