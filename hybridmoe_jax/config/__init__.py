@@ -1,14 +1,12 @@
 """Typed, validated configuration: the one field checker, the model and the compute config.
 
 Config files in `configs/` build an `ml_collections.ConfigDict`; at the CLI boundary
-`from_dict` turns each section into a frozen dataclass (the whole run: `run_config.py`,
-the model alone: `model_config_from_dict`). `from_dict` checks names and types (unknown
-fields, ints / floats / bools / strings, tuples, dicts, nested dataclasses); `check_tree`
-checks ranges: each field's allowed values are declared once, beside its default
-(`ranged`), and a dataclass's `check` relates its fields to each other. Every check raises
-`ConfigError` naming the dotted field, the value and the allowed range, before anything is
-allocated. Field names follow DESIGN.md and, where they exist, the upstream Hugging Face
-config keys.
+`from_dict` turns each section into a frozen dataclass (the whole run: `config/run.py`, the
+model alone: `model_config_from_dict`), checking names and types; `check_tree` checks
+ranges, each field's declared once beside its default (`ranged`), and a dataclass's `check`
+relates its fields. Every check raises `ConfigError` naming the dotted field, the value and
+the allowed range, before anything is allocated. Field names follow DESIGN.md and, where
+they exist, the upstream Hugging Face config keys.
 
 Runtime knobs (precision, remat, kernel choice, EP capacity) are not architecture: they
 live in `ComputeConfig`. Configs saved by older runs hold them in the model / train
@@ -47,12 +45,14 @@ def require(ok: bool, field: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+  """A python / numpy integer, not a bool."""
   return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _is_num(v) -> bool:
-  return _is_int(v) or isinstance(v, (float, np.floating))
+def is_number(v) -> bool:
+  """A python / numpy integer or float, not a bool (nor a traced array)."""
+  return is_int(v) or isinstance(v, (float, np.floating))
 
 
 def _join(prefix: str, name: str) -> str:
@@ -95,7 +95,7 @@ def _interval(spec: str, integer: bool) -> Allowed:
     lo, hi, lo_open, hi_open = float(m[2]), math.inf, m[1] == ">", True
   else:
     lo, hi, lo_open, hi_open = float(m[4]), float(m[5]), m[3] == "(", m[6] == ")"
-  kind = _is_int if integer else _is_num
+  kind = is_int if integer else is_number
 
   def ok(v) -> bool:
     return kind(v) and (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
@@ -192,7 +192,7 @@ class ComputeConfig(Checked):
   remat: str = ranged("none", REMAT_POLICIES)  # decoder-layer rematerialisation
   kda_impl: str = ranged("auto", KDA_IMPLS)  # KDA op: "auto" (pallas -> chunked), ...
   # chunk of the chunked / Pallas KDA
-  kda_chunk_size: int = ranged(64, Allowed(lambda v: _is_int(v) and _is_pow2(v) and v >= 16,
+  kda_chunk_size: int = ranged(64, Allowed(lambda v: is_int(v) and _is_pow2(v) and v >= 16,
                                            "a power of two >= 16"))
   # local expert FFN: "ragged" (sorted ragged_dot) or "dense"
   moe_impl: str = ranged("ragged", MOE_IMPLS)
@@ -309,7 +309,7 @@ class AttnResConfig(Checked):
 
 
 def _buckets_ok(b) -> bool:
-  return len(b) > 0 and all(_is_int(x) and x > 0 for x in b) and list(b) == sorted(set(b))
+  return len(b) > 0 and all(is_int(x) and x > 0 for x in b) and list(b) == sorted(set(b))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +359,7 @@ class ModelConfig(Checked):
 
   def __post_init__(self):
     kinds = tuple(self.layer_kinds)
-    if not kinds and _is_int(self.num_layers) and self.num_layers > 0:
+    if not kinds and is_int(self.num_layers) and self.num_layers > 0:
       kinds = default_layer_kinds(self.num_layers)
     object.__setattr__(self, "layer_kinds", kinds)
     super().__post_init__()
@@ -379,6 +379,14 @@ class ModelConfig(Checked):
   @property
   def moe_layers(self) -> tuple[int, ...]:
     return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+  def layer_variants(self) -> dict[tuple[str, bool], list[int]]:
+    """(mixer kind, MoE or dense FFN) -> the indices of the layers of that variant, in the
+    order variants first occur: what abstract counts trace once and multiply."""
+    out: dict[tuple[str, bool], list[int]] = {}
+    for i, kind in enumerate(self.layer_kinds):
+      out.setdefault((kind, self.is_moe_layer(i)), []).append(i)
+    return out
 
 
 def default_layer_kinds(num_layers: int) -> tuple[str, ...]:
@@ -447,10 +455,10 @@ def _coerce(tp, value, field: str):
     require(isinstance(value, (bool, np.bool_)), field, value, "True or False")
     return bool(value)
   if tp is int:
-    require(_is_int(value), field, value, "an integer")
+    require(is_int(value), field, value, "an integer")
     return int(value)
   if tp is float:
-    require(_is_num(value), field, value, "a number")
+    require(is_number(value), field, value, "a number")
     return float(value)
   if tp is str:
     require(isinstance(value, str), field, value, "a string")

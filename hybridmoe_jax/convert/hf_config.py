@@ -1,29 +1,27 @@
 """Hugging Face Kimi-Linear `config.json` <-> our `ModelConfig` (model_type "kimi_linear").
 
-The HF fields are those of the released Kimi-Linear-48B-A3B config (the same names mlx-lm's
-`kimi_linear.ModelArgs` reads). Every field that changes the forward is either mapped or
-checked: a value we cannot express raises `UnsupportedConfig` naming the field, its value
-and what is allowed, before any weight is touched. Fields without effect on the forward
-(token ids, rope_theta of a NoPE model, max length, ...) are kept as they were when a
-converted model is exported back (`passthrough`), and an imported config.json that still
-describes the model is exported back unchanged (`export_config`): `num_shared_experts: null`
-stays null, an unread `head_dim` keeps its value, a top-1 model keeps its `moe_renormalize`.
+The HF fields are those of the released Kimi-Linear-48B-A3B config (the names mlx-lm's
+`kimi_linear.ModelArgs` reads). Every field that changes the forward is mapped or checked: a
+value we cannot express raises `UnsupportedConfig` naming the field, its value and what is
+allowed, before any weight is touched. Fields without effect on the forward (token ids,
+rope_theta of a NoPE model, max length, ...) are kept for the export back (`passthrough`),
+and an imported config.json that still describes the model is exported back unchanged
+(`export_config`: a null `num_shared_experts`, an unread `head_dim`, a top-1 model's
+`moe_renormalize` stay as they were).
 
 Mapping (HF -> ours):
   hidden_size -> d_model; num_hidden_layers -> num_layers; rms_norm_eps -> norm_eps (every
-  norm: pre-norms, final, KDA output norm, MLA latent norm)
-  linear_attn_config {num_heads, head_dim, short_conv_kernel_size, kda_layers (1-based)} ->
-    kda.{num_heads = num_v_heads, head_dim = v_head_dim, conv_size}, layer_kinds; the gate
-    is unbounded (-exp(A_log) softplus(. + dt_bias)) with rank-head_dim decay and output
-    gates (f_a/f_b, g_a/g_b)
-  num_attention_heads, kv_lora_rank, qk_nope/qk_rope/v_head_dim -> mla.*; mla_use_nope
-    must be true (our MLA never rotates), no q_lora, no output gate
-  num_experts, num_experts_per_token, moe_intermediate_size, num_shared_experts,
-  routed_scaling_factor, first_k_dense_replace, intermediate_size -> moe.*; SwiGLU experts,
-  no latent MoE; moe_renormalize (and top-1, which Kimi never renormalises) -> renormalize
-Our side has no AttnRes, no vision tower. Balancing: a converted model uses "sign" (the
-original's bias rule); QB exports too, since the rule only trains the bias, and the bias
-enters the forward the same way (sigmoid + bias chooses, the unbiased scores weigh).
+  norm); linear_attn_config {num_heads, head_dim, short_conv_kernel_size, kda_layers
+  (1-based)} -> kda.{num_heads = num_v_heads, head_dim = v_head_dim, conv_size},
+  layer_kinds, with the unbounded gate, rank-head_dim decay and output gates (f_a/f_b,
+  g_a/g_b); num_attention_heads, kv_lora_rank, qk_nope/qk_rope/v_head_dim -> mla.*
+  (mla_use_nope must be true, no q_lora, no output gate); num_experts,
+  num_experts_per_token, moe_intermediate_size, num_shared_experts, routed_scaling_factor,
+  first_k_dense_replace, intermediate_size -> moe.* (SwiGLU experts, no latent MoE);
+  moe_renormalize (and top-1, never renormalised) -> renormalize.
+Our side has no AttnRes and no vision tower. A converted model balances with "sign" (the
+original's bias rule); QB exports too: the rule only trains the bias, which enters the
+forward the same way (sigmoid + bias chooses, the unbiased scores weigh).
 """
 
 from __future__ import annotations

@@ -12,39 +12,33 @@ import functools
 import numpy as np
 
 
-def _tokenize(text: str | None, tokenizer) -> dict[str, np.ndarray] | None:
+def _tokenize(text: str | None, tokenizer, loss_weights: bool) -> dict[str, np.ndarray] | None:
   # BOS gives the first token of a document something to be predicted from; EOS teaches the
-  # model where documents end (segment ids only tell the attention masks).
+  # model where documents end (segment ids only tell the attention masks). A document with
+  # answer spans (data.retrieval.Document) is encoded piece by piece at the span edges, so
+  # each answer character lands in tokens of its own (exact for bytes; a BPE may split the
+  # text a little differently than in one piece). Padding gets weight 0 in the packer.
   if text is None:  # SafeSource could not load it; filtered out below
     return None
-  return {"tokens": tokenizer.encode(text, bos=True, eos=True)}
+  spans = getattr(text, "answer_spans", ()) if loss_weights else ()
+  w = float(getattr(text, "answer_weight", 1.0))
+  parts, weights, prev = [], [], 0
+  for a, b in spans:
+    parts += [tokenizer.encode(str(text[prev:a]), bos=not parts),
+              tokenizer.encode(str(text[a:b]))]
+    weights += [1.0, w]
+    prev = b
+  parts.append(tokenizer.encode(str(text[prev:]), bos=not parts, eos=True))
+  weights.append(1.0)
+  out = {"tokens": np.concatenate(parts).astype(np.int32)}
+  if loss_weights:
+    out["loss_weights"] = np.concatenate([np.full(len(p), wt, np.float32)
+                                          for p, wt in zip(parts, weights)])
+  return out
 
 
 def _not_none(x) -> bool:
   return x is not None
-
-
-def _tokenize_weighted(text: str | None, tokenizer) -> dict[str, np.ndarray] | None:
-  # A document with answer spans (data.retrieval.Document) is encoded piece by piece at the
-  # span edges, so each answer character lands in tokens of its own (exact for bytes; a BPE may
-  # split the text a little differently than in one piece). Padding gets 0 in the packer.
-  if text is None:
-    return None
-  spans = getattr(text, "answer_spans", ())
-  if not spans:
-    tokens = tokenizer.encode(text, bos=True, eos=True)
-    return {"tokens": tokens, "loss_weights": np.ones(len(tokens), np.float32)}
-  w = float(getattr(text, "answer_weight", 1.0))
-  parts, weights, prev = [tokenizer.encode("", bos=True)], [1.0], 0
-  for a, b in spans:
-    parts += [tokenizer.encode(str(text[prev:a])), tokenizer.encode(str(text[a:b]))]
-    weights += [1.0, w]
-    prev = b
-  parts.append(tokenizer.encode(str(text[prev:]), eos=True))
-  weights.append(1.0)
-  return {"tokens": np.concatenate(parts).astype(np.int32),
-          "loss_weights": np.concatenate([np.full(len(p), wt, np.float32)
-                                          for p, wt in zip(parts, weights)])}
 
 
 def tokenize_documents(ds, tokenizer, loss_weights: bool = False):
@@ -54,6 +48,6 @@ def tokenize_documents(ds, tokenizer, loss_weights: bool = False):
 
   loss_weights: also give each document "loss_weights" float32 [n]: 1 per token, the
   document's `answer_weight` on the tokens of its `answer_spans` (retrieval documents)."""
-  fn = _tokenize_weighted if loss_weights else _tokenize
-  ds = ds.map(functools.partial(fn, tokenizer=tokenizer)).to_iter_dataset()
+  fn = functools.partial(_tokenize, tokenizer=tokenizer, loss_weights=loss_weights)
+  ds = ds.map(fn).to_iter_dataset()
   return ds.filter(_not_none)

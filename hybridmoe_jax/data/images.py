@@ -257,11 +257,6 @@ def caption(truth: SceneTruth) -> str:
   return ", ".join(parts) + "."
 
 
-def qa_text(question: str, answer: str | None = None) -> str:
-  """The question/answer format used in training documents and VQA prompts."""
-  return f"Q: {question} A:" + ("" if answer is None else f" {answer}\n")
-
-
 def vqa_text(question: str, answer: str | None = None) -> str:
   """Question first, then the image, then the answer: "Q: <q>\n<image>\nA: <a>\n".
 

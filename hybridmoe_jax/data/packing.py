@@ -86,13 +86,8 @@ def pack_documents(ds: grain.IterDataset, *, seq_len: int, pad_id: int, seed: in
   if loss_weights:
     lengths["loss_weights"], padding["loss_weights"] = seq_len, 0.0
   packed = grain.experimental.FirstFitPackIterDataset(
-      pieces,
-      length_struct=lengths,
-      num_packing_bins=num_packing_bins,
-      seed=seed,
-      shuffle_bins=True,
-      padding_struct=padding,
-  )
+      pieces, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed,
+      shuffle_bins=True, padding_struct=padding)
   return packed.map(_rename)
 
 

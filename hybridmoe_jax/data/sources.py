@@ -1,30 +1,25 @@
 """Document sources: random-access sequences of str for `grain.MapDataset.source`.
 
-A source has `__len__` and `__getitem__(i) -> str`, one document per index. Sources index
-their input once on construction and keep only small metadata (paths, byte offsets, line
-numbers), so they pickle cheaply into grain worker processes and read each document on demand.
+A source has `__len__` and `__getitem__(i) -> str`. Sources index their input once on
+construction and keep only small metadata (paths, byte offsets, line numbers), so they
+pickle cheaply into grain workers and read each document on demand.
 
 Bad records are judged in one place, `BadRecords` (with `parse_jsonl_line` / `text_problem`),
-at indexing time, i.e. before training starts, as `data.bad_records` says:
-  "skip"  (default) a bad record is left out of the index and counted: one warning line per
-          file (JSONL) or per text source, with counts per reason and the first locations;
-  "error" the first bad record raises `BadRecordError`, one line naming the file, the line
-          (JSONL) and what is wrong.
-Bad records: JSONL lines that are not valid UTF-8, not JSON (also a truncated last line, or
-nesting too deep to parse), not an object, without a string `field` (missing, number, list,
-null), text files that are not valid UTF-8 (e.g. binary files named *.txt), and any document
-whose text is empty / whitespace only or holds a lone surrogate (a JSON "\\ud800" escape: valid
-JSON, but not encodable as UTF-8, so the byte tokenizer could not take it). NUL and other
-control characters are legal text for a byte tokenizer and are kept (also raw ones inside
-JSON strings). Blank JSONL lines are no records and are ignored.
+at indexing time (before training starts), as `data.bad_records` says: "skip" (default)
+leaves them out of the index and counts them (one warning line per file or text source,
+with counts per reason and the first locations); "error" raises `BadRecordError` at the
+first, naming the file, the line and what is wrong. Bad: JSONL lines that are not valid
+UTF-8, not JSON (a truncated last line, nesting too deep), not an object, or without a
+string `field`; text files that are not valid UTF-8; any document that is empty /
+whitespace only or holds a lone surrogate (a JSON "\\ud800" escape, not encodable as UTF-8).
+NUL and other control characters are legal text and kept; blank JSONL lines are ignored.
 
-Because a skipped record never enters the index, the document order, the shuffle, the
-held-out split and every iterator state are those of a file without it: a resumed run sees
-the batches an uninterrupted run sees. A file that cannot be read at all (permission denied)
-raises in both modes: whether it is readable depends on the machine, not on the data, and
-skipping it would make the document set differ between a run and its resumption. A record
-that turns bad after indexing (the file was edited) is skipped by `SafeSource` in the
-pipelines (or raises in "error" mode), never a crash inside a grain worker for "skip".
+A skipped record never enters the index, so the document order, shuffle, held-out split and
+iterator states are those of a file without it: a resumed run sees the batches an
+uninterrupted one sees. An unreadable file (permission denied) raises in both modes:
+skipping it would make the document set depend on the machine. A record that turns bad
+after indexing (the file was edited) is skipped by `SafeSource` in the pipelines (or raises
+in "error" mode), never a crash inside a grain worker.
 """
 
 from __future__ import annotations

@@ -1,28 +1,22 @@
 """Byte-level tokenizer: ids 0..255 are the UTF-8 bytes, then PAD, BOS and EOS.
 
-Every string is representable, nothing has to be trained or downloaded, and the
-vocabulary (259) is tiny, which suits the small offline configs. The special ids
-sit after the bytes because byte 0 is a legal byte: a pad id of 0 would make a
-NUL character indistinguishable from padding.
+Every string is representable, nothing is trained or downloaded, and the vocabulary (259)
+suits the small offline configs. The special ids follow the bytes because byte 0 is legal:
+a pad id of 0 would make NUL indistinguishable from padding.
 
-Vision models (`ByteTokenizer(vision=True)`) add three more ids after EOS: IMAGE_START,
-IMAGE_END and IMAGE_PAD (the placeholder the model replaces with projected image tokens),
-for a vocabulary of 262; text-only models keep exactly 259.
-
-The chat / tool-call roles (CHAT_ROLES: system, user, assistant, tool_call, tool_result,
-answer, end_turn; the format is `rl/chat_format.py`) are opt-in: `ByteTokenizer(chat=True)`
-appends their 7 ids, in CHAT_ROLES order, after the last id it already has:
+`ByteTokenizer(vision=True)` adds IMAGE_START, IMAGE_END and IMAGE_PAD (the placeholder the
+model replaces with projected image tokens) after EOS: vocabulary 262. The chat / tool-call
+roles (CHAT_ROLES, the format of `rl/chat_format.py`) are opt-in: `ByteTokenizer(chat=True)`
+appends their 7 ids, in CHAT_ROLES order, after the last id it has:
   chat:              system 259, user 260, ..., end_turn 265; vocabulary 266
   vision and chat:   system 262, user 263, ..., end_turn 268; vocabulary 269
-so turning chat on never renumbers a byte, text or image id, and chat=False keeps 259 / 262.
+so turning chat on never renumbers a byte, text or image id.
 
-Every tokenizer (this one, and the trained BPEs of `hf_tokenizers`: a Hugging Face
-tokenizer.json or a tiktoken model file) meets one contract, `Tokenizer`: special tokens
-are looked up by ROLE (pad, bos, eos, the chat roles, the image roles), never by a module
-constant, and `token_bytes()` gives each id's UTF-8 byte count so bits per byte can be
-computed for any vocabulary. `make_tokenizer("byte" | path)` builds one from the
-`data.tokenizer` field; a run keeps a copy in `workdir/tokenizer/` (`save_tokenizer`) and the
-evals read it back with `tokenizer_from_dir`.
+Every tokenizer (this one, and the BPEs of `hf_tokenizers`: tokenizer.json or a tiktoken
+model file) meets one contract, `Tokenizer`: special tokens are looked up by ROLE, never by
+a module constant, and `token_bytes()` gives each id's UTF-8 byte count (bits per byte for
+any vocabulary). `make_tokenizer("byte" | path)` builds one from `data.tokenizer`; a run
+keeps a copy in `workdir/tokenizer/` (`save_tokenizer`), read back by `tokenizer_from_dir`.
 """
 
 from __future__ import annotations

@@ -442,7 +442,6 @@ class Engine:
         kv_block=self.kv_block, max_new=int(max_new_tokens))
     return GenerateOutput(np.asarray(out), np.asarray(lengths), cache)
 
-
   def generate_stream(self, prompt, *, max_new_tokens: int,
                       sampling: SamplingConfig = SamplingConfig(),
                       stop_tokens: Sequence[int] = (), seed: int = 0) -> Iterator[int]:

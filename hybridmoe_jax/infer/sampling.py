@@ -10,30 +10,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from hybridmoe_jax.config import Checked, ranged
+
 _NEG = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """temperature 0 -> greedy; top_k 0 and top_p 1.0 disable those filters. vocab_limit n > 0:
-  ids >= n are never drawn (a tokenizer with fewer ids than the model's embedding rows,
-  e.g. an embedding padded to a multiple of 128); 0: every id."""
+class SamplingConfig(Checked):
+  """vocab_limit n > 0: ids >= n are never drawn (a tokenizer with fewer ids than the model's
+  embedding rows, e.g. an embedding padded to a multiple of 128). Checked when built."""
 
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  vocab_limit: int = 0
-
-  def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-    if not (isinstance(self.top_k, int) and self.top_k >= 0):
-      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-    if not (isinstance(self.vocab_limit, int) and self.vocab_limit >= 0):
-      raise ValueError(f"vocab_limit must be an integer >= 0 (0 = every id), got "
-                       f"{self.vocab_limit}")
+  PATH = "sampling"
+  temperature: float = ranged(0.0, ">= 0", "0: greedy")
+  top_k: int = ranged(0, ">= 0", "0: off")
+  top_p: float = ranged(1.0, "(0, 1]", "1: off")
+  vocab_limit: int = ranged(0, ">= 0", "0: every id")
 
   def as_arrays(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p),

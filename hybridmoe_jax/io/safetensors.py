@@ -22,7 +22,7 @@ import json
 import math
 import os
 import struct
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -379,11 +379,3 @@ def load_file(path: str) -> dict[str, np.ndarray]:
   """Every tensor of one file, in memory (small checkpoints, tests)."""
   with SafetensorsFile(path) as f:
     return {name: f.read(name) for name in f.tensors}
-
-
-def chunked_rows(read_rows, rows: int, row_bytes: int, budget: int = 64 * 2**20
-                 ) -> Iterator[np.ndarray]:
-  """Yield read_rows(a, b) over [0, rows) in blocks of about `budget` bytes."""
-  step = max(1, budget // max(row_bytes, 1))
-  for a in range(0, rows, step):
-    yield read_rows(a, min(rows, a + step))

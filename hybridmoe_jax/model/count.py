@@ -48,30 +48,37 @@ def _abstract_params(make) -> list[tuple[tuple, tuple[int, ...]]]:
           for path, leaf in nnx.to_flat_state(state)]
 
 
-def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-  """Total parameters per component (keys: COMPONENTS), from abstract shapes only.
-
-  Layers are traced once per distinct (mixer kind, dense or MoE) variant and multiplied by
-  their frequency: tracing a 93-layer model in one eval_shape is quadratic in JAX's tracer
-  bookkeeping (minutes), one layer per variant takes a second.
-  """
-  counts = collections.Counter({c: 0 for c in COMPONENTS})
-  variants = collections.Counter((kind, cfg.is_moe_layer(i)) for i, kind in
-                                 enumerate(cfg.layer_kinds))
-  for (kind, is_moe), times in variants.items():
-    index = next(i for i, k in enumerate(cfg.layer_kinds)
-                 if k == kind and cfg.is_moe_layer(i) == is_moe)
-    layer = _abstract_params(lambda: DecoderLayer(cfg, index, compute=ComputeConfig(),
-                                                  rngs=nnx.Rngs(0)))
-    for path, shape in layer:
-      counts[_component(cfg, ("layers", str(index)) + path, shape)] += times * math.prod(shape)
-  # Everything outside the layer stack, from a one-layer model of the same widths.
+def param_pieces(cfg: ModelConfig, vision: bool = False
+                 ) -> list[tuple[int | None, nnx.State, int]]:
+  """Abstract parameter states that tile the model, as (layer index, state, multiplicity):
+  one decoder layer per distinct (mixer kind, dense or MoE) variant, then (None, everything
+  outside the layer stack, 1) from a one-layer model of the same widths (with the vision
+  tower only if `vision`). Tracing a 93-layer model in one eval_shape is quadratic in JAX's
+  tracer bookkeeping (minutes); one layer per variant takes a second."""
+  pieces = []
+  for index, *rest in cfg.layer_variants().values():
+    layer = nnx.eval_shape(lambda i=index: DecoderLayer(cfg, i, compute=ComputeConfig(),
+                                                        rngs=nnx.Rngs(0)))
+    pieces.append((index, nnx.state(layer, nnx.Param), 1 + len(rest)))
   one = dataclasses.replace(cfg, num_layers=1, layer_kinds=("kda",),
                             moe=dataclasses.replace(cfg.moe, first_dense_layers=1),
-                            vision=dataclasses.replace(cfg.vision, enabled=False))
-  for path, shape in _abstract_params(lambda: HybridLM(one, rngs=nnx.Rngs(0))):
-    if path[0] != "layers":
-      counts[_component(cfg, path, shape)] += math.prod(shape)
+                            vision=dataclasses.replace(cfg.vision,
+                                                       enabled=cfg.vision.enabled and vision))
+  outer = nnx.state(nnx.eval_shape(lambda: HybridLM(one, rngs=nnx.Rngs(0))), nnx.Param)
+  pieces.append((None, nnx.State({k: v for k, v in outer.items() if k != "layers"}), 1))
+  return pieces
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+  """Total parameters per component (keys: COMPONENTS), from abstract shapes only
+  (`param_pieces`)."""
+  counts = collections.Counter({c: 0 for c in COMPONENTS})
+  for index, state, times in param_pieces(cfg):
+    prefix = () if index is None else ("layers", str(index))
+    for path, leaf in nnx.to_flat_state(state):
+      shape = tuple(leaf.shape)
+      counts[_component(cfg, prefix + tuple(str(p) for p in path), shape)] += (
+          times * math.prod(shape))
   return dict(counts)
 
 

@@ -10,18 +10,16 @@ slot) and image_index [B, T] int32 (-1 for text; else the flat index m * K + r *
 of the merged image token that replaces this placeholder, K = (S/2p)^2). The tower runs on
 every image slot and its outputs replace the placeholder embeddings (`embed_inputs`).
 
-One forward serves training, prefill and decode. Without a cache it runs over whole (packed)
-sequences. With a `DecodeCache` the T tokens continue each row's sequence at positions
-cache.length[b] + i: segment_ids > 0 then marks each row's real tokens (a prefix of the
-row), 0 its padding, so rows of one batch may hold different lengths. The MoE routes with
-its current bias either way (decode simply drops the statistics).
+One forward serves training, prefill and decode: without a cache over whole (packed)
+sequences; with a `DecodeCache` the T tokens continue each row at positions
+cache.length[b] + i, segment_ids > 0 marking each row's real tokens (a prefix), so rows may
+hold different lengths. The MoE routes with its current bias either way.
 
 Routing replay (RL, DESIGN s9): routes {i: [B, T, k] int32} maps MoE layer indices to expert
 ids per token. `record_routes=True` returns the experts every MoE layer ran in aux["routes"];
-passing that dict back as `routes=` (e.g. in the training forward with newer parameters)
-runs those experts instead of the router's choice, weighted by the current router
-(`ops.routing.replay_route`). Layers missing from the dict route freshly. Works with and
-without a cache (each chunk replays its own [B, T_chunk, k] slice), under jit and remat.
+passing that dict back as `routes=` runs those experts instead of the router's choice,
+weighted by the current router (`ops.routing.replay_route`); missing layers route freshly.
+Works with and without a cache (each chunk replays its own slice), under jit and remat.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridmoe_jax.config import ComputeConfig, ModelConfig
+from hybridmoe_jax.config import ComputeConfig, ModelConfig, is_int
 from hybridmoe_jax.layers.attnres import BlockStream, DepthMix, num_blocks
 from hybridmoe_jax.layers.kda import KDALayer
 from hybridmoe_jax.layers.linear import linear
@@ -290,8 +288,7 @@ def check_routes(cfg: ModelConfig, routes: Mapping[int, Any],
                      f"{type(routes).__name__}")
   k, num_experts = cfg.moe.experts_per_token, cfg.moe.num_experts
   for key, ids in routes.items():
-    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) \
-        or key not in cfg.moe_layers:
+    if not is_int(key) or key not in cfg.moe_layers:
       raise ValueError(f"routes has key {key!r}: allowed the MoE layer indices "
                        f"{list(cfg.moe_layers)}")
     shape, dtype = tuple(getattr(ids, "shape", ())), getattr(ids, "dtype", None)

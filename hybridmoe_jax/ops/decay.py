@@ -36,9 +36,8 @@ def _per_channel(param: jax.Array, hv: int, k: int, name: str) -> jax.Array:
   """Reshapes a [HV*K] or [HV, K] parameter to [HV, K] float32."""
   param = jnp.asarray(param, jnp.float32)
   if param.size != hv * k or param.ndim not in (1, 2):
-    raise ValueError(
-        f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], got {param.shape}"
-    )
+    raise ValueError(f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], "
+                     f"got {param.shape}")
   return param.reshape(hv, k)
 
 
@@ -50,13 +49,8 @@ def _per_head(a_log: jax.Array, hv: int) -> jax.Array:
   return jnp.exp(a_log)[:, None]
 
 
-def bounded_log_decay(
-    x: jax.Array,
-    *,
-    lower_bound: float = -5.0,
-    a_log: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-) -> jax.Array:
+def bounded_log_decay(x: jax.Array, *, lower_bound: float = -5.0, a_log: jax.Array | None = None,
+                      dt_bias: jax.Array | None = None) -> jax.Array:
   """Bounded KDA gate g = lb * sigmoid(exp(a_log) * (x + dt_bias)), in (lb, 0).
 
   Args:
@@ -81,9 +75,8 @@ def bounded_log_decay(
   return jnp.float32(lower_bound) * jax.nn.sigmoid(x)
 
 
-def unbounded_log_decay(
-    x: jax.Array, *, a_log: jax.Array, dt_bias: jax.Array | None = None
-) -> jax.Array:
+def unbounded_log_decay(x: jax.Array, *, a_log: jax.Array, dt_bias: jax.Array | None = None
+                        ) -> jax.Array:
   """Unbounded KDA gate g = -exp(a_log) * softplus(x + dt_bias), in (-inf, 0).
 
   Args:

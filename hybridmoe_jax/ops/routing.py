@@ -78,12 +78,10 @@ def replay_route(logits: jax.Array, experts: jax.Array, *, bias: jax.Array | Non
   logits through p; the expert choice itself is an input.
 
   Args:
-    logits: [m, E] router logits (cast to fp32).
+    logits, routed_scale, renormalize: as `sigmoid_topk_route`'s.
     experts: [m, k] int expert ids, distinct per token, each in [0, E) (not checked here:
       values may be traced; `model.decoder.check_routes` checks concrete ones).
     bias: optional [E] balancing bias (None: zeros); it only enters `cutoff`.
-    routed_scale: constant multiplier of the normalised weights.
-    renormalize: divide the chosen scores by their sum (the default).
 
   Returns:
     `Routes` with experts = the given ids (int32, in the given order), weights [m, k] fp32,

@@ -1,33 +1,22 @@
 """Context parallelism: one sequence sharded over the mesh axis `context` (DESIGN s9b).
 
-Layouts. With n shards the sequence is cut into pieces, and `piece_table(n, zigzag)` says
-which piece each shard holds:
-- contiguous (zigzag=False): n pieces, shard r holds piece r (tokens [r T, (r + 1) T));
-- zigzag: 2n pieces of T / 2 tokens, shard r holds pieces r and 2n-1-r, in that order.
-  Under a causal mask the late pieces cost the most; pairing the r-th earliest with the
-  r-th latest gives every shard the same attention work.
-The zigzag permutation is applied once per forward, at the model's boundary: `HybridLM`
-moves its per-token inputs into the layout (`ContextParallel.to_layout`) and its last
-hidden state back (`from_layout`), so callers (train / eval steps, tests) see the natural
-order and equal results. Each move is one exchange of a shard's own tokens (ppermutes),
-never a gather of the sequence. Token-wise layers (norms, projections, MoE, head) do not
-care about the order; the mixers below read the layout from the table.
+Layouts (`piece_table(n, zigzag)`): contiguous, shard r holds piece r of n; zigzag, 2n
+pieces of T / 2 tokens, shard r holds pieces r and 2n-1-r (equal causal attention work).
+`HybridLM` moves its per-token inputs into the layout (`ContextParallel.to_layout`, ppermutes
+of each shard's own tokens, never a gather) and its last hidden state back (`from_layout`),
+so callers see the natural order and equal results; the mixers read the layout from the
+table, token-wise layers do not care.
 
 Per-shard bodies, called inside `jax.shard_map` with the sequence axis split over
 `axis_name` (T here is the local length, m = T / piece the pieces per shard):
 
-- `kda_shard`: KDA's state recurrence is affine in the incoming state. Each piece runs its
-  chunks once from the identity to get its map S_out = A S_in + B (A [K, K], B [K, V] per
-  row and value head; a segment start inside the piece zeroes A); the maps of all n m
-  pieces are all-gathered (bytes independent of T) and folded in sequence order in fp32
-  into each local piece's true initial state (a document that starts at a piece boundary
-  drops it); then each piece runs its chunked pass from that state. Exact; gradients by
-  autodiff through the gather and the fold.
-- `latent_attention_shard`: MLA in the absorbed form, one shared latent KV head [c ; k_r].
-  The latents are all-gathered over `context` (and put in sequence order); each local
-  piece's queries attend them with the blockwise core (`ops.blockwise_attention`,
-  O(T x block) memory) at the piece's offset: key blocks past the piece's last query are
-  never read.
+- `kda_shard`: each piece's affine state map S_out = A S_in + B (A [K, K], B [K, V] per row
+  and value head; a segment start zeroes A) from one chunked pass; the n m maps are
+  all-gathered and folded in sequence order (fp32) into each piece's initial state, then
+  each piece runs its chunked pass from it. Exact; gradients by autodiff.
+- `latent_attention_shard`: the latents [c ; k_r] all-gathered over `context` (in sequence
+  order); each local piece's queries attend them with the blockwise core at the piece's
+  offset (key blocks past its last query are never read).
 - `previous_tokens` / `short_conv_shard`: the short convolutions' left halo, explicit: each
   piece gets the last W-1 tokens (and segment ids) of the piece before it in sequence order
   by ppermute (zeros for the first piece), then convolves with `ops.conv.short_conv`.

@@ -1,39 +1,34 @@
 """Prefill and decode with the sequence sharded over the mesh axis `context` (DESIGN s9b).
 
-A prompt longer than one device holds: the MLA latent cache stays split along its length N
-over `context` (each device O(T / n) of it), the KDA layers' states are constant in T and
+For a prompt longer than one device holds: the MLA latent cache stays split along its length
+N over `context` (each device O(T / n) of it); the KDA states are constant in T and
 replicated. `ContextDecode(mesh)` is the runner the model's ops call under its execution
 plan (`ContextDecode.placement`, which `infer.context_engine.ContextParallelEngine` enters);
 n = shards.
 
-Cache layout (`ShardedMLACache`): shard r holds local slots [0, N_loc) of every row and
-`filled [B, n]` (replicated) counts the slots in use on each shard; the used slots of a
-shard are always a prefix. MLA has no positional encoding, so a decode query sees every
-cached latent and their order does not matter: only which slots are in use.
-- Prefill (a chunk of T > 1 tokens, T over `context`, into an EMPTY cache): shard r writes
-  its T / n prompt latents to its slots [0, T / n); its real ones are a prefix (padding sits
-  at the end of the prompt), so filled[b, r] = clip(len_b - r T / n, 0, T / n).
-  Attention is a ring: the [c ; k_r] blocks travel round the shards (`ppermute`, n - 1
-  steps), each query block merges the unnormalised partials (max, sum, output; fp32) of the
-  blocks at or before it, so no device ever holds more than two shards' latents.
-  KDA (`kda_continue_shard`): each shard's affine map (A, B) from one chunked pass, the maps
-  all-gathered (bytes independent of T), folded from the cache's state into each shard's
-  initial state and, over all n maps, into the final state (the same on every shard).
-- Decode (one token per row, replicated): the new latent goes to the least filled shard
-  (the first such; padding slots of the prompt's last shards fill first, then round-robin),
-  at its slot filled[b, r]. Each shard attends its filled slots (`latent_attention_partial`)
-  and the partials are merged with one pmax and two psums over `context`: the bytes depend on
-  B, H and d_c, never on T.
-Capacity: n * N_loc tokens per row, all usable (holes left by the prompt's padding are the
-first slots decode fills).
+Cache layout (`ShardedMLACache`): shard r holds local slots [0, N_loc) of every row, and
+`filled [B, n]` (replicated) counts the slots in use on each shard, always a prefix. MLA has
+no positional encoding, so only which slots are in use matters, not their order.
+- Prefill (T > 1 tokens over `context`, into an EMPTY cache): shard r writes its T / n
+  prompt latents to slots [0, T / n), real ones first (padding ends the prompt), so
+  filled[b, r] = clip(len_b - r T / n, 0, T / n). Attention is a ring: the [c ; k_r] blocks
+  travel round the shards (n - 1 ppermutes), each query block merging the fp32 partials
+  (max, sum, output) of the blocks at or before it: no device holds more than two shards'
+  latents. KDA (`kda_continue_shard`): each shard's affine map (A, B) from one chunked
+  pass, all-gathered and folded from the cache's state into each shard's initial state and
+  the final state (the same on every shard).
+- Decode (one token per row, replicated): the new latent goes to the first least filled
+  shard (the prompt's padding slots fill first, then round-robin), at slot filled[b, r].
+  Each shard attends its filled slots (`latent_attention_partial`); one pmax and two psums
+  over `context` merge the partials: bytes depend on B, H and d_c, never on T.
+Capacity: n * N_loc tokens per row, all usable.
 
-The short convolutions and the token-wise projections are left to XLA's partitioner; the
-conv tails (last W-1 real inputs) are gathered from wherever they live (W-1 tokens). The
-MoE runs its routing (top_k, which XLA does not partition along the tokens) and its local
-experts (a sort by expert) on each device's own prompt tokens (`ContextParallel.tokenwise`,
-the runner installed as the MoE's `context`), so no whole-prompt array is gathered.
-Measured (tiny model, compiled prefill, B = 1): temp memory per device 28.8 MB at T = 8192
-on one device, 7.5 MB on 4 shards; the decode step's collectives are 80 bytes at any T.
+The short convolutions and token-wise projections are left to XLA's partitioner (the conv
+tails, W-1 tokens, are gathered from wherever they live). The MoE routes and runs its local
+experts on each device's own prompt tokens (`ContextParallel.tokenwise`), so no whole-prompt
+array is gathered. Measured (tiny model, compiled prefill, B = 1): temp memory per device
+28.8 MB at T = 8192 on one device, 7.5 MB on 4 shards; the decode step's collectives are 80
+bytes at any T.
 """
 
 from __future__ import annotations

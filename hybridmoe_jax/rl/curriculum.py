@@ -18,18 +18,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
-from hybridmoe_jax.config import check_tree
+from hybridmoe_jax.config import check_tree, is_int, is_number
 from hybridmoe_jax.config.rl import CurriculumSettings, RLEnvConfig
 
 _STATE_VERSION = 1
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 def _checked_envs(envs: Mapping[str, Any]) -> dict[str, tuple[int, int, float]]:
@@ -77,7 +69,7 @@ class Curriculum:
       raise ValueError(f"env = {env!r}: allowed one of {self._names}")
     if level is not None:
       top = self._envs[env][1]
-      if not (_is_int(level) and 0 <= level <= top):
+      if not (is_int(level) and 0 <= level <= top):
         raise ValueError(f"level = {level!r} for env {env!r}: allowed an int in [0, {top}]")
 
   def frontier(self, env: str) -> int:
@@ -116,7 +108,7 @@ class Curriculum:
     by `level_weights`. Deterministic given the state and rng's state."""
     if not isinstance(rng, np.random.Generator):
       raise ValueError(f"rng = {rng!r}: allowed a numpy.random.Generator")
-    if not (_is_int(n) and n >= 0):
+    if not (is_int(n) and n >= 0):
       raise ValueError(f"n = {n!r}: allowed an int >= 0")
     weights = np.array([self._envs[name][2] for name in self._names])
     env_idx = rng.choice(len(self._names), size=n, p=weights / weights.sum())
@@ -152,7 +144,7 @@ class Curriculum:
         raise ValueError(f"results[{i}] = {item!r}: allowed (env, level, success)")
       env, level, success = item
       self._check_cell(env, level)
-      if not (_is_real(success) and 0.0 <= success <= 1.0):
+      if not (is_number(success) and 0.0 <= success <= 1.0):
         raise ValueError(f"results[{i}].success = {success!r}: allowed a float in [0, 1]")
     sums: dict[tuple[str, int], list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for env, level, success in batch:
@@ -226,7 +218,7 @@ class Curriculum:
                          f"(start_level, max_level, weight) = {tuple(saved[name])}")
       top = out._envs[name][1]
       f = state.get("frontier", {}).get(name)
-      if not (_is_int(f) and out._envs[name][0] <= f <= top):
+      if not (is_int(f) and out._envs[name][0] <= f <= top):
         raise ValueError(f"state.frontier[{name!r}] = {f!r}: allowed an int in "
                          f"[{out._envs[name][0]}, {top}]")
       out._frontier[name] = int(f)
@@ -236,10 +228,10 @@ class Curriculum:
       for level in range(top + 1):
         cell = cells[str(level)]
         ema, count = cell.get("ema"), cell.get("episodes")
-        if not (ema is None or (_is_real(ema) and 0.0 <= ema <= 1.0)):
+        if not (ema is None or (is_number(ema) and 0.0 <= ema <= 1.0)):
           raise ValueError(f"state.cells[{name!r}][{level}].ema = {ema!r}: allowed None or "
                            "a float in [0, 1]")
-        if not (_is_int(count) and count >= 0) or (ema is None) != (count == 0):
+        if not (is_int(count) and count >= 0) or (ema is None) != (count == 0):
           raise ValueError(f"state.cells[{name!r}][{level}].episodes = {count!r}: allowed an "
                            "int >= 0, 0 exactly when ema is None")
         out._ema[name][level] = None if ema is None else float(ema)

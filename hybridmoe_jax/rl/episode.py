@@ -8,38 +8,36 @@ order). Per-token arrays are aligned with `ids`:
                               <end_turn>, sampled or forced), 0 on prompt / headers / tools
     forced       int32 [n]    1 where a forced script supplied the assistant token
     logp         float32 [n]  log-softmax of the model's RAW logits (temperature 1, no
-                              filter) at the token, given everything before it; 0 where
-                              loss_mask is 0 (a diagnostic: the trajectory log's mean_logp).
-    sample_logp  float32 [n]  the same token under the distribution the rollout actually
-                              drew from (infer.sampling.sampling_logits): log-softmax of the
-                              vocab-limited, temperature-scaled, top-k / top-p filtered
-                              logits, i.e. the renormalised truncated distribution (greedy: 0
-                              for the argmax, -1e30 otherwise). The behaviour policy: the
-                              learner's lp_old, and its training forward computes the same
-                              transform (rl/learner.py sampling_logps). Equal to logp at
-                              temperature 1 without filters. A forced token outside the
-                              filtered set gets about -1e30 (forced tokens are not trained).
+                              filter) at the token; 0 where loss_mask is 0 (a diagnostic:
+                              the trajectory log's mean_logp)
+    sample_logp  float32 [n]  the token under the distribution the rollout drew from
+                              (infer.sampling.sampling_logits: vocab-limited, temperature-
+                              scaled, top-k / top-p filtered, renormalised; greedy: 0 for the
+                              argmax, -1e30 otherwise): the behaviour policy, the learner's
+                              lp_old (rl/learner.py sampling_logps computes the same
+                              transform). Equal to logp at temperature 1 without filters; a
+                              forced token outside the filtered set gets about -1e30.
     turn_index   int32 [n]    the message each token belongs to (chat_format.render's
                               convention: -1 bos, i for messages[i] and its header)
 So `chat_format.render(tokenizer, trajectory.messages)` reproduces ids, loss_mask (its
 assistant mask) and turn_index exactly.
 
 PendingEpisode keeps a paused episode: its token arrays, the batch-1 DecodeCache row
-holding ids[:n_cached] (the rest, `ids[n_cached:]`, is fed first on resume), the actions
-already sent to the environment, and counters. `to_tree()` turns it into arrays + plain
-python (str, int, float, tuples, dicts: checkpointable); `from_tree()` inverts it. A resumed
-episode without its live environment object rebuilds the environment by `reset(seed,
-level)` and replaying the recorded actions (environments are deterministic), checking that
-every tool result comes back identical.
+holding ids[:n_cached] (`ids[n_cached:]` is fed first on resume), the actions already sent
+to the environment, and counters; `to_tree()` / `from_tree()` turn it into checkpointable
+arrays + plain python and back. Without its live environment object a resumed episode
+rebuilds the environment by `reset(seed, level)` and replaying the recorded actions
+(environments are deterministic), checking that every tool result comes back identical.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
+from hybridmoe_jax.config import is_int
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import (Action, Answer, Environment, Malformed, ToolCall,
@@ -47,11 +45,7 @@ from hybridmoe_jax.rl.envs.base import (Action, Answer, Environment, Malformed, 
 
 TOKEN_FIELDS = ("ids", "loss_mask", "forced", "logp", "sample_logp", "turn_index")
 _TOKEN_DTYPES = {"logp": np.float32, "sample_logp": np.float32}
-# Rollout-side finish reasons, beside the environment's FINISH_REASONS.
-ROLLOUT_FINISH_REASONS = ("max_tokens", "max_turns")
 _MAX_SAMPLE_SEED = 2**32 - 1
-
-ForcedTurn = Union[Action, tuple, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +81,7 @@ class EpisodeSpec:
     for name, v, hi in (("seed", self.seed, 2**63 - 1), ("sample_seed", self.sample_seed,
                                                          _MAX_SAMPLE_SEED),
                         ("group", self.group, 2**63 - 1)):
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= hi:
+      if not is_int(v) or not 0 <= v <= hi:
         raise ValueError(f"{where}.{name} = {v!r}: allowed an int in [0, {hi}]")
     if not isinstance(self.forced, tuple):
       raise ValueError(f"{where}.forced: allowed a tuple (one entry per turn), got "

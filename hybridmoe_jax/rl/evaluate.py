@@ -15,10 +15,6 @@ Held-out seeds: task seeds are drawn from `seed` in [EVAL_SEED_LO, EVAL_SEED_HI)
 [2**40, 2**41); the RL trainer draws its training task seeds below 2**40, so an
 evaluation task is never a training task. The seeds depend on (seed, env, level) only,
 never on the policy or on the other cells.
-
-Result (JSON-able; see `evaluate_agent`): one cell per (env, level) with success rate
-(reward == 1), mean reward, mean assistant turns, mean generated tokens, finish-reason
-counts, the task seeds, and a few example trajectories as trajectory_log records.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hybridmoe_jax.config import is_int, is_number
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format, trajectory_log
@@ -41,7 +38,6 @@ from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 POLICIES = ("model", "oracle", "random")
 EVAL_SEED_LO = 2**40      # evaluation task seeds: [2**40, 2**41)
 EVAL_SEED_HI = 2**41
-TRAIN_SEED_HI = EVAL_SEED_LO   # the RL trainer's task seeds lie below this
 _MAX_SEED = 2**63 - 1
 
 
@@ -71,8 +67,7 @@ def _hashable(v):
 
 
 def _check_int(name: str, v, lo: int, hi: int | None = None) -> int:
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (
-      hi is not None and v > hi):
+  if not is_int(v) or v < lo or (hi is not None and v > hi):
     allowed = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
     raise ValueError(f"{name} = {v!r}: allowed {allowed}")
   return int(v)
@@ -186,8 +181,7 @@ def evaluate_agent(model: HybridLM, tokenizer, *, envs: Mapping[str, dict],
   """
   if policy not in POLICIES:
     raise ValueError(f"policy = {policy!r}: allowed one of {list(POLICIES)}")
-  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
-      not temperature >= 0:
+  if not is_number(temperature) or not temperature >= 0:
     raise ValueError(f"temperature = {temperature!r}: allowed a float >= 0 (0 = greedy)")
   examples = _check_int("examples", examples, 0)
   max_len = max_tokens if max_len is None else max_len
@@ -196,7 +190,7 @@ def evaluate_agent(model: HybridLM, tokenizer, *, envs: Mapping[str, dict],
   temp = {"model": float(temperature), "oracle": 0.0, "random": 1.0}[policy]
   config = RolloutConfig(max_tokens=max_tokens, max_turn_tokens=max_turn_tokens,
                          feed_width=feed_width, sampling=SamplingConfig(temperature=temp))
-  config.check(max_len)
+  config.fits(max_len)
   chat_format.chat_ids(tokenizer)     # a tokenizer without chat roles fails here, one line
   if policy == "oracle":
     # A forced turn longer than max_turn_tokens would be cut (malformed): the oracle would

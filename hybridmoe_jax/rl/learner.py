@@ -9,19 +9,12 @@ nucleus, renormalised) to the current logits, so lp and the rollout's behaviour 
 (lp_old, recorded with the same function) are log-probs of one family of distributions and
 the ratio is exactly 1 on-policy. A target outside the current policy's nucleus has
 probability 0; its log-prob is floored at LOGP_FLOOR (finite losses; its gradient is 0
-either way). Then
-
-    clip  (PPO / DAPO clip-higher)  l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
-    gspo  (sequence ratio)          the same with rho -> s_i = exp(mean_t log rho_t) and its
-                                    own range gspo_eps_low / gspo_eps_high (rl/losses.py)
-    opmd  (Kimi k1.5 mirror descent) l_i = 0.5 (r_i - mean_g r - tau sum_t m (lp - lp_old))^2
-  aggregated by `rl.loss_agg_mode` (opmd: mean over rows holding an episode;
-  seq-mean-token-sum-norm, Dr. GRPO: sum / (R x rl.max_tokens), a constant generation budget,
-  so padding never changes the loss), plus
-  kl_beta * agg(kl_t) with kl_t = k1 / k3 of (lp, lp_ref) when `rl.kl` is set. Gradients go
-  to params only; clipping is the optimizer's (`train.clip`, global norm). The routing
-  biases stay frozen unless `rl.update_biases` (then the QB rule runs as in pre-training).
-  A step whose loss or gradient is not finite is skipped (state unchanged but the counters).
+either way). Then the `rl.loss` (clip, gspo with its own gspo_eps_* range, opmd:
+DESIGN s9's exact forms, rl/losses.py) aggregated by `rl.loss_agg_mode` (opmd: mean over rows
+holding an episode; seq-mean-token-sum-norm divides by R x rl.max_tokens, so padding never
+changes the loss), plus kl_beta * agg(kl_t) when `rl.kl` is set. Gradients go to params
+only; clipping is the optimizer's (`train.clip`). The routing biases stay frozen unless
+`rl.update_biases`. A step whose loss or gradient is not finite is skipped.
 
 Rollout vs learner log-probs: the rollout decodes token by token (KDA recurrence, MLA
 absorbed over the cache), the learner runs the chunked KDA and the expanded MLA: the same

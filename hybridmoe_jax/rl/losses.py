@@ -28,17 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe_jax.config import is_int, is_number
+
 ADV_MODES = ("grpo", "drgrpo", "rloo")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k3")
 
 
 # ----------------------------------------------------------------------------- host side
-
-def _is_real(x) -> bool:
-  """A concrete python / numpy real number (not a bool, not a traced array)."""
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
 
 def _rewards_groups(rewards, groups) -> tuple[np.ndarray, np.ndarray]:
   """Checked float64 rewards [N] and dense group indices [N] (0..G-1)."""
@@ -81,7 +78,7 @@ def advantages(rewards, groups, mode: str, *, eps: float = 1e-6, ddof: int = 1
   """
   if mode not in ADV_MODES:
     raise ValueError(f"mode = {mode!r}: allowed one of {ADV_MODES}")
-  if not (_is_real(eps) and np.isfinite(eps) and eps >= 0):
+  if not (is_number(eps) and np.isfinite(eps) and eps >= 0):
     raise ValueError(f"eps = {eps!r}: allowed a finite float >= 0")
   if isinstance(ddof, bool) or ddof not in (0, 1):
     raise ValueError(f"ddof = {ddof!r}: allowed 0 or 1")
@@ -133,12 +130,11 @@ def overlong_penalty(lengths, *, max_len: int, buffer: int, factor: float = 1.0)
   Returns:
     float32 [N], in [-factor, 0].
   """
-  if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len <= 0:
+  if not is_int(max_len) or max_len <= 0:
     raise ValueError(f"max_len = {max_len!r}: allowed an int > 0")
-  if (isinstance(buffer, bool) or not isinstance(buffer, (int, np.integer))
-      or not 0 <= buffer <= max_len):
+  if not is_int(buffer) or not 0 <= buffer <= max_len:
     raise ValueError(f"buffer = {buffer!r}: allowed an int in [0, max_len={max_len}]")
-  if not (_is_real(factor) and np.isfinite(factor) and factor >= 0):
+  if not (is_number(factor) and np.isfinite(factor) and factor >= 0):
     raise ValueError(f"factor = {factor!r}: allowed a finite float >= 0")
   length = np.asarray(lengths)
   if length.ndim != 1 or not np.issubdtype(length.dtype, np.integer) or np.any(length < 0):
@@ -169,9 +165,9 @@ def _check_adv(adv, batch: int, name: str = "adv") -> None:
 
 
 def _check_eps(eps_low: float, eps_high: float) -> None:
-  if not (_is_real(eps_low) and 0 <= eps_low < 1):
+  if not (is_number(eps_low) and 0 <= eps_low < 1):
     raise ValueError(f"eps_low = {eps_low!r}: allowed a python float in [0, 1)")
-  if not (_is_real(eps_high) and 0 <= eps_high < float("inf")):
+  if not (is_number(eps_high) and 0 <= eps_high < float("inf")):
     raise ValueError(f"eps_high = {eps_high!r}: allowed a finite python float >= 0")
 
 
@@ -291,7 +287,7 @@ def opmd_seq_loss(lp, lp_old, mask, centered_reward, *, tau: float) -> jax.Array
   Returns:
     float32 [B].
   """
-  if not (_is_real(tau) and 0 < tau < float("inf")):
+  if not (is_number(tau) and 0 < tau < float("inf")):
     raise ValueError(f"tau = {tau!r}: allowed a finite python float > 0")
   batch, _ = _check_bt(lp=lp, lp_old=lp_old, mask=mask)
   _check_adv(centered_reward, batch, "centered_reward")

@@ -3,27 +3,25 @@
 Conventions: B cache rows (slots), P the engine's prefill chunk, V vocab, n an episode's
 tokens so far (see episode.py for the per-token arrays).
 
-Each slot holds one episode. Every iteration calls the model's cached forward
-(`HybridLM(tokens, segment_ids, cache=..., logits_at=...)`) over chunks [B, W]: each row
-feeds its own pending tokens (segment id 1; the rest of the row is padding, segment id 0,
-which leaves that row's cache untouched), so rows of one call are ragged:
+Each slot holds one episode. Every iteration calls the model's cached forward over chunks
+[B, W]; each row feeds its own pending tokens (segment id 1; the rest of the row is padding,
+segment id 0, which leaves that row's cache untouched), so rows of one call are ragged:
   - a new episode feeds its rendered prompt (system, user, <assistant> header) in chunks of P;
   - a decoding episode feeds the one token it sampled last;
   - an episode whose turn just ended feeds that turn's <end_turn>, the tool result turn and
     the next <assistant> header: O(new tokens), never a re-prefill of the history;
-  - finished and paused slots feed nothing (idle) until a queued episode takes them.
-Rows are grouped by the width their own pending tokens need (1; feed_width for a short tool
-result; else P) and each group makes one call (three compiled shapes in all), so a row's
-arithmetic never depends on what its neighbours feed. In the same jitted call
-(infer.engine.feed_and_draw_fn: the sampler of the server and Engine.generate_stream), every row
-whose pending tokens are now all cached draws its next token from the logits of its last
-real token (the other rows' draws are ignored), with a key fold_in(PRNGKey(sample_seed),
-position): an episode's tokens and log-probs do not depend on its batch neighbours, its
-slot, or on being paused and resumed (bit for bit). A forced turn (teacher forcing, e.g. the
-oracle's actions) replaces the drawn token by the script's, in the same call, and its
-log-probs are recorded all the same.
+  - finished and paused slots feed nothing until a queued episode takes them.
+Rows are grouped by the width their pending tokens need (1; feed_width for a short tool
+result; else P), one call per group (three compiled shapes in all), so a row's arithmetic
+never depends on its neighbours. In the same jitted call (infer.engine.feed_and_draw_fn, the
+server's sampler too) every row whose pending tokens are all cached draws its next token
+from its last real token's logits with the key fold_in(PRNGKey(sample_seed), position): an
+episode's tokens and log-probs do not depend on its batch neighbours, its slot, or on being
+paused and resumed (bit for bit). A forced turn (teacher forcing, e.g. the oracle's
+actions) replaces the drawn token by the script's in the same call; its log-probs are
+recorded all the same.
 
-A turn ends at <end_turn> (or at `max_turn_tokens`, then cut: the chat parser reports it as
+A turn ends at <end_turn> (or is cut at `max_turn_tokens`: the chat parser reports it as
 Malformed). The sampled ids are parsed as they are (chat_format.parse_message: token-in /
 token-out), the environment steps, and the episode finishes (reward, finish reason) or
 queues the tool result. Episodes stop at `max_tokens` tokens (finish reason max_tokens).
@@ -43,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe_jax.config import Checked, ranged, require
 from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.model.cache import DecodeCache
@@ -84,8 +83,11 @@ def _get_row(cache: DecodeCache, b) -> DecodeCache:
 # ---- configuration and results ----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  """Attributes:
+class RolloutConfig(Checked):
+  """Checked when built (ConfigError naming `rollout.<field>`); `fits` checks max_tokens
+  against the engine.
+
+  Attributes:
     max_tokens: per episode, all tokens (prompt, turns, tool results); <= the engine's
       max_len.
     max_turn_tokens: tokens per assistant turn (then the turn is cut).
@@ -97,26 +99,22 @@ class RolloutConfig:
     sampling: temperature / top_k / top_p / vocab_limit (vocab_limit 0 becomes the
       tokenizer's vocabulary size: ids past it are never drawn).
   """
-  max_tokens: int = 2048
-  max_turn_tokens: int = 256
-  max_turns: int = 0
-  token_budget: int = 0
-  feed_width: int = 32
+  PATH = "rollout"
+  max_tokens: int = ranged(2048, ">= 2")
+  max_turn_tokens: int = ranged(256, ">= 1")
+  max_turns: int = ranged(0, ">= 0")
+  token_budget: int = ranged(0, ">= 0")
+  feed_width: int = ranged(32, ">= 0")
   sampling: SamplingConfig = SamplingConfig(temperature=1.0)
 
-  def check(self, max_len: int) -> None:
-    for name, v, lo in (("max_tokens", self.max_tokens, 2),
-                        ("max_turn_tokens", self.max_turn_tokens, 1),
-                        ("max_turns", self.max_turns, 0), ("token_budget", self.token_budget, 0),
-                        ("feed_width", self.feed_width, 0)):
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"rollout.{name} = {v!r}: allowed an int >= {lo}")
-    if self.max_tokens > max_len:
-      raise ValueError(f"rollout.max_tokens = {self.max_tokens}: allowed [2, {max_len}] (the "
-                       "engine's max_len, the cache capacity)")
-    if not isinstance(self.sampling, SamplingConfig):
-      raise ValueError(f"rollout.sampling: allowed a SamplingConfig, got "
-                       f"{type(self.sampling).__name__}")
+  def check(self, p: str) -> None:
+    require(isinstance(self.sampling, SamplingConfig), f"{p}.sampling", self.sampling,
+            "a SamplingConfig")
+
+  def fits(self, max_len: int) -> None:
+    """ConfigError unless max_tokens <= the engine's max_len (the cache capacity)."""
+    require(self.max_tokens <= max_len, "rollout.max_tokens", self.max_tokens,
+            f"an integer in [2, {max_len}] (the engine's max_len, the cache capacity)")
 
 
 @dataclasses.dataclass
@@ -178,7 +176,7 @@ class Rollout:
                batch: int = 8):
     if not (isinstance(batch, (int, np.integer)) and batch >= 1):
       raise ValueError(f"rollout batch = {batch!r}: allowed an int >= 1")
-    config.check(engine.max_len)
+    config.fits(engine.max_len)
     self.roles = chat_format.chat_ids(tokenizer)
     if tokenizer.vocab_size > engine.cfg.vocab_size:
       raise ValueError(f"tokenizer vocab_size {tokenizer.vocab_size} > model vocab_size "

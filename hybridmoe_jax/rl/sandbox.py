@@ -4,37 +4,26 @@
 solution's functions, calls each (name, args) and compares the results with `expected` in
 THIS process (the expected values never reach the child, so printing cannot fake a pass).
 Each run: a fresh temp dir as cwd (deleted afterwards), `python -I -S -B` (no site, no user
-paths, no environment variables but a minimal PATH/LANG), its own session / process group,
-and `rl/sandbox_boot.py` as the first code, which sets limits and an audit hook.
+paths, only a minimal PATH/LANG), its own process group, and `rl/sandbox_boot.py` first,
+which sets the limits and an audit hook.
 
-What is guaranteed (kernel-enforced):
-  - CPU seconds (RLIMIT_CPU -> SIGXCPU), address space (RLIMIT_AS -> MemoryError), file size
-    (RLIMIT_FSIZE -> EFBIG: also caps stdout/stderr, which go to files), open files, no
-    core dumps; a wall-clock timeout after which the whole process group is SIGKILLed (also
-    after every normal exit, for anything left behind).
-  - RLIMIT_NPROC = max_procs (default 0): no fork / threads for a non-root user. Root
-    ignores RLIMIT_NPROC, so as root only the audit hook stops process creation.
-  - Disk: each file <= file_size_mb (RLIMIT_FSIZE), and at most max_files files opened for
-    writing or directories made (counted by the hook), so a run leaves at most about
-    (max_files + 2) x file_size_mb in its temp dir, which is deleted afterwards
-    (`SandboxResult.disk_bytes` reports what it left).
-What is best effort (Python level, PEP 578 audit hooks are explicitly NOT a security
-boundary): the hook refuses sockets, process creation, ctypes and any change to a path
-outside the temp dir: writes, creates, deletes, renames / replaces, mode and owner changes,
-links, truncation, through open / io.open / pathlib / os.* alike. Each path is read as the
-characters of a fresh exact str (str and bytes subclasses cannot answer for it: no method of
-theirs is called; PathLike objects are converted by CPython before the hook sees them), made
-absolute, and resolved with its own symlink walk, so `..`, /proc/self/root, /proc/self/cwd
-and /dev/fd/N point where the kernel would go. Writes through os.open or a dir_fd, and to
-anything but a regular file (a device node or FIFO made in the dir), are refused. The hook
-keeps its own references (functions, builtins, the exit code), so patching os / builtins /
-__main__ does not disable it; but code that corrupts interpreter memory, or finds a path
-the hook does not see (a C extension that does its own I/O), escapes it.
-Reading is allowed by design: the child can read any file the user can (environments
-need the standard library; secrets must not be readable by the user running RL).
-Without OS namespaces (bubblewrap, nsjail, gVisor, a container with no network and a
-read-only root) there is no real network or filesystem isolation: run RL with untrusted
-or adversarial code only inside one.
+Guaranteed (kernel-enforced): CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file
+size (RLIMIT_FSIZE, also capping stdout/stderr, which go to files), open files, no core
+dumps; a wall-clock timeout, then SIGKILL of the whole process group (also after every
+normal exit). RLIMIT_NPROC = max_procs (default 0: no fork / threads; root ignores it, so
+as root only the audit hook stops process creation). Disk: at most about (max_files + 2) x
+file_size_mb in the temp dir (files opened for writing and directories made are counted by
+the hook; `SandboxResult.disk_bytes` reports what was left).
+Best effort (PEP 578 audit hooks are NOT a security boundary): the hook (sandbox_boot.py
+lists what it refuses: processes, sockets, ctypes, any change to a path outside the temp
+dir, ...) reads each path as the characters of a fresh exact str (str / bytes subclasses
+cannot answer for it), made absolute and resolved by its own symlink walk, so `..`,
+/proc/self/root, /proc/self/cwd and /dev/fd/N point where the kernel would go. Code that
+corrupts interpreter memory, or a C extension doing its own I/O, escapes it.
+Reading is allowed by design (environments need the standard library; secrets must not be
+readable by the user running RL). Without OS namespaces (bubblewrap, nsjail, gVisor, a
+container with no network and a read-only root) there is no real network or filesystem
+isolation: run RL with untrusted or adversarial code only inside one.
 
 Results never raise for what the code does: the caller gets a SandboxResult with `killed`
 set ("timeout", "cpu", "memory", "output", "violation", "signal", "error") and continues.
@@ -54,45 +43,29 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+from hybridmoe_jax.config import Checked, ranged
+
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 VIOLATION_EXIT = 86          # sandbox_boot.VIOLATION_EXIT (kept equal by a test)
 TAIL_CHARS = 2000
 
 
 @dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-  """Per-run limits.
+class SandboxLimits(Checked):
+  """Per-run limits (checked when built: ConfigError naming `SandboxLimits.<field>`).
 
-  Attributes:
-    timeout_s: wall clock, (0, 600].
-    cpu_s: CPU seconds, int in [1, 600].
-    memory_mb: address space, int in [64, 65536] (Python itself needs ~30 MB).
-    file_size_mb: largest file the child may write, stdout/stderr included, [1, 1024].
-    max_procs: RLIMIT_NPROC, int in [0, 4096] (0: no new processes or threads).
-    max_open_files: RLIMIT_NOFILE, int in [16, 4096].
-    max_files: files opened for writing plus directories created, int in [1, 4096]: with
-      file_size_mb it bounds the disk a run can use to about
-      (max_files + 2) x file_size_mb (the 2: stdout and stderr).
+  max_files (files opened for writing plus directories created) with file_size_mb (the
+  largest file the child may write, stdout / stderr included) bounds the disk a run can use
+  to about (max_files + 2) x file_size_mb (the 2: stdout and stderr).
   """
-  timeout_s: float = 2.0
-  cpu_s: int = 1
-  memory_mb: int = 256
-  file_size_mb: int = 4
-  max_procs: int = 0
-  max_open_files: int = 64
-  max_files: int = 32
-
-  def __post_init__(self):
-    checks = [("timeout_s", 0.0, 600.0), ("cpu_s", 1, 600), ("memory_mb", 64, 65536),
-              ("file_size_mb", 1, 1024), ("max_procs", 0, 4096), ("max_open_files", 16, 4096),
-              ("max_files", 1, 4096)]
-    for name, lo, hi in checks:
-      v = getattr(self, name)
-      ok_type = isinstance(v, (int, float)) if name == "timeout_s" else isinstance(v, int)
-      if isinstance(v, bool) or not ok_type or not lo <= v <= hi or \
-          (name == "timeout_s" and v <= 0):
-        bounds = f"(0, {hi}]" if name == "timeout_s" else f"an int in [{lo}, {hi}]"
-        raise ValueError(f"SandboxLimits.{name} = {v!r}: allowed {bounds}")
+  PATH = "SandboxLimits"
+  timeout_s: float = ranged(2.0, "(0, 600]")  # wall clock
+  cpu_s: int = ranged(1, "[1, 600]")  # CPU seconds
+  memory_mb: int = ranged(256, "[64, 65536]")  # address space (Python itself needs ~30 MB)
+  file_size_mb: int = ranged(4, "[1, 1024]")
+  max_procs: int = ranged(0, "[0, 4096]", "0: no new processes or threads")  # RLIMIT_NPROC
+  max_open_files: int = ranged(64, "[16, 4096]")  # RLIMIT_NOFILE
+  max_files: int = ranged(32, "[1, 4096]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,30 +4,25 @@ curriculum, evaluations, logs and exact resume (DESIGN s9). `run_train.py` calls
 
 One iteration i (1-based):
   1. the curriculum draws `groups_per_iter` (env, level) cells from
-     np.random.default_rng([seed, i]); each cell becomes a group of `group_size` episodes of
-     one new task (task seed < 2**39, sampling seeds from (seed, i, group, member));
-  2. the Rollout (rl/rollout.py) runs them, plus the episodes paused at earlier iterations,
-     on the model's own cache with the current parameters; over `token_budget` an episode
-     pauses (kept with its cache row, resumed next iteration);
-  3. finished episodes update the curriculum; episodes wait in a buffer until their whole
-     group has finished; finished groups get rewards (+ overlong shaping) and advantages;
-     zero-signal groups are dropped (DAPO dynamic sampling);
-  4. `updates_per_batch` passes over the batch in `minibatches` jitted learner steps
-     (rl/learner.py), with the reference log-probs (KL) and the rollout policy's routes
-     (routing replay) computed once before the first step;
-  5. logs: one progress line, metrics.jsonl / TensorBoard, `log_trajectories` readable
-     trajectories; every `eval_every` iterations greedy held-out success per (env, level)
-     (seeds in [2**40, 2**41)) and success_by_level.png; every `save_every` a checkpoint.
+     np.random.default_rng([seed, i]); each becomes a group of `group_size` episodes of one
+     new task (rl/run_state.py's seeds);
+  2. the Rollout runs them, plus the episodes paused earlier, on the model's own cache with
+     the current parameters; over `token_budget` an episode pauses until the next iteration;
+  3. finished episodes update the curriculum and wait until their group has finished;
+     finished groups get rewards (+ overlong shaping) and advantages; zero-signal groups
+     are dropped (DAPO dynamic sampling);
+  4. `updates_per_batch` passes over the batch in `minibatches` learner steps, with the
+     reference log-probs (KL) and the rollout policy's routes (replay) computed once first;
+  5. logs: a progress line, metrics.jsonl / TensorBoard, `log_trajectories` trajectories;
+     every `eval_every` iterations greedy held-out success per (env, level) and
+     success_by_level.png; every `save_every` a checkpoint.
 
-Checkpoints are the pre-training ones (train/checkpoint.py: the TrainState with orbax, the
-JSON data record, meta); the RL host state rides in the data record (iteration, curriculum,
-eval history, the next group id) and in `rl_state/<step>.pkl` (paused episodes with their
-cache rows and the finished episodes of unfinished groups: arrays and plain python), written
-before the checkpoint of the same step. Checkpoint steps count SFT steps then iterations
-(sft_steps + i), so each is unique. Every random draw is a function of (seed, iteration):
-a run killed at any point and resumed from its newest checkpoint repeats the same
-iterations with the same results. The reference policy (KL) is the policy at RL start,
-exported once to `reference/`.
+Checkpoints are the pre-training ones (train/checkpoint.py); the RL host state rides in the
+data record and in `rl_state/<step>.pkl` (rl/run_state.py), written before the checkpoint
+of the same step. Checkpoint steps count SFT steps then iterations (sft_steps + i). Every
+random draw is a function of (seed, iteration): a run killed at any point and resumed
+repeats the same iterations with the same results. The reference policy (KL) is the policy
+at RL start, exported once to `reference/`.
 """
 
 from __future__ import annotations
@@ -145,11 +140,9 @@ def _check_init_config(src: str, model_dict) -> None:
 
 
 def _load_init(rl, graphdef, state, model_dict):
-  """Params + biases of `rl.init_from` (a params export or a training workdir)."""
+  """Params + biases of `rl.init_from` (a params export or a training workdir; that it is a
+  directory is `check_rl_config`'s check)."""
   src = rl.init_from
-  if not os.path.isdir(src):
-    raise ConfigError(f"config field `rl.init_from` = {src!r}: no such directory (allowed a "
-                      "training workdir or a params export)")
   _check_init_config(src, model_dict)
   if params_export.is_export(src):
     params, biases = state.params, state.biases

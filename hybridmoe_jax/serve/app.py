@@ -1,22 +1,18 @@
 """The OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions.
 
 `create_app(model, slots=S)` -> a FastAPI app over a `LoadedModel` (hybridmoe_jax.api.load)
-whose requests all run on one continuous-batching `Scheduler` (scheduler.py: S cache rows,
-chunked prefill interleaved with decoding). Each prompt becomes one scheduler Job; its token
-events come back to the request's coroutine through an asyncio queue, and
-`infer.streaming.TextStream` turns them into text (held back across incomplete characters
-and possible stop strings), the same way `LoadedModel.generate` / `generate_stream` do, so a
+whose requests all run on one continuous-batching `Scheduler` (S cache rows). Each prompt is
+one scheduler Job; its token events reach the request's coroutine through an asyncio queue
+and `infer.streaming.TextStream` turns them into text as `LoadedModel.generate` does, so a
 streamed response, a non-streamed one and `generate` give the same text.
 
-Completions: text prompts are encoded with BOS first (as `generate` does); a list of token
-ids is used as given; a list of prompts gives one choice per prompt. Generation ends at the
-tokenizer's EOS (not shown), a stop string (cut before it) or max_tokens (default 16).
-Chat: the messages are rendered with the RL chat format (rl/chat_format.py; the tokenizer
-needs the chat roles, e.g. the byte tokenizer with chat=True) and end at <end_turn>. A turn
-the model ends with a tool call ("<tool_call> name argument") comes back as `tool_calls`
-with finish_reason "tool_calls"; free text and an <answer> come back as `content`; see
-protocol.py for the argument's JSON form. `tools` in the request are listed in the system
-turn (chat_format.system_prompt).
+Completions: text prompts are encoded with BOS first; token-id lists are used as given; a
+list of prompts gives one choice each. Generation ends at EOS (not shown), a stop string
+(cut before it) or max_tokens (default 16). Chat: the messages are rendered with the RL chat
+format (the tokenizer needs the chat roles) and end at <end_turn>. A turn ending in a tool
+call ("<tool_call> name argument") comes back as `tool_calls` with finish_reason
+"tool_calls" (protocol.py: the argument's JSON form); free text and an <answer> as
+`content`. Request `tools` are listed in the system turn (chat_format.system_prompt).
 
 Refused with 4xx before any compute, in OpenAI's error shape: malformed fields, n > 1,
 unsupported options (logprobs, penalties, ...), an unknown model id (404), token ids outside

@@ -48,9 +48,8 @@ def _int(value, name: str, lo: int) -> int:
   try:
     out = int(value)
   except (TypeError, ValueError):
-    raise ValueError(f"model_args {name}={value!r} is invalid: allowed an integer >= {lo}"
-                     ) from None
-  if out < lo or str(value).strip() != str(out):
+    out = None
+  if out is None or out < lo or str(value).strip() != str(out):
     raise ValueError(f"model_args {name}={value!r} is invalid: allowed an integer >= {lo}")
   return out
 

@@ -24,7 +24,6 @@ from hybridmoe_jax.rl.envs.base import Answer, ToolCall, ToolSpec
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "echo": False,
             "best_of": 1, "suffix": None, "logit_bias": None, "top_logprobs": None,
             "parallel_tool_calls": None}
-_IGNORED = ("user", "service_tier", "metadata", "store")
 
 
 class ApiError(Exception):

@@ -2,25 +2,20 @@
 
 Conventions: S slots (cache rows), P the engine's prefill chunk, T a prompt's tokens.
 
-A `Scheduler` thread owns one `DecodeCache` of S rows (KDA conv tails and recurrent state,
-MLA latents and a length per row). A submitted `Job` waits until a slot is free, then:
-  - its row is cleared (`infer.engine.clear_row`) and its prompt is fed P tokens per
-    iteration (chunked prefill);
-  - the call that feeds its last prompt chunk draws its first token; from then on it feeds
-    one token per iteration and draws the next (decode);
-  - it leaves at a stop token, at max_tokens, or when cancelled (a stop string seen by the
-    caller, a client gone); its slot is free at the next iteration.
-Each iteration makes at most two model calls over all S rows: one [S, P] call feeding the
-next prompt chunk of every prefilling row, and one [S, 1] call feeding every decoding row.
-A row without work in a call has n_valid 0 (padding, segment id 0), which leaves its cache
-row untouched. So a long prompt costs the running decodes one chunk call per token, never a
-whole prefill, and the engine compiles two shapes in all.
+A `Scheduler` thread owns one `DecodeCache` of S rows. A submitted `Job` waits for a free
+slot; then its row is cleared (`infer.engine.clear_row`) and its prompt fed P tokens per
+iteration; the call that feeds its last prompt chunk draws its first token, and from then
+on it feeds one token per iteration and draws the next. It leaves at a stop token, at
+max_tokens, or when cancelled (a stop string seen by the caller, a client gone).
+Each iteration makes at most two calls over all S rows: one [S, P] feeding the next prompt
+chunk of every prefilling row, one [S, 1] feeding every decoding row; a row without work has
+n_valid 0 (padding, its cache row untouched). So a long prompt costs the running decodes one
+chunk call per iteration, never a whole prefill, and the engine compiles two shapes in all.
 
-Both calls are `infer.engine.feed_and_draw_fn`, the step `Engine.generate_stream` runs with
-one row: each row samples from its own last real token's logits with its own settings
-(temperature, top_k, top_p) and key chain (PRNGKey(seed), split per draw). A row's
-arithmetic does not depend on its neighbours, so a job's tokens equal
-`Engine.generate(prompt[None], seed=seed)`'s: greedy and sampled alike.
+Both calls are `infer.engine.feed_and_draw_fn` (the step `Engine.generate_stream` runs with
+one row): each row samples from its last real token's logits with its own settings and key
+chain (PRNGKey(seed), split per draw), never depending on its neighbours, so a job's tokens
+equal `Engine.generate(prompt[None], seed=seed)`'s, greedy and sampled alike.
 
 Events go to each job's `emit` callback from the scheduler thread: ("token", id) per drawn
 token (a stop token included), then one ("done", "stop" | "length" | "cancelled") or
@@ -38,6 +33,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from hybridmoe_jax.config import is_int
 from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
 
 Event = tuple[str, object]
@@ -81,7 +77,7 @@ class Scheduler:
   """
 
   def __init__(self, engine: Engine, *, slots: int = 8, vocab_limit: int = 0):
-    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+    if not is_int(slots) or slots < 1:
       raise ValueError(f"slots={slots!r} is invalid: allowed an integer >= 1")
     self.engine, self.slots = engine, int(slots)
     self._vocab_limit = np.int32(vocab_limit)

@@ -19,9 +19,6 @@ step over the cost model's time and the chip's peak: `hardware.CHIPS`).
 own depth and extrapolates memory and step time linearly per layer to the full depth: the
 layer stack is a Python loop, so compile time grows with depth (a flagship at full depth
 takes tens of minutes on a small host).
-
-This is a top-level tool (layering rank 7): it uses train and infer, which never import
-each other.
 """
 
 from __future__ import annotations

@@ -15,16 +15,11 @@ fsdp x tensor, routed experts over expert x fsdp x tensor, replicated over data.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 
 import jax
-from flax import nnx
 
-from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
-from hybridmoe_jax.model.decoder import DecoderLayer
+from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, param_pieces
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
@@ -38,27 +33,6 @@ GiB = 1024 ** 3
 
 def _bytes(tree) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def _param_pieces(cfg):
-  """Abstract parameter trees that tile the model, with multiplicities.
-
-  One decoder layer per distinct (mixer kind, dense/MoE) variant plus the parts outside the
-  stack (embedding, final norm/mix, head) from a one-layer model: tracing a 93-layer model in
-  one eval_shape takes minutes, this takes seconds (as `model.count.param_breakdown` does).
-  """
-  variants = collections.Counter((k, cfg.is_moe_layer(i)) for i, k in enumerate(cfg.layer_kinds))
-  pieces = []
-  for (kind, is_moe), times in variants.items():
-    index = next(i for i, k in enumerate(cfg.layer_kinds)
-                 if k == kind and cfg.is_moe_layer(i) == is_moe)
-    layer = nnx.eval_shape(lambda i=index: DecoderLayer(cfg, i, rngs=nnx.Rngs(0)))
-    pieces.append((nnx.state(layer, nnx.Param), times))
-  one = dataclasses.replace(cfg, num_layers=1, layer_kinds=("kda",),
-                            moe=dataclasses.replace(cfg.moe, first_dense_layers=1))
-  outer = nnx.state(nnx.eval_shape(lambda: HybridLM(one, rngs=nnx.Rngs(0))), nnx.Param)
-  pieces.append((nnx.State({k: v for k, v in outer.items() if k != "layers"}), 1))
-  return pieces
 
 
 def resolve_mesh(mesh: MeshConfig, devices: int | None = None) -> dict[str, int]:
@@ -82,7 +56,7 @@ def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
   total, active = sum(counts.values()), active_from_breakdown(cfg, counts)
   tx = optim.make_optimizer(run.train, plan.schedule())
   param_bytes = opt_bytes = 0
-  for params, times in _param_pieces(cfg):
+  for _, params, times in param_pieces(cfg, vision=True):
     param_bytes += times * _bytes(params)
     opt_bytes += times * _bytes(jax.eval_shape(tx.init, params))
   shard = mesh["fsdp"] * mesh["tensor"]

@@ -81,16 +81,13 @@ def _traced(cfg: ModelConfig, compute: ComputeConfig, rows: int, t: int) -> int:
   return _residual_bytes(forward, params, rest, tokens)  # abstract: nothing allocated
 
 
-def _layer_variants(cfg: ModelConfig) -> list[ModelConfig]:
-  """One-layer models, one per distinct (mixer kind, dense/MoE) decoder layer of cfg."""
-  seen, out = set(), []
-  for i, kind in enumerate(cfg.layer_kinds):
-    key = (kind, cfg.is_moe_layer(i))
-    if key in seen:
-      continue
-    seen.add(key)
-    moe = dataclasses.replace(cfg.moe, first_dense_layers=0 if key[1] else 1)
-    out.append(dataclasses.replace(cfg, num_layers=1, layer_kinds=(kind,), moe=moe))
+def _layer_variants(cfg: ModelConfig) -> list[tuple[ModelConfig, int]]:
+  """(one-layer model, multiplicity) per distinct (mixer kind, dense/MoE) layer of cfg."""
+  out = []
+  for (kind, is_moe), layers in cfg.layer_variants().items():
+    moe = dataclasses.replace(cfg.moe, first_dense_layers=0 if is_moe else 1)
+    out.append((dataclasses.replace(cfg, num_layers=1, layer_kinds=(kind,), moe=moe),
+                len(layers)))
   return out
 
 
@@ -102,16 +99,14 @@ def _per_token(cfg: ModelConfig, compute: ComputeConfig, t: int) -> dict[str, di
   """{remat: {"saved": B/token, "peak": B/token}} at length t, traced exactly."""
   at = lambda c, remat: _traced(c, dataclasses.replace(compute, remat=remat), 1, t)
   variants = _layer_variants(cfg)
-  times = [sum(k == v.layer_kinds[0] and cfg.is_moe_layer(i) == v.is_moe_layer(0)
-               for i, k in enumerate(cfg.layer_kinds)) for v in variants]
-  peak_none = max(at(v, "none") - at(v, "full") for v in variants)
+  peak_none = max(at(v, "none") - at(v, "full") for v, _ in variants)
   out = {}
   for remat in ("none", "dots", "full"):
     if cfg.num_layers <= FULL_TRACE_MAX_LAYERS:
       saved = at(cfg, remat)
     else:  # tracing 60-90 layers takes minutes; the embedding / head part is counted per
       # variant (a few d-wide tensors, at most 4 times), AttnRes mixes at one block's width
-      saved = sum(n * at(v, remat) for v, n in zip(variants, times))
+      saved = sum(n * at(v, remat) for v, n in variants)
     out[remat] = {"saved": saved / t, "peak": 0.0 if remat == "none" else peak_none / t}
   return out
 

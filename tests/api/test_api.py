@@ -23,7 +23,8 @@ from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
-from tests.infer.helpers import full_logits, tiny_cfg
+from tests._support import tiny_model_config
+from tests.infer.helpers import full_logits
 from tests.train.train_fakes import set_tiny_model
 
 PROMPTS = ["The ", "A longer prompt here", "Hi"]
@@ -129,8 +130,8 @@ def test_forward_cache_continues_with_decode(lm, ref):
 
 def test_cache_bytes_kda_constant_mla_linear():
   # One KDA and one MLA layer, abstract: sizes come from shapes, nothing is allocated.
-  model = nnx.eval_shape(lambda: HybridLM(tiny_cfg(num_layers=2, layer_kinds=("kda", "mla")),
-                                          rngs=nnx.Rngs(0)))
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"))
+  model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
   lm = api.LoadedModel(model, ByteTokenizer(), {}, max_len=128)
   a, b = lm.cache_bytes(1024), lm.cache_bytes(2048)
   assert a["kda"] == b["kda"] > 0 and b["mla"] == 2 * a["mla"] > 0

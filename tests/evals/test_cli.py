@@ -22,7 +22,8 @@ from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE
 from hybridmoe_jax.train.params_export import export_params
 from tests.conftest import ROOT
-from tests.infer.helpers import tiny_cfg, two_layer_model
+from tests._support import tiny_model_config
+from tests.infer.helpers import two_layer_model
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_export_round_trip(export):
 
 def test_config_mismatch_in_process(export, tmp_path):
   with pytest.raises(ConfigError, match="model.d_model: 64 stored vs 96 in --config"):
-    load_model(params=export, expected=tiny_cfg(d_model=96))
+    load_model(params=export, expected=tiny_model_config(d_model=96))
   bad = tmp_path / "bad"
   shutil.copytree(export, bad)
   cfg = json.load(open(bad / CONFIG_FILE))

@@ -84,9 +84,9 @@ def test_generate_never_draws_ids_past_the_tokenizer():
   from hybridmoe_jax.data.tokenizer import ByteTokenizer
   from hybridmoe_jax.evals.runner import run_generate
   from hybridmoe_jax.model.decoder import HybridLM
-  from tests.infer.helpers import tiny_cfg
+  from tests._support import tiny_model_config
   tok = ByteTokenizer()
-  model = HybridLM(tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=512),
+  model = HybridLM(tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=512),
                    rngs=nnx.Rngs(0))
   # Sampling at temperature 1 from an untrained model: ids past 259 hold half the
   # vocabulary, so without the limit a draw lands there (token 443 at seed 0).

@@ -4,12 +4,12 @@ import jax.numpy as jnp
 import pytest
 
 from hybridmoe_jax.infer import cache_bytes, init_cache, mla_bytes_per_token
-from tests.infer.helpers import tiny_cfg
+from tests._support import tiny_model_config
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cache_growth_is_exact(dtype):
-  cfg = tiny_cfg()
+  cfg = tiny_model_config()
   itemsize = jnp.dtype(dtype).itemsize
   per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 1 * itemsize   # 1 MLA layer
   assert mla_bytes_per_token(cfg, dtype=dtype) == per_token == (32 + 8) * itemsize
@@ -25,8 +25,8 @@ def test_cache_growth_is_exact(dtype):
 
 
 def test_all_kda_and_all_mla_models():
-  kda_only = tiny_cfg(layer_kinds=("kda",) * 4)
-  mla_only = tiny_cfg(layer_kinds=("mla",) * 4)
+  kda_only = tiny_model_config(layer_kinds=("kda",) * 4)
+  mla_only = tiny_model_config(layer_kinds=("mla",) * 4)
   assert cache_bytes(init_cache(kda_only, 2, 10))["mla"] == 0
   assert init_cache(kda_only, 2, 10).max_len > 2**30
   assert init_cache(kda_only, 2, 10).length.tolist() == [0, 0]   # one length per row

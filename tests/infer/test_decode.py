@@ -12,7 +12,8 @@ from flax import nnx
 from hybridmoe_jax.infer import Engine, KDACache, MLACache, decode_step, prefill, trace_counts
 from hybridmoe_jax.model import HybridLM
 from tests._support import rel_err, rel_rms
-from tests.infer.helpers import full_logits, random_tokens, tiny_cfg, tiny_model
+from tests._support import tiny_model_config
+from tests.infer.helpers import full_logits, random_tokens, tiny_model
 
 T = 48          # sequence length of every test
 PROMPT = 37     # = 2 * 16 + 5: the prefill chunks do not divide the prompt
@@ -72,7 +73,7 @@ def test_no_recompilation_across_steps_and_prompt_lengths(setup):
 
 def test_cache_contents(setup):
   _, engine, tokens, _ = setup
-  cfg = tiny_cfg()
+  cfg = tiny_model_config()
   _, cache = engine.prefill(tokens[:, :19])
   kda = [c for c in cache.layers if isinstance(c, KDACache)]
   (mla,) = [c for c in cache.layers if isinstance(c, MLACache)]
@@ -107,8 +108,8 @@ def test_functional_api(setup):
 
 
 def test_variant_without_attnres_rope_slot_with_qlora():
-  base = tiny_cfg()
-  cfg = tiny_cfg(num_layers=2, layer_kinds=("mla", "kda"),
+  base = tiny_model_config()
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("mla", "kda"),
                  attnres={"enabled": False, "block_size": 2},
                  mla={**base.mla.__dict__, "q_lora_rank": 16, "qk_rope_head_dim": 0},
                  kda={**base.kda.__dict__, "gate": "unbounded", "conv_size": 3})

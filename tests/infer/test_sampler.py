@@ -14,13 +14,14 @@ from hybridmoe_jax.infer.sampling import sampling_logits
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.serve.scheduler import Scheduler
-from tests.infer.helpers import random_tokens, tiny_cfg
+from tests._support import tiny_model_config
+from tests.infer.helpers import random_tokens
 
 
 def test_server_and_rollout_share_the_sampler_and_its_log_probs_are_direct():
   tok = ByteTokenizer(chat=True)
-  model = HybridLM(tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=tok.vocab_size),
-                   rngs=nnx.Rngs(0))
+  model = HybridLM(tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"),
+                                     vocab_size=tok.vocab_size), rngs=nnx.Rngs(0))
   engine = Engine(model, max_len=32, prefill_chunk=8, kv_block=8)
   sampling = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
   rollout = Rollout(engine, tok,

@@ -7,19 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
+from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import init_cache
-from tests._support import rel_err
-from tests.conftest import load_config
+from tests._support import rel_err, tiny_model_config
 
 COMPUTE = ComputeConfig(kda_impl="chunked", kda_chunk_size=16)
-
-
-def _cfg(**overrides):
-  model = load_config("tiny").model
-  model.update(overrides)
-  return model_config_from_dict(model)
 
 
 VARIANTS = {
@@ -65,7 +58,7 @@ def _tokens(seed, b, t):
 def test_chunked_prefill_and_decode_equal_full_forward(variant):
   """22 tokens fed as 7 (of a chunk of 8), 8, then 1, 1 token steps, then 5 (of 8): chunks
   end inside the document and inside a KDA chunk; every real position's logits match."""
-  cfg = _cfg(**VARIANTS[variant])
+  cfg = tiny_model_config(**VARIANTS[variant])
   model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=COMPUTE)
   tokens = _tokens(2, 2, 22)
   ref = _full(model, tokens, jnp.ones_like(tokens))
@@ -81,7 +74,7 @@ def test_chunked_prefill_and_decode_equal_full_forward(variant):
 def test_ragged_rows_equal_each_row_alone():
   """Prompts of 5 and 11 tokens in one cache (the second chunk is all padding for row 0),
   then one decode step per row: each row's logits == that row run alone."""
-  cfg = _cfg()
+  cfg = tiny_model_config()
   model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=COMPUTE)
   a, b = _tokens(3, 1, 6)[0], _tokens(4, 1, 12)[0]      # prompt + the decoded token
   cache = init_cache(cfg, 2, 24)   # the capacity of the test above: its compiled chunks serve
@@ -109,7 +102,7 @@ def _call(model, tokens, inputs_embeds=None, logits_at=None, cache=None):
 def test_logits_at_and_inputs_embeds():
   """logits_at picks positions before the head; inputs_embeds replaces the embedding. Jitted
   (one program per call pattern); the bad calls raise while tracing, before any compile."""
-  cfg = _cfg()
+  cfg = tiny_model_config()
   model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=COMPUTE)
   tokens = _tokens(5, 2, 9)
   full = _call(model, tokens)
@@ -123,4 +116,5 @@ def test_logits_at_and_inputs_embeds():
   with pytest.raises(ValueError, match="inputs_embeds"):
     _call(model, tokens, inputs_embeds=embeds)
   with pytest.raises(ValueError, match="layers"):
-    _call(model, tokens, cache=init_cache(_cfg(num_layers=2, layer_kinds=("kda", "mla")), 2, 9))
+    two = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"))
+    _call(model, tokens, cache=init_cache(two, 2, 9))

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import ComputeConfig, model_config_from_dict
+from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.model import HybridLM
-from tests._support import rel_rms
-from tests.conftest import load_config
+from tests._support import rel_rms, tiny_model_config
 
 
 # Model-level tests default to the token-scan KDA: it compiles in a fraction of the chunked
@@ -26,22 +25,16 @@ def _forward(model, tokens, segment_ids=None):
   return model(tokens, segment_ids=segment_ids)
 
 
-def tiny_cfg(**overrides):
-  """The tiny preset with `overrides` of its model section."""
-  model = load_config("tiny").model
-  model.update(overrides)
-  return model_config_from_dict(model)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = tiny_cfg()
+  cfg = tiny_model_config()
   return cfg, HybridLM(cfg, rngs=nnx.Rngs(0), compute=RECURRENT)
 
 
 def test_chunked_kda_in_model_matches_recurrent(tiny):
   _, model = tiny
-  chunked = HybridLM(tiny_cfg(), rngs=nnx.Rngs(0), compute=ComputeConfig(kda_impl="chunked"))
+  chunked = HybridLM(tiny_model_config(), rngs=nnx.Rngs(0),
+                     compute=ComputeConfig(kda_impl="chunked"))
   tokens = _tokens(7, 1, 70)
   seg = jnp.concatenate([jnp.ones((1, 30), jnp.int32), jnp.full((1, 40), 2, jnp.int32)], 1)
   assert rel_rms(_forward(chunked, tokens, seg)[0], _forward(model, tokens, seg)[0]) < 1e-5
@@ -113,7 +106,7 @@ def test_padding_excluded_from_routing_stats(tiny):
      "float32"),
 ])
 def test_variants_run_and_are_finite(overrides, dtype):
-  cfg = tiny_cfg(**overrides)
+  cfg = tiny_model_config(**overrides)
   compute = ComputeConfig(dtype=dtype, kda_impl="recurrent")
   model = HybridLM(cfg, rngs=nnx.Rngs(1), compute=compute)
   logits, _ = _forward(model, _tokens(4, 2, 20))
@@ -123,7 +116,7 @@ def test_variants_run_and_are_finite(overrides, dtype):
 def test_remat_matches_plain_gradients():
   # One KDA + one MLA layer (dense FFN, then MoE) in two AttnRes blocks: every kind of
   # layer remat wraps, and a block boundary, at half the tiny preset's compile time
-  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), attnres={"block_size": 1})
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"), attnres={"block_size": 1})
   grads = []
   for remat in ("none", "full"):
     compute = ComputeConfig(remat=remat, kda_impl="recurrent")

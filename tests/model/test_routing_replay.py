@@ -23,7 +23,8 @@ from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.decoder import check_routes
 from hybridmoe_jax.ops.routing import expert_load
 from tests._support import rel_rms
-from tests.model.test_model import RECURRENT, tiny_cfg
+from tests._support import tiny_model_config
+from tests.model.test_model import RECURRENT
 
 B, T = 2, 12
 
@@ -62,7 +63,7 @@ def _chunk(model, tokens, cache, routes):
 @pytest.fixture(scope="module")
 def setup():
   """(cfg, model, a copy with perturbed routers, tokens, its fresh forward)."""
-  cfg = tiny_cfg(num_layers=3, layer_kinds=("mla",) * 3,
+  cfg = tiny_model_config(num_layers=3, layer_kinds=("mla",) * 3,
                  attnres={"enabled": False, "block_size": 2},
                  moe={"latent_dim": 0, "num_shared_experts": 0, "routed_scale": 2.0})
   model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=RECURRENT)

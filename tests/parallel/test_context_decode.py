@@ -19,9 +19,8 @@ from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.context_decode import ContextDecode, kda_continue_shard
 from hybridmoe_jax.parallel.mesh import build_mesh
-from tests._support import rel_err
+from tests._support import mini_model_config, rel_err
 from tests.parallel.helpers import collective_bytes
-from tests.train.train_fakes import tiny_model_config
 
 N = 4                         # context shards
 LENGTHS = (37, 30)            # ragged rows, neither a multiple of N: padded to 40 (10 a shard)
@@ -39,7 +38,7 @@ def mesh():
 @pytest.fixture(scope="module")
 def model():
   """KDA then MLA, each followed by the MoE (2 of 4 experts per token)."""
-  cfg = tiny_model_config(num_experts=4, experts_per_token=2)
+  cfg = mini_model_config(num_experts=4, experts_per_token=2)
   cfg = dataclasses.replace(cfg, layer_kinds=("kda", "mla"),
                             moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
   return HybridLM(cfg, rngs=nnx.Rngs(0), compute=ComputeConfig(kda_chunk_size=16))

@@ -26,9 +26,8 @@ from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, kda_s
                                             previous_tokens, short_conv_shard)
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import batch_sharding
-from tests._support import rel_err
+from tests._support import mini_model_config, rel_err
 from tests.parallel.helpers import HLO_ARRAY, collective_bytes, make_mesh
-from tests.train.train_fakes import tiny_model_config
 
 N = 4                                   # context shards
 SEQ = P(None, CONTEXT_AXIS)             # [B, T, ...] split along T
@@ -215,7 +214,7 @@ def test_kda_cross_shard_bytes_do_not_grow_with_length(mesh, zigzag):
 # --------------------------------------------------------------------------- whole model
 def _hybrid_config():
   """KDA then MLA, each followed by the MoE (experts exercised), packed documents."""
-  cfg = tiny_model_config(num_experts=4, experts_per_token=2)
+  cfg = mini_model_config(num_experts=4, experts_per_token=2)
   return dataclasses.replace(cfg, layer_kinds=("kda", "mla"),
                              moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
 
@@ -313,7 +312,7 @@ def _routing_hlo(mesh, t, dispatch=None):
   """Compiled forward + backward of a one-layer KDA + MoE model on B = 2 rows of t tokens,
   sequence-sharded: both rows on every device (a plain [B, T] -> [B T] reshape of the
   tokens is then no local op)."""
-  cfg = tiny_model_config(num_experts=_E, experts_per_token=2)
+  cfg = mini_model_config(num_experts=_E, experts_per_token=2)
   cfg = dataclasses.replace(cfg, layer_kinds=("kda",), num_layers=1,
                             moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
   model = HybridLM(cfg, rngs=nnx.Rngs(0), compute=ComputeConfig(kda_chunk_size=16))
@@ -362,7 +361,7 @@ def test_moe_layer_on_token_shards_equals_one_device(replayed):
   every parameter and of the input; with routing replay (given experts, weighted by the
   router) too."""
   mesh = make_mesh(data=2, context=N)
-  cfg = dataclasses.replace(tiny_model_config(num_experts=_E, experts_per_token=2).moe,
+  cfg = dataclasses.replace(mini_model_config(num_experts=_E, experts_per_token=2).moe,
                             latent_dim=8, balancing="qb")
   rng = np.random.default_rng(4)
   b, d = 4, 16

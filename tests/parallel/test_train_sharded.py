@@ -28,10 +28,9 @@ from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.train.plan import build_plan
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 from hybridmoe_jax.train.step import make_train_step
-from tests._support import rel_rms
+from tests._support import mini_model_config, rel_rms
 from tests.conftest import load_config
 from tests.parallel.helpers import make_mesh
-from tests.train.train_fakes import tiny_model_config
 
 MOE = "layers/1/ffn"   # the tiny model's MoE layer, as metrics["moe"] names it
 COMPUTE = ComputeConfig()
@@ -68,7 +67,7 @@ def test_sharded_train_step_equals_unsharded(sizes):
   """The production step on a mesh; with `context`, each sequence is split over 2 shards
   (the MLA layers attend over gathered latents, parallel/context.py)."""
   c = _config()
-  cfg = tiny_model_config(num_experts=8, experts_per_token=2, qb_num_bins=128)
+  cfg = mini_model_config(num_experts=8, experts_per_token=2, qb_num_bins=128)
   run = run_config_from_dict(c)
   schedule = build_plan(run).schedule()
   tx = optim.make_optimizer(run.train, schedule)

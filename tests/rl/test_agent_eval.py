@@ -201,7 +201,7 @@ def test_bad_input_fails_before_compute(tmp_path):
                      (dict(envs={"chess": {}}), "env = 'chess'"),
                      (dict(envs={"arithmetic": {"colour": 1}}), r"envs\['arithmetic'\] kwargs"),
                      (dict(temperature=-1.0), "temperature"),
-                     (dict(max_tokens=1, max_len=8), "max_tokens = 1"),
+                     (dict(max_tokens=1, max_len=8), "max_tokens` = 1"),
                      (dict(policy="oracle", max_turn_tokens=8), r"max_turn_tokens = 8: the "
                       r"oracle's longest turn has \d+ tokens")]:
     with pytest.raises(ValueError, match=match):

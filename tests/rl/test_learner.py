@@ -22,7 +22,7 @@ from hybridmoe_jax.rl.episode import group_specs
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.rl import RLConfig, RLEnvConfig
 from hybridmoe_jax.train.state import split_model, TrainState
-from tests.infer.helpers import tiny_cfg
+from tests._support import tiny_model_config
 
 TOK = ByteTokenizer(chat=True)
 GROUP = 4
@@ -33,7 +33,7 @@ T1 = SamplingConfig(temperature=1.0, vocab_limit=TOK.vocab_size)
 @functools.lru_cache(maxsize=None)
 def _setup():
   """A tiny hybrid (KDA + MLA with MoE), 2 groups of 4 sampled arithmetic episodes."""
-  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   engine = Engine(model, max_len=256, prefill_chunk=64, kv_block=128)
   rollout = Rollout(engine, TOK, RolloutConfig(max_tokens=200, max_turn_tokens=24,

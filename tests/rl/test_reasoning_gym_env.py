@@ -21,7 +21,7 @@ from hybridmoe_jax.rl.envs import Answer, Malformed, make_env
 from hybridmoe_jax.rl.envs import reasoning_gym as rg_env
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from tests.infer.helpers import tiny_cfg
+from tests._support import tiny_model_config
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_oracle_demos_render():
 @pytest.mark.usefixtures("needs_reasoning_gym")
 def test_short_rollout_with_forced_oracle_answers():
   # One MLA layer, built under one jit (eager init compiles op by op): the env is the claim.
-  cfg = tiny_cfg(num_layers=1, layer_kinds=("mla",), vocab_size=TOK.vocab_size)
+  cfg = tiny_model_config(num_layers=1, layer_kinds=("mla",), vocab_size=TOK.vocab_size)
   model = nnx.jit(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))()
   engine = Engine(model, max_len=128, prefill_chunk=64, kv_block=64)
   rollout = Rollout(engine, TOK, RolloutConfig(max_tokens=128, max_turn_tokens=16, max_turns=2,

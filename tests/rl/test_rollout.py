@@ -24,7 +24,7 @@ from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer, Tool, ToolCall, register_tool
 from hybridmoe_jax.rl.episode import (EpisodeSpec, PendingEpisode, group_specs, oracle_script)
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from tests.infer.helpers import tiny_cfg
+from tests._support import tiny_model_config
 
 TOK = ByteTokenizer(chat=True)
 MAX_LEN = 1024          # cache capacity = the reference forward's padded width
@@ -44,7 +44,7 @@ register_tool(Tool(CRASH, "a tool that always raises", _crash), overwrite=True)
 def _model():
   """The smallest hybrid: one KDA layer (dense FFN), one MLA layer (MoE), AttnRes; fp32;
   vocabulary = the chat byte tokenizer's 266 ids."""
-  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=TOK.vocab_size)
   return HybridLM(cfg, rngs=nnx.Rngs(0))
 
 
@@ -245,7 +245,7 @@ def test_bad_input_fails_before_compute():
     _rollout().run([EpisodeSpec("arithmetic", 1, 0, forced=(None, (5, 300)))])
   with pytest.raises(ValueError, match="no room to generate"):
     _rollout(max_tokens=100).run([EpisodeSpec("arithmetic", 1, 0)])
-  with pytest.raises(ValueError, match=r"max_tokens = 2000: allowed \[2, 1024\]"):
+  with pytest.raises(ValueError, match=r"max_tokens` = 2000 is invalid: allowed an integer in \[2, 1024\]"):
     _rollout(max_tokens=2000)
   with pytest.raises(ValueError, match="token_budget"):
     _rollout(token_budget=-1)

@@ -113,7 +113,7 @@ def test_errors_are_classified_and_limits_checked():
   assert sandbox.VIOLATION_EXIT == sandbox_boot.VIOLATION_EXIT
   for bad in (dict(timeout_s=0), dict(cpu_s=0), dict(memory_mb=8), dict(max_procs=-1),
               dict(cpu_s=1.5), dict(file_size_mb=True)):
-    with pytest.raises(ValueError, match=f"SandboxLimits.{next(iter(bad))} = "):
+    with pytest.raises(ValueError, match=f"`SandboxLimits.{next(iter(bad))}` = "):
       SandboxLimits(**bad)
   with pytest.raises(ValueError, match="2 calls but 1 expected"):
     run_calls("", [("f", []), ("f", [])], [1], FAST)

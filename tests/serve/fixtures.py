@@ -10,14 +10,14 @@ from hybridmoe_jax.data.tokenizer import ByteTokenizer, save_tokenizer
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.train.params_export import export_params
-from tests.infer.helpers import tiny_cfg
+from tests._support import tiny_model_config
 
 CHAT_VOCAB = ByteTokenizer(chat=True).vocab_size       # 266
 
 
 def write_chat_model(root: pathlib.Path, seed: int = 0) -> str:
   """-> the path of a params export (+ tokenizer/) of a random 2-layer chat model."""
-  cfg = tiny_cfg(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=CHAT_VOCAB)
+  cfg = tiny_model_config(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=CHAT_VOCAB)
   model = HybridLM(cfg, rngs=nnx.Rngs(seed))
   _, params, biases, _ = nnx.split(model, nnx.Param, RoutingBias, ...)
   path = export_params(str(root / "chat_model"), params, biases, dataclasses.asdict(cfg))

@@ -16,7 +16,8 @@ from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.plan import build_plan
 from hybridmoe_jax.train.state import create_train_state
-from tests.train.train_fakes import FakeIterator, tiny_model_config
+from tests._support import mini_model_config
+from tests.train.train_fakes import FakeIterator
 
 MOE = "layers/1/ffn"   # the tiny model's one MoE layer, as metrics["moe"] names it
 
@@ -26,7 +27,7 @@ def _compiled(**train):
   """(cfg, tx, graphdef, train_step) per train-section override: one compile each."""
   config = default_config()
   config.train.update({**dict(steps=20, warmup=2, lr=1e-2), **train})
-  cfg = tiny_model_config()
+  cfg = mini_model_config()
   run = run_config_from_dict(config)
   schedule = build_plan(run).schedule()
   tx = optim.make_optimizer(run.train, schedule)

@@ -1,5 +1,5 @@
-"""Small pieces for the train tests: a tiny real HybridLM config, the tiny run config, an
-in-memory packed iterator and the train losses a run logged."""
+"""Small pieces for the train tests: the tiny run config (on tests/_support.py's mini model),
+an in-memory packed iterator and the train losses a run logged."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from hybridmoe_jax.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from hybridmoe_jax.config.run import default_config
+from tests._support import MINI_KDA, MINI_MLA, MINI_MODEL, MINI_MOE
 
 
 class FakeIterator:
@@ -49,30 +49,14 @@ class FakeIterator:
     self.index = int(state["index"])
 
 
-# A 2-layer HybridLM (dense FFN, then MoE; d_model 16, 4 experts top-1). MLA mixers only:
-# a KDA layer would add ~10 s to every compile (KDA runs in the tiny-config tests).
-TINY_MODEL = dict(d_model=16, num_layers=2, layer_kinds=("mla", "mla"))
-TINY_KDA = dict(num_heads=1, num_v_heads=1, head_dim=8, v_head_dim=8)
-TINY_MLA = dict(num_heads=1, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                v_head_dim=8)
-TINY_MOE = dict(num_experts=4, experts_per_token=1, expert_intermediate=16,
-                shared_intermediate=16, dense_intermediate=32, qb_num_bins=64)
-
-
-def tiny_model_config(vocab_size: int = 64, **moe) -> ModelConfig:
-  """The tiny model as a ModelConfig; `moe` overrides MoEConfig fields."""
-  return ModelConfig(vocab_size=vocab_size, **TINY_MODEL, kda=KDAConfig(**TINY_KDA),
-                     mla=MLAConfig(**TINY_MLA), moe=MoEConfig(**{**TINY_MOE, **moe}))
-
-
 def set_tiny_model(config) -> None:
-  """Write the tiny model into a root ConfigDict's `model` section (for the loop tests);
-  the vocabulary stays the caller's."""
+  """Write the 2-layer MLA-only model (tests/_support.py's MINI_*) into a root ConfigDict's
+  `model` section (for the loop tests); the vocabulary stays the caller's."""
   m = config.model
-  m.update(TINY_MODEL)
-  m.kda.update(TINY_KDA)
-  m.mla.update(TINY_MLA)
-  m.moe.update(TINY_MOE)
+  m.update(MINI_MODEL)
+  m.kda.update(MINI_KDA)
+  m.mla.update(MINI_MLA)
+  m.moe.update(MINI_MOE)
   config.compute.kda_chunk_size = 16
 
 

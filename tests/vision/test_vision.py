@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.config import ConfigError, from_dict, model_config_from_dict
+from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.config.run import VisionDataConfig
@@ -18,7 +18,7 @@ from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.layers import vision as V
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.train import step as step_lib
-from tests._support import rel_rms
+from tests._support import rel_rms, tiny_model_config
 from tests.conftest import load_config
 from tests.vision.helpers import P, VIS, rand_img as _rand_img, vlm_cfg as _vlm_cfg
 
@@ -277,9 +277,8 @@ def test_vision_config_errors_name_the_field():
 
 
 def test_engine_rejects_images_for_a_text_model():
-  m = load_config("tiny").model
-  m.num_layers, m.layer_kinds, m.moe.first_dense_layers = 1, ("mla",), 1
-  model = HybridLM(model_config_from_dict(m), rngs=nnx.Rngs(0))
+  cfg = tiny_model_config(num_layers=1, layer_kinds=("mla",), moe={"first_dense_layers": 1})
+  model = HybridLM(cfg, rngs=nnx.Rngs(0))
   engine = Engine(model, max_len=16)
   with pytest.raises(ValueError, match="without a vision tower"):
     engine.prefill(np.ones((1, 4), np.int32), images={"images": np.zeros((1, 1, 8, 8, 3))})

@@ -97,31 +97,18 @@ def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
   g = jnp.asarray(g)
   g_max, g_min = float(jnp.max(g)), float(jnp.min(g))
   if g_max > 0.0:
-    raise ValueError(
-        f"g must be <= 0 (log decay), got max {g_max} in g of shape {g.shape} "
-        f"(positive g with the bounded path, lower_bound={lower_bound})"
-    )
+    raise ValueError(f"g must be <= 0 (log decay), got max {g_max} in g of shape {g.shape} "
+                     f"(positive g with the bounded path, lower_bound={lower_bound})")
   if g_min < lower_bound:
-    raise ValueError(
-        f"g must be >= lower_bound={lower_bound}, got min {g_min} in g of shape {g.shape}"
-    )
+    raise ValueError(f"g must be >= lower_bound={lower_bound}, got min {g_min} in g of "
+                     f"shape {g.shape}")
 
 
-def kda(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    chunk_size: int = 64,
-    impl: Impl = "auto",
-    lower_bound: float | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+        scale: float | None = None, initial_state: jax.Array | None = None,
+        output_final_state: bool = False, segment_ids: jax.Array | None = None,
+        chunk_size: int = 64, impl: Impl = "auto", lower_bound: float | None = None
+        ) -> tuple[jax.Array, jax.Array | None]:
   """Gated delta rule with per-channel decay (KDA), arXiv:2510.26692.
 
   Args:

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from hybridmoe_jax.config import is_int
 
 from ..decay import check_lower_bound
 from .blocks import causal_mask, diag_block_pairwise, invert_unit_lower
@@ -38,8 +39,7 @@ _f32 = jnp.float32
 
 def check_chunk_size(chunk_size: int) -> None:
   """Raises ValueError unless chunk_size is a power of two >= 16."""
-  ok = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
-  if not ok or chunk_size < _SUB or chunk_size & (chunk_size - 1):
+  if not is_int(chunk_size) or chunk_size < _SUB or chunk_size & (chunk_size - 1):
     raise ValueError(f"chunk_size must be a power of two >= {_SUB}, got {chunk_size!r}")
 
 
@@ -95,16 +95,10 @@ def _decays(g: jax.Array, lower_bound: float | None) -> _Decays:
     cols_diag = jnp.exp(first[..., None, :] + shift - Gl)
     # The same trick: both exponents within +-37.5, the product <= 1.
     to_end = cols_diag * jnp.exp(tot - first - shift)[..., None, :]
-  return _Decays(
-      gl=Gl,
-      rows=rows,
-      cols_diag=cols_diag,
-      to_end=to_end,
-      between=jnp.exp(first[..., :, None, :] + gap + shift) * before[:, :, None],
-      from_start=from_start,
-      block_to_end=jnp.exp(_mm(before.T, tot)),
-      total=jnp.exp(jnp.sum(tot, axis=-2)),
-  )
+  return _Decays(gl=Gl, rows=rows, cols_diag=cols_diag, to_end=to_end,
+                 between=jnp.exp(first[..., :, None, :] + gap + shift) * before[:, :, None],
+                 from_start=from_start, block_to_end=jnp.exp(_mm(before.T, tot)),
+                 total=jnp.exp(jnp.sum(tot, axis=-2)))
 
 
 def _scores(q, k, dec: _Decays, keep_qk, keep_kk):
@@ -257,37 +251,17 @@ def _group_step(s, xs, *, c, scale, lower_bound):
   return s, jnp.moveaxis(o, 1, 3).reshape(B, gc, HV, V)
 
 
-def kda_chunked(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    chunk_size: int = 64,
-    lower_bound: float | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                scale: float | None = None, initial_state: jax.Array | None = None,
+                output_final_state: bool = False, segment_ids: jax.Array | None = None,
+                chunk_size: int = 64, lower_bound: float | None = None
+                ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention, chunked form; equal to kda_recurrent up to fp32 rounding.
 
-  Args:
-    q, k: [B, T, H, K] L2-normalised queries/keys.
-    v: [B, T, HV, V] values, HV a multiple of H.
-    g: [B, T, HV, K] log decay <= 0 (within [lower_bound, 0] if lower_bound is given).
-    beta: [B, T, HV] write strength.
-    scale: query scale; defaults to K ** -0.5.
-    initial_state: optional [B, HV, K, V] state for the first token's segment.
-    output_final_state: also return the final [B, HV, K, V] float32 state.
-    segment_ids: optional [B, T] integer ids; the state resets where the id changes.
-    chunk_size: C, a power of two >= 16. Any T works (padded internally).
-    lower_bound: if given (in [-5, 0)), the gates are promised to be >= lower_bound and
-      the diagonal 16-blocks use one dense matmul instead of the pairwise form.
-
-  Returns:
-    (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+  Arguments and result as `ops.kda.kda`'s (shapes in the module docstring). chunk_size: C, a
+  power of two >= 16 (any T works, padded internally). lower_bound: if given (in [-5, 0)),
+  the gates are promised to be >= lower_bound and the diagonal 16-blocks use one dense
+  matmul instead of the pairwise form.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   check_chunk_size(chunk_size)

@@ -31,29 +31,22 @@ def check_kda_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None) -> 
   if v.shape[:2] != (B, T):
     raise ValueError(f"v must have batch/time [B, T] = {(B, T)} like q, got shape {v.shape}")
   if HV % H != 0:
-    raise ValueError(
-        f"v heads HV={HV} must be a multiple of q/k heads H={H}; v shape {v.shape}"
-    )
+    raise ValueError(f"v heads HV={HV} must be a multiple of q/k heads H={H}; v shape {v.shape}")
   if g.shape != (B, T, HV, K):
     raise ValueError(f"g must have shape [B, T, HV, K] = {(B, T, HV, K)}, got {g.shape}")
   if beta.shape != (B, T, HV):
     raise ValueError(f"beta must have shape [B, T, HV] = {(B, T, HV)}, got {beta.shape}")
   if initial_state is not None and np.shape(initial_state) != (B, HV, K, V):
-    raise ValueError(
-        f"initial_state must have shape [B, HV, K, V] = {(B, HV, K, V)}, "
-        f"got {np.shape(initial_state)}"
-    )
+    raise ValueError(f"initial_state must have shape [B, HV, K, V] = {(B, HV, K, V)}, "
+                     f"got {np.shape(initial_state)}")
   if segment_ids is not None:
     if np.shape(segment_ids) != (B, T):
-      raise ValueError(
-          f"segment_ids must have shape [B, T] = {(B, T)}, got {np.shape(segment_ids)}"
-      )
+      raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, "
+                       f"got {np.shape(segment_ids)}")
     dtype = jnp.asarray(segment_ids).dtype
     if not jnp.issubdtype(dtype, jnp.integer):
-      raise ValueError(
-          f"segment_ids must be an integer array, got dtype {dtype} "
-          f"(shape {np.shape(segment_ids)})"
-      )
+      raise ValueError(f"segment_ids must be an integer array, got dtype {dtype} "
+                       f"(shape {np.shape(segment_ids)})")
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:
@@ -66,33 +59,14 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
   return jnp.concatenate([first, seg[:, 1:] != seg[:, :-1]], axis=1)
 
 
-def kda_recurrent(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                  scale: float | None = None, initial_state: jax.Array | None = None,
+                  output_final_state: bool = False, segment_ids: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention as a token-by-token scan (fp32 state); exact reference.
 
-  Args:
-    q, k: [B, T, H, K] queries/keys, already L2-normalised (not normalised here).
-    v: [B, T, HV, V] values, HV a multiple of H.
-    g: [B, T, HV, K] per-channel log decay, <= 0.
-    beta: [B, T, HV] write strength in (0, 1).
-    scale: query scale; defaults to K ** -0.5.
-    initial_state: optional [B, HV, K, V] state for the first token's segment (float32).
-    output_final_state: also return the state after the last token.
-    segment_ids: optional [B, T] integers; the state is zeroed at every token whose id
-      differs from the previous token's (packed documents never interact).
-
-  Returns:
-    (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
+  Arguments and result as `ops.kda.kda`'s (shapes in the module docstring): the state is
+  zeroed at every token whose segment id differs from the previous token's.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   B, T, H, K = q.shape

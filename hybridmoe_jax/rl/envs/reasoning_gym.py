@@ -4,36 +4,28 @@ Optional: needs the `reasoning-gym` extra (`pip install -e ".[reasoning-gym]"`);
 imports without it, and building the environment without it raises MissingExtraError (an
 ImportError, and a ValueError so config checks report it as one line).
 
-An episode is one item of the reasoning-gym dataset named by the constructor (default
-"basic_arithmetic"), drawn deterministically from (seed, level): the base class's per-episode
-generator draws a 32-bit item seed (reasoning-gym seeds must stay below 2**32: some datasets
-call np.random.seed), and the item is `create_dataset(name, **level_config, seed=item_seed,
-size=1)[0]`, a dict {question: str, answer: str, metadata: dict}.
-  prompt   the item's question, verbatim (brief mode: the same text)
-  tools    none: horizon(level) = 0, the model answers in its first turn
-  checker  the dataset's own `score_answer(answer.strip(), item)`, a float in [0, 1]; may
-           give partial credit (reasoning-gym's base checker, used by basic_arithmetic: 1
-           for the exact string, else len(target) / len(answer) if the target is inside)
-  oracle   [Answer(item["answer"])]
-`extra_turns` defaults to 0 here (max_turns = 1): a turn that does not parse as an answer ends
-the episode with reward 0, as a single-turn task should.
+An episode is one item of the dataset named by the constructor (default "basic_arithmetic"),
+drawn deterministically from (seed, level): a 32-bit item seed from the base class's
+per-episode generator (some datasets call np.random.seed), then
+`create_dataset(name, **level_config, seed=item_seed, size=1)[0]`, a dict {question, answer,
+metadata}. The prompt is the question verbatim (also in brief mode); no tools (horizon 0,
+the model answers in its first turn; `extra_turns` defaults to 0, so a turn that does not
+parse as an answer ends the episode with reward 0); the checker is the dataset's own
+`score_answer(answer.strip(), item)` in [0, 1] (it may give partial credit: basic_arithmetic
+gives len(target) / len(answer) when the target is inside); the oracle answers item["answer"].
 
-Levels come from the dataset's reasoning-gym curriculum when it has one (all but a few
-do): level L sets every curriculum attribute to its level min(L, its last level) and reads
-it as reasoning-gym's default ("inclusive") context does: a range from the attribute's
-easiest value up to its level-L value, so each level adds harder items to the mix.
-max_level = the longest attribute's level count - 1, lowered to the last level before the
-first one whose config the dataset rejects (a few curricula list out-of-range values).
-For the default "basic_arithmetic" that is 5 levels:
+Levels come from the dataset's reasoning-gym curriculum when it has one: level L sets every
+curriculum attribute to its level min(L, its last level), read as reasoning-gym's default
+("inclusive") context does: a range from the easiest value up to the level-L value, so each
+level adds harder items. max_level = the longest attribute's level count - 1, lowered to
+the last level before one whose config the dataset rejects. "basic_arithmetic" has 5:
   level      0     1     2     3     4
   terms      2     2-3   2-4   2-5   2-6
   digits     1     1-2   1-3   1-4   1-4
-(level 0 is "Calculate 7 - 3." territory; level 4 is reasoning-gym's own default config).
-A dataset without a curriculum has level 0 only, at its default config. Other datasets are
-passed through as they are: a few generate no reference answer (then there is no oracle,
-so no SFT demos; their checker still scores: boxnet, graph_color, propositional_logic,
-rubiks_cube, rush_hour in 0.1.25) and some levels of a few take over 4 s per item (jugs,
-sokoban, zebra_puzzles: reasoning-gym's generators retry until an item is valid).
+(level 4 is reasoning-gym's own default config). A dataset without a curriculum has level 0
+only. A few datasets generate no reference answer (no oracle, so no SFT demos: boxnet,
+graph_color, propositional_logic, rubiks_cube, rush_hour in 0.1.25) and some levels of a few
+take over 4 s per item (jugs, sokoban, zebra_puzzles).
 """
 
 from __future__ import annotations
