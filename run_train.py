@@ -66,6 +66,12 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False,
 _AOT_LAYERS = flags.DEFINE_string(
     "aot_layers", "", "--dry_run on a topology: compile the model at A and B layers ('A,B') "
     "and extrapolate linearly per layer to its depth (a flagship at full depth takes long).")
+_AOT_STAGES = flags.DEFINE_string(
+    "aot_stages", "", "--dry_run on a topology: compile only these stages' train steps "
+    "(indices or names, e.g. '0,1m'; default every stage).")
+_AOT_SERVE = flags.DEFINE_bool(
+    "aot_serve", True, "--dry_run on a topology: also compile a prefill chunk and a decode "
+    "step.")
 # Multi-process (multi-host) runs: see hybridmoe_jax/parallel/distributed.py.
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Start jax.distributed; without --coordinator_address the cluster "
@@ -115,7 +121,8 @@ def main(argv):
       dry_run.dry_run(run)
       if run.hardware.topology:
         from hybridmoe_jax.tools import aot
-        aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value))
+        aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value),
+                       stages=_AOT_STAGES.value, serve=_AOT_SERVE.value)
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)

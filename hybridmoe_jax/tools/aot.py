@@ -152,13 +152,32 @@ def _with_layers(run: RunConfig, layers: int) -> RunConfig:
   return dataclasses.replace(run, model=model)
 
 
-def train_programs(run: RunConfig, devices, plan: plan_lib.Plan) -> list[Compiled]:
-  """The train step of every stage, compiled for `devices` with the run's mesh."""
+def select_stages(plan: plan_lib.Plan, text: str) -> tuple[plan_lib.StagePlan, ...]:
+  """--aot_stages 'A,B' (stage indices or names, e.g. '0,1m') -> those stages of the plan in
+  plan order; '' -> every stage. A curriculum's stages compile one at a time this way (a
+  1M-token stage alone takes long on a small host)."""
+  if not text:
+    return plan.stages
+  by_key = {str(s.index): s for s in plan.stages} | {s.name: s for s in plan.stages}
+  wanted = [k.strip() for k in text.split(",")]
+  unknown = [k for k in wanted if k not in by_key]
+  if unknown or not wanted:
+    allowed = ", ".join(f"{s.index} or {s.name!r}" for s in plan.stages)
+    raise ConfigError(f"--aot_stages={text!r} is invalid: allowed stage indices or names "
+                      f"({allowed}), comma-separated")
+  picked = {by_key[k].index for k in wanted}
+  return tuple(s for s in plan.stages if s.index in picked)
+
+
+def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
+                   stages: tuple[plan_lib.StagePlan, ...] | None = None) -> list[Compiled]:
+  """The train step of every stage (or of `stages`), compiled for `devices` with the run's
+  mesh."""
   t = run.train
   out = []
   e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
   tx = optim.make_optimizer(t, plan.schedule())
-  for s in plan.stages:
+  for s in plan.stages if stages is None else stages:
     rt = runtime_lib.setup(_mesh_sizes(run), run.model, run.compute,
                            batch_size=s.batch_size, grad_accum=t.grad_accum,
                            seq_len=s.seq_len, devices=devices)
@@ -240,9 +259,13 @@ def _extrapolate(small: Compiled, big: Compiled, la: int, lb: int, full: int) ->
 
 
 def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve: bool = True,
-                max_len: int | None = None, prefill_chunk: int = 2048) -> dict:
+                max_len: int | None = None, prefill_chunk: int = 2048,
+                stages: str = "") -> dict:
   """Compile the run's programs for `hardware.topology`; -> {"programs": [Compiled],
   "devices": n, "chip": key, "impls": [lines], "extrapolated": layers or None}.
+
+  `stages` ('' = all; see `select_stages`) picks the train steps compiled; `serve=False`
+  leaves out the prefill and decode programs.
 
   Raises ConfigError (bad topology / mesh) or topology.TopologyUnavailable (no libtpu).
   """
@@ -252,11 +275,12 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
     raise ValueError("compile_run needs hardware.topology (e.g. 'v5p:2x2x1')")
   devices = topology.topology_devices(run.hardware.topology)
   plan = plan_lib.build_plan(run)
+  picked = select_stages(plan, stages)
   max_len = max_len or max(s.seq_len for s in plan.stages)
   prefill_chunk = min(prefill_chunk, max_len)
 
   def programs(r: RunConfig) -> list[Compiled]:
-    out = train_programs(r, devices, plan)
+    out = train_programs(r, devices, plan, picked)
     if serve:
       out += serve_programs(r, devices, max_len=max_len, prefill_chunk=prefill_chunk)
     return out
@@ -269,10 +293,10 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
     full = run.model.num_layers
     progs = [_extrapolate(a, b, la, lb, full) for a, b in zip(small, big)]
     # Our memory model and the model FLOPs at full depth (the estimate is cheap).
-    for p, full_p in zip(progs, train_programs_model_only(run, devices, plan)):
+    for p, full_p in zip(progs, train_programs_model_only(run, devices, plan, picked)):
       p.model_bytes, p.model_flops = full_p
     active = active_from_breakdown(run.model, param_breakdown(run.model))
-    for p in progs[len(plan.stages):]:  # prefill, decode: 2 x the full model's active
+    for p in progs[len(picked):]:  # prefill, decode: 2 x the full model's active
       p.model_flops = 2.0 * active * p.tokens / len(devices)
   mesh = _mesh(run, devices)
   with jax.set_mesh(mesh):
@@ -282,11 +306,13 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
           "impls": impls, "extrapolated": layers, "run": run, "mesh": dict(mesh.shape)}
 
 
-def train_programs_model_only(run: RunConfig, devices, plan) -> list[tuple[float, float]]:
-  """(our memory model's bytes, model FLOPs per device) of each stage's train step."""
+def train_programs_model_only(run: RunConfig, devices, plan,
+                              stages=None) -> list[tuple[float, float]]:
+  """(our memory model's bytes, model FLOPs per device) of each stage's (or `stages`') train
+  step."""
   e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
   out = []
-  for s in plan.stages:
+  for s in plan.stages if stages is None else stages:
     comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
     out.append((dry_lib.step_bytes(comps),
                 6.0 * e["active"] * s.batch_size * s.seq_len / len(devices)))

@@ -146,3 +146,49 @@ def test_a_program_over_hbm_is_a_row_saying_by_how_much_not_a_crash():
 
   with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
     aot._compile("decode", Other(), (), {}, mesh, tokens=1)
+
+
+def _curriculum_run():
+  config = load_config_file("configs/curriculum_1m.py")
+  config.hardware.update(device="", topology="v5p-32")
+  return run_config_from_dict(config)
+
+
+def test_aot_stages_picks_stages_by_index_or_name_in_plan_order():
+  from hybridmoe_jax.tools import aot
+  from hybridmoe_jax.train import plan as plan_lib
+
+  plan = plan_lib.build_plan(_curriculum_run())
+  assert aot.select_stages(plan, "") == plan.stages
+  assert [s.name for s in aot.select_stages(plan, "1m,0")] == ["8k", "1m"]
+  assert [s.index for s in aot.select_stages(plan, "64k, 2")] == [1, 2]
+  for bad in ("4", "2m", ",", "0,,1"):
+    with pytest.raises(ConfigError, match=r"--aot_stages.*'1m'") as e:
+      aot.select_stages(plan, bad)
+    assert "\n" not in str(e.value)
+
+
+@needs_libtpu
+def test_compile_run_compiles_only_the_picked_stages_and_no_serving(monkeypatch):
+  """--aot_stages=1m --noaot_serve: one train step (the 1M stage's shapes), no prefill or
+  decode; our memory model's figure is that stage's. The compiler is stubbed (seconds)."""
+  from hybridmoe_jax.tools import aot
+
+  seen = []
+
+  def fake_compile(name, fn, args, kwargs, mesh, tokens, where=None):
+    seen.append((name, args[1]["tokens"].shape, dict(mesh.shape)))
+    memory = {k: 1.0 for k in ("arguments", "outputs", "aliased", "temporaries", "code")}
+    memory["total"] = 4.0
+    return aot.Compiled(name=name, tokens=tokens, compile_s=1.0, memory=memory, cost={})
+
+  monkeypatch.setattr(aot, "_compile", fake_compile)
+  result = aot.compile_run(_curriculum_run(), stages="1m", serve=False)
+  assert [p.name for p in result["programs"]] == ["train stage 3 T=1,048,576"]
+  assert seen[0][1] == (4, 1 << 20) and seen[0][2]["context"] == 4
+  assert result["programs"][0].model_bytes > 70 * 2 ** 30  # stage 3's 74.15 GiB plan
+  seen.clear()
+  result = aot.compile_run(_curriculum_run(), stages="0,1m", serve=False, layers=(2, 4))
+  assert [p.name.split(" T=")[0] for p in result["programs"]] == ["train stage 0",
+                                                                  "train stage 3"]
+  assert len(seen) == 4  # two stages at 2 and at 4 layers
