@@ -32,7 +32,7 @@ QUESTION = retrieval.QUESTION
 EXPECTATION = ("a tiny model after the default 300-step run scores at chance (10^-digits, "
                "greedy answers not even digits); the retrieval recipe `python run_train.py "
                "--config=configs/long_context_cpu.py` (~12 min on 2 CPU cores) retrieves "
-               "held-out passkeys: 1.00 at its trained 8K, >= 0.9 at 32K and 64K "
+               "held-out passkeys on 2 of 3 seeds: 1.00 at its trained 8K, >= 0.83 at 32K "
                "(BENCHMARKS.md, 'Long-context retrieval')")
 
 
