@@ -294,9 +294,9 @@ class StageConfig(Checked):
             self.weights, "a dict {source name: weight} with at least one weight > 0")
     require(not self.retrieval_fraction or self.seq_len >= 64, f"{p}.retrieval_fraction",
             self.retrieval_fraction, "0 for stages shorter than 64 tokens")
-    lo, hi = self.retrieval_bytes
-    require(len(self.retrieval_bytes) == 2 and (not lo or 64 <= lo <= (hi or self.seq_len - 2))
-            and hi <= self.seq_len - 2, f"{p}.retrieval_bytes", self.retrieval_bytes,
+    lo, hi = self.retrieval_bytes if len(self.retrieval_bytes) == 2 else (-1, -1)
+    require(0 <= hi <= self.seq_len - 2 and (not lo or 64 <= lo <= (hi or self.seq_len - 2)),
+            f"{p}.retrieval_bytes", self.retrieval_bytes,
             f"(shortest, longest) with 64 <= shortest <= longest <= seq_len - 2 = "
             f"{self.seq_len - 2} (0: the default)")
 

@@ -48,7 +48,7 @@ class Stage(Protocol):
   retrieval_fraction: float
   retrieval_answer_weight: float  # loss weight of retrieval answer tokens (1: plain)
   retrieval_kinds: tuple[str, ...]
-  retrieval_bytes: tuple[int, int]  # (shortest, longest) document in bytes, 0: the default
+  retrieval_bytes: tuple[int, int]  # (shortest, longest) retrieval document in bytes
 
   @property
   def end_step(self) -> int: ...
@@ -110,9 +110,8 @@ def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: 
     comps = [stages_lib.Component(n, train_sources[n], w) for n, w in s.weights.items()]
     answer_weight = getattr(s, "retrieval_answer_weight", 1.0)
     if s.retrieval_fraction > 0:
-      lo, hi = getattr(s, "retrieval_bytes", (0, 0))
-      hi = hi or s.seq_len - 2
-      src = retrieval.RetrievalSource(hi, min_bytes=lo or min(hi, max(128, (s.seq_len - 2) // 4)),
+      lo, hi = s.retrieval_bytes
+      src = retrieval.RetrievalSource(hi, min_bytes=lo,
                                       seed=seed + 7919 * s.index, answer_weight=answer_weight,
                                       kinds=tuple(getattr(s, "retrieval_kinds",
                                                           retrieval.KINDS)))

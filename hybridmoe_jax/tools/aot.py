@@ -161,7 +161,7 @@ def select_stages(plan: plan_lib.Plan, text: str) -> tuple[plan_lib.StagePlan, .
   by_key = {str(s.index): s for s in plan.stages} | {s.name: s for s in plan.stages}
   wanted = [k.strip() for k in text.split(",")]
   unknown = [k for k in wanted if k not in by_key]
-  if unknown or not wanted:
+  if unknown:
     allowed = ", ".join(f"{s.index} or {s.name!r}" for s in plan.stages)
     raise ConfigError(f"--aot_stages={text!r} is invalid: allowed stage indices or names "
                       f"({allowed}), comma-separated")
@@ -170,14 +170,14 @@ def select_stages(plan: plan_lib.Plan, text: str) -> tuple[plan_lib.StagePlan, .
 
 
 def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
-                   stages: tuple[plan_lib.StagePlan, ...] | None = None) -> list[Compiled]:
-  """The train step of every stage (or of `stages`), compiled for `devices` with the run's
-  mesh."""
+                   stages: tuple[plan_lib.StagePlan, ...]) -> list[Compiled]:
+  """The train step of each of `stages` (`select_stages`), compiled for `devices` with the
+  run's mesh."""
   t = run.train
   out = []
   e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
   tx = optim.make_optimizer(t, plan.schedule())
-  for s in plan.stages if stages is None else stages:
+  for s in stages:
     rt = runtime_lib.setup(_mesh_sizes(run), run.model, run.compute,
                            batch_size=s.batch_size, grad_accum=t.grad_accum,
                            seq_len=s.seq_len, devices=devices)
@@ -307,12 +307,11 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
 
 
 def train_programs_model_only(run: RunConfig, devices, plan,
-                              stages=None) -> list[tuple[float, float]]:
-  """(our memory model's bytes, model FLOPs per device) of each stage's (or `stages`') train
-  step."""
+                              stages) -> list[tuple[float, float]]:
+  """(our memory model's bytes, model FLOPs per device) of each of `stages`' train step."""
   e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
   out = []
-  for s in plan.stages if stages is None else stages:
+  for s in stages:
     comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
     out.append((dry_lib.step_bytes(comps),
                 6.0 * e["active"] * s.batch_size * s.seq_len / len(devices)))

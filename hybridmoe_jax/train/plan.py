@@ -103,6 +103,13 @@ def _lr_piece(st: StageConfig, start: int, steps: int, base_lr: float,
                        decay_fraction=st.decay_fraction)
 
 
+def _retrieval_bytes(given: tuple[int, int], seq_len: int) -> tuple[int, int]:
+  """A stage's (shortest, longest) retrieval document in bytes; 0 takes the default: the row
+  (less BOS / EOS) and a quarter of it, but at least 128."""
+  hi = given[1] or seq_len - 2
+  return given[0] or min(hi, max(128, (seq_len - 2) // 4)), hi
+
+
 def build_plan(run: RunConfig) -> Plan:
   """The run's plan (the curriculum was checked against the model, compute and train
   sections when `run` was built: `RunConfig.check`)."""
@@ -121,7 +128,7 @@ def build_plan(run: RunConfig) -> Plan:
         retrieval_fraction=st.retrieval_fraction, lr=lr,
         retrieval_answer_weight=st.retrieval_answer_weight,
         retrieval_kinds=tuple(st.retrieval_kinds),
-        retrieval_bytes=tuple(st.retrieval_bytes)))
+        retrieval_bytes=_retrieval_bytes(st.retrieval_bytes, T)))
     start, seen, prev_lr = start + steps, seen + steps * tps, lr
   return Plan(c.tokens_per_step, tuple(plans), curriculum=True)
 

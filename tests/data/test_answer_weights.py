@@ -48,7 +48,7 @@ def test_weights_align_with_answer_tokens():
   assert TOK.decode(out["tokens"][out["loss_weights"] == 5.0]) == doc[a:b]
   plain = _weighted("plain text, no span")     # an ordinary document: all 1
   assert np.array_equal(plain["loss_weights"], np.ones(len("plain text, no span") + 2))
-  assert _weighted(None) is None  # pylint: disable=protected-access
+  assert _weighted(None) is None
 
 
 def _pack(elements, seq_len, bins=2):

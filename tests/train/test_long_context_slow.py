@@ -14,7 +14,6 @@ from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.conftest import ROOT
 
 
-
 def _recipe():
   spec_ = importlib.util.spec_from_file_location("_long_context_cpu",
                                                  ROOT / "configs" / "long_context_cpu.py")
