@@ -8,10 +8,8 @@ relates its fields. Every check raises `ConfigError` naming the dotted field, th
 the allowed range, before anything is allocated. Field names follow DESIGN.md and, where
 they exist, the upstream Hugging Face config keys.
 
-Runtime knobs (precision, remat, kernel choice, EP capacity) are not architecture: they
-live in `ComputeConfig`. Configs saved by older runs hold them in the model / train
-sections; `migrate_legacy` moves them, and a user config that still sets one gets a
-ConfigError naming its new place (`MOVED`).
+Runtime knobs (precision, remat, kernel choice, EP capacity) live in `ComputeConfig`;
+`migrate_legacy` moves them out of older saved configs (`MOVED` names their new place).
 """
 
 from __future__ import annotations

@@ -169,15 +169,12 @@ def evaluate_agent(model: HybridLM, tokenizer, *, envs: Mapping[str, dict],
     examples: trajectories kept per cell (as trajectory_log records).
 
   Returns:
-    {"policy", "seed", "episodes", "temperature", "envs": {name: kwargs}, "cells": [one per
-    (env, level): {"env", "level", "episodes", "success_rate", "mean_reward", "mean_turns",
-    "mean_generated_tokens", "mean_total_tokens", "finish_reasons": {reason: count},
-    "seeds", "examples"}], "overall": {"episodes", "success_rate", "mean_reward"},
-    "rollout": the rollout's stats (wall_s, tokens per second, model calls)}.
+    {"policy", "seed", "episodes", "temperature", "envs", "cells": [per (env, level): success
+    rate, mean reward / turns / tokens, finish reasons, seeds, examples], "overall", "rollout"}.
 
   Raises:
-    ValueError: a bad argument (named, with its allowed range), a tokenizer without chat
-      roles, or a prompt longer than max_tokens - all before the model runs.
+    ValueError (before the model runs): a bad argument (named, with its range), a tokenizer
+      without chat roles, or a prompt longer than max_tokens.
   """
   if policy not in POLICIES:
     raise ValueError(f"policy = {policy!r}: allowed one of {list(POLICIES)}")

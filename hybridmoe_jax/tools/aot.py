@@ -1,24 +1,15 @@
 """Ahead-of-time compilation of a run's real steps for a TPU topology, on any machine.
 
-`--dry_run --config.hardware.topology=v5p-256` (run_train.py) calls `aot_report`: the
-train step of every stage (`train.step.make_train_step`, the run's TrainState with the
-shardings of `parallel.rules`, the expert-parallel MoE and context runner of
-`parallel.runtime`), the prefill chunk and the decode step (`infer.engine`'s jitted
-functions) are lowered with abstract arguments (ShapeDtypeStruct + NamedSharding) and
-compiled by libtpu for the slice's devices (`parallel.topology`). Under `jax.set_mesh` of
-that mesh every implementation chooser sees the TPU (`ops.platform`): the Pallas KDA kernel
-(Mosaic), splash attention, the native ragged all-to-all.
+`run_train.py --dry_run --config.hardware.topology=v5p-256` calls `aot_report`: each stage's
+train step (the run's TrainState with `parallel.rules` shardings, the EP MoE and context runner
+of `parallel.runtime`), the prefill chunk and the decode step are lowered with abstract
+arguments and compiled by libtpu for the slice's devices (`parallel.topology`); under
+`jax.set_mesh` of that mesh the implementation choosers (`ops.platform`) pick the TPU's.
 
-Per program it reports the compiler's figures (labelled "compiler estimate": XLA's
-`memory_analysis()` per device and its cost model's `optimal_seconds`), our memory model's
-figure for the train step (`train.dry_run.stage_memory`) and their ratio, the compile time,
-the implied tokens/s and the model-FLOPs utilisation (6 x active parameters x tokens per
-step over the cost model's time and the chip's peak: `hardware.CHIPS`).
-
-`layers=(a, b)` compiles the model with a and b layers (same layer pattern) instead of its
-own depth and extrapolates memory and step time linearly per layer to the full depth: the
-layer stack is a Python loop, so compile time grows with depth (a flagship at full depth
-takes tens of minutes on a small host).
+Per program: the compiler's figures ("compiler estimate": `memory_analysis()` per device, the
+cost model's time), our memory model's figure (train) and the ratio, compile time, tokens/s and
+MFU against the chip's peak (`hardware.CHIPS`). `layers=(a, b)` compiles a and b layers (same
+pattern) and extrapolates linearly per layer: compile time grows with depth.
 """
 
 from __future__ import annotations
