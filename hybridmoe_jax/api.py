@@ -124,7 +124,7 @@ def _place(model: HybridLM, mesh: Mesh) -> HybridLM:
         "host and placed from there, which needs every device of the mesh addressable "
         "(one process, e.g. a single TPU VM)")
   graphdef, state = nnx.split(model)
-  state = jax.device_put(state, tree_shardings(state, mesh))
+  state = jax.device_put(state, tree_shardings(state, mesh, serving=True))
   return nnx.merge(graphdef, state)
 
 

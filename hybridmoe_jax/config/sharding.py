@@ -29,13 +29,15 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("length", "context"),       # a sequence over context shards (parallel/context.py)
     ("act_embed", None),
     # parameters
-    ("embed", "fsdp"),           # the model width d of every weight: ZeRO-3 style
+    # The model width d of every weight, ZeRO-3 style, over fsdp and context: the context
+    # axis splits sequences, so without it the state would be replicated on its shards.
+    ("embed", ("fsdp", "context")),
     ("vocab", "tensor"),
     ("mlp", "tensor"),           # dense / shared FFN hidden width
     ("heads", "tensor"),         # projected q/k/v/gate widths (heads x head_dim)
     ("latent", None),            # MLA kv latent, MoE latent width, low-rank factors
     ("expert", "expert"),        # routed experts are owned by expert shards
-    ("expert_embed", "fsdp"),
+    ("expert_embed", ("fsdp", "context")),
     ("expert_mlp", "tensor"),
     ("routing", None),           # router columns and balancing biases: every shard routes
     ("norm", None),

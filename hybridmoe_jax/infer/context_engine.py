@@ -57,7 +57,7 @@ class ContextParallelEngine(Engine):
     self.placement = ContextDecode(mesh).placement
     super().__init__(model, max_len=self.slots_per_shard * self.shards,
                      prefill_chunk=self.slots_per_shard * self.shards, kv_block=kv_block)
-    self.state = jax.device_put(self.state, tree_shardings(self.state, mesh))
+    self.state = jax.device_put(self.state, tree_shardings(self.state, mesh, serving=True))
 
   def init_cache(self, batch: int) -> DecodeCache:
     """An empty cache: MLA latents sharded along N over `context`, the rest replicated."""

@@ -75,9 +75,12 @@ def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
   return (None,) * ndim
 
 
-def tree_shardings(tree, mesh: Mesh):
-  """NamedSharding for every array leaf of `tree` (params, optimizer state, biases, ...)."""
-  shape = dict(mesh.shape)
+def tree_shardings(tree, mesh: Mesh, *, serving: bool = False):
+  """NamedSharding for every array leaf of `tree` (params, optimizer state, biases, ...).
+
+  Training splits the state over the context axis too (config/sharding.py); `serving`
+  replicates it there: a decode step would otherwise all-gather every weight, each token."""
+  shape = dict(mesh.shape, **({"context": 1} if serving else {}))
 
   def one(path, leaf):
     dims = tuple(getattr(leaf, "shape", ()))

@@ -37,6 +37,7 @@ from hybridmoe_jax.parallel import shard_state, topology
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.exchange import resolve_impl_why
 from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
+from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.config.hardware import CHIPS
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.config.sharding import BATCH_AXES, TOKEN_AXES
@@ -214,14 +215,14 @@ def _mesh(run: RunConfig, devices):
 def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
                    kv_block: int = 512) -> list[Compiled]:
   """A prefill chunk and a decode step (`infer.engine`'s jitted functions) for one row per
-  token shard (data x fsdp x expert), parameters sharded as in training, the cache's rows
+  token shard (data x fsdp x expert), parameters sharded for serving, the cache's rows
   over the batch axes. Whole sequences per device (no context runner)."""
   mesh = _mesh(run, devices)
   rows = math.prod(mesh.shape[a] for a in TOKEN_AXES)
   where = _serve_plan(run, mesh)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: HybridLM(
       run.model, rngs=nnx.Rngs(0), compute=run.compute)))
-  state_sh = shard_state.state_shardings(state, mesh)
+  state_sh = tree_shardings(state, mesh, serving=True)
   cache = jax.eval_shape(lambda: init_cache(run.model, rows, max_len, dtype=run.compute.dtype))
   rows_sh = NamedSharding(mesh, P(BATCH_AXES + ("expert",)))
   cache_sh = jax.tree.map(lambda a: rows_sh if a.ndim else NamedSharding(mesh, P()), cache)

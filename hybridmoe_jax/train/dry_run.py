@@ -10,7 +10,8 @@ the target device (`hardware`: device, memory, margin), and whether it fits.
 
 Everything comes from abstract shapes (`nnx.eval_shape` / `jax.eval_shape`). Per-device
 memory assumes the usual layout of the planned sharding: dense weights split over
-fsdp x tensor, routed experts over expert x fsdp x tensor, replicated over data.
+fsdp x context x tensor, routed experts over expert x fsdp x context x tensor, replicated
+over data.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
   for _, params, times in param_pieces(cfg, vision=True):
     param_bytes += times * _bytes(params)
     opt_bytes += times * _bytes(jax.eval_shape(tx.init, params))
-  shard = mesh["fsdp"] * mesh["tensor"]
+  shard = mesh["fsdp"] * mesh["tensor"] * mesh.get("context", 1)   # config/sharding.py
   expert_frac = counts["routed_experts"] / max(total, 1)
   per_param_split = (1 - expert_frac) / shard + expert_frac / (shard * mesh["expert"])
   return {

@@ -87,6 +87,8 @@ def test_sharded_train_step_equals_unsharded(sizes):
   # Expert weights and their Adam moments live on the expert axis, the bias is replicated.
   ffn = state.params["layers"][1]["ffn"]
   assert ffn["w_gate"][...].sharding.spec[0] == "expert"
+  if "context" in sizes:   # the state is split over the context shards too (ZeRO over them)
+    assert ffn["w_gate"][...].sharding.spec[1] == "context"
   mu = state.opt_state[1][0].mu["layers"][1]["ffn"]["w_gate"][...]
   assert mu.sharding.spec == ffn["w_gate"][...].sharding.spec
   assert state.biases["layers"][1]["ffn"]["bias"][...].sharding.is_fully_replicated
@@ -159,6 +161,18 @@ def test_rules_shard_every_leaf_consistently():
   assert spec("layers/0/mixer/q_proj/kernel", (64, 64)) == jax.P("fsdp", "tensor")
   assert spec("step", ()) == jax.P()
   assert spec("layers/1/ffn/w_gate", (8, 32)) == jax.P()             # rank mismatch
+  # The context axis shards the state too: with it, the model width splits over fsdp x context.
+  shape = dict(make_mesh(fsdp=2, expert=2, context=2).shape)
+  assert spec("layers/0/mixer/q_proj/kernel", (64, 64)) == jax.P(("fsdp", "context"))
+  assert spec("layers/1/ffn/w_gate", (8, 32, 64)) == jax.P("expert", ("fsdp", "context"))
+  assert spec("layers/0/mixer/q_proj/kernel", (66, 64)) == jax.P("fsdp")  # 66 % 4: fsdp only
+  # Serving replicates the weights over context (the cache is what the context axis splits).
+  mesh = make_mesh(fsdp=2, expert=2, context=2)
+  tree = {"layers": {"0": {"mixer": {"q_proj": {"kernel": jax.ShapeDtypeStruct((64, 64),
+                                                                              "float32")}}}}}
+  for serving, want in ((False, jax.P(("fsdp", "context"))), (True, jax.P("fsdp"))):
+    got = rules.tree_shardings(tree, mesh, serving=serving)
+    assert got["layers"]["0"]["mixer"]["q_proj"]["kernel"].spec == want
 
 
 class _Untouchable:

@@ -342,6 +342,9 @@ def test_stage_memory_components_scale():
   cp = dry_run.stage_memory(run4, e4, 16384, 8)
   assert cp["none"]["activations"] == pytest.approx(two["none"]["activations"] / 4)
   assert cp["none"]["mla_latents"] > 0
+  # Parameters, gradients and optimizer state are split over context too (ZeRO over it).
+  for part in ("params", "gradients", "optimizer"):
+    assert cp["none"][part] == pytest.approx(two["none"][part] / 4)
 
 
 def test_hardware_section_checks_its_fields():
