@@ -76,10 +76,8 @@ def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
 
 
 def tree_shardings(tree, mesh: Mesh, *, serving: bool = False):
-  """NamedSharding for every array leaf of `tree` (params, optimizer state, biases, ...).
-
-  Training splits the state over the context axis too (config/sharding.py); `serving`
-  replicates it there: a decode step would otherwise all-gather every weight, each token."""
+  """NamedSharding for every array leaf of `tree` (params, optimizer state, biases, ...);
+  `serving` replicates over context (a decode step would all-gather every weight per token)."""
   shape = dict(mesh.shape, **({"context": 1} if serving else {}))
 
   def one(path, leaf):

@@ -20,6 +20,7 @@ from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.parallel import shard_state
+from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.parallel.context import ContextParallel
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 
@@ -40,7 +41,7 @@ class Runtime:
     """The abstract state orbax restores into: with shardings on a mesh (any mesh shape)."""
     if self.mesh is None:
       return abstract_state
-    self.state_shardings = shard_state.state_shardings(abstract_state, self.mesh)
+    self.state_shardings = tree_shardings(abstract_state, self.mesh)
     return shard_state.with_shardings(abstract_state, self.state_shardings)
 
   def init_state(self, build: Callable[[], Any], abstract_state):

@@ -15,11 +15,6 @@ from jax.sharding import Mesh
 from hybridmoe_jax.parallel.rules import tree_shardings
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh):
-  """A state-shaped tree of NamedSharding."""
-  return tree_shardings(abstract_state, mesh)
-
-
 def with_shardings(abstract_state: Any, shardings):
   """ShapeDtypeStruct leaves carrying their target sharding (orbax restores onto them)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -37,7 +32,7 @@ def init_sharded(build: Callable[[], Any], abstract_state: Any, mesh: Mesh):
   The init runs under jit with `out_shardings`, so no device ever holds the whole model;
   values equal an unsharded `build()` (same seeds, partitionable RNG).
   """
-  shardings = state_shardings(abstract_state, mesh)
+  shardings = tree_shardings(abstract_state, mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(build, out_shardings=shardings)()
   return state, shardings

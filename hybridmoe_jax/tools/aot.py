@@ -33,7 +33,7 @@ from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import runtime as runtime_lib
-from hybridmoe_jax.parallel import shard_state, topology
+from hybridmoe_jax.parallel import topology
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.exchange import resolve_impl_why
 from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
@@ -174,7 +174,7 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
                            batch_size=s.batch_size, grad_accum=t.grad_accum,
                            seq_len=s.seq_len, devices=devices)
     graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed)
-    shardings = shard_state.state_shardings(abstract, rt.mesh)
+    shardings = tree_shardings(abstract, rt.mesh)
     step = make_train_step(graphdef, run.model, tx, grad_accum=t.grad_accum,
                            schedule=plan.schedule(), state_shardings=shardings,
                            plan=rt.plan)
