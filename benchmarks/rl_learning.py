@@ -51,9 +51,11 @@ def _config(args, seed: int, **rl):
     config.rl.sft_steps = args.sft_steps
   if args.sft_levels:
     config.rl.sft_levels = tuple(int(x) for x in args.sft_levels.split(","))
-  if args.start_level is not None:
+  if rl.get("iterations", 1) and args.start_level is not None:   # RL only, not the SFT
     for env in config.rl.envs.values():
       env["start_level"] = args.start_level
+  if rl.get("iterations", 1) and args.curriculum_target is not None:
+    config.rl.curriculum_target = args.curriculum_target
   for k, v in rl.items():
     setattr(config.rl, k, v)
   return config
@@ -62,6 +64,13 @@ def _config(args, seed: int, **rl):
 def _records(workdir: str, event: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+def _sft_finished(workdir: str, steps: int | None) -> bool:
+  """The SFT warm start in `workdir` logged its last step (`steps`; None: the config's)."""
+  if steps is None or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    return False
+  return any(r.get("step") == steps for r in _records(workdir, "sft"))
 
 
 def _success(rec: dict) -> dict[str, float]:
@@ -75,11 +84,16 @@ def run(args) -> list[dict]:
                                        if args.sft_levels else "")
     sft_dir = os.path.join(args.out, f"sft{tag}_s{seed}")
     with stopwatch() as sw:
-      trainer.train_rl(run_config_from_dict(_config(args, seed, iterations=0, eval_every=0)),
-                     sft_dir)
+      if not _sft_finished(sft_dir, args.sft_steps):   # a finished warm start is reused as is
+        trainer.train_rl(run_config_from_dict(_config(args, seed, iterations=0, eval_every=0)),
+                         sft_dir)
+    if args.sft_steps and not _sft_finished(sft_dir, args.sft_steps):
+      sys.exit(f"{sft_dir}: the warm start stopped before step {args.sft_steps} (a signal?); "
+               "run again to resume it")
     sft_s = sw.seconds
     for algo in args.algos:
       start = "" if args.start_level is None else f"_start{args.start_level}"
+      start += "" if args.curriculum_target is None else f"_target{args.curriculum_target:g}"
       workdir = os.path.join(args.out, f"{algo}{tag}{start}_s{seed}")
       rl = dict(ALGOS[algo], init_from=sft_dir, iterations=args.iterations,
                 eval_every=args.eval_every, eval_episodes=args.eval_episodes,
@@ -136,6 +150,9 @@ def main():
   p.add_argument("--sft_levels", default="", help="e.g. 0,1,2,3; default: the config's")
   p.add_argument("--start_level", type=int, default=None,
                  help="the curriculum's first frontier of every env; default: the config's")
+  p.add_argument("--curriculum_target", type=float, default=None,
+                 help="the success rate the curriculum samples levels near (rl.curriculum_target);"
+                      " default: the config's")
   p.add_argument("--opmd_tau", type=float, default=1.0)
   p.add_argument("--cell", default="arithmetic/L1", help="the cell of the summary table")
   p.add_argument("--json", default=None, help="also write all records here")

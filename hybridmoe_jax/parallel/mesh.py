@@ -79,7 +79,12 @@ def build_mesh(mesh_sizes: Mapping[str, int], devices: Sequence | None = None) -
     # make_mesh orders devices for the physical topology (ICI rings on TPU, NVLink on GPU);
     # a whole TPU topology described for an ahead-of-time compile (`parallel.topology`)
     # gets the same layout a run on that slice would.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    try:
+      return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    except NotImplementedError as e:   # an axis size no product of physical axes gives
+      raise ConfigError(f"config field `mesh` = {sizes} does not map onto the devices' "
+                        f"physical axes (each mesh axis must be a product of some of them): "
+                        f"{str(e).split('.')[0]}") from None
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=types)
 
 

@@ -73,6 +73,10 @@ def test_libtpu_rejection_is_one_line_and_choosers_see_the_target():
     assert name == "pallas" and "tpu" in why and "mesh" in why
     assert attention_backends.current_backend() == ("tpu", None)
     assert exchange.resolve_impl("auto") == "native"
+  # A mesh axis no product of the slice's physical axes gives (8 on 4 x 4 x 4): one line.
+  with pytest.raises(ConfigError, match=r"`mesh`.*physical axes") as e:
+    build_mesh({"fsdp": 8, "context": 8}, topology.topology_devices("v5p:4x4x4"))
+  assert "\n" not in str(e.value)
 
 
 def _tiny():
