@@ -225,22 +225,21 @@ def table(results: dict) -> str:
 
 def summary(results: dict) -> str:
   """Markdown rows: per recipe (the run name without its seed: variant and options), the
-  single-stage (512) runs' exact match by prompt length over their seeds (mean, min-max)."""
-  first = [r for r in results["runs"] if r["stages"] == 1]
-  recipe = lambda r: r["run"].rsplit("_s", 1)[0]
-  out = []
-  for name in sorted({recipe(r) for r in first},
-                     key=lambda n: (ORDER.index(n.split("_n")[0]), n)):
+  single-stage (512) runs' exact match by prompt length over their seeds (mean, min-max); a
+  full recipe's first stage (the same training) is a row of its own, "(stage 0)"."""
+  first = results["runs"]
+  recipe = lambda r: r["run"].rsplit("_s", 1)[0] + (" (stage 0)" if r["stages"] > 1 else "")
+  names = sorted({recipe(r) for r in first}, key=lambda n: (ORDER.index(n.split("_n")[0]), n))
+  every = sorted({n for r in first for n in per_length(r["niah"][0])})
+  out = ["| recipe (seeds) | " + " | ".join(str(n) for n in every) + " |",
+         "| --- " * (len(every) + 1) + "|"]
+  for name in names:
     curves = [per_length(r["niah"][0]) for r in first if recipe(r) == name]
-    lengths = sorted(set.intersection(*(set(c) for c in curves)))
-    if not out:
-      out = ["| recipe (seeds) | " + " | ".join(str(n) for n in lengths) + " |",
-             "| --- " * (len(lengths) + 1) + "|"]
     cells = []
-    for n in lengths:
-      ys = [c[n] for c in curves]
-      cells.append(f"{np.mean(ys):.2f} ({min(ys):.2f}-{max(ys):.2f})" if len(ys) > 1
-                   else f"{ys[0]:.2f}")
+    for n in every:
+      ys = [c[n] for c in curves if n in c]
+      cells.append("-" if not ys else f"{ys[0]:.2f}" if len(ys) == 1
+                   else f"{np.mean(ys):.2f} ({min(ys):.2f}-{max(ys):.2f})")
     out.append(f"| {name} ({len(curves)}) | " + " | ".join(cells) + " |")
   return "\n".join(out)
 
@@ -262,6 +261,9 @@ def main() -> None:
   ap.add_argument("--results", default=str(RESULTS))
   ap.add_argument("--images", default=str(IMAGES))
   ap.add_argument("--plot_only", action="store_true")
+  ap.add_argument("--figures_from", default="",
+                  help="draw the figures and the summary from the runs whose name contains this "
+                       "(e.g. lr0.0015: one recipe's runs); the table lists every run")
   args = ap.parse_args()
   results = {"runs": []}
   if os.path.exists(args.results):
@@ -288,10 +290,11 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         with open(args.results, "w", encoding="utf-8") as f:
           json.dump(results, f, indent=1)
-  for path in draw(results, pathlib.Path(args.images)):
+  picked = dict(results, runs=[r for r in results["runs"] if args.figures_from in r["run"]])
+  for path in draw(picked, pathlib.Path(args.images)):
     print(f"figure {path}")
   print(table(results))
-  print(summary(results))
+  print(summary(picked))
 
 
 if __name__ == "__main__":

@@ -42,10 +42,11 @@ VARIANTS = {
 STAGES = (
     # Stage 1: passkey alone (the easiest copy) in short documents (64-256 bytes: ~19 answers
     # per step), their answer digits weighted `weight` in the loss. This is what makes the copy
-    # form within a few hundred steps at d_model 64 (BENCHMARKS.md, "Long-context retrieval").
-    dict(name="512", seq_len=512, steps=600, weights={"pydoc": 1.0}, retrieval_fraction=0.75,
+    # form within a few hundred steps at d_model 64 (BENCHMARKS.md, "Long-context retrieval");
+    # at lr 3e-3 one seed in three spiked and formed it only after ~900 steps.
+    dict(name="512", seq_len=512, steps=800, weights={"pydoc": 1.0}, retrieval_fraction=0.75,
          retrieval_kinds=("passkey",), retrieval_bytes=(64, 256), retrieval_answer_weight=10.0,
-         lr=3e-3, warmup=30, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.2),
+         lr=1.5e-3, warmup=30, schedule="wsd", min_lr_ratio=0.3, decay_fraction=0.2),
     # Stages 2-3: every distance up to the row, named needles with distractors from 2K on.
     dict(name="2k", seq_len=2048, steps=60, weights={"pydoc": 1.0}, retrieval_fraction=0.75,
          retrieval_kinds=("passkey", "multikey"), retrieval_bytes=(64, 2046),
