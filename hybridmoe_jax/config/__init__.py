@@ -167,10 +167,6 @@ class Checked:
     """Checks that relate several fields (ConfigError naming `p.field`); none by default."""
 
 
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
 MOE_IMPLS = ("ragged", "dense")
 MLA_IMPLS = ("auto", "dense", "blockwise", "cudnn", "triton", "splash")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -190,7 +186,7 @@ class ComputeConfig(Checked):
   remat: str = ranged("none", REMAT_POLICIES)  # decoder-layer rematerialisation
   kda_impl: str = ranged("auto", KDA_IMPLS)  # KDA op: "auto" (pallas -> chunked), ...
   # chunk of the chunked / Pallas KDA
-  kda_chunk_size: int = ranged(64, Allowed(lambda v: is_int(v) and _is_pow2(v) and v >= 16,
+  kda_chunk_size: int = ranged(64, Allowed(lambda v: is_int(v) and v >= 16 and v & (v - 1) == 0,
                                            "a power of two >= 16"))
   # local expert FFN: "ragged" (sorted ragged_dot) or "dense"
   moe_impl: str = ranged("ragged", MOE_IMPLS)
