@@ -42,26 +42,29 @@ IMAGES = _ROOT / "docs" / "images"
 KV_PAIRS = (2, 4, 8, 16, 32)
 
 
-def _options(steps: int = 0, weight: int = 0, factor: int = 0, lr: float = 0) -> str:
+def _options(steps: int = 0, weight: int = 0, factor: int = 0, lr: float = 0,
+             late_lr: float = 0) -> str:
   """The config string's optional fields (0: the recipe's value)."""
   return "".join(f",{k}={v}" for k, v in (("steps", steps), ("weight", weight),
-                                          ("factor", factor), ("lr", lr)) if v)
+                                          ("factor", factor), ("lr", lr),
+                                          ("late_lr", late_lr)) if v)
 
 
 def run_name(variant: str, stages: int, seed: int, steps: int = 0, weight: int = 0,
-             factor: int = 0, lr: float = 0) -> str:
+             factor: int = 0, lr: float = 0, late_lr: float = 0) -> str:
   return (f"{variant}_n{stages}{f'_t{steps}' if steps else ''}{f'_w{weight}' if weight else ''}"
-          f"{f'_f{factor}' if factor else ''}{f'_lr{lr:g}' if lr else ''}_s{seed}")
+          f"{f'_f{factor}' if factor else ''}{f'_lr{lr:g}' if lr else ''}"
+          f"{f'_llr{late_lr:g}' if late_lr else ''}_s{seed}")
 
 
 def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0, weight: int = 0,
-          factor: int = 0, lr: float = 0, nice: int = 19) -> float:
+          factor: int = 0, lr: float = 0, late_lr: float = 0, nice: int = 19) -> float:
   """Runs the recipe unless its last stage's NIAH grid exists; -> wall seconds (0 if done)."""
   if os.path.exists(os.path.join(workdir, "eval", f"niah_stage{stages - 1}.json")):
     return 0.0
   cmd = ["nice", "-n", str(nice), sys.executable, str(_ROOT / "run_train.py"),
          f"--config={_ROOT / 'configs' / 'long_context_cpu.py'}:{variant},stages={stages},"
-         f"seed={seed}{_options(steps, weight, factor, lr)}",
+         f"seed={seed}{_options(steps, weight, factor, lr, late_lr)}",
          f"--workdir={workdir}"]
   with open(workdir + ".log", "a", encoding="utf-8") as log, stopwatch() as sw:
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -88,7 +91,8 @@ def kv_recall(workdir: str, max_len: int) -> dict:
 
 
 def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
-            steps: int = 0, weight: int = 0, factor: int = 0, lr: float = 0) -> dict:
+            steps: int = 0, weight: int = 0, factor: int = 0, lr: float = 0,
+            late_lr: float = 0) -> dict:
   grids = []
   for k in range(stages):
     with open(os.path.join(workdir, "eval", f"niah_stage{k}.json"), encoding="utf-8") as f:
@@ -99,8 +103,9 @@ def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     train_rows = [r for r in map(json.loads, f) if r.get("split") == "train"]
   last = grids[-1]["stage_seq_len"]
-  return {"run": run_name(variant, stages, seed, steps, weight, factor, lr), "variant": variant,
-          "seed": seed, "first_stage_lr": lr or None,
+  return {"run": run_name(variant, stages, seed, steps, weight, factor, lr, late_lr),
+          "variant": variant, "seed": seed, "first_stage_lr": lr or None,
+          "late_stage_lr": late_lr or None,
           "stages": stages, "first_stage_steps": steps or None, "answer_weight": weight or None,
           "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
           "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
@@ -255,7 +260,9 @@ def main() -> None:
   ap.add_argument("--factor", type=int, default=0,
                   help="NIAH up to factor x each stage's length (0: the recipe's, 8)")
   ap.add_argument("--lr", type=float, default=0,
-                  help="first stage's peak learning rate (0: the recipe's, 3e-3)")
+                  help="first stage's peak learning rate (0: the recipe's, 1.5e-3)")
+  ap.add_argument("--late_lr", type=float, default=0,
+                  help="peak learning rate of the later stages (0: the recipe's)")
   ap.add_argument("--nice", type=int, default=19, help="niceness of the training runs")
   ap.add_argument("--root", default="runs/lcr")
   ap.add_argument("--results", default=str(RESULTS))
@@ -273,7 +280,7 @@ def main() -> None:
     os.makedirs(args.root, exist_ok=True)
     for v in args.variants.split(","):
       for s in (int(x) for x in args.seeds.split(",")):
-        opts = (args.steps, args.weight, args.factor, args.lr)
+        opts = (args.steps, args.weight, args.factor, args.lr, args.late_lr)
         workdir = os.path.join(args.root, run_name(v, args.stages, s, *opts))
         seconds = train(v, args.stages, s, workdir, *opts, nice=args.nice)
         row = collect(v, args.stages, s, workdir, seconds, *opts)

@@ -21,10 +21,11 @@ Variants for the ablation (same data, seeds and budget), as the config string:
   configs/long_context_cpu.py:kda          K K K K
   configs/long_context_cpu.py:mla          M M M M (NoPE)
 and ",stages=N" keeps the first N stages (e.g. `:hybrid,stages=1` is the 512-token stage
-alone), ",seed=S" sets the run seed, ",steps=N" the first stage's steps (a reduced recipe), ",weight=W" the answer weight of every stage
-(`retrieval_answer_weight`; 1: plain loss), ",lr=X" the first stage's peak learning rate,
-",factor=F" the longest NIAH prompt after a stage
-(F x its length, default 8, at most 64K). BENCHMARKS.md ("Long-context retrieval") has the numbers;
+alone), ",seed=S" sets the run seed, ",steps=N" the first stage's steps (a reduced recipe),
+",weight=W" the answer weight of every stage (`retrieval_answer_weight`; 1: plain loss),
+",lr=X" the first stage's peak learning rate, ",late_lr=X" the later stages' (default:
+theirs; 4.5e-4 holds the trained length but extrapolates less, BENCHMARKS.md), ",factor=F"
+the longest NIAH prompt after a stage (F x its length, default 8, at most 64K). BENCHMARKS.md ("Long-context retrieval") has the numbers;
 benchmarks/long_context_retrieval.py runs the variants and draws the figures.
 """
 
@@ -61,15 +62,17 @@ STAGES = (
 def _parse(spec: str) -> dict:
   """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
   out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"],
-         "weight": 0, "factor": 8, "lr": STAGES[0]["lr"]}
+         "weight": 0, "factor": 8, "lr": STAGES[0]["lr"], "late_lr": 0.0}
   for i, part in enumerate(p for p in (spec or "").split(",") if p):
     key, _, value = part.partition("=")
     if not value and i == 0:
       key, value = "variant", key
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
-                       "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W, factor=F, lr=X)")
-    out[key] = value if key == "variant" else float(value) if key == "lr" else int(value)
+                       "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W, factor=F, lr=X, "
+                       "late_lr=X)")
+    out[key] = (value if key == "variant" else float(value) if key in ("lr", "late_lr")
+                else int(value))
   if out["variant"] not in VARIANTS:
     raise ValueError(f"long_context_cpu variant {out['variant']!r} is not one of "
                      f"{tuple(VARIANTS)}")
@@ -81,6 +84,9 @@ def _parse(spec: str) -> dict:
     raise ValueError(f"long_context_cpu factor={out['factor']} must be in [1, 128]")
   if not 0 < out["lr"] <= 0.1:
     raise ValueError(f"long_context_cpu lr={out['lr']} must be in (0, 0.1]")
+  if not 0 <= out["late_lr"] <= 0.1:
+    raise ValueError(f"long_context_cpu late_lr={out['late_lr']} must be in [0, 0.1] "
+                     "(0: the stages' own)")
   if out["weight"] < 0:
     raise ValueError(f"long_context_cpu weight={out['weight']} must be >= 1 (0: the stages')")
   return out
@@ -100,7 +106,10 @@ def get_config(spec: str = ""):
   c.tokens_per_step = 4096          # 512 x 8, 2K x 2, 8K x 1 (a stage's own, see STAGES)
   c.sources = {"pydoc": {"kind": "bundled"}}
   c.num_workers = 0
-  stages = (dict(STAGES[0], steps=opts["steps"], lr=opts["lr"]),) + STAGES[1:opts["stages"]]
+  late = STAGES[1:opts["stages"]]
+  if opts["late_lr"]:
+    late = tuple(dict(s, lr=opts["late_lr"]) for s in late)
+  stages = (dict(STAGES[0], steps=opts["steps"], lr=opts["lr"]),) + late
   if opts["weight"]:
     stages = tuple(dict(s, retrieval_answer_weight=float(opts["weight"])) for s in stages)
   c.stages = stages

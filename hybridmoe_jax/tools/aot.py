@@ -31,7 +31,9 @@ from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.impls import describe_impls
-from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
+from hybridmoe_jax.ops import attention_backends, latent_attention
+from hybridmoe_jax.ops.kda import choose as kda_choose
+from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import runtime as runtime_lib
 from hybridmoe_jax.parallel import topology
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
@@ -63,6 +65,8 @@ class Compiled:
   hlo: str = ""             # the compiled HLO text (tests read it; not printed)
   model_bytes: float | None = None  # our memory model's figure (train steps)
   model_flops: float | None = None  # 6 x active x tokens (train) / 2 x active x tokens
+  extra_flops: float = 0.0  # our count of the mixers' FLOPs the cost model misses (train)
+  impls: tuple[str, ...] = ()       # the implementation lines of its execution plan
 
 
 def _memory(compiled) -> dict[str, float]:
@@ -88,14 +92,44 @@ def _cost(compiled) -> dict[str, float]:
 
 def step_seconds(c: "Compiled", chip: str) -> tuple[float | None, str]:
   """-> (seconds per call, how): the cost model's optimal_seconds, else the roofline of its
-  FLOPs and bytes on the chip (max(flops / peak, bytes / HBM bandwidth))."""
+  FLOPs and bytes on the chip (max(flops / peak, bytes / HBM bandwidth)); either plus
+  `extra_flops` at peak."""
+  spec, plus = CHIPS.get(chip), " + our count" if c.extra_flops else ""
+  if spec is None:
+    return None, "n/a"
+  extra = c.extra_flops / spec.peak_bf16_flops
   if c.cost.get("optimal_seconds", 0) > 0:
-    return c.cost["optimal_seconds"], "cost model"
-  if chip in CHIPS and "flops" in c.cost:
-    spec = CHIPS[chip]
-    return (max(c.cost["flops"] / spec.peak_bf16_flops,
-                c.cost.get("bytes accessed", 0.0) / spec.hbm_bytes_per_s), "roofline")
+    return c.cost["optimal_seconds"] + extra, "cost model" + plus
+  if "flops" in c.cost:
+    return (max((c.cost["flops"] + c.extra_flops) / spec.peak_bf16_flops,
+                c.cost.get("bytes accessed", 0.0) / spec.hbm_bytes_per_s), "roofline" + plus)
   return None, "n/a"
+
+
+def uncounted_flops(run: RunConfig, plan: ExecutionPlan, seq_len: int, rows: int) -> float:
+  """Global FLOPs of a train step's mixers that XLA's cost model misses (splash has no cost
+  estimate; a loop body, blockwise or the chunked KDA scan, is counted once), by our count:
+  causal attention T^2 x heads x (qk + v dims) per row forward, 3.5 forwards with the
+  backward (KDA: 3, DESIGN s1.3b), one more under remat. Call under the program's mesh."""
+  m, kd, cp, kinds = run.model.mla, run.model.kda, run.compute, run.model.layer_kinds
+  remat = float(cp.remat != "none")
+  attn, _ = latent_attention.choose(
+      cp.mla_impl, plan=plan, backend=attention_backends.current_backend()[0],
+      seq_len=seq_len, block=cp.mla_block, head_dim=m.qk_head_dim, v_head_dim=m.v_head_dim,
+      dtype=cp.dtype, has_segments=True)
+  dims = (2 * m.kv_lora_rank + m.qk_rope_head_dim if attn == "context"  # absorbed
+          else m.qk_head_dim + m.v_head_dim)
+  total = (attn != "dense") * kinds.count("mla") * rows * seq_len ** 2 * m.num_heads * dims
+  total *= 3.5 + remat
+  lb = kd.lower_bound if kd.gate == "bounded" else None
+  core = lambda p: kda_choose(cp.kda_impl, head_dim=kd.head_dim, v_head_dim=kd.v_head_dim,
+                              chunk_size=cp.kda_chunk_size, lower_bound=lb, tokens=seq_len,
+                              plan=p)[0]
+  if core(plan) == "chunked" or core(plan) == "context" and core(LOCAL) == "chunked":
+    c, k, v = cp.kda_chunk_size, kd.head_dim, kd.v_head_dim
+    total += ((3 + remat) * kinds.count("kda") * rows * seq_len * kd.num_v_heads
+              * (6 * c * k + 4 * c * v + 6 * k * v))
+  return float(total)
 
 
 def _compile(name: str, fn, args, kwargs, mesh, tokens: int,
@@ -167,7 +201,6 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
   run's mesh."""
   t = run.train
   out = []
-  e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
   tx = optim.make_optimizer(t, plan.schedule())
   for s in stages:
     rt = runtime_lib.setup(_mesh_sizes(run), run.model, run.compute,
@@ -175,18 +208,24 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
                            seq_len=s.seq_len, devices=devices)
     graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed)
     shardings = tree_shardings(abstract, rt.mesh)
-    step = make_train_step(graphdef, run.model, tx, grad_accum=t.grad_accum,
-                           schedule=plan.schedule(), state_shardings=shardings,
-                           plan=rt.plan)
+    step = lambda unroll: make_train_step(
+        graphdef, run.model, tx, grad_accum=t.grad_accum, schedule=plan.schedule(),
+        state_shardings=shardings, plan=rt.plan, accum_unroll=unroll)
     tokens = jax.ShapeDtypeStruct((s.batch_size, s.seq_len), jnp.int32,
                                   sharding=batch_sharding(rt.mesh, sequence=True))
-    batch = {"tokens": tokens, "segment_ids": tokens}
-    c = _compile(f"train stage {s.index} T={s.seq_len:,}", step,
-                 (_structs(abstract, shardings), batch), {}, rt.mesh,
-                 s.batch_size * s.seq_len)
-    comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
-    c.model_bytes = dry_lib.step_bytes(comps)
-    c.model_flops = 6.0 * e["active"] * c.tokens / len(devices)
+    args = (_structs(abstract, shardings), {"tokens": tokens, "segment_ids": tokens})
+    name = f"train stage {s.index} T={s.seq_len:,}"
+    c = _compile(name, step(1), args, {}, rt.mesh, s.batch_size * s.seq_len)
+    ga = t.grad_accum
+    if ga > 1 and c.cost:  # the loop body is costed once: cost it from u unrolled copies
+      u = min(d for d in range(2, ga + 1) if ga % d == 0)
+      c2 = _compile(name, step(u), args, {}, rt.mesh, c.tokens)
+      c.cost = {k: v + (ga - 1) * (c2.cost[k] - v) / (u - 1) for k, v in c.cost.items()
+                if v > 0 and c2.cost.get(k, 0) > 0}
+      c.compile_s += c2.compile_s
+    with jax.set_mesh(rt.mesh):
+      c.extra_flops = uncounted_flops(run, rt.plan, s.seq_len, s.batch_size) / len(devices)
+      c.impls = tuple(describe_impls(run.model, run.compute, plan=rt.plan))
     out.append(c)
   return out
 
@@ -235,9 +274,6 @@ def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
   decode = _compile(f"decode B={rows} N={max_len:,}", engine._decode_step,
                     (graphdef, state_s, tok((rows,)), cache_s), {"kv_block": kv_block}, mesh,
                     rows, where)
-  active = active_from_breakdown(run.model, param_breakdown(run.model))
-  for c in (prefill, decode):
-    c.model_flops = 2.0 * active * c.tokens / len(devices)
   return [prefill, decode]
 
 
@@ -247,6 +283,7 @@ def _extrapolate(small: Compiled, big: Compiled, la: int, lb: int, full: int) ->
   lin = lambda a, b: {k: a[k] + (b[k] - a[k]) * f for k in a if k in b}
   return dataclasses.replace(big, memory=lin(small.memory, big.memory),
                              cost=lin(small.cost, big.cost),
+                             extra_flops=lin({0: small.extra_flops}, {0: big.extra_flops})[0],
                              compile_s=small.compile_s + big.compile_s, hlo="")
 
 
@@ -284,15 +321,17 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
     small, big = programs(_with_layers(run, la)), programs(_with_layers(run, lb))
     full = run.model.num_layers
     progs = [_extrapolate(a, b, la, lb, full) for a, b in zip(small, big)]
-    # Our memory model and the model FLOPs at full depth (the estimate is cheap).
-    for p, full_p in zip(progs, train_programs_model_only(run, devices, plan, picked)):
-      p.model_bytes, p.model_flops = full_p
-    active = active_from_breakdown(run.model, param_breakdown(run.model))
-    for p in progs[len(picked):]:  # prefill, decode: 2 x the full model's active
-      p.model_flops = 2.0 * active * p.tokens / len(devices)
+  # Our memory model and the model FLOPs at full depth (the estimate is cheap).
+  for p, full_p in zip(progs, train_programs_model_only(run, devices, plan, picked)):
+    p.model_bytes, p.model_flops = full_p
+  active = active_from_breakdown(run.model, param_breakdown(run.model))
+  for p in progs[len(picked):]:  # prefill, decode: 2 x the full model's active
+    p.model_flops = 2.0 * active * p.tokens / len(devices)
   mesh = _mesh(run, devices)
-  with jax.set_mesh(mesh):
-    impls = describe_impls(run.model, run.compute, plan=_serve_plan(run, mesh))
+  with jax.set_mesh(mesh):  # the train step's plan (context runner) differs from serving's
+    impls = [f"train: {line}" for line in progs[0].impls] + [
+        f"serve: {line}" for line in describe_impls(run.model, run.compute,
+                                                    plan=_serve_plan(run, mesh))]
     impls.append("MoE exchange: %s (%s)" % resolve_impl_why("auto"))
   return {"programs": progs, "devices": len(devices), "chip": run.hardware.chip,
           "impls": impls, "extrapolated": layers, "run": run, "mesh": dict(mesh.shape)}
@@ -353,7 +392,9 @@ def report(result: dict) -> str:
             "step ms", "tokens/s", "MFU"]
   notes = ("  total = arguments + outputs - donated (aliased) + temporaries + code; model: "
            "our memory model (train.dry_run) for the train step; step ms: the cost model's "
-           "optimal_seconds, or the roofline of its FLOPs and bytes; MFU: 6 (train) or 2 "
+           "optimal_seconds, or the roofline of its FLOPs and bytes (grad_accum's loop costed "
+           "from an unrolled compile; + our count: the attention / KDA FLOPs it misses, "
+           "uncounted_flops); MFU: 6 (train) or 2 "
            "(serve) x active parameters x tokens over step time x peak.")
   return "\n".join([head, "implementations (chosen for the target):"]
                    + [f"  {line}" for line in result["impls"]]

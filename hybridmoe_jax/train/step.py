@@ -89,7 +89,7 @@ def _microbatches(x: jax.Array, n: int) -> jax.Array:
 
 
 def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accum: int,
-                     extras=None, image_ids=IMAGE_IDS):
+                     extras=None, image_ids=IMAGE_IDS, unroll: int = 1):
   """Sum of NLL, gradient of that sum, token count and routing stats over microbatches."""
   grad_fn = jax.value_and_grad(_forward_nll, argnums=1, has_aux=True)
   extras = extras or {}
@@ -109,7 +109,7 @@ def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accu
   def body(carry, xs):
     return jax.tree.map(jnp.add, carry, one(*xs)), None
 
-  total, _ = jax.lax.scan(body, zeros, (toks, segs, exts))
+  total, _ = jax.lax.scan(body, zeros, (toks, segs, exts), unroll=unroll)
   return total
 
 
@@ -139,7 +139,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
                     schedule: optax.Schedule, mesh: jax.sharding.Mesh | None = None,
                     state_shardings=None, image_ids: tuple[int, ...] = IMAGE_IDS,
                     loss_fn: LossFn | None = None, update_biases: bool = True,
-                    plan: ExecutionPlan | None = None
+                    plan: ExecutionPlan | None = None, accum_unroll: int = 1
                     ) -> Callable[..., tuple[TrainState, dict[str, Any]]]:
   """The jitted `train_step(state, batch, *extra) -> (state, metrics)`; `state` is donated.
 
@@ -154,7 +154,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
   fsdp) and the new state is constrained to `state_shardings` (the input layout); `plan`
   (`Runtime.plan`: context-parallel mixers, expert-parallel MoE) is entered inside the
   traced function, so each step function compiles its own plan. `image_ids`:
-  the run tokenizer's image ids (no loss on them).
+  the run tokenizer's image ids (no loss on them). `accum_unroll`: microbatches per
+  iteration of the accumulation loop (tools/aot.py compiles 1 and 2 to cost the loop).
   """
   if loss_fn is not None and grad_accum != 1:
     raise ValueError(f"grad_accum = {grad_accum}: allowed 1 with a swapped-in loss_fn")
@@ -165,7 +166,8 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     segment_ids = sharding.constrain(segment_ids, ("batch", "length"))
     extras = model_inputs(batch, IMAGE_BATCH_KEYS + (LOSS_WEIGHTS,))
     nll, count, stats, grads = _grads_and_stats(graphdef, state, tokens, segment_ids,
-                                                grad_accum, extras, tuple(image_ids))
+                                                grad_accum, extras, tuple(image_ids),
+                                                accum_unroll)
     denom = jnp.maximum(count, 1.0)
     # tokens: summed target weights (= target tokens without loss_weights)
     return nll / denom, jax.tree.map(lambda g: g / denom, grads), stats, {"tokens": count}

@@ -39,3 +39,14 @@ def test_reduced_recipe_retrieves_the_passkey_at_its_trained_length(tmp_path):
   print("exact match by depth at 512:", acc[:, 0], "digit accuracy:", digits[:, 0])
   assert grid["chance"] == 1e-5 and grid["lengths"] == [512]
   assert acc.mean() >= 0.5 and digits.mean() >= 0.7
+
+
+def test_config_string_sets_the_later_stages_lr_and_rejects_bad_values():
+  recipe = _recipe()
+  stages = recipe.get_config("hybrid,late_lr=0.00045").curriculum.stages
+  assert [s["lr"] for s in stages] == [recipe.STAGES[0]["lr"], 0.00045, 0.00045]
+  assert [s["lr"] for s in recipe.get_config("hybrid").curriculum.stages] == [
+      s["lr"] for s in recipe.STAGES]
+  for bad, field in (("late_lr=0.5", "late_lr"), ("lately=1", "unknown field")):
+    with pytest.raises(ValueError, match=field):
+      recipe.get_config(f"hybrid,{bad}")
