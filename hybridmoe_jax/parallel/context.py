@@ -1,37 +1,22 @@
-"""Context parallelism: one sequence sharded over the mesh axis `context` (DESIGN s9b).
+"""Context parallelism: one sequence sharded over the mesh axis `context` (DESIGN s9b has
+the algorithms: KDA's affine state fold, the MLA latent gather, the zigzag layout).
 
 Layouts (`piece_table(n, zigzag)`): contiguous, shard r holds piece r of n; zigzag, 2n
 pieces of T / 2 tokens, shard r holds pieces r and 2n-1-r (equal causal attention work).
 `HybridLM` moves its per-token inputs into the layout (`ContextParallel.to_layout`, ppermutes
-of each shard's own tokens, never a gather) and its last hidden state back (`from_layout`),
-so callers see the natural order and equal results; the mixers read the layout from the
-table, token-wise layers do not care.
+of each shard's own tokens, never a gather) and its last hidden state back (`from_layout`).
 
-Per-shard bodies, called inside `jax.shard_map` with the sequence axis split over
-`axis_name` (T here is the local length, m = T / piece the pieces per shard):
+Per-shard bodies, called inside `jax.shard_map` (T here is the local length): `kda_shard`
+(per-piece state maps all-gathered and folded in fp32, then each piece's chunked pass; exact,
+gradients by autodiff), `latent_attention_shard` (the gathered latents attended blockwise at
+each piece's offset), `previous_tokens` / `short_conv_shard` (the convolutions' explicit left
+halo by ppermute; XLA's automatic halo reads the wrong neighbours under zigzag), and for the
+MoE `flatten_tokens` / `tokenwise` (XLA does not partition top_k or the expert sort along
+tokens, so each device's block is flattened in place and routed locally, stats psum-ed).
 
-- `kda_shard`: each piece's affine state map S_out = A S_in + B (A [K, K], B [K, V] per row
-  and value head; a segment start zeroes A) from one chunked pass; the n m maps are
-  all-gathered and folded in sequence order (fp32) into each piece's initial state, then
-  each piece runs its chunked pass from it. Exact; gradients by autodiff.
-- `latent_attention_shard`: the latents [c ; k_r] all-gathered over `context` (in sequence
-  order); each local piece's queries attend them with the blockwise core at the piece's
-  offset (key blocks past its last query are never read).
-- `previous_tokens` / `short_conv_shard`: the short convolutions' left halo, explicit: each
-  piece gets the last W-1 tokens (and segment ids) of the piece before it in sequence order
-  by ppermute (zeros for the first piece), then convolves with `ops.conv.short_conv`.
-  Used in both layouts (with zigzag XLA's automatic halo would read the wrong neighbours).
-
-- token-wise work (the MoE): XLA does not partition the router's top_k (nor the experts'
-  sort by expert) along the tokens, and a plain [B, T] -> [B T] reshape is no local op when
-  a device holds several rows: either gathers the sequence onto every device.
-  `flatten_tokens` flattens each device's own block in place and `tokenwise` runs the
-  routing, the local experts and the (psum-ed) statistics on it (`layers.moe.MoE`).
-
-`ContextParallel(mesh, block, zigzag)` is the `context` of an execution plan (`ops.plan`;
-the ops call it while the plan is active): its methods take global arrays (batch over
-data x fsdp, sequence over `context`, in the layout) and run the shard bodies in one
-shard_map each. Conventions as in `ops.kda` / `ops.blockwise_attention`.
+`ContextParallel(mesh, block, zigzag)` is the `context` of an execution plan (`ops.plan`):
+its methods take global arrays (batch over data x fsdp, sequence over `context`, in the
+layout) and run the shard bodies in one shard_map each.
 """
 
 from __future__ import annotations

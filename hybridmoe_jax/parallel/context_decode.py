@@ -26,9 +26,7 @@ Capacity: n * N_loc tokens per row, all usable.
 The short convolutions and token-wise projections are left to XLA's partitioner (the conv
 tails, W-1 tokens, are gathered from wherever they live). The MoE routes and runs its local
 experts on each device's own prompt tokens (`ContextParallel.tokenwise`), so no whole-prompt
-array is gathered. Measured (tiny model, compiled prefill, B = 1): temp memory per device
-28.8 MB at T = 8192 on one device, 7.5 MB on 4 shards; the decode step's collectives are 80
-bytes at any T.
+array is gathered (measured: BENCHMARKS.md, "Long context").
 """
 
 from __future__ import annotations
