@@ -57,9 +57,17 @@ def check_domain(q, v, *, lower_bound, chunk_size) -> None:
   check_domain_dims(q.shape[-1], v.shape[-1], lower_bound=lower_bound, chunk_size=chunk_size)
 
 
-def check_domain_dims(K: int, V: int, *, lower_bound, chunk_size) -> None:
+# Compiled for v5p by libtpu 0.0.42.1 (deviceless AOT, C=64, packed, fwd and fwd+bwd): K or
+# V = 256 fails with CompileTimeScopedVmemOom (K, V in {64, 128, 256} x 256 tried), 128 x 128
+# compiles. So on TPU the kernel's domain stops at 128.
+TPU_MAX_DIM = 128
+
+
+def check_domain_dims(K: int, V: int, *, lower_bound, chunk_size,
+                      backend: str | None = None) -> None:
   """`check_domain` from the static properties alone (head dims K, V; no arrays), so a
-  caller can say which implementation a layer will run before tracing it."""
+  caller can say which implementation a layer will run before tracing it. `backend`
+  ("tpu"): also the limits of compiling for that platform (the chooser passes it)."""
   if lower_bound is None:
     raise NotImplementedError(
         "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
@@ -71,6 +79,10 @@ def check_domain_dims(K: int, V: int, *, lower_bound, chunk_size) -> None:
         f"the KDA Pallas kernel supports head dims K, V in {SUPPORTED_DIMS} (powers of "
         f"two: Triton tensor shapes; >= 16: dot tiles), got K={K}, V={V}"
     )
+  if backend == "tpu" and max(K, V) > TPU_MAX_DIM:
+    raise NotImplementedError(
+        f"the TPU KDA kernel's blocks exceed the scoped VMEM for head dims > {TPU_MAX_DIM} "
+        f"(libtpu: CompileTimeScopedVmemOom), got K={K}, V={V}")
   if chunk_size not in SUPPORTED_CHUNKS:
     raise NotImplementedError(
         f"the KDA Pallas kernel supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}"

@@ -83,7 +83,8 @@ def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
   from pallas_kernels.kda import check_domain_dims  # imported at use, as in _kda_pallas
 
   try:
-    check_domain_dims(head_dim, v_head_dim, lower_bound=lower_bound, chunk_size=chunk_size)
+    check_domain_dims(head_dim, v_head_dim, lower_bound=lower_bound, chunk_size=chunk_size,
+                      backend=backend)
   except NotImplementedError as e:
     return "chunked", str(e)
   return "pallas", f"Pallas kernel on {backend}{where}"
