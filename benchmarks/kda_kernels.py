@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax.ops.kda import kda
+from hybridmoe_jax.ops.kda.chunked import forward_flops
 from hybridmoe_jax.tools.timing import time_fn
 from pallas_kernels.kda import kda_pallas
 from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
@@ -69,10 +70,6 @@ def cu_seqlens(segment_ids):
   ids = np.asarray(segment_ids)[0]
   starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
   return np.concatenate([[0], starts, [ids.size]]).astype(np.int64)
-
-
-def fwd_flops(B, T, H, K, V, C):
-  return B * T * H * (6 * C * K + 4 * C * V + 6 * K * V)
 
 
 def pallas_config(split, chunk, K, V, dtype):
@@ -199,7 +196,7 @@ def main():
 
   for T in a.T:
     args = make_inputs(a.B, T, a.H, a.K, a.V, jnp.bfloat16)
-    flops = fwd_flops(a.B, T, a.H, a.K, a.V, a.chunk)
+    flops = forward_flops(a.B * T, a.H, a.K, a.V, a.chunk)
     for packing in a.packing:
       seg = packed_segment_ids(a.B, T, a.doc_len) if packing == "packed" else None
       docs = 1 if seg is None else int(np.asarray(seg).max()) + 1

@@ -33,6 +33,7 @@ from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.ops import attention_backends, latent_attention
 from hybridmoe_jax.ops.kda import choose as kda_choose
+from hybridmoe_jax.ops.kda.chunked import forward_flops
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import runtime as runtime_lib
 from hybridmoe_jax.parallel import topology
@@ -66,7 +67,6 @@ class Compiled:
   model_bytes: float | None = None  # our memory model's figure (train steps)
   model_flops: float | None = None  # 6 x active x tokens (train) / 2 x active x tokens
   extra_flops: float = 0.0  # our count of the mixers' FLOPs the cost model misses (train)
-  impls: tuple[str, ...] = ()       # the implementation lines of its execution plan
 
 
 def _memory(compiled) -> dict[str, float]:
@@ -125,10 +125,10 @@ def uncounted_flops(run: RunConfig, plan: ExecutionPlan, seq_len: int, rows: int
   core = lambda p: kda_choose(cp.kda_impl, head_dim=kd.head_dim, v_head_dim=kd.v_head_dim,
                               chunk_size=cp.kda_chunk_size, lower_bound=lb, tokens=seq_len,
                               plan=p)[0]
-  if core(plan) == "chunked" or core(plan) == "context" and core(LOCAL) == "chunked":
-    c, k, v = cp.kda_chunk_size, kd.head_dim, kd.v_head_dim
-    total += ((3 + remat) * kinds.count("kda") * rows * seq_len * kd.num_v_heads
-              * (6 * c * k + 4 * c * v + 6 * k * v))
+  kda_core = core(plan) if core(plan) != "context" else core(LOCAL)  # a shard's own pass
+  if kda_core == "chunked":
+    total += (3 + remat) * kinds.count("kda") * forward_flops(
+        rows * seq_len, kd.num_v_heads, kd.head_dim, kd.v_head_dim, cp.kda_chunk_size)
   return float(total)
 
 
@@ -203,9 +203,7 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
   out = []
   tx = optim.make_optimizer(t, plan.schedule())
   for s in stages:
-    rt = runtime_lib.setup(_mesh_sizes(run), run.model, run.compute,
-                           batch_size=s.batch_size, grad_accum=t.grad_accum,
-                           seq_len=s.seq_len, devices=devices)
+    rt = _train_runtime(run, s, devices)
     graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed)
     shardings = tree_shardings(abstract, rt.mesh)
     step = lambda unroll: make_train_step(
@@ -223,11 +221,15 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
       c.cost = {k: v + (ga - 1) * (c2.cost[k] - v) / (u - 1) for k, v in c.cost.items()
                 if v > 0 and c2.cost.get(k, 0) > 0}
       c.compile_s += c2.compile_s
-    with jax.set_mesh(rt.mesh):
-      c.extra_flops = uncounted_flops(run, rt.plan, s.seq_len, s.batch_size) / len(devices)
-      c.impls = tuple(describe_impls(run.model, run.compute, plan=rt.plan))
     out.append(c)
   return out
+
+
+def _train_runtime(run: RunConfig, s: plan_lib.StagePlan, devices) -> runtime_lib.Runtime:
+  """The train step's runtime for stage `s` on `devices` (its mesh and execution plan)."""
+  return runtime_lib.setup(_mesh_sizes(run), run.model, run.compute, batch_size=s.batch_size,
+                           grad_accum=run.train.grad_accum, seq_len=s.seq_len,
+                           devices=devices)
 
 
 def _fixed_mesh(run: RunConfig, n: int):
@@ -283,7 +285,6 @@ def _extrapolate(small: Compiled, big: Compiled, la: int, lb: int, full: int) ->
   lin = lambda a, b: {k: a[k] + (b[k] - a[k]) * f for k in a if k in b}
   return dataclasses.replace(big, memory=lin(small.memory, big.memory),
                              cost=lin(small.cost, big.cost),
-                             extra_flops=lin({0: small.extra_flops}, {0: big.extra_flops})[0],
                              compile_s=small.compile_s + big.compile_s, hlo="")
 
 
@@ -321,31 +322,38 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
     small, big = programs(_with_layers(run, la)), programs(_with_layers(run, lb))
     full = run.model.num_layers
     progs = [_extrapolate(a, b, la, lb, full) for a, b in zip(small, big)]
-  # Our memory model and the model FLOPs at full depth (the estimate is cheap).
+  # Our figures at full depth (cheap): memory model, model FLOPs, the FLOPs XLA misses.
   for p, full_p in zip(progs, train_programs_model_only(run, devices, plan, picked)):
-    p.model_bytes, p.model_flops = full_p
+    p.model_bytes, p.model_flops, p.extra_flops = full_p
   active = active_from_breakdown(run.model, param_breakdown(run.model))
   for p in progs[len(picked):]:  # prefill, decode: 2 x the full model's active
     p.model_flops = 2.0 * active * p.tokens / len(devices)
   mesh = _mesh(run, devices)
-  with jax.set_mesh(mesh):  # the train step's plan (context runner) differs from serving's
-    impls = [f"train: {line}" for line in progs[0].impls] + [
-        f"serve: {line}" for line in describe_impls(run.model, run.compute,
-                                                    plan=_serve_plan(run, mesh))]
+  rt = _train_runtime(run, picked[0], devices)
+  with jax.set_mesh(rt.mesh):  # the train step's plan (context runner) differs from serving's
+    impls = [f"train: {line}" for line in describe_impls(run.model, run.compute, plan=rt.plan)]
+  with jax.set_mesh(mesh):
+    impls += [f"serve: {line}" for line in describe_impls(run.model, run.compute,
+                                                          plan=_serve_plan(run, mesh))]
     impls.append("MoE exchange: %s (%s)" % resolve_impl_why("auto"))
   return {"programs": progs, "devices": len(devices), "chip": run.hardware.chip,
           "impls": impls, "extrapolated": layers, "run": run, "mesh": dict(mesh.shape)}
 
 
 def train_programs_model_only(run: RunConfig, devices, plan,
-                              stages) -> list[tuple[float, float]]:
-  """(our memory model's bytes, model FLOPs per device) of each of `stages`' train step."""
+                              stages) -> list[tuple[float, float, float]]:
+  """(our memory model's bytes, model FLOPs, `uncounted_flops`) per device of each of
+  `stages`' train step."""
   e = dry_lib.estimate(dataclasses.replace(run, mesh=_fixed_mesh(run, len(devices))), plan)
   out = []
   for s in stages:
     comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
+    rt = _train_runtime(run, s, devices)
+    with jax.set_mesh(rt.mesh):
+      missed = uncounted_flops(run, rt.plan, s.seq_len, s.batch_size)
     out.append((dry_lib.step_bytes(comps),
-                6.0 * e["active"] * s.batch_size * s.seq_len / len(devices)))
+                6.0 * e["active"] * s.batch_size * s.seq_len / len(devices),
+                missed / len(devices)))
   return out
 
 

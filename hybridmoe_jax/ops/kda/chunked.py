@@ -37,6 +37,11 @@ _STEP_TOKENS = 64
 _f32 = jnp.float32
 
 
+def forward_flops(tokens: int, heads: int, K: int, V: int, chunk: int) -> int:
+  """Forward FLOPs of chunked KDA (DESIGN s1.3b; multiply-add = 2); fwd + bwd is ~3x."""
+  return tokens * heads * (6 * chunk * K + 4 * chunk * V + 6 * K * V)
+
+
 def check_chunk_size(chunk_size: int) -> None:
   """Raises ValueError unless chunk_size is a power of two >= 16."""
   if not is_int(chunk_size) or chunk_size < _SUB or chunk_size & (chunk_size - 1):
