@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -43,28 +44,31 @@ KV_PAIRS = (2, 4, 8, 16, 32)
 
 
 def _options(steps: int = 0, weight: int = 0, factor: int = 0, lr: float = 0,
-             late_lr: float = 0) -> str:
+             late_lr: float = 0, late_scale: int = 0) -> str:
   """The config string's optional fields (0: the recipe's value)."""
   return "".join(f",{k}={v}" for k, v in (("steps", steps), ("weight", weight),
                                           ("factor", factor), ("lr", lr),
-                                          ("late_lr", late_lr)) if v)
+                                          ("late_lr", late_lr),
+                                          ("late_scale", late_scale)) if v)
 
 
 def run_name(variant: str, stages: int, seed: int, steps: int = 0, weight: int = 0,
-             factor: int = 0, lr: float = 0, late_lr: float = 0) -> str:
+             factor: int = 0, lr: float = 0, late_lr: float = 0, late_scale: int = 0) -> str:
   return (f"{variant}_n{stages}{f'_t{steps}' if steps else ''}{f'_w{weight}' if weight else ''}"
           f"{f'_f{factor}' if factor else ''}{f'_lr{lr:g}' if lr else ''}"
-          f"{f'_llr{late_lr:g}' if late_lr else ''}_s{seed}")
+          f"{f'_llr{late_lr:g}' if late_lr else ''}"
+          f"{f'_ls{late_scale}' if late_scale and stages > 1 else ''}_s{seed}")
 
 
 def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0, weight: int = 0,
-          factor: int = 0, lr: float = 0, late_lr: float = 0, nice: int = 19) -> float:
+          factor: int = 0, lr: float = 0, late_lr: float = 0, late_scale: int = 0,
+          nice: int = 19) -> float:
   """Runs the recipe unless its last stage's NIAH grid exists; -> wall seconds (0 if done)."""
   if os.path.exists(os.path.join(workdir, "eval", f"niah_stage{stages - 1}.json")):
     return 0.0
   cmd = ["nice", "-n", str(nice), sys.executable, str(_ROOT / "run_train.py"),
          f"--config={_ROOT / 'configs' / 'long_context_cpu.py'}:{variant},stages={stages},"
-         f"seed={seed}{_options(steps, weight, factor, lr, late_lr)}",
+         f"seed={seed}{_options(steps, weight, factor, lr, late_lr, late_scale)}",
          f"--workdir={workdir}"]
   with open(workdir + ".log", "a", encoding="utf-8") as log, stopwatch() as sw:
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -92,7 +96,7 @@ def kv_recall(workdir: str, max_len: int) -> dict:
 
 def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
             steps: int = 0, weight: int = 0, factor: int = 0, lr: float = 0,
-            late_lr: float = 0) -> dict:
+            late_lr: float = 0, late_scale: int = 0) -> dict:
   grids = []
   for k in range(stages):
     with open(os.path.join(workdir, "eval", f"niah_stage{k}.json"), encoding="utf-8") as f:
@@ -103,9 +107,9 @@ def collect(variant: str, stages: int, seed: int, workdir: str, seconds: float,
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     train_rows = [r for r in map(json.loads, f) if r.get("split") == "train"]
   last = grids[-1]["stage_seq_len"]
-  return {"run": run_name(variant, stages, seed, steps, weight, factor, lr, late_lr),
+  return {"run": run_name(variant, stages, seed, steps, weight, factor, lr, late_lr, late_scale),
           "variant": variant, "seed": seed, "first_stage_lr": lr or None,
-          "late_stage_lr": late_lr or None,
+          "late_stage_lr": late_lr or None, "late_stage_scale": late_scale or None,
           "stages": stages, "first_stage_steps": steps or None, "answer_weight": weight or None,
           "niah": grids, "kv_recall": kv_recall(workdir, min(last, 2048)),
           "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
@@ -263,14 +267,17 @@ def main() -> None:
                   help="first stage's peak learning rate (0: the recipe's, 1.5e-3)")
   ap.add_argument("--late_lr", type=float, default=0,
                   help="peak learning rate of the later stages (0: the recipe's)")
+  ap.add_argument("--late_scale", type=int, default=6,
+                  help="the later stages' steps times this (the recipe's 6; 1: recipe v2)")
   ap.add_argument("--nice", type=int, default=19, help="niceness of the training runs")
   ap.add_argument("--root", default="runs/lcr")
   ap.add_argument("--results", default=str(RESULTS))
   ap.add_argument("--images", default=str(IMAGES))
   ap.add_argument("--plot_only", action="store_true")
   ap.add_argument("--figures_from", default="",
-                  help="draw the figures and the summary from the runs whose name contains this "
-                       "(e.g. lr0.0015: one recipe's runs); the table lists every run")
+                  help="draw the figures and the summary from the runs whose name this regex "
+                       "matches (re.search; e.g. 'lr0.0015_(ls6_)?s': one recipe's runs); the "
+                       "table lists every run")
   args = ap.parse_args()
   results = {"runs": []}
   if os.path.exists(args.results):
@@ -280,7 +287,7 @@ def main() -> None:
     os.makedirs(args.root, exist_ok=True)
     for v in args.variants.split(","):
       for s in (int(x) for x in args.seeds.split(",")):
-        opts = (args.steps, args.weight, args.factor, args.lr, args.late_lr)
+        opts = (args.steps, args.weight, args.factor, args.lr, args.late_lr, args.late_scale)
         workdir = os.path.join(args.root, run_name(v, args.stages, s, *opts))
         seconds = train(v, args.stages, s, workdir, *opts, nice=args.nice)
         row = collect(v, args.stages, s, workdir, seconds, *opts)
@@ -297,7 +304,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         with open(args.results, "w", encoding="utf-8") as f:
           json.dump(results, f, indent=1)
-  picked = dict(results, runs=[r for r in results["runs"] if args.figures_from in r["run"]])
+  picked = dict(results, runs=[r for r in results["runs"]
+                                   if re.search(args.figures_from, r["run"])])
   for path in draw(picked, pathlib.Path(args.images)):
     print(f"figure {path}")
   print(table(results))

@@ -36,6 +36,10 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("mlp", "tensor"),           # dense / shared FFN hidden width
     ("heads", "tensor"),         # projected q/k/v/gate widths (heads x head_dim)
     ("latent", None),            # MLA kv latent, MoE latent width, low-rank factors
+    # The rank dim an up-projection reads (q_b, k_up, v_up, f_b, gate up): like embed, or
+    # the weight would be whole on every device (q_b of K3: 108 MiB per MLA layer, x 3 with
+    # the moments).
+    ("latent_in", ("fsdp", "context")),
     ("expert", "expert"),        # routed experts are owned by expert shards
     ("expert_embed", ("fsdp", "context")),
     ("expert_mlp", "tensor"),

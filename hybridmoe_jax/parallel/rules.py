@@ -3,7 +3,7 @@
 Three tables, read top to bottom, first match wins:
   LOGICAL_RULES   logical name -> mesh axis / tuple of axes / None (replicated);
   PARAM_LOGICAL   regex on a leaf's path ("layers/1/ffn/w_gate") -> one logical name per dim;
-  REPLICATED      regexes of parameters kept whole on purpose (norm scales, decays, vision).
+  REPLICATED      regexes of parameters kept whole on purpose (norm scales, decays).
 Every parameter of every preset is in exactly one of the last two (tests/parallel/
 test_rules.py); a leaf in neither is replicated with a log line, never silently.
 Parameters, their optimizer moments (whose paths end with the parameter's path) and the
@@ -39,21 +39,28 @@ PARAM_LOGICAL: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (_M + r"down$", ("mlp", "embed")),
     (_M + r"mixer/(q_proj|k_proj|v_proj|g_proj|k_rope|kv_a|gate)/kernel$", ("embed", "heads")),
     (_M + r"mixer/(b_proj|f_a|q_a)/kernel$", ("embed", "latent")),
-    (_M + r"mixer/(f_b|q_b)/kernel$", ("latent", "heads")),
+    (_M + r"mixer/(f_b|q_b)/kernel$", ("latent_in", "heads")),
     (_M + r"mixer/g_proj/layers/0/kernel$", ("embed", "latent")),   # low-rank output gate
-    (_M + r"mixer/g_proj/layers/1/kernel$", ("latent", "heads")),
-    (_M + r"mixer/(k_up|v_up)/kernel$", ("latent", "heads")),
+    (_M + r"mixer/g_proj/layers/1/kernel$", ("latent_in", "heads")),
+    (_M + r"mixer/(k_up|v_up)/kernel$", ("latent_in", "heads")),
     (_M + r"mixer/o_proj/kernel$", ("heads", "embed")),
     (_M + r"mixer/(q|k|v)_conv/weight$", ("conv", "heads")),
+    # The vision tower, ZeRO-3 like the text weights: whole on every device it cost K3
+    # 5 GiB of parameters and moments per device (libtpu buffer assignment, BENCHMARKS.md).
+    (_M + r"vision/blocks/\d+/(qkv|up)/kernel$", ("embed", "mlp")),
+    (_M + r"vision/blocks/\d+/(out|down)/kernel$", ("mlp", "embed")),
+    (_M + r"vision/(patch_embed|proj_in)/kernel$", (None, "embed")),
+    (_M + r"vision/proj_out/kernel$", ("mlp", "embed")),
+    (_M + r"vision/pos_table$", (None, None, "embed")),
 )
 # Parameters kept whole on every device, on purpose: each is O(d) or O(heads) (norm scales,
-# decay parameters, AttnRes queries) or belongs to the small vision tower, so sharding them
-# would add collectives and save nothing. A parameter in neither table is not placed
-# silently: `logical_names` logs it (tests/parallel/test_rules.py requires every parameter
-# of every preset to be in exactly one table).
+# decay parameters, AttnRes queries), so sharding them would add collectives and save
+# nothing. A parameter in neither table is not placed silently: `logical_names` logs it
+# (tests/parallel/test_rules.py requires every parameter of every preset to be in exactly
+# one table).
 REPLICATED: tuple[str, ...] = (
-    r"^(?!vision/)(.*/)?(\w+_)?norm/scale$", r"(^|/)mixer/o_norm_scale$",
-    r"(^|/)mixer/(a_log|dt_bias)$", r"(^|/)\w*mix/query$", r"(^|/)vision/",
+    r"(^|/)(\w+_)?norm/scale$", r"(^|/)mixer/o_norm_scale$",
+    r"(^|/)mixer/(a_log|dt_bias)$", r"(^|/)\w*mix/query$",
 )
 _COMPILED = tuple((re.compile(p), names) for p, names in PARAM_LOGICAL)
 _REPLICATED = tuple(re.compile(p) for p in REPLICATED)

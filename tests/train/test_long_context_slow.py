@@ -41,12 +41,18 @@ def test_reduced_recipe_retrieves_the_passkey_at_its_trained_length(tmp_path):
   assert acc.mean() >= 0.5 and digits.mean() >= 0.7
 
 
-def test_config_string_sets_the_later_stages_lr_and_rejects_bad_values():
+def test_config_string_sets_the_later_stages_lr_and_steps_and_rejects_bad_values():
   recipe = _recipe()
   stages = recipe.get_config("hybrid,late_lr=0.00045").curriculum.stages
   assert [s["lr"] for s in stages] == [recipe.STAGES[0]["lr"], 0.00045, 0.00045]
   assert [s["lr"] for s in recipe.get_config("hybrid").curriculum.stages] == [
       s["lr"] for s in recipe.STAGES]
-  for bad, field in (("late_lr=0.5", "late_lr"), ("lately=1", "unknown field")):
+  steps = [s["steps"] for s in recipe.STAGES]
+  scaled = [s["steps"] for s in recipe.get_config("hybrid").curriculum.stages]
+  assert scaled == [steps[0]] + [n * recipe.LATE_SCALE for n in steps[1:]]  # recipe v3
+  v2 = recipe.get_config("hybrid,late_scale=1")
+  assert [s["steps"] for s in v2.curriculum.stages] == steps and v2.train.steps == sum(steps)
+  for bad, field in (("late_lr=0.5", "late_lr"), ("lately=1", "unknown field"),
+                     ("late_scale=0", "late_scale")):
     with pytest.raises(ValueError, match=field):
       recipe.get_config(f"hybrid,{bad}")
