@@ -2,7 +2,8 @@
 
 With a context curriculum (`config.curriculum.stages`) it also prints the stage plan. For
 every stage (a plain run is one) it prints the per-device memory of one training step by
-component (`stage_memory`: params, gradients, optimizer, activations under the remat
+component (`stage_memory`: params, gradients, their running sum under grad_accum, ZeRO-3's
+gathered weight, optimizer, activations under the remat
 policy, KDA scan states, gathered MLA latents, attention scores / workspace, logits) against
 the target device (`hardware`: device, memory, margin), and whether it fits.
 `benchmarks/memory_model.py` checks the model against XLA's own count
@@ -103,6 +104,24 @@ def blockwise_workspace_bytes(cfg, block: int, rows: float) -> float:
 REMATS = ("none", "dots", "full")
 
 
+def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
+  """ZeRO-3's working set: the largest weight gathered whole over fsdp x context in the
+  compute dtype, with its fp32 gradient before the reduce-scatter. The larger of the LM
+  head ([d, vocab] / tensor) and one MoE layer's local experts (gate, up and down
+  [E / expert, width, d_ff] / tensor, one fp32 gradient at a time). 0 when nothing is
+  gathered (fsdp x context = 1). libtpu's buffers for Kimi K3: bf16 [56, 3072, 3584] x 3 and
+  f32 [7168, 163840] at the peak (BENCHMARKS.md)."""
+  if mesh["fsdp"] * mesh.get("context", 1) == 1:
+    return 0.0
+  tensor = mesh["tensor"]
+  head = cfg.vocab_size * cfg.d_model * (act_bytes + 4) / tensor
+  moe = cfg.moe
+  width = moe.latent_dim or cfg.d_model
+  local = moe.num_experts / mesh["expert"] * width * moe.expert_intermediate / tensor
+  experts = local * (3 * act_bytes + 4) if cfg.num_layers > moe.first_dense_layers else 0.0
+  return float(max(head, experts))
+
+
 def kda_scan_tokens(chunk_size: int) -> int:
   """Tokens per step of the chunked KDA's scan (ops/kda/chunked.py: at least 64 and two
   chunks): the scan keeps one fp32 state per step for the backward."""
@@ -119,6 +138,9 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   Returns:
     {remat: {component: bytes}} with components
       params, gradients (fp32, like the master weights), optimizer: split as `estimate` says;
+      gradient_sum: with train.grad_accum > 1, the microbatch loop's fp32 running sum (one
+        more gradient set);
+      gathered: `gathered_weight_bytes` (ZeRO-3's gathered weight and its gradient);
       activations: what the forward keeps for the backward, counted by JAX
         (`memory_model.residual_bytes`: projections, conv outputs, gates, KDA scan states,
         MLA latents, router and expert activations) x the microbatch's tokens here;
@@ -155,7 +177,9 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   attention = (blockwise_workspace_bytes(cfg, compute.mla_block, rows_mb)
                if core == "blockwise" and n_mla else 0.0)
   static = {"params": e["per_device_param_bytes"], "gradients": e["per_device_param_bytes"],
-            "optimizer": e["per_device_opt_bytes"]}
+            "optimizer": e["per_device_opt_bytes"],
+            "gradient_sum": e["per_device_param_bytes"] if run.train.grad_accum > 1 else 0.0,
+            "gathered": gathered_weight_bytes(cfg, mesh, act_bytes)}
   out = {}
   for p in REMATS:
     kept = n_mla if p == "none" else min(1, n_mla)
@@ -188,7 +212,8 @@ def format_table(header: list[str], rows: list[list[str]], indent: str = "  ") -
 
 # Rows of the memory table: (component, label); kda_states is a part of another row.
 _COMPONENTS = (("params", "params (fp32 master)"), ("gradients", "gradients"),
-               ("optimizer", "optimizer state"), ("activations", "activations (kept)"),
+               ("optimizer", "optimizer state"), ("gradient_sum", "gradient sum (grad_accum)"),
+               ("gathered", "gathered weight + grad"), ("activations", "activations (kept)"),
                ("recompute", "recompute (1 layer)"), ("weight_copies", "weight copies"),
                ("mla_latents", "MLA latents (gathered)"), ("attention", "attention workspace"),
                ("logits", "logits + grad"))

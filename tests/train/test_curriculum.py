@@ -347,6 +347,32 @@ def test_stage_memory_components_scale():
     assert cp["none"][part] == pytest.approx(two["none"][part] / 4)
 
 
+def test_stage_memory_counts_the_gradient_sum_and_the_gathered_weights():
+  """grad_accum > 1 adds one fp32 gradient set (the loop's running sum); sharding over fsdp
+  adds ZeRO-3's working set: the larger of the LM head and one MoE layer's local experts,
+  gathered in the compute dtype with one fp32 gradient (libtpu's peak for Kimi K3)."""
+  config = load_config("tiny")
+  config.mesh.update(data=1, fsdp=1, context=1, expert=1)
+  config.train.update(grad_accum=1, batch_size=8)
+  run = run_config_from_dict(config)
+  e = dry_run.estimate(run, build_plan(run))
+  alone = dry_run.stage_memory(run, e, 256, 8)["full"]
+  assert alone["gradient_sum"] == 0 and alone["gathered"] == 0
+  config.mesh.update(fsdp=2, expert=2)
+  config.train.grad_accum = 4
+  run = run_config_from_dict(config)
+  e = dry_run.estimate(run, build_plan(run))
+  split = dry_run.stage_memory(run, e, 256, 8)["full"]
+  assert split["gradient_sum"] == split["gradients"] == e["per_device_param_bytes"]
+  m, act = run.model, 2 if run.compute.dtype == "bfloat16" else 4
+  head = m.vocab_size * m.d_model * (act + 4)
+  experts = (m.moe.num_experts // 2) * (m.moe.latent_dim or m.d_model) \
+      * m.moe.expert_intermediate * (3 * act + 4)
+  assert split["gathered"] == pytest.approx(max(head, experts))
+  assert dry_run.step_bytes(split) == pytest.approx(
+      sum(v for k, v in split.items() if k != "kda_states"))
+
+
 def test_hardware_section_checks_its_fields():
   config = load_config("tiny")
   config.hardware.device = "h900"
