@@ -17,9 +17,9 @@ temp / argument / output bytes (compiled.memory_analysis()), flops, bytes access
 optimal_seconds (compiled.cost_analysis(); the TPU cost model's time, which for a Mosaic
 custom call comes from its pl.CostEstimate: pallas_kernels/kda/cost.py), the compile time,
 whether a Mosaic custom call is in the optimised HLO, then one "ratio" line per pair with
-pallas / xla for temp bytes and optimal_seconds (< 1: the kernel wins). XLA's cost analysis
-counts a loop body once: the XLA path's costs count every step of its chunk scan (compiled
-with the scan unrolled 1 and 2 steps per iteration; `compile_one`).
+pallas / xla for temp bytes and optimal_seconds (< 1: the kernel wins). The XLA path's
+flops, bytes and optimal_seconds count every step of its chunk scan (`xla_scan_costs`); the
+program's own figures, which count the loop body once, are kept as `*_loop_once`.
 These are compiler estimates, not measurements: no TPU ran anything.
 """
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridmoe_jax.ops.kda.chunked import kda_chunked, scan_steps
+from hybridmoe_jax.ops.kda.chunked import _group_step, kda_chunked, step_tokens
 from hybridmoe_jax.parallel.topology import topology_devices
 from hybridmoe_jax.tools.timing import stopwatch
 from pallas_kernels.kda import kda_pallas
@@ -58,18 +58,18 @@ def arg_specs(T: int, packed: bool):
   return specs
 
 
-def kda_fn(impl: str, unroll: int = 1):
+def kda_fn(impl: str):
   def run(q, k, v, g, beta, seg=None):
     kw = dict(segment_ids=seg, chunk_size=C, lower_bound=LB)
     if impl == "pallas":
       return kda_pallas(q, k, v, g, beta, backend="tpu", interpret=False, **kw)[0]
-    return kda_chunked(q, k, v, g, beta, unroll=unroll, **kw)[0]
+    return kda_chunked(q, k, v, g, beta, **kw)[0]
 
   return run
 
 
-def program(impl: str, mode: str, unroll: int = 1):
-  run = kda_fn(impl, unroll)
+def program(impl: str, mode: str):
+  run = kda_fn(impl)
   if mode == "fwd":
     return run
 
@@ -84,36 +84,67 @@ _COSTS = (("flops", "flops"), ("bytes_accessed", "bytes accessed"),
           ("transcendentals", "transcendentals"), ("optimal_seconds", "optimal_seconds"))
 
 
-def _compile(mesh: Mesh, impl: str, mode: str, specs, unroll: int):
-  rep = NamedSharding(mesh, PartitionSpec())
-  with jax.set_mesh(mesh):
-    fn = jax.jit(program(impl, mode, unroll), in_shardings=(rep,) * len(specs))
-    compiled = fn.lower(*specs).compile()
+def _costs(compiled) -> dict[str, float]:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  return compiled, {k: float(cost.get(name, -1)) for k, name in _COSTS}
+  return {k: float(cost.get(name, -1)) for k, name in _COSTS}
+
+
+def xla_scan_costs(mesh: Mesh, mode: str, T: int, packed: bool) -> dict[str, float]:
+  """The XLA path's cost with every step of its chunk scan counted.
+
+  XLA's cost analysis counts a loop body once, and charges a loop's dynamic slices of the
+  stacked inputs at their whole size, so neither the program's figure nor an unrolled
+  compile's difference is the real cost. One scan step (`ops.kda.chunked._group_step`, the
+  scan's body) is compiled alone on its own [B, G*C, ...] inputs instead: fwd = steps x that
+  step; fwd+bwd = steps x (the step + the step's vjp, which recomputes it: the scan body is
+  checkpointed). Reshapes outside the scan (free for B = 1) are not counted.
+  """
+  gc = step_tokens(T, C)
+  steps = -(-T // gc)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  sd = jax.ShapeDtypeStruct
+  state = sd((B, H, K, V), f32)
+  xs = [sd((B, gc, H, K), bf16), sd((B, gc, H, K), bf16), sd((B, gc, H, V), bf16),
+        sd((B, gc, H, K), f32), sd((B, gc, H), bf16)]
+  xs += [sd((B, gc), jnp.int32), sd((B,), jnp.int32)] if packed else [None, None]
+  step = lambda s, x: _group_step(s, x, c=C, scale=K ** -0.5, lower_bound=LB)  # noqa: E731
+
+  def vjp(s, x, ds, do):
+    return jax.vjp(step, s, x)[1]((ds, do))
+
+  rep = NamedSharding(mesh, PartitionSpec())
+  progs = [(jax.jit(step), (state, tuple(xs)))]
+  if mode == "fwdbwd":
+    progs.append((jax.jit(vjp), (state, tuple(xs), state, sd((B, gc, H, V), f32))))
+  total = dict.fromkeys(dict(_COSTS), 0.0)
+  with jax.set_mesh(mesh):
+    for fn, args in progs:
+      args = jax.tree.map(lambda a: sd(a.shape, a.dtype, sharding=rep), args)
+      for key, value in _costs(fn.lower(*args).compile()).items():
+        total[key] += steps * value
+  return total
 
 
 def compile_one(mesh: Mesh, impl: str, mode: str, T: int, packed: bool) -> dict:
-  """One program's compiler figures. The XLA path's scan body is costed once by XLA, so it
-  is compiled again with 2 steps per iteration and the difference (one step) is counted
-  scan_steps - 1 more times ("loop_costed"); its memory is the unroll-1 compile's."""
   specs = arg_specs(T, packed)
-  with stopwatch() as sw:
-    compiled, cost = _compile(mesh, impl, mode, specs, 1)
-    steps = scan_steps(T, C) if impl == "xla" else 1
-    if steps > 1:
-      _, cost2 = _compile(mesh, impl, mode, specs, 2)
-      cost = {k: v + (steps - 1) * (cost2[k] - v) if v >= 0 and cost2[k] >= 0 else v
-              for k, v in cost.items()}
+  rep = NamedSharding(mesh, PartitionSpec())
+  with stopwatch() as sw, jax.set_mesh(mesh):
+    fn = jax.jit(program(impl, mode), in_shardings=(rep,) * len(specs))
+    compiled = fn.lower(*specs).compile()
+  seconds = sw.seconds
   mem = compiled.memory_analysis()
-  hlo = compiled.as_text()
-  return dict(
+  cost = _costs(compiled)
+  row = dict(
       impl=impl, mode=mode, T=T, packing="packed" if packed else "unpacked",
       temp_bytes=int(mem.temp_size_in_bytes), argument_bytes=int(mem.argument_size_in_bytes),
-      output_bytes=int(mem.output_size_in_bytes), **cost, loop_costed=steps > 1,
-      mosaic_calls=hlo.count('custom_call_target="tpu_custom_call"'),
-      compile_s=round(sw.seconds, 1))
+      output_bytes=int(mem.output_size_in_bytes), **cost,
+      mosaic_calls=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+      compile_s=round(seconds, 1))
+  if impl == "xla":  # the program's own figures count the scan body once: keep them aside
+    row.update({f"{k}_loop_once": v for k, v in cost.items()},
+               **xla_scan_costs(mesh, mode, T, packed), scan_costed=True)
+  return row
 
 
 def emit(row: dict, out) -> None:

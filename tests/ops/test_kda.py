@@ -110,19 +110,6 @@ def test_chunked_matches_recurrent(T, chunk, H, HV, use_h0, lb, segs):
     assert rel_rms(d, d_ref) < 1e-5, name
 
 
-def test_chunked_unrolled_scan_is_the_same_op():
-  """unroll (benchmarks/kda_tpu_aot.py compiles 1 and 2 to cost the scan) changes nothing:
-  an odd number of scan steps (5: 600 tokens, 128 per step), packed, with h0."""
-  q, k, v, g, beta, h0, do, dht = make_inputs(7, 1, 600, 2, 2, 16, 32, "bounded", -5.0)
-  seg = random_segments(7, 1, 600)
-  one = fwd_bwd(kda_chunked, True, chunk_size=64, lower_bound=-5.0)(
-      q, k, v, g, beta, h0, do, dht, seg)
-  two = fwd_bwd(kda_chunked, True, chunk_size=64, lower_bound=-5.0, unroll=2)(
-      q, k, v, g, beta, h0, do, dht, seg)
-  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
-    assert rel_rms(a, b) < 1e-6
-
-
 @pytest.mark.parametrize("strength", [10.0, 25.0])
 def test_chunked_unbounded_strong_gates(strength):
   """Realistic unbounded gates (per-token log decays down to about -20 / -50): the

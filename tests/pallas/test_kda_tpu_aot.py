@@ -60,3 +60,17 @@ def test_pallas_fwdbwd_compiles_for_v5p_within_the_xla_paths_memory():
   assert "kda_bwd_packed_tpu" in hlo
   temp = pallas.memory_analysis().temp_size_in_bytes
   assert temp <= xla.memory_analysis().temp_size_in_bytes
+
+
+def test_the_xla_paths_scan_is_costed_at_every_step():
+  """XLA's cost analysis counts a loop body once; benchmarks/kda_tpu_aot.py costs the XLA
+  path by compiling its scan body alone and counting it per step. Counted so, its fwd+bwd
+  FLOPs match the kernel's (the same math, counted independently: pallas_kernels/kda/
+  cost.py), and exceed the program's own loop-once figure."""
+  from benchmarks import kda_tpu_aot as bench
+
+  mesh = bench.tpu_mesh("v5p:2x2x1")
+  xla = bench.compile_one(mesh, "xla", "fwdbwd", 1024, packed=False)
+  kernel = bench.compile_one(mesh, "pallas", "fwdbwd", 1024, packed=False)
+  assert xla["scan_costed"] and xla["flops"] == pytest.approx(kernel["flops"], rel=0.05)
+  assert xla["flops"] > 2 * xla["flops_loop_once"]

@@ -256,29 +256,23 @@ def _group_step(s, xs, *, c, scale, lower_bound):
   return s, jnp.moveaxis(o, 1, 3).reshape(B, gc, HV, V)
 
 
-def _step_tokens(T: int, c: int) -> int:
-  """Tokens per scan step: whole chunks, at most as many as the (padded) sequence has."""
+def step_tokens(T: int, c: int) -> int:
+  """Tokens per scan step of `kda_chunked` (chunk size c, length T): whole chunks, at least
+  64 tokens and 2 chunks, at most as many as the (padded) sequence has."""
   return c * min(max(2, _STEP_TOKENS // c), -(-T // c))
-
-
-def scan_steps(T: int, chunk_size: int) -> int:
-  """Iterations of `kda_chunked`'s scan over a length-T sequence."""
-  return -(-T // _step_tokens(T, chunk_size))
 
 
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, segment_ids: jax.Array | None = None,
-                chunk_size: int = 64, lower_bound: float | None = None, unroll: int = 1
+                chunk_size: int = 64, lower_bound: float | None = None
                 ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention, chunked form; equal to kda_recurrent up to fp32 rounding.
 
   Arguments and result as `ops.kda.kda`'s (shapes in the module docstring). chunk_size: C, a
   power of two >= 16 (any T works, padded internally). lower_bound: if given (in [-5, 0)),
   the gates are promised to be >= lower_bound and the diagonal 16-blocks use one dense
-  matmul instead of the pairwise form. unroll: scan steps per loop iteration (same result;
-  XLA's cost analysis counts a loop body once, so benchmarks/kda_tpu_aot.py compiles 1 and
-  2 and counts the difference `scan_steps` - 1 more times).
+  matmul instead of the pairwise form.
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   check_chunk_size(chunk_size)
@@ -288,7 +282,7 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
   HV, V = v.shape[2], v.shape[3]
   scale = K**-0.5 if scale is None else scale
   c = chunk_size
-  gc = _step_tokens(T, c)
+  gc = step_tokens(T, c)
   steps = -(-T // gc)
   tp = steps * gc
 
@@ -316,6 +310,6 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
 
   # The backward recomputes each step's chunk-local quantities from its inputs and entering
   # state instead of storing them all (on CPU ~2x faster fwd+bwd, and far less memory).
-  s_final, o = jax.lax.scan(jax.checkpoint(step), s0, xs, unroll=unroll)
+  s_final, o = jax.lax.scan(jax.checkpoint(step), s0, xs)
   o = jnp.moveaxis(o, 0, 1).reshape(B, tp, HV, V)[:, :T].astype(v.dtype)
   return o, (s_final if output_final_state else None)
