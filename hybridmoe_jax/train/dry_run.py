@@ -22,6 +22,7 @@ import math
 import jax
 
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, param_pieces
+from hybridmoe_jax.ops.kda.chunked import step_tokens
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
@@ -122,12 +123,6 @@ def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
   return float(max(head, experts))
 
 
-def kda_scan_tokens(chunk_size: int) -> int:
-  """Tokens per step of the chunked KDA's scan (ops/kda/chunked.py: at least 64 and two
-  chunks): the scan keeps one fp32 state per step for the backward."""
-  return chunk_size * max(2, 64 // chunk_size)
-
-
 def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
                  ) -> dict[str, dict[str, float]]:
   """Per-device bytes of one training step, by component, for each remat policy.
@@ -169,7 +164,9 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   n_kda = sum(k == "kda" for k in cfg.layer_kinds)
   n_mla = len(cfg.layer_kinds) - n_kda
   k, m = cfg.kda, cfg.mla
-  kda_one = (rows_mb * math.ceil(seq_len / context / kda_scan_tokens(compute.kda_chunk_size))
+  # The chunked scan keeps one fp32 state per step for the backward.
+  local = math.ceil(seq_len / context)
+  kda_one = (rows_mb * math.ceil(local / step_tokens(local, compute.kda_chunk_size))
              * 4.0 * k.num_v_heads * k.head_dim * k.v_head_dim)
   latent_one = (rows_mb * seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * (act_bytes + 4)
                 if context > 1 else 0.0)
