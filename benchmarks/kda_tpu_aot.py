@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybridmoe_jax.ops.kda.chunked import _group_step, kda_chunked, step_tokens
+from hybridmoe_jax.ops.kda.chunked import _group_step, kda_chunked, scan_steps, step_tokens
 from hybridmoe_jax.parallel.topology import topology_devices
 from hybridmoe_jax.tools.timing import stopwatch
 from pallas_kernels.kda import kda_pallas
@@ -100,14 +100,12 @@ def xla_scan_costs(mesh: Mesh, mode: str, T: int, packed: bool) -> dict[str, flo
   step; fwd+bwd = steps x (the step + the step's vjp, which recomputes it: the scan body is
   checkpointed). Reshapes outside the scan (free for B = 1) are not counted.
   """
-  gc = step_tokens(T, C)
-  steps = -(-T // gc)
-  bf16, f32 = jnp.bfloat16, jnp.float32
+  gc, steps = step_tokens(T, C), scan_steps(T, C)
   sd = jax.ShapeDtypeStruct
-  state = sd((B, H, K, V), f32)
-  xs = [sd((B, gc, H, K), bf16), sd((B, gc, H, K), bf16), sd((B, gc, H, V), bf16),
-        sd((B, gc, H, K), f32), sd((B, gc, H), bf16)]
-  xs += [sd((B, gc), jnp.int32), sd((B,), jnp.int32)] if packed else [None, None]
+  state = sd((B, H, K, V), jnp.float32)
+  # One step's inputs: the program's arguments at gc tokens, plus the segment entering it.
+  xs = arg_specs(gc, packed)
+  xs += [sd((B,), jnp.int32)] if packed else [None, None]
   step = lambda s, x: _group_step(s, x, c=C, scale=K ** -0.5, lower_bound=LB)  # noqa: E731
 
   def vjp(s, x, ds, do):
@@ -116,13 +114,14 @@ def xla_scan_costs(mesh: Mesh, mode: str, T: int, packed: bool) -> dict[str, flo
   rep = NamedSharding(mesh, PartitionSpec())
   progs = [(jax.jit(step), (state, tuple(xs)))]
   if mode == "fwdbwd":
-    progs.append((jax.jit(vjp), (state, tuple(xs), state, sd((B, gc, H, V), f32))))
+    progs.append((jax.jit(vjp), (state, tuple(xs), state, sd((B, gc, H, V), jnp.float32))))
   total = dict.fromkeys(dict(_COSTS), 0.0)
   with jax.set_mesh(mesh):
     for fn, args in progs:
       args = jax.tree.map(lambda a: sd(a.shape, a.dtype, sharding=rep), args)
       for key, value in _costs(fn.lower(*args).compile()).items():
-        total[key] += steps * value
+        # -1: the compiler gave no figure (kept as -1, not multiplied).
+        total[key] = -1.0 if value < 0 or total[key] < 0 else total[key] + steps * value
   return total
 
 

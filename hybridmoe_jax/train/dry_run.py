@@ -22,7 +22,7 @@ import math
 import jax
 
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, param_pieces
-from hybridmoe_jax.ops.kda.chunked import step_tokens
+from hybridmoe_jax.ops.kda.chunked import scan_steps
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
@@ -165,8 +165,7 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   n_mla = len(cfg.layer_kinds) - n_kda
   k, m = cfg.kda, cfg.mla
   # The chunked scan keeps one fp32 state per step for the backward.
-  local = math.ceil(seq_len / context)
-  kda_one = (rows_mb * math.ceil(local / step_tokens(local, compute.kda_chunk_size))
+  kda_one = (rows_mb * scan_steps(math.ceil(seq_len / context), compute.kda_chunk_size)
              * 4.0 * k.num_v_heads * k.head_dim * k.v_head_dim)
   latent_one = (rows_mb * seq_len * (m.kv_lora_rank + m.qk_rope_head_dim) * (act_bytes + 4)
                 if context > 1 else 0.0)

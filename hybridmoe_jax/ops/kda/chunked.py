@@ -262,6 +262,11 @@ def step_tokens(T: int, c: int) -> int:
   return c * min(max(2, _STEP_TOKENS // c), -(-T // c))
 
 
+def scan_steps(T: int, c: int) -> int:
+  """Steps of `kda_chunked`'s scan over a length-T sequence (chunk size c)."""
+  return -(-T // step_tokens(T, c))
+
+
 def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                 scale: float | None = None, initial_state: jax.Array | None = None,
                 output_final_state: bool = False, segment_ids: jax.Array | None = None,
@@ -282,8 +287,7 @@ def kda_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
   HV, V = v.shape[2], v.shape[3]
   scale = K**-0.5 if scale is None else scale
   c = chunk_size
-  gc = step_tokens(T, c)
-  steps = -(-T // gc)
+  gc, steps = step_tokens(T, c), scan_steps(T, c)
   tp = steps * gc
 
   def groups(x, mode="constant"):  # [B, T, ...] -> [steps, B, G*C, ...], padded
