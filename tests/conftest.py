@@ -20,14 +20,13 @@ if _SAVED not in os.environ:
 _USER_XLA_FLAGS = None if os.environ[_SAVED] == "<unset>" else os.environ[_SAVED]
 
 # Tests are dominated by XLA compiles: the suite compiles with most optimisation passes off
-# (about 30% less CPU; results are checked against references, not timed) and with XLA:CPU's
-# older loop emitters instead of its MLIR fusion emitters (the tiny model's train step
-# compiles in 4.2 CPU-s instead of 8.7). The programs are the same;
-# HYBRIDMOE_TESTS_XLA_OPT=1 runs the suite on XLA's defaults.
+# (about 30% less CPU; results are checked against references, not timed). The programs are
+# the same; HYBRIDMOE_TESTS_XLA_OPT=1 runs the suite on XLA's defaults. (jaxlib 0.12 dropped
+# XLA:CPU's older loop emitters, `--xla_cpu_use_fusion_emitters=false`, which jaxlib 0.10
+# compiled the tiny train step with in half the time.)
 _COMPILE_FLAGS = ""
 if os.environ.get("HYBRIDMOE_TESTS_XLA_OPT") != "1":
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-  _COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 # XLA_FLAGS for processes that must see one device (CLI subprocesses): the user's flags and
 # the compile settings above, without the simulated device count.

@@ -35,6 +35,9 @@ EXTERNAL = {
     "Kimi-Linear-48B-A3B-Instruct": "the released model's Hugging Face directory (download)",
     "my.jsonl": "the user's own text",
 }
+# Commands that set up the environment the others run in (the install line): why skipped.
+ENVIRONMENT = {"python3.12": "creates the virtual environment (the suite runs inside one)",
+               ".": "activates the virtual environment"}
 # Absl's own flags, accepted by every absl CLI.
 ABSL_FLAGS = {"helpfull", "help", "helpshort", "verbosity", "v", "logtostderr",
               "alsologtostderr", "log_dir", "flagfile"}
@@ -126,9 +129,19 @@ def readme_commands() -> list[Command]:
         continue
       # ANSI-C quoting ($'a\nb') as shlex reads it: a plain single-quoted word.
       words = shlex.split(full.replace("$'", "'"))
-      while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-        words.pop(0)
-      out.append(Command(full, words, start))
+      # `a && b`: each part is a command of its own.
+      parts = [[]]
+      for w in words:
+        if w == "&&":
+          parts.append([])
+        else:
+          parts[-1].append(w)
+      for part in parts:
+        while part and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", part[0]):
+          part.pop(0)
+        if part:
+          out.append(Command(" ".join(shlex.quote(w) for w in part) if len(parts) > 1
+                             else full, part, start))
   return out
 
 
@@ -224,7 +237,7 @@ def test_readme_commands_refer_to_what_exists():
       problems += [f"{where}: no extra [{e}]" for part in _pip_extras(c)
                    for e in part.split(",") if e not in extras]
       continue
-    if prog in ("tensorboard", "pytest"):
+    if prog in ("tensorboard", "pytest") or prog in ENVIRONMENT:
       continue
     if prog == "python -c":
       compile(c.argv[2], where, "exec")
@@ -259,6 +272,8 @@ def _skip_reason(c: Command) -> str | None:
   if prog in ("pip", "pytest", "tensorboard"):
     return {"pip": "installs from the network", "pytest": "the test suite itself",
             "tensorboard": "a server"}[prog]
+  if prog in ENVIRONMENT:
+    return ENVIRONMENT[prog]
   if prog == "hybridmoe_jax.serve":
     return "a server (tests/serve drives it with the openai client)"
   if prog == "hybridmoe_jax.serve.lm_eval_adapter" and importlib.util.find_spec("lm_eval") is None:

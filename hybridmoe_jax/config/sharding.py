@@ -17,14 +17,22 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
-BATCH_AXES = ("data", "fsdp")             # sequences of a batch
+# Sequences of a training batch go over every axis that holds distinct data, as in
+# MaxText's activation rules: data, fsdp and expert (only inside the MoE do the
+# expert-parallel exchanges move tokens to their experts' shards). Without expert, the
+# attention, KDA, shared experts, LM head and loss of the 48B step repeated the same tokens
+# on all 8 expert shards. A batch whose rows do not divide over all three keeps the ones
+# that do (`batch_axes`); every batch must split over DATA_AXES (`parallel.mesh.
+# check_mesh_fits`), and serving rows (decode, prefill) are laid out over DATA_AXES.
+BATCH_AXES = ("data", "fsdp", "expert")
+DATA_AXES = ("data", "fsdp")
 TOKEN_AXES = ("data", "fsdp", "expert")   # tokens inside the MoE dispatch
 
 MeshAxes = str | tuple[str, ...] | None
 
 LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),       # the axes of these that divide the rows (spec_for)
     ("tokens", ("data", "fsdp", "expert")),
     ("length", "context"),       # a sequence over context shards (parallel/context.py)
     ("act_embed", None),
@@ -47,6 +55,18 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("norm", None),
     ("conv", None),
 )
+
+def batch_axes(mesh_shape, rows: int | None = None) -> tuple[str, ...]:
+  """The axes of BATCH_AXES in `mesh_shape` ({axis: size}) that `rows` sequences split
+  over, in order, each kept when the product so far still divides `rows` (as `spec_for`
+  keeps them for the "batch" rule); rows None: all of them."""
+  out, size = [], 1
+  for a in BATCH_AXES:
+    if a in mesh_shape and (rows is None or rows % (size * mesh_shape[a]) == 0):
+      out.append(a)
+      size *= mesh_shape[a]
+  return tuple(out)
+
 
 def mesh_axes(name: str | None) -> MeshAxes:
   """Mesh axes of one logical name (KeyError for a name missing from LOGICAL_RULES)."""

@@ -31,7 +31,7 @@ from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.context_decode import ContextDecode, ShardedMLACache
 from hybridmoe_jax.parallel.rules import tree_shardings
-from hybridmoe_jax.config.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import DATA_AXES
 
 
 class ContextParallelEngine(Engine):
@@ -61,7 +61,7 @@ class ContextParallelEngine(Engine):
 
   def init_cache(self, batch: int) -> DecodeCache:
     """An empty cache: MLA latents sharded along N over `context`, the rest replicated."""
-    rep = NamedSharding(self.mesh, P(BATCH_AXES))
+    rep = NamedSharding(self.mesh, P(DATA_AXES))
     layers = tuple(
         jax.device_put(KDACache.zeros(self.cfg.kda, batch, self.dtype), rep) if kind == "kda"
         else ShardedMLACache.zeros(self.cfg.mla, batch, self.slots_per_shard, self.mesh,
@@ -90,8 +90,8 @@ class ContextParallelEngine(Engine):
     pad = -t % self.shards
     n_valid = np.full((b,), t, np.int32) if lengths is None else lengths
     tokens = jax.device_put(np.pad(tokens, ((0, 0), (0, pad))),
-                            NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXIS)))
-    n_valid = jax.device_put(n_valid, NamedSharding(self.mesh, P(BATCH_AXES)))
+                            NamedSharding(self.mesh, P(DATA_AXES, CONTEXT_AXIS)))
+    n_valid = jax.device_put(n_valid, NamedSharding(self.mesh, P(DATA_AXES)))
     with self.placement():
       return _prefill_chunk(self.graphdef, self.state, tokens, None, self.init_cache(b),
                             n_valid, kv_block=self.kv_block)
@@ -113,11 +113,11 @@ class ContextParallelEngine(Engine):
     b, t = tokens.shape
     pad = ((0, 0), (0, -t % self.shards))
     targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-    seq = NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXIS))
+    seq = NamedSharding(self.mesh, P(DATA_AXES, CONTEXT_AXIS))
     with self.placement():
       nll, pred, _ = _score_chunk(
           self.graphdef, self.state, jax.device_put(np.pad(tokens, pad), seq),
           jax.device_put(np.pad(targets, pad), seq), self.init_cache(b),
-          jax.device_put(np.full((b,), t, np.int32), NamedSharding(self.mesh, P(BATCH_AXES))),
+          jax.device_put(np.full((b,), t, np.int32), NamedSharding(self.mesh, P(DATA_AXES))),
           kv_block=self.kv_block)
     return np.asarray(nll)[:, :t - 1], np.asarray(pred)[:, :t - 1]

@@ -19,6 +19,8 @@ always describe the router's OWN fresh top-k (what QB has to balance), replay or
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -79,7 +81,7 @@ def _ragged_experts(x, experts, weights, w_gate, w_up, w_down, glu, dtype):
   rows = jnp.arange(m * k, dtype=jnp.int32) // k              # assignment -> its token
   y = grouped_ffn(x, experts.reshape(-1), w_gate, w_up, w_down, glu=glu, dtype=dtype,
                   rows=rows).reshape(m, k, -1)
-  return jnp.einsum("mk,mki->mi", weights, y)
+  return jnp.einsum("mk,mki->mi", weights, y, preferred_element_type=_F32)
 
 
 def _dense_experts(x, experts, weights, w_gate, w_up, w_down, glu, dtype):
@@ -117,12 +119,14 @@ def choose(impl: str, plan: ExecutionPlan | None = None) -> tuple[str, str]:
 
 
 def run_experts(route, run, xf, h, valid, replay, weights, experts, *, cfg: MoEConfig,
-                impl: str, glu, dtype):
+                impl: str, glu, dtype, rows: int | None = None):
   """Routes the m tokens and runs their experts where the plan says (`choose`): route
   (xf, replay, router, bias) -> (fresh, run Routes); run(fn, per_token, shared) on the
   tokens' devices; xf [m, d], h [m, n_in] (dtype), valid [m] bool | None, replay [m, k] |
   None, weights (router [d, E], bias [E]) fp32, experts (w_gate, w_up [E, n_in, I], w_down
-  [E, I, n_in]) -> (y [m, n_in] fp32, `routing_stats` of the m tokens, experts [m, k])."""
+  [E, I, n_in]), rows: B of the [B, T] batch the m tokens were flattened from (their
+  layout, for the dispatch) -> (y [m, n_in] fp32, `routing_stats` of the m tokens,
+  experts [m, k])."""
   name, _ = choose(impl)
   bias = weights[1]
   if name != "dispatch":
@@ -138,7 +142,7 @@ def run_experts(route, run, xf, h, valid, replay, weights, experts, *, cfg: MoEC
   ok = jnp.ones(h.shape[:1], bool) if valid is None else valid
   replayed = {} if replay is None else {"stats_routes": fresh}
   y, stats = current_plan().moe_dispatch(h, routes, bias, ok, *experts, cfg=cfg, glu=glu,
-                                         dtype=dtype, **replayed)
+                                         dtype=dtype, rows=rows, **replayed)
   return y, stats, routes.experts
 
 
@@ -221,7 +225,7 @@ class MoE(nnx.Module):
     else:
       flat = lambda a: None if a is None else ctx.flatten_tokens(a)
       unflat = lambda a: ctx.unflatten_tokens(a, b, t)
-      run = ctx.tokenwise
+      run = functools.partial(ctx.tokenwise, rows=b)
     h = x.astype(dtype)
     if cfg.latent_dim:
       h = _mm(h, self.latent_down[...], dtype).astype(dtype)
@@ -242,7 +246,7 @@ class MoE(nnx.Module):
     weights = (self.router[...], self.bias[...])
     experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
     y, stats, chosen = run_experts(route, run, xf, h, valid, replay, weights, experts,
-                                   cfg=cfg, impl=self.impl, glu=glu, dtype=dtype)
+                                   cfg=cfg, impl=self.impl, glu=glu, dtype=dtype, rows=b)
     # Back to [B, T, ...] before the rest: there the token-wise matmuls see one layout
     # (an expert-parallel y comes back split over `expert` too).
     y = unflat(y)

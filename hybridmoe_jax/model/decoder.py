@@ -161,7 +161,8 @@ class HybridLM(nnx.Module):
                image_grid: jax.Array | None = None, image_index: jax.Array | None = None,
                inputs_embeds: jax.Array | None = None, logits_at: jax.Array | None = None,
                kv_block: int = 512, routes: Mapping[int, jax.Array] | None = None,
-               record_routes: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+               record_routes: bool = False, return_hidden: bool = False
+               ) -> tuple[jax.Array, dict[str, Any]]:
     """tokens [B, T] int32 (+ optional images, see the module docstring) -> (logits, aux).
 
     Args:
@@ -179,8 +180,11 @@ class HybridLM(nnx.Module):
         module docstring and `check_routes`); layers left out route freshly. The balancing
         statistics in aux["moe"] still describe each router's own top-k.
       record_routes: also return the experts every MoE layer ran, in aux["routes"].
+      return_hidden: return the last hidden state [B, T or K, d] fp32 (after the final
+        norm: what `lm_head` reads) instead of the logits (the train loss applies the head
+        block by block, `ops.cross_entropy`).
     Returns:
-      logits [B, T or K, vocab] fp32 and aux: aux["moe"] the routing statistics of every MoE
+      logits [B, T or K, vocab] fp32 (or the hidden state, see return_hidden) and aux: aux["moe"] the routing statistics of every MoE
       layer (`layers.balancing.routing_stats`), shaped like the pure dict of the RoutingBias
       state: {"layers": {i: {"ffn": {"bias": s}}}}; aux["cache"] the updated DecodeCache
       (None without one); with record_routes, aux["routes"] = {i: [B, T, k] int32} for
@@ -252,7 +256,7 @@ class HybridLM(nnx.Module):
         raise ValueError(f"logits_at must be [B={h.shape[0]}, K] positions, got shape "
                          f"{logits_at.shape}")
       h = jnp.take_along_axis(h, logits_at[..., None].astype(jnp.int32), axis=1)
-    logits = self.lm_head(h.astype(jnp.float32))
+    logits = h.astype(jnp.float32) if return_hidden else self.lm_head(h.astype(jnp.float32))
     new_cache = None
     if cache is not None:
       new_cache = DecodeCache(tuple(new_caches),

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from hybridmoe_jax.ops.conv import short_conv
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.config.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import DATA_AXES, batch_axes
 
 CONTEXT_AXIS = "context"
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -245,7 +245,8 @@ def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
 class ContextParallel:
   """The sequence-sharded mixers of a model on `mesh` (axis `context`, size > 1).
 
-  Global arrays come in laid out [B over (data, fsdp), T over context, ...] in the layout
+  Global arrays come in laid out [B over its batch axes (`batch_axes`: data, fsdp and
+  expert where B divides), T over context, ...] in the layout
   (`piece_table(size, zigzag)`); each method is one shard_map over that layout.
   zigzag: 2 pieces per shard (causal load balance); the model moves its inputs into the
   layout with `to_layout` and its output back with `from_layout` (identities without).
@@ -259,8 +260,12 @@ class ContextParallel:
   def size(self) -> int:
     return self.mesh.shape[CONTEXT_AXIS]
 
-  def _map(self, body, n_args: int, replicated: int = 0):
-    spec = P(BATCH_AXES, CONTEXT_AXIS)
+  def _rows(self, b: int) -> P:
+    """[B, T, ...] over B's batch axes and T over context."""
+    return P(batch_axes(dict(self.mesh.shape), b), CONTEXT_AXIS)
+
+  def _map(self, body, n_args: int, replicated: int = 0, *, rows: int):
+    spec = self._rows(rows)
     return jax.shard_map(body, mesh=self.mesh,
                          in_specs=(spec,) * n_args + (P(),) * replicated, out_specs=spec,
                          check_vma=False)
@@ -277,7 +282,7 @@ class ContextParallel:
       y = _route(_split(x, 2), sources, CONTEXT_AXIS)
       return y.reshape(x.shape)
 
-    return self._map(body, 1)(x)
+    return self._map(body, 1, rows=x.shape[0])(x)
 
   def _natural(self) -> np.ndarray:   # 2n pieces, contiguous: shard r holds 2r, 2r + 1
     return np.arange(2 * self.size).reshape(self.size, 2)
@@ -292,15 +297,15 @@ class ContextParallel:
     return self._move(x, piece_table(self.size, True), self._natural()) if self.zigzag else x
 
   # ---- token-wise work (the MoE): each device's own tokens, never the whole sequence ----
-  @property
-  def token_axes(self) -> tuple[str, ...]:
-    """The mesh axes the tokens of a [B, T] batch are split over: (data, fsdp, context)."""
-    return tuple(a for a in (*BATCH_AXES, CONTEXT_AXIS) if a in self.mesh.axis_names)
+  def token_axes(self, b: int) -> tuple[str, ...]:
+    """The mesh axes the tokens of a [B, T] batch are split over: B's batch axes, then
+    context."""
+    return (*batch_axes(dict(self.mesh.shape), b), CONTEXT_AXIS)
 
   def splits(self, b: int, t: int) -> bool:
-    """Whether a [B, T] batch is laid out over the token axes (B over data x fsdp, T over
-    context); False e.g. for a decode step (T = 1, replicated over context)."""
-    dp = math.prod(self.mesh.shape[a] for a in BATCH_AXES if a in self.mesh.axis_names)
+    """Whether a [B, T] batch is laid out over the token axes (B over data x fsdp at least,
+    T over context); False e.g. for a decode step (T = 1, replicated over context)."""
+    dp = math.prod(self.mesh.shape[a] for a in DATA_AXES if a in self.mesh.axis_names)
     return b % dp == 0 and t % self.size == 0
 
   def flatten_tokens(self, x: jax.Array) -> jax.Array:
@@ -309,20 +314,19 @@ class ContextParallel:
     moves. (A plain reshape is not a local op when a device holds several rows: XLA
     re-lays the tokens out, gathering whole sequences.) Token-wise code does not care about
     the order; `unflatten_tokens` undoes it."""
-    spec = P(BATCH_AXES, CONTEXT_AXIS)
     body = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    return jax.shard_map(body, mesh=self.mesh, in_specs=spec, out_specs=P(self.token_axes),
-                         check_vma=False)(x)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=self._rows(x.shape[0]),
+                         out_specs=P(self.token_axes(x.shape[0])), check_vma=False)(x)
 
   def unflatten_tokens(self, y: jax.Array, b: int, t: int) -> jax.Array:
     """The inverse of `flatten_tokens`: [B T, ...] -> [B, T, ...]."""
-    dp = math.prod(self.mesh.shape[a] for a in BATCH_AXES if a in self.mesh.axis_names)
+    dp = math.prod(self.mesh.shape[a] for a in batch_axes(dict(self.mesh.shape), b))
     shape = (b // dp, t // self.size)
     body = lambda y: y.reshape(*shape, *y.shape[1:])
-    return jax.shard_map(body, mesh=self.mesh, in_specs=P(self.token_axes),
-                         out_specs=P(BATCH_AXES, CONTEXT_AXIS), check_vma=False)(y)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=P(self.token_axes(b)),
+                         out_specs=self._rows(b), check_vma=False)(y)
 
-  def tokenwise(self, fn, per_token: tuple, shared: tuple = ()):
+  def tokenwise(self, fn, per_token: tuple, shared: tuple = (), *, rows: int):
     """fn on each device's own tokens: one shard_map over `token_axes`.
 
     Args:
@@ -330,13 +334,14 @@ class ContextParallel:
         token (e.g. routing: top_k, which XLA does not partition along the tokens and
         would otherwise run on a gathered [B T, E] array) plus sums over the tokens.
       per_token: [m, ...] arrays from `flatten_tokens` (None entries allowed).
+      rows: B of the [B, T] batch they were flattened from (their layout).
       shared: arrays every device needs whole (replicated; their gradients are summed
         over the shards).
     Returns:
       (the per-token outputs [m, ...] split over `token_axes`, the additive outputs
       psum-ed over `token_axes`: the whole batch's sums, exact for integers).
     """
-    axes = self.token_axes
+    axes = self.token_axes(rows)
 
     def body(*args):
       out, summed = fn(*args)
@@ -352,7 +357,7 @@ class ContextParallel:
     reading its left halo explicitly (`short_conv_shard`); w [W, C] is replicated."""
     seg = self._segments(segment_ids, x.shape[:2])
     body = lambda x, s, w: short_conv_shard(x, w, segment_ids=s, zigzag=self.zigzag)
-    return self._map(body, 2, replicated=1)(x, seg, w)
+    return self._map(body, 2, replicated=1, rows=x.shape[0])(x, seg, w)
 
   def kda(self, q, k, v, g, beta, *, segment_ids=None, **opts) -> jax.Array:
     """`ops.kda.kda(...)[0]` over the whole sequence (opts: scale, chunk_size, lower_bound,
@@ -360,11 +365,11 @@ class ContextParallel:
     seg = self._segments(segment_ids, q.shape[:2])
     body = lambda q, k, v, g, b, s: kda_shard(q, k, v, g, b, segment_ids=s,
                                               zigzag=self.zigzag, **opts)
-    return self._map(body, 6)(q, k, v, g, beta, seg)
+    return self._map(body, 6, rows=q.shape[0])(q, k, v, g, beta, seg)
 
   def latent_attention(self, q, c, k_r, *, segment_ids=None, scale: float) -> jax.Array:
     """Absorbed MLA attention over the whole sequence (`latent_attention_shard`)."""
     seg = self._segments(segment_ids, c.shape[:2])
     body = lambda q, c, k_r, s: latent_attention_shard(q, c, k_r, segment_ids=s, scale=scale,
                                                        zigzag=self.zigzag, block=self.block)
-    return self._map(body, 4)(q, c, k_r, seg)
+    return self._map(body, 4, rows=q.shape[0])(q, c, k_r, seg)

@@ -44,7 +44,7 @@ from hybridmoe_jax.ops.latent_attention import latent_attention_partial
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel, affine_maps
-from hybridmoe_jax.config.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import DATA_AXES
 
 _F32 = jnp.float32
 _NEG = -1e30            # as layers.mla: an empty piece has max -1e30, sum 0
@@ -69,7 +69,7 @@ class ShardedMLACache(NamedTuple):
     """An empty cache of n * slots_per_shard tokens per row, created sharded (never whole
     on one device)."""
     n, dt = mesh.shape[CONTEXT_AXIS], jnp.dtype(dtype)
-    seq, rep = NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS)), NamedSharding(mesh, P(BATCH_AXES))
+    seq, rep = NamedSharding(mesh, P(DATA_AXES, CONTEXT_AXIS)), NamedSharding(mesh, P(DATA_AXES))
     make = jax.jit(lambda: cls(jnp.zeros((batch, n * slots_per_shard, cfg.kv_lora_rank), dt),
                                jnp.zeros((batch, n * slots_per_shard, cfg.qk_rope_head_dim), dt),
                                jnp.zeros((batch, n), jnp.int32)),
@@ -215,7 +215,7 @@ class ContextDecode(ContextParallel):
                    ) -> tuple[jax.Array, jax.Array]:
     """`ops.kda.kda(..., initial_state, output_final_state=True)` over the whole sharded
     sequence (`kda_continue_shard`); the final state [B, HV, K, V] fp32 replicated."""
-    seq, rep = P(BATCH_AXES, CONTEXT_AXIS), P(BATCH_AXES)
+    seq, rep = P(DATA_AXES, CONTEXT_AXIS), P(DATA_AXES)
     body = lambda q, k, v, g, b, s: kda_continue_shard(q, k, v, g, b, initial_state=s, **opts)
     return jax.shard_map(body, mesh=self.mesh, in_specs=(seq,) * 5 + (rep,),
                          out_specs=(seq, rep), check_vma=False)(q, k, v, g, beta,
@@ -237,7 +237,7 @@ class ContextDecode(ContextParallel):
       raise ValueError(f"ContextDecode needs ShardedMLACache layers in the cache, got "
                        f"{type(cache).__name__} (build it with ContextParallelEngine)")
     n, t = self.size, q.shape[1]
-    seq, rep = P(BATCH_AXES, CONTEXT_AXIS), P(BATCH_AXES)
+    seq, rep = P(DATA_AXES, CONTEXT_AXIS), P(DATA_AXES)
     cache_spec = ShardedMLACache(seq, seq, rep)
     if t == 1:
       body = lambda q, c, k_r, cache, nv: decode_attention_shard(

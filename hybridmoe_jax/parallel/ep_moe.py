@@ -37,25 +37,32 @@ from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
 from hybridmoe_jax.ops.routing import Routes
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all, resolve_impl
-from hybridmoe_jax.config.sharding import BATCH_AXES, TOKEN_AXES
+from hybridmoe_jax.config.sharding import DATA_AXES, TOKEN_AXES, batch_axes
 
 _F32 = jnp.float32
 EXPERT_AXIS = "expert"
 
 
-def token_axes(mesh, num_tokens: int | None = None) -> tuple[str, ...]:
-  """The axes the m tokens are split over: (data, fsdp, expert), and `context` before
-  `expert` when m splits over it. Under context parallelism the MoE hands over its tokens
-  split over (data, fsdp, context) (`ContextParallel.flatten_tokens`): adding `expert` as
-  the minor axis is then a local slice, while leaving `context` out would gather the
-  sequence. A decode step's few rows (replicated over context) keep the plain axes."""
-  plain = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
-  if CONTEXT_AXIS not in mesh.axis_names or num_tokens is None:
-    return plain
-  with_context = tuple(a for a in (*BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS)
-                       if a in mesh.axis_names)
-  size = math.prod(mesh.shape[a] for a in with_context)
-  return with_context if num_tokens % size == 0 else plain
+def token_axes(mesh, num_tokens: int | None = None, rows: int | None = None
+               ) -> tuple[str, ...]:
+  """The axes the m tokens are split over: the layout they arrive in, then `expert` as the
+  minor axis when it is not among them (a local slice of each device's tokens).
+
+  With `rows` (the m tokens are a flattened [rows, T] batch): its batch axes (`batch_axes`:
+  data, fsdp, and expert where rows divide), then `context` when m splits over it (a context
+  runner's `flatten_tokens`, or a plain reshape of T over context: leaving it out would
+  gather the sequence), then expert. Without: (data, fsdp, context, expert) when m splits
+  over it, else (data, fsdp, expert) (a decode step's few rows, replicated over context)."""
+  names, shape = mesh.axis_names, dict(mesh.shape)
+  size = lambda axes: math.prod(shape[a] for a in axes)
+  if num_tokens is None:
+    return tuple(a for a in TOKEN_AXES if a in names)
+  lay = (batch_axes(shape, rows) if rows is not None
+         else tuple(a for a in DATA_AXES if a in names))
+  for extra in (CONTEXT_AXIS, EXPERT_AXIS):
+    if extra in names and extra not in lay and num_tokens % size((*lay, extra)) == 0:
+      lay = (*lay, extra)
+  return lay
 
 
 def buffer_rows(assignments: int, num_shards: int, capacity_factor: float) -> int:
@@ -180,8 +187,8 @@ class ExpertParallelDispatch:
 
   def __call__(self, x: jax.Array, routes: Routes, bias: jax.Array, valid: jax.Array,
                w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, cfg: MoEConfig,
-               glu: Callable, dtype, stats_routes: Routes | None = None
-               ) -> tuple[jax.Array, Stats]:
+               glu: Callable, dtype, stats_routes: Routes | None = None,
+               rows: int | None = None) -> tuple[jax.Array, Stats]:
     """Routed-expert FFN and routing statistics of all tokens (global views in and out).
 
     Args:
@@ -190,6 +197,7 @@ class ExpertParallelDispatch:
       cfg: the layer's MoEConfig; glu: gate nonlinearity; dtype: matmul dtype.
       stats_routes: the `Routes` the statistics describe (None: `routes`); under routing
         replay the router's own fresh top-k, while `routes` holds the replayed experts.
+      rows: B when the m tokens are a flattened [B, T] batch (their layout, `token_axes`).
 
     Returns:
       y [m, n] fp32 over the assignments that were not dropped; `routing_stats` of the m
@@ -197,7 +205,7 @@ class ExpertParallelDispatch:
       over the whole batch (always 0 when capacity_factor == 0). Integer psums: exactly
       the single-device statistics.
     """
-    toks = token_axes(self.mesh, x.shape[0])
+    toks = token_axes(self.mesh, x.shape[0], rows)
     num_shards = self.mesh.shape[EXPERT_AXIS]
     num_experts = w_gate.shape[0]
     if num_experts % num_shards:

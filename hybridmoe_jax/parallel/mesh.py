@@ -5,8 +5,9 @@ resolves its -1 against the device count.
 Every axis is `AxisType.Auto`: the code states shardings through the rules of
 `parallel.rules` and leaves the rest to XLA's partitioner; only the MoE dispatch is manual
 (`jax.shard_map` over `expert`, see `parallel.ep_moe`).
-Batch layout: sequences [B, ...] are split over (data, fsdp); token-level MoE work
-[B T, ...] additionally over expert (the token axes of `TOKEN_AXES`).
+Batch layout: sequences [B, ...] are split over (data, fsdp, expert), each axis where the
+rows divide (`config.sharding.batch_axes`); every batch must split over (data, fsdp).
+Token-level MoE work [B T, ...] is split over (data, fsdp, expert) (`TOKEN_AXES`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import MeshConfig
-from hybridmoe_jax.config.sharding import BATCH_AXES, MESH_AXES, TOKEN_AXES  # noqa: F401  (re-exported)
+from hybridmoe_jax.config.sharding import (  # noqa: F401  (re-exported)
+    BATCH_AXES, DATA_AXES, MESH_AXES, TOKEN_AXES, batch_axes)
 
 
 def _bad(field: str, value: Any, allowed: str) -> ConfigError:
@@ -92,10 +94,13 @@ def axis_size(mesh: Mesh, axes: Sequence[str]) -> int:
   return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def batch_sharding(mesh: Mesh, *, sequence: bool = False) -> NamedSharding:
-  """[B, ...] arrays: batch dimension over (data, fsdp), the rest replicated; with
+def batch_sharding(mesh: Mesh, *, sequence: bool = False,
+                   rows: int | None = None) -> NamedSharding:
+  """[B, ...] arrays of B = `rows` sequences: batch dimension over the batch axes that divide
+  it (`batch_axes`; all of data, fsdp, expert when rows is None), the rest replicated; with
   `sequence`, [B, T, ...] arrays also split T over `context`."""
-  return NamedSharding(mesh, P(BATCH_AXES, "context") if sequence else P(BATCH_AXES))
+  axes = batch_axes(dict(mesh.shape), rows)
+  return NamedSharding(mesh, P(axes, "context") if sequence else P(axes))
 
 
 def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum: int,
@@ -103,7 +108,8 @@ def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum
   """One clear ConfigError per mismatch between the model/batch and the mesh (before compile).
 
   - experts must divide evenly over `expert` (each shard owns E / expert whole experts);
-  - each microbatch (batch_size / grad_accum sequences) must split over data x fsdp;
+  - each microbatch (batch_size / grad_accum sequences) must split over data x fsdp (and
+    splits over expert too where it divides: `batch_axes`);
   - each sequence must split over `context` (in 2 x context pieces with context_zigzag);
   - its tokens must split over data x fsdp x expert (the MoE dispatch's token shards).
   """
@@ -112,7 +118,7 @@ def check_mesh_fits(mesh: Mesh, *, num_experts: int, batch_size: int, grad_accum
     raise ConfigError(f"config field `model.moe.num_experts` = {num_experts} is invalid: "
                       f"allowed a multiple of mesh.expert={ep} (each expert shard owns "
                       "whole experts)")
-  dp = axis_size(mesh, BATCH_AXES)
+  dp = axis_size(mesh, DATA_AXES)
   micro = batch_size // grad_accum
   if micro % dp:
     raise ConfigError(
@@ -144,7 +150,7 @@ def host_batch_to_global(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Arr
   array is their concatenation in process order, split over (data, fsdp).
   """
   rows, length = np.shape(batch["tokens"])[:2]
-  dp = axis_size(mesh, BATCH_AXES)
+  dp = axis_size(mesh, DATA_AXES)
   if (rows * jax.process_count()) % dp:  # e.g. a curriculum stage with a smaller batch
     raise ConfigError(f"a batch of {rows * jax.process_count()} sequences does not split over "
                       f"mesh.data x mesh.fsdp = {dp}: choose batch sizes that are multiples "
@@ -156,7 +162,8 @@ def host_batch_to_global(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Arr
     # is replicated.
     per_row = value.ndim > 0 and value.shape[0] == rows
     per_token = per_row and value.ndim > 1 and value.shape[1] == length  # tokens, segments
-    sharding = (batch_sharding(mesh, sequence=per_token) if per_row
+    sharding = (batch_sharding(mesh, sequence=per_token, rows=rows * jax.process_count())
+                if per_row
                 else NamedSharding(mesh, P()))
     if jax.process_count() == 1:
       out[key] = jax.device_put(value, sharding)

@@ -44,7 +44,8 @@ from hybridmoe_jax.config.rl import RLConfig
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.state import TrainState
-from hybridmoe_jax.train.step import next_token_targets, token_nll
+from hybridmoe_jax.ops.cross_entropy import token_nll
+from hybridmoe_jax.train.step import next_token_targets
 
 
 # ln of the smallest probability a policy log-prob takes (e^-80 ~ 1.8e-35): a target outside

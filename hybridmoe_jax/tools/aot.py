@@ -43,7 +43,7 @@ from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
 from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.config.hardware import CHIPS
 from hybridmoe_jax.config.run import RunConfig
-from hybridmoe_jax.config.sharding import BATCH_AXES, TOKEN_AXES
+from hybridmoe_jax.config.sharding import TOKEN_AXES
 from hybridmoe_jax.train import dry_run as dry_lib
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import plan as plan_lib
@@ -210,7 +210,8 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
         graphdef, run.model, tx, grad_accum=t.grad_accum, schedule=plan.schedule(),
         state_shardings=shardings, plan=rt.plan, accum_unroll=unroll)
     tokens = jax.ShapeDtypeStruct((s.batch_size, s.seq_len), jnp.int32,
-                                  sharding=batch_sharding(rt.mesh, sequence=True))
+                                  sharding=batch_sharding(rt.mesh, sequence=True,
+                                                          rows=s.batch_size))
     args = (_structs(abstract, shardings), {"tokens": tokens, "segment_ids": tokens})
     name = f"train stage {s.index} T={s.seq_len:,}"
     c = _compile(name, step(1), args, {}, rt.mesh, s.batch_size * s.seq_len)
@@ -265,7 +266,7 @@ def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
       run.model, rngs=nnx.Rngs(0), compute=run.compute)))
   state_sh = tree_shardings(state, mesh, serving=True)
   cache = jax.eval_shape(lambda: init_cache(run.model, rows, max_len, dtype=run.compute.dtype))
-  rows_sh = NamedSharding(mesh, P(BATCH_AXES + ("expert",)))
+  rows_sh = NamedSharding(mesh, P(TOKEN_AXES))
   cache_sh = jax.tree.map(lambda a: rows_sh if a.ndim else NamedSharding(mesh, P()), cache)
   state_s, cache_s = _structs(state, state_sh), _structs(cache, cache_sh)
   tok = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sh)

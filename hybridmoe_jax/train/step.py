@@ -23,6 +23,7 @@ from hybridmoe_jax.config import sharding
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_IDS
 from hybridmoe_jax.layers.balancing import update_routing_biases
+from hybridmoe_jax.ops.cross_entropy import blocked_token_nll
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.train import optim
@@ -53,14 +54,6 @@ def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
   return targets, weights.astype(jnp.float32)
 
 
-def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Per-token negative log-likelihood [B, T] in fp32."""
-  logits = logits.astype(jnp.float32)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return logz - picked
-
-
 def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=None,
                  image_ids=IMAGE_IDS):
   """-> (weighted NLL sum, (weight sum, routing stats)).
@@ -73,19 +66,27 @@ def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=Non
   model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
   extras = dict(extras or {})
   loss_weights = extras.pop(LOSS_WEIGHTS, None)
-  logits, aux = model(tokens, segment_ids=segment_ids, **extras)
+  # The last hidden state, not the logits: the loss takes the head block by block and never
+  # holds the [B, T, V] fp32 logits (`ops.cross_entropy`).
+  hidden, aux = model(tokens, segment_ids=segment_ids, return_hidden=True, **extras)
   targets, weights = next_token_targets(tokens, segment_ids)
   if "images" in extras and image_ids:  # no loss on image placeholders, delimiters (DESIGN s5)
     weights = weights * ~jnp.isin(targets, jnp.asarray(image_ids, jnp.int32))
   if loss_weights is not None:  # position t predicts token t + 1: take that token's weight
     weights = weights * jnp.concatenate(
         [loss_weights[:, 1:], jnp.zeros_like(loss_weights[:, :1])], axis=1).astype(jnp.float32)
-  nll_sum = jnp.sum(token_nll(logits, targets) * weights)
+  nll = blocked_token_nll(hidden, model.lm_head.kernel[...], targets)
+  nll_sum = jnp.sum(nll * weights)
   return nll_sum, (jnp.sum(weights), aux.get("moe", {}))
 
 
 def _microbatches(x: jax.Array, n: int) -> jax.Array:
-  return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+  """[B, ...] -> [n, B / n, ...], microbatch i = rows i, i + n, ...: each device's block of
+  rows (the batch is split in contiguous blocks over the batch axes) holds its share of
+  every microbatch, so splitting needs no exchange when B / devices divides by n (a
+  contiguous split would move whole microbatches between devices). The loss sums every
+  microbatch, so their composition does not matter."""
+  return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
 
 def _grads_and_stats(graphdef, state: TrainState, tokens, segment_ids, grad_accum: int,

@@ -212,8 +212,9 @@ class _Recorder:
 
   calls = 0
 
-  def __call__(self, x, routes, bias, valid, w_gate, w_up, w_down, *, cfg, glu, dtype):
+  def __call__(self, x, routes, bias, valid, w_gate, w_up, w_down, *, cfg, glu, dtype, rows):
     type(self).calls += 1
+    assert rows == x.shape[0] // _x().shape[1], rows  # the [B, T] batch's B
     from hybridmoe_jax.layers.balancing import routing_stats  # pylint: disable=g-import-not-at-top
     from hybridmoe_jax.layers.moe import _ragged_experts  # pylint: disable=g-import-not-at-top
     y = _ragged_experts(x, routes.experts, routes.weights, w_gate, w_up, w_down, glu, dtype)

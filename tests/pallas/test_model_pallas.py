@@ -12,7 +12,8 @@ nnx = pytest.importorskip("flax.nnx")  # pallas_kernels alone needs jax only; th
 
 from hybridmoe_jax.config import ComputeConfig, KDAConfig, ModelConfig, MoEConfig  # noqa: E402
 from hybridmoe_jax.model import HybridLM  # noqa: E402
-from hybridmoe_jax.train.step import next_token_targets, token_nll  # noqa: E402
+from hybridmoe_jax.ops.cross_entropy import token_nll  # noqa: E402
+from hybridmoe_jax.train.step import next_token_targets  # noqa: E402
 from tests._support import assert_close  # noqa: E402
 
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.layers.moe import RoutingBias
+from hybridmoe_jax.ops import cross_entropy
 from hybridmoe_jax.train import optim, step as step_lib
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config.run import default_config
@@ -55,7 +56,7 @@ def test_targets_stay_inside_segments():
 def test_token_nll_matches_log_softmax():
   logits = jax.random.normal(jax.random.key(0), (2, 3, 7)).astype(jnp.bfloat16)
   targets = jnp.array([[1, 2, 3], [4, 5, 6]])
-  nll = step_lib.token_nll(logits, targets)
+  nll = cross_entropy.token_nll(logits, targets)
   ref = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
                              targets[..., None], -1)[..., 0]
   assert nll.dtype == jnp.float32
