@@ -174,8 +174,9 @@ REMAT_POLICIES = ("none", "full", "dots")
 
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig(Checked):
-  """How a model computes, not what it is: none of these fields changes the parameters or
-  the train state, so a run may resume with other values (the `compute` config section).
+  """How a model computes, not what it is: none of these fields changes the parameters, so
+  a run may resume with other values (the `compute` config section); scan_layers changes
+  only their layout (convert with `model.stack.stack_state` / `unstack_state`).
 
   The architecture (`ModelConfig`) is what a checkpoint must match; this is what a user
   tunes per machine: precision, rematerialisation and which kernel implements each op.
@@ -201,6 +202,14 @@ class ComputeConfig(Checked):
   # dense up to T = 4 * mla_block (the loop costs more than the small matrix), else blockwise.
   mla_impl: str = ranged("auto", MLA_IMPLS)
   mla_block: int = ranged(128, ">= 8")
+  # Run the layers that repeat (one period of model.layer_kinds after the dense ones) as one
+  # jax.lax.scan over stacked parameters (`model.stack`): compile time stops growing with
+  # depth. Unlike the fields above it changes the state's LAYOUT ("stack/<j>" leaves
+  # [R, ...] instead of "layers/<i>"): convert with model.stack.stack_state/unstack_state.
+  scan_layers: bool = ranged(False, Allowed(lambda v: isinstance(v, (bool, np.bool_)),
+                                            "True or False"))
+  # Repeats per iteration of that scan (tools/aot.py compiles 1 and 2 to cost the loop).
+  scan_unroll: int = ranged(1, ">= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,7 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("routing", None),           # router columns and balancing biases: every shard routes
     ("norm", None),
     ("conv", None),
+    ("layers", None),            # the [R] repeats of a scanned layer stack (parallel.rules)
 )
 
 def batch_axes(mesh_shape, rows: int | None = None) -> tuple[str, ...]:

@@ -11,15 +11,16 @@ token shard inside its shard_map, followed by one integer psum (`parallel.ep_moe
 Stats pytree: the model returns its routing statistics shaped like the pure dict of its
 RoutingBias state (`nnx.to_pure_dict(biases)`, e.g. {"layers": {1: {"ffn": {"bias": s}}}}):
 each bias leaf's position holds that layer's stats dict `s`, so updating every layer is one
-tree map over (biases, stats) (`update_routing_biases`). The bias is routing state, never a
-parameter: it gets no gradient, is not in the optimizer, and the value computed from step
-t's statistics is used from step t + 1.
+tree map over (biases, stats) (`update_routing_biases`; a scanned layer stack keeps R
+layers' biases in one [R, E] leaf with stats [R, ...], and the rule is vmapped over R).
+The bias is routing state, never a parameter: it gets no gradient, is not in the
+optimizer, and the value computed from step t's statistics is used from step t + 1.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,26 +102,44 @@ def layer_metrics(bias: jax.Array, stats: Stats) -> dict[str, jax.Array]:
           "load": load}
 
 
-def update_routing_biases(biases: nnx.State, stats: Any, cfg: MoEConfig
+def _per_layer(fn, bias: jax.Array, stats: Stats):
+  """fn(bias [E], stats) on one layer's bias, or vmapped over the leading axis of a stacked
+  one (a scanned layer stack: bias [R, E], every stats array [R, ...])."""
+  return fn(bias, stats) if bias.ndim == 1 else jax.vmap(fn)(bias, stats)
+
+
+def update_routing_biases(biases: nnx.State, stats: Any, cfg: MoEConfig, *,
+                          layer_name: Callable[[str, int], str] | None = None
                           ) -> tuple[nnx.State, dict[str, dict[str, jax.Array]]]:
   """Apply the balancing rule to every MoE layer's bias (inside the jitted train step).
 
   Args:
-    biases: the model's RoutingBias state (one [E] fp32 leaf per MoE layer).
+    biases: the model's RoutingBias state: one [E] fp32 leaf per MoE layer, or [R, E] for
+      R layers stacked in one module (`compute.scan_layers`, `model.stack`).
     stats: aux["moe"] of the forward summed over microbatches: the pure-dict shape of
-      `biases` with a `routing_stats` dict at each bias leaf.
+      `biases` with a `routing_stats` dict at each bias leaf (stacked: arrays [R, ...]).
     cfg: the model's MoEConfig (every MoE layer shares it).
+    layer_name: (stacked module path, r) -> the per-layer name of repeat r's metrics
+      (`model.stack.unstacked_name`); default "<path>/<r>".
 
   Returns:
     (new biases, same structure; {MoE module path, e.g. "layers/1/ffn": `layer_metrics`
-    computed with the OLD bias}).
+    computed with the OLD bias}, one entry per layer, stacked or not).
   """
   old = jax.lax.stop_gradient(nnx.to_pure_dict(biases))
+  rule = lambda b, s: update_bias(b, s, cfg)
   # `stats` has `old` as a tree prefix: each bias leaf meets its layer's whole stats dict.
-  new = jax.tree.map(lambda b, s: update_bias(b, s, cfg), old, stats)
+  new = jax.tree.map(lambda b, s: _per_layer(rule, b, s), old, stats)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(old)
-  metrics = {path_string(path[:-1]): layer_metrics(b, s)
-             for (path, b), s in zip(leaves, treedef.flatten_up_to(stats))}
+  metrics = {}
+  for (path, b), s in zip(leaves, treedef.flatten_up_to(stats)):
+    name, m = path_string(path[:-1]), _per_layer(layer_metrics, b, s)
+    if b.ndim == 1:
+      metrics[name] = m
+      continue
+    for r in range(b.shape[0]):
+      key = layer_name(name, r) if layer_name is not None else f"{name}/{r}"
+      metrics[key] = jax.tree.map(lambda a, r=r: a[r], m)
   out = jax.tree.map(lambda v: v, biases)   # a fresh State: the input stays untouched
   nnx.replace_by_pure_dict(out, new)
   return out, metrics

@@ -4,6 +4,9 @@ Published convention (DESIGN s0): total = every weight; active = every weight on
 uses except the input embedding (the LM head counts), i.e. all dense weights plus k/E of the
 routed experts. The vision tower (DESIGN s5) is counted apart: `count_params` and
 `param_breakdown` describe the text model only, `vision_breakdown` the tower.
+The counts depend on the architecture only: `compute.scan_layers` changes the layout of the
+layers (`model.stack`), not their parameters (`state_breakdown` counts a model's own state
+in either layout).
 """
 
 import collections
@@ -15,13 +18,19 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers.vision import VisionTower
 from hybridmoe_jax.model.decoder import DecoderLayer, HybridLM
+from hybridmoe_jax.model.stack import LAYERS, STACK, layer_split
 
 COMPONENTS = ("kda", "mla", "routed_experts", "shared_experts", "router_latent", "dense_ffn",
               "attnres_norms", "embedding", "lm_head")
 
 
 def _component(cfg: ModelConfig, path: tuple, shape: tuple) -> str:
+  """The COMPONENTS entry of the leaf at `path` of shape `shape` (a path and shape of
+  either layout: "stack/<j>/..." [R, ...] is read as its layer "layers/<index(0, j)>/...")."""
   keys = [str(p) for p in path]
+  if keys[0] == STACK:
+    keys = [LAYERS, str(layer_split(cfg).index(0, int(keys[1])))] + keys[2:]
+    shape = shape[1:]
   if keys[0] == "embed":
     return "embedding"
   if keys[0] == "lm_head":
@@ -67,6 +76,16 @@ def param_pieces(cfg: ModelConfig, vision: bool = False
   outer = nnx.state(nnx.eval_shape(lambda: HybridLM(one, rngs=nnx.Rngs(0))), nnx.Param)
   pieces.append((None, nnx.State({k: v for k, v in outer.items() if k != "layers"}), 1))
   return pieces
+
+
+def state_breakdown(cfg: ModelConfig, params: nnx.State) -> dict[str, int]:
+  """Parameters per component (keys: COMPONENTS) of an actual (or abstract) text model's
+  parameter state, per-layer or stacked layout alike: equals `param_breakdown(cfg)`."""
+  counts = collections.Counter({c: 0 for c in COMPONENTS})
+  for path, leaf in nnx.to_flat_state(params):
+    shape = tuple(leaf.shape)
+    counts[_component(cfg, tuple(str(p) for p in path), shape)] += math.prod(shape)
+  return dict(counts)
 
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:

@@ -20,6 +20,12 @@ ids per token. `record_routes=True` returns the experts every MoE layer ran in a
 passing that dict back as `routes=` runs those experts instead of the router's choice,
 weighted by the current router (`ops.routing.replay_route`); missing layers route freshly.
 Works with and without a cache (each chunk replays its own slice), under jit and remat.
+
+Scanned layers (compute.scan_layers, `model.stack`): the layers that repeat are stacked
+parameters ("stack/<j>", leaves [R, ...]) run by one jax.lax.scan (remat inside its body;
+a cached forward, or replay of only some repeats of a position, loops over their slices).
+Everything comes out as without: logits, routes keyed by layer index, and aux["moe"]
+shaped like the (then stacked) RoutingBias state, stacked stats [R, ...] under "stack".
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, ModelConfig, is_int
 from hybridmoe_jax.layers.attnres import BlockStream, DepthMix, num_blocks
 from hybridmoe_jax.layers.kda import KDALayer
-from hybridmoe_jax.layers.linear import linear
+from hybridmoe_jax.layers.lm_head import LMHead
 from hybridmoe_jax.layers.mla import MLALayer
 from hybridmoe_jax.layers.moe import GLUMLP, MoE
 from hybridmoe_jax.layers.norms import RMSNorm
 from hybridmoe_jax.layers.vision import VisionTower
 from hybridmoe_jax.model.cache import DecodeCache
+from hybridmoe_jax.model.stack import STACK, LayerSplit, layer_split, stack_state
 from hybridmoe_jax.ops.plan import current_plan
 
 REMAT_POLICIES = {
@@ -75,7 +82,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array,
                replay: jax.Array | None = None, cache=None, length: jax.Array | None = None,
-               kv_block: int = 512):
+               kv_block: int = 512, block: jax.Array | int | None = None):
     """One decoder layer.
 
     Args:
@@ -87,10 +94,14 @@ class DecoderLayer(nnx.Module):
       cache: this layer's KDACache / MLACache, or None (training).
       length: [B] int32 tokens already cached per row (with a cache).
       kv_block: keys per block of the cached MLA attention.
+      block: the AttnRes slot this layer adds to (1-based), None: its own. A layer of the
+        scanned stack is one module for every repeat: its slot is int32 [] traced from the
+        scan counter.
     Returns:
       (stream, moe stats or None for a dense FFN, the experts run [B, T, k] int32 or None
       for a dense FFN, the layer's new cache or None).
     """
+    block = self.block if block is None else block
     h = self.mixer_mix(stream) if self.attnres else stream
     h = self.mixer_norm(h)
     if cache is not None and self.kind == "mla":
@@ -98,7 +109,7 @@ class DecoderLayer(nnx.Module):
                               kv_block=kv_block)
     else:
       out, cache = self.mixer(h, segment_ids=segment_ids, cache=cache)
-    stream = stream.add(self.block, out) if self.attnres else stream + out
+    stream = stream.add(block, out) if self.attnres else stream + out
     h = self.ffn_mix(stream) if self.attnres else stream
     if self.is_moe:
       out, stats, experts = self.ffn(self.ffn_norm(h), mask=valid, replay=replay)
@@ -106,7 +117,7 @@ class DecoderLayer(nnx.Module):
       if replay is not None:
         raise ValueError(f"routes has an entry for layer {self.index}, a dense FFN layer")
       out, stats, experts = self.ffn(self.ffn_norm(h)), None, None
-    stream = stream.add(self.block, out) if self.attnres else stream + out
+    stream = stream.add(block, out) if self.attnres else stream + out
     return stream, stats, experts, cache
 
 
@@ -124,8 +135,17 @@ class HybridLM(nnx.Module):
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.dtype(compute.dtype),
                            param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, i, compute=compute, rngs=rngs)
+    # With compute.scan_layers the layers that repeat (`model.stack.layer_split`) live in
+    # `stack` (one module per position of the period, leaves [R, ...]) and `layers` keeps
+    # None in their places, so every unscanned layer keeps its path "layers/<i>".
+    split = layer_split(cfg) if compute.scan_layers else None
+    scanned = split.scanned if split is not None else range(0)
+    self.layers = nnx.List([None if i in scanned else
+                            DecoderLayer(cfg, i, compute=compute, rngs=rngs)
                             for i in range(cfg.num_layers)])
+    if scanned:
+      self.stack = nnx.List([_stacked_layer(cfg, split.index(0, j), split.repeats, compute,
+                                            rngs) for j in range(split.period)])
     if cfg.vision.enabled:
       self.vision = VisionTower(cfg.vision, cfg.d_model, eps=cfg.norm_eps, dtype=compute.dtype,
                                 rngs=rngs)
@@ -133,7 +153,7 @@ class HybridLM(nnx.Module):
       self.final_mix = DepthMix(cfg.d_model, eps=cfg.norm_eps)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     # The head runs in fp32 so logits (and the loss) are fp32 whatever the compute dtype.
-    self.lm_head = linear(cfg.d_model, cfg.vocab_size, dtype="float32", rngs=rngs)
+    self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, rngs=rngs)
 
   def image_features(self, images: jax.Array, image_grid: jax.Array) -> jax.Array:
     """images [B, M, S, S, C], image_grid [B, M, 2] -> [B, M*K, d] projected image tokens."""
@@ -227,26 +247,38 @@ class HybridLM(nnx.Module):
     stream = (BlockStream.start(x, num_blocks(cfg.num_layers, cfg.attnres.block_size) + 1)
               if cfg.attnres.enabled else x)
     # moe_stats: layer index -> stats, at the position of that layer's ffn.bias.
-    moe_stats, new_caches = {}, []
+    moe_stats, new_caches, recorded = {}, {}, {}
     call = DecoderLayer.__call__
     # Only training needs remat (it saves backward memory; a cached forward has no backward).
     if self.compute.remat != "none" and cache is None:
       call = nnx.remat(call, policy=REMAT_POLICIES[self.compute.remat])
-    recorded = {}
-    for layer in self.layers:
-      replay = None if routes is None else routes.get(layer.index)
+
+    def run(layer, index, stream, block=None):
+      """Layer `index` (original numbering) on the stream; records its stats and cache."""
+      replay = None if routes is None else routes.get(index)
       if replay is not None:
         replay = jnp.asarray(replay, jnp.int32)
       if cache is None:
-        stream, stats, experts, _ = call(layer, stream, segment_ids, valid, replay)
+        slot = () if block is None else (None, None, kv_block, block)
+        stream, stats, experts, _ = call(layer, stream, segment_ids, valid, replay, *slot)
       else:
-        stream, stats, experts, layer_cache = layer(
-            stream, segment_ids, valid, replay, cache.layers[layer.index], cache.length,
-            kv_block)
-        new_caches.append(layer_cache)
+        stream, stats, experts, new_caches[index] = layer(
+            stream, segment_ids, valid, replay, cache.layers[index], cache.length, kv_block,
+            block)
       if stats is not None:
-        moe_stats[layer.index] = {"ffn": {"bias": stats}}
-        recorded[layer.index] = experts
+        moe_stats[index] = {"ffn": {"bias": stats}}
+        recorded[index] = experts
+      return stream
+
+    stacked_stats = None
+    split = layer_split(cfg) if getattr(self, STACK, None) is not None else None
+    for i, layer in enumerate(self.layers):
+      if split is not None and i == split.start:
+        stream, stacked_stats = self._run_stack(split, stream, routes, run, call,
+                                                (segment_ids, valid), recorded,
+                                                loop=cache is not None)
+      if layer is not None:
+        stream = run(layer, i, stream)
     h = self.final_norm(self.final_mix(stream) if cfg.attnres.enabled else stream)
     if layout is not None:
       h = layout.from_layout(h)
@@ -259,12 +291,85 @@ class HybridLM(nnx.Module):
     logits = h.astype(jnp.float32) if return_hidden else self.lm_head(h.astype(jnp.float32))
     new_cache = None
     if cache is not None:
-      new_cache = DecodeCache(tuple(new_caches),
+      new_cache = DecodeCache(tuple(new_caches[i] for i in range(cfg.num_layers)),
                               cache.length + jnp.sum(valid, axis=1, dtype=jnp.int32))
-    aux = {"moe": {"layers": moe_stats} if moe_stats else {}, "cache": new_cache}
+    # Shaped like the RoutingBias state: a stacked bias [R, E] meets stats [R, ...].
+    stats = {"layers": moe_stats} if moe_stats else {}
+    if stacked_stats is not None:
+      stats[STACK] = stacked_stats
+    elif split is not None:   # the stack ran as a loop: per-layer stats, stacked here
+      stats = stack_state(stats, cfg)
+    aux = {"moe": stats, "cache": new_cache}
     if record_routes:
-      aux["routes"] = recorded
+      aux["routes"] = dict(sorted(recorded.items()))
     return logits, aux
+
+  def _run_stack(self, split: LayerSplit, stream, routes, run, call, masks, recorded, *,
+                 loop: bool):
+    """The scanned layers `split.scanned` on the stream: one `jax.lax.scan` over the R
+    repeats (the stream its carry, the stacked parameters and replayed routes its xs), or,
+    with a cache or routes given for only some repeats of a position, a Python loop over the
+    repeats' slices (through `run`, like unscanned layers).
+
+    Returns (stream, the stacked stats {j: {"ffn": {"bias": stats [R, ...]}}}, or None when
+    the loop ran: then `run` recorded per-layer stats that the caller stacks).
+    """
+    graphdef, state = nnx.split(self.stack)
+    bs, period = self.cfg.attnres.block_size, split.period
+    replays = [_stacked_routes(routes, [split.index(r, j) for r in range(split.repeats)])
+               for j in range(period)]
+    if loop or any(r is _PARTIAL for r in replays):
+      for r in range(split.repeats):
+        layers = nnx.merge(graphdef, jax.tree.map(lambda a, r=r: a[r], state))
+        for j, layer in enumerate(layers):
+          i = split.index(r, j)
+          stream = run(layer, i, stream, i // bs + 1)
+      return stream, None
+    segment_ids, valid = masks
+
+    def body(stream, xs):
+      r, state, replays = xs
+      stats, experts = [], []
+      for j, layer in enumerate(nnx.merge(graphdef, state)):
+        # The AttnRes slot of layer index(r, j), from the traced repeat counter.
+        block = split.index(r, j) // bs + 1
+        stream, s, e, _ = call(layer, stream, segment_ids, valid, replays[j], None, None, 512,
+                               block)
+        stats.append(s)
+        experts.append(e)
+      return stream, (tuple(stats), tuple(experts))
+
+    xs = (jnp.arange(split.repeats, dtype=jnp.int32), state, tuple(replays))
+    stream, (stats, experts) = jax.lax.scan(body, stream, xs,
+                                            unroll=self.compute.scan_unroll)
+    for j in range(period):
+      for r in range(split.repeats):
+        recorded[split.index(r, j)] = experts[j][r]
+    return stream, {j: {"ffn": {"bias": stats[j]}} for j in range(period)}
+
+
+_PARTIAL = object()   # routes given for some repeats of a stacked position, not all
+
+
+def _stacked_routes(routes: Mapping[int, Any] | None, indices: list[int]):
+  """The replayed routes of one stacked position as scan xs: [R, B, T, k] int32 when
+  `routes` has every layer of `indices`, None when it has none, else _PARTIAL."""
+  have = [routes is not None and i in routes for i in indices]
+  if not any(have):
+    return None
+  if not all(have):
+    return _PARTIAL
+  return jnp.stack([jnp.asarray(routes[i], jnp.int32) for i in indices])
+
+
+def _stacked_layer(cfg: ModelConfig, index: int, repeats: int, compute: ComputeConfig,
+                   rngs: nnx.Rngs) -> DecoderLayer:
+  """`repeats` independently initialised copies of layer `index` as one module whose
+  leaves are stacked [repeats, ...] (vmapped init: one trace for any depth)."""
+  keys = jax.random.split(rngs.params(), repeats)
+  make = nnx.vmap(lambda key: DecoderLayer(cfg, index, compute=compute, rngs=nnx.Rngs(key)),
+                  in_axes=0, out_axes=0)
+  return make(keys)
 
 
 def check_routes(cfg: ModelConfig, routes: Mapping[int, Any],

@@ -24,6 +24,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from hybridmoe_jax.config.sharding import LOGICAL_RULES, mesh_axes, path_string, spec_for
+from hybridmoe_jax.model.stack import stacked_position
 
 _M = r"(^|/)"
 PARAM_LOGICAL: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -62,6 +63,8 @@ REPLICATED: tuple[str, ...] = (
     r"(^|/)(\w+_)?norm/scale$", r"(^|/)mixer/o_norm_scale$",
     r"(^|/)mixer/(a_log|dt_bias)$", r"(^|/)\w*mix/query$",
 )
+# The leading dim of a scanned stack's leaves (LOGICAL_RULES: replicated, as in MaxText).
+STACKED_DIM = "layers"
 _COMPILED = tuple((re.compile(p), names) for p, names in PARAM_LOGICAL)
 _REPLICATED = tuple(re.compile(p) for p in REPLICATED)
 _UNRULED_LOGGED: set[str] = set()
@@ -70,9 +73,14 @@ _UNRULED_LOGGED: set[str] = set()
 def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
   """Logical names of a leaf's dims: its PARAM_LOGICAL names, or all None (replicated) for a
   REPLICATED parameter, a scalar, a rank mismatch or a leaf no rule names (logged once per
-  path shape, since an unplaced large weight would silently cost memory on every device)."""
+  path shape, since an unplaced large weight would silently cost memory on every device).
+  A leaf of a scanned layer stack ("stack/<j>/...", `model.stack`) is its layer's leaf with
+  a leading [R] dim: named STACKED_DIM, then the layer's names, so it is sharded like the
+  unstacked layer (and replicated over the repeats)."""
+  stacked = (STACKED_DIM,) if stacked_position(path) is not None else ()
   for pattern, names in _COMPILED:
     if pattern.search(path):
+      names = stacked + names
       return names if len(names) == ndim else (None,) * ndim
   if ndim and not any(r.search(path) for r in _REPLICATED):
     key = re.sub(r"\d+", "N", path)

@@ -30,6 +30,7 @@ from hybridmoe_jax.infer import engine
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
+from hybridmoe_jax.model.stack import layer_split
 from hybridmoe_jax.model.impls import describe_impls
 from hybridmoe_jax.ops import attention_backends, latent_attention
 from hybridmoe_jax.ops.kda import choose as kda_choose
@@ -198,16 +199,20 @@ def select_stages(plan: plan_lib.Plan, text: str) -> tuple[plan_lib.StagePlan, .
 def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
                    stages: tuple[plan_lib.StagePlan, ...]) -> list[Compiled]:
   """The train step of each of `stages` (`select_stages`), compiled for `devices` with the
-  run's mesh."""
+  run's mesh. XLA costs a loop body once: the microbatch loop (grad_accum) and the layer
+  scan (compute.scan_layers, compiled at scan_unroll 1) are costed from extra compiles
+  with unrolled bodies (`_loop_corrected`)."""
   t = run.train
   out = []
   tx = optim.make_optimizer(t, plan.schedule())
   for s in stages:
     rt = _train_runtime(run, s, devices)
-    graphdef, abstract = abstract_train_state(run.model, run.compute, tx, t.seed)
+    # scan_unroll 1: the layer scan's costing (`_layer_scan_loop`) starts from one copy.
+    graphdef, abstract = abstract_train_state(
+        run.model, dataclasses.replace(run.compute, scan_unroll=1), tx, t.seed)
     shardings = tree_shardings(abstract, rt.mesh)
-    step = lambda unroll: make_train_step(
-        graphdef, run.model, tx, grad_accum=t.grad_accum, schedule=plan.schedule(),
+    step = lambda unroll, gdef=graphdef: make_train_step(
+        gdef, run.model, tx, grad_accum=t.grad_accum, schedule=plan.schedule(),
         state_shardings=shardings, plan=rt.plan, accum_unroll=unroll)
     tokens = jax.ShapeDtypeStruct((s.batch_size, s.seq_len), jnp.int32,
                                   sharding=batch_sharding(rt.mesh, sequence=True,
@@ -215,15 +220,48 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
     args = (_structs(abstract, shardings), {"tokens": tokens, "segment_ids": tokens})
     name = f"train stage {s.index} T={s.seq_len:,}"
     c = _compile(name, step(1), args, {}, rt.mesh, s.batch_size * s.seq_len)
+    loops = []  # (body copies the compile missed, unroll u, the compile with u copies)
     ga = t.grad_accum
     if ga > 1 and c.cost:  # the loop body is costed once: cost it from u unrolled copies
-      u = min(d for d in range(2, ga + 1) if ga % d == 0)
-      c2 = _compile(name, step(u), args, {}, rt.mesh, c.tokens)
-      c.cost = {k: v + (ga - 1) * (c2.cost[k] - v) / (u - 1) for k, v in c.cost.items()
-                if v > 0 and c2.cost.get(k, 0) > 0}
-      c.compile_s += c2.compile_s
+      u = _smallest_divisor(ga)
+      loops.append((ga - 1, u, _compile(name, step(u), args, {}, rt.mesh, c.tokens)))
+    loops += _layer_scan_loop(run, tx, name, step, args, rt.mesh, c)
+    if loops:
+      c.cost = _loop_corrected(c.cost, loops)
+      c.compile_s += sum(cu.compile_s for _, _, cu in loops)
     out.append(c)
   return out
+
+
+def _smallest_divisor(n: int) -> int:
+  """The smallest d >= 2 dividing n (n >= 2): an unroll that leaves no remainder."""
+  return min(d for d in range(2, n + 1) if n % d == 0)
+
+
+def _layer_scan_loop(run: RunConfig, tx, name: str, step, args, mesh, c: Compiled) -> list:
+  """With compute.scan_layers, the layer scan (R repeats, `model.stack`) is costed once per
+  microbatch: compile it with u repeats per iteration too (-> [(grad_accum x (R - 1), u,
+  compiled)], see `_loop_corrected`). `c` must be compiled with scan_unroll 1 and
+  accumulation unroll 1; the scan runs inside the accumulation loop, so each of the
+  grad_accum microbatches misses R - 1 repeats (the accumulation correction adds whole
+  microbatches whose scan counts once, like `c`'s)."""
+  repeats = layer_split(run.model).repeats if run.compute.scan_layers else 0
+  if repeats < 2 or not c.cost:
+    return []
+  u = _smallest_divisor(repeats)
+  compute = dataclasses.replace(run.compute, scan_unroll=u)
+  graphdef, _ = abstract_train_state(run.model, compute, tx, run.train.seed)
+  return [(run.train.grad_accum * (repeats - 1), u,
+           _compile(name, step(1, graphdef), args, {}, mesh, c.tokens))]
+
+
+def _loop_corrected(cost: dict[str, float], loops) -> dict[str, float]:
+  """The cost of a program whose loops XLA's cost_analysis counted once: for each loop
+  (extra, u, compiled with u body copies per iteration), one body costs
+  (compiled - cost) / (u - 1), and `extra` more bodies are added. Figures missing or <= 0 in
+  any compile are left out."""
+  return {k: v + sum(extra * (cu.cost[k] - v) / (u - 1) for extra, u, cu in loops)
+          for k, v in cost.items() if v > 0 and all(cu.cost.get(k, 0) > 0 for *_, cu in loops)}
 
 
 def _train_runtime(run: RunConfig, s: plan_lib.StagePlan, devices) -> runtime_lib.Runtime:

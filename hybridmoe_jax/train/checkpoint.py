@@ -351,8 +351,10 @@ class Checkpointer:
       if meta.get("signature") not in (None, structure_signature(abstract)):
         raise ConfigError(
             f"checkpoint step {step} in {self.directory} has a different train-state layout "
-            "(model, optimizer or clipping changed: train.optimizer / train.clip). "
-            "Use a fresh --workdir or the original config.")
+            "(model, optimizer, clipping or layer stacking changed: train.optimizer / "
+            "train.clip / compute.scan_layers). Use a fresh --workdir or the original config "
+            "(a state converts between compute.scan_layers layouts with "
+            "hybridmoe_jax.model.stack.stack_state / unstack_state).")
       io_noise.install()  # pytest, for one, resets the hook between tests
       try:
         r = self.manager.restore(step, args=ocp.args.Composite(

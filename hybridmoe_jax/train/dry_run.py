@@ -22,12 +22,13 @@ import math
 import jax
 
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, param_pieces
+from hybridmoe_jax.ops.cross_entropy import VOCAB_BLOCK
 from hybridmoe_jax.ops.kda.chunked import scan_steps
 from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
 from hybridmoe_jax.config.run import MeshConfig, RunConfig
-from hybridmoe_jax.config.sharding import MESH_AXES
+from hybridmoe_jax.config.sharding import MESH_AXES, batch_axes
 from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
 
@@ -123,6 +124,16 @@ def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
   return float(max(head, experts))
 
 
+def batch_rows(mesh: dict[str, int], batch_size: int, grad_accum: int = 1) -> float:
+  """Sequences of one microbatch per batch shard: batch_size / grad_accum rows over data x
+  fsdp (below 1: a sequence's share, split over context), and over expert too where the
+  rows divide (`config.sharding.batch_axes`)."""
+  micro = batch_size / grad_accum
+  dp, ep = mesh["data"] * mesh["fsdp"], mesh.get("expert", 1)
+  whole = micro == int(micro) and "expert" in batch_axes(mesh, int(micro))
+  return micro / (dp * (ep if whole and int(micro) % (dp * ep) == 0 else 1))
+
+
 def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
                  ) -> dict[str, dict[str, float]]:
   """Per-device bytes of one training step, by component, for each remat policy.
@@ -148,16 +159,18 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
         layer's otherwise); the traced residuals hold only the local shard's;
       attention: the blockwise core's [H, block, block] fp32 workspace in flight (dense:
         already in the activations);
-      logits: the fp32 LM head output, its log-softmax and gradient ([tokens, vocab] x 3).
-    Rows of a batch split over data x fsdp; each sequence over mesh.context.
+      logits: the loss's fp32 logits of one vocabulary block, their exponentials and
+        gradient ([tokens, block] x 3; `ops.cross_entropy`, never the whole vocabulary).
+    Rows of a microbatch split over data x fsdp x expert where they divide
+    (`batch_rows`); each sequence over mesh.context.
     `kda_states` (fp32 [HV, K, V] per chunked-scan step and KDA layer) is reported as a
     part of activations, not added again.
   """
   cfg, compute = run.model, run.compute
   mesh = e["mesh"]
   context = mesh.get("context", 1)
-  rows = batch_size / (mesh["data"] * mesh["fsdp"])
-  rows_mb = max(rows, 1.0) / run.train.grad_accum  # sequences of one microbatch here
+  # One microbatch's sequences here (as before, at least 1 / grad_accum of the batch's).
+  rows_mb = max(batch_rows(mesh, batch_size, run.train.grad_accum), 1.0 / run.train.grad_accum)
   tokens = rows_mb * seq_len / context             # ... and their tokens on this device
   per_tok = memory_model.residual_bytes(cfg, compute, seq_len)
   act_bytes = 2 if compute.dtype in ("bfloat16", "float16") else 4
@@ -184,7 +197,8 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
                   weight_copies=(per_tok[p]["saved_fixed"] + per_tok[p]["peak_fixed"])
                   * e["per_param_split"],
                   mla_latents=latent_one * kept,
-                  attention=attention, logits=3.0 * 4 * cfg.vocab_size * tokens)
+                  attention=attention,
+                  logits=3.0 * 4 * min(cfg.vocab_size, VOCAB_BLOCK) * tokens)
     out[p]["kda_states"] = kda_one * (n_kda if p == "none" else min(1, n_kda))
   return out
 
@@ -228,7 +242,7 @@ def _verdict(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
   totals = {p: step_bytes(c) for p, c in comps.items()}
   chosen = run.compute.remat
   if rows * context < 1:
-    return (f"does not fit: {rows:.2f} rows per data shard, the batch cannot be split over "
+    return (f"does not fit: {rows:.2f} rows per batch shard, the batch cannot be split over "
             f"the devices: needs mesh.context >= {math.ceil(1 / rows)}")
   others = "; ".join(
       f"remat='{p}' {'saves' if totals[p] < totals[chosen] else 'costs'} "
@@ -267,14 +281,14 @@ def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
   for s in plan.stages:
     comps.append(stage_memory(run, e, s.seq_len, s.batch_size))
     cores.append(memory_core(run.compute.mla_impl, s.seq_len, run.compute.mla_block))
-    rows_of.append(s.batch_size / (mesh["data"] * mesh["fsdp"]))
+    rows_of.append(batch_rows(mesh, s.batch_size))
   # One unit for the whole table: GiB, or MiB when every total is below 1 GiB.
   unit, div = ("GiB", GiB) if max(step_bytes(c[p]) for c in comps for p in REMATS) >= GiB \
       else ("MiB", 2 ** 20)
   header = [f"per device, {unit}"] + [f"stage {s.index} ({s.name})" for s in plan.stages]
   gib = lambda b: f"{b / div:,.2f}"
   table = [["sequence length"] + [f"{s.seq_len:,}" for s in plan.stages],
-           ["rows per data shard"] + [f"{r:g}" for r in rows_of]]
+           ["rows per batch shard"] + [f"{r:g}" for r in rows_of]]
   for name, label in _COMPONENTS:
     table.append([label] + [gib(c[remat][name]) for c in comps])
     if name == _kda_parent(remat):
@@ -287,7 +301,7 @@ def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
            f"usable {_fmt_bytes(run.hardware.usable_bytes)}; components under "
            f"compute.remat='{remat}'):", format_table(header, table)]
   for s, c, core, rows in zip(plan.stages, comps, cores, rows_of):
-    lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/data shard, context "
+    lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/batch shard, context "
                  f"{context}, MLA attention ({_core_label(run.compute.mla_impl, core)}) | "
                  + _verdict(run, c, rows, context))
   return "\n".join(lines)

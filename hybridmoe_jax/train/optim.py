@@ -18,6 +18,7 @@ from optax.contrib import MuonDimensionNumbers, muon
 
 from hybridmoe_jax.config.run import TrainConfig
 from hybridmoe_jax.config.sharding import path_string
+from hybridmoe_jax.model.stack import stacked_position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,18 +90,25 @@ def _is_embedding_or_head(path) -> bool:
   return s.startswith("embed") or s.startswith("lm_head")
 
 
+def _layer_ndim(path, x) -> int:
+  """A parameter's rank per layer: a scanned stack's leaves ("stack/<j>/...", model.stack)
+  have one more leading dim [R, ...] than the layer's own."""
+  return x.ndim - (stacked_position(path_string(path)) is not None)
+
+
 def decay_mask(params):
-  """Weight decay on matrices (ndim >= 2) only; never on norms, gains, vectors."""
-  return jax.tree.map(lambda x: x.ndim >= 2, params)
+  """Weight decay on matrices (ndim >= 2 per layer) only; never on norms, gains, vectors."""
+  return jax.tree_util.tree_map_with_path(lambda p, x: _layer_ndim(p, x) >= 2, params)
 
 
 def _muon_dims(params):
-  """Muon on hidden matrices: 2-D [in, out] and stacked experts [E, in, out].
+  """Muon on hidden matrices: 2-D [in, out] and stacked experts [E, in, out] (and either
+  stacked [R, ...] by a scanned layer stack: the leading dims are batch dims).
 
   Embedding, LM head and non-matrix parameters fall back to AdamW (None).
   """
   def spec(path, x):
-    if _is_embedding_or_head(path) or x.ndim < 2:
+    if _is_embedding_or_head(path) or _layer_ndim(path, x) < 2:
       return None
     return MuonDimensionNumbers(reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
 

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridmoe_jax.io import safetensors
+from hybridmoe_jax.model.stack import layout_hint
 from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.train import io_noise
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, CheckpointWriteError
@@ -174,5 +175,6 @@ def load_exported_params(path: str, expected: dict[str, Any] | None = None):
     bad = tree_mismatch(want, tree.get(name, {}))
     if bad:
       raise ValueError(f"params export {path}: the stored {name} do not match its "
-                       f"{CONFIG_FILE}: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else ""))
+                       f"{CONFIG_FILE}: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else "")
+                       + layout_hint(want, tree.get(name, {})))
   return tree

@@ -12,6 +12,7 @@ step on. metrics["moe"] = {MoE module path, e.g. "layers/1/ffn": `balancing.laye
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -23,7 +24,7 @@ from hybridmoe_jax.config import sharding
 from hybridmoe_jax.config import ModelConfig
 from hybridmoe_jax.data.tokenizer import IMAGE_IDS
 from hybridmoe_jax.layers.balancing import update_routing_biases
-from hybridmoe_jax.ops.cross_entropy import blocked_token_nll
+from hybridmoe_jax.model.stack import unstacked_name
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.train import optim
@@ -75,7 +76,7 @@ def _forward_nll(graphdef, params, biases, rest, tokens, segment_ids, extras=Non
   if loss_weights is not None:  # position t predicts token t + 1: take that token's weight
     weights = weights * jnp.concatenate(
         [loss_weights[:, 1:], jnp.zeros_like(loss_weights[:, :1])], axis=1).astype(jnp.float32)
-  nll = blocked_token_nll(hidden, model.lm_head.kernel[...], targets)
+  nll = model.lm_head.nll(hidden, targets)
   nll_sum = jnp.sum(nll * weights)
   return nll_sum, (jnp.sum(weights), aux.get("moe", {}))
 
@@ -187,7 +188,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: ModelConfig,
     # A finite gradient can still give a non-finite update (moments overflowing at a huge
     # lr), and a state that took one never recovers: such a step is skipped too.
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(params))
-    biases, moe_metrics = (update_routing_biases(state.biases, stats, cfg.moe)
+    biases, moe_metrics = (update_routing_biases(state.biases, stats, cfg.moe,
+                                                 layer_name=functools.partial(
+                                                     unstacked_name, cfg))
                            if update_biases else (state.biases, {}))
     applied = state.step - state.skipped
     new_rng, _ = jax.random.split(state.rng)

@@ -66,9 +66,20 @@ def tpu_v6e():
       jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
+def h100():
+  """Context in which Pallas's Triton backend lowers for an H100, whatever the host (jax
+  >= 0.12 reads the GPU generation from the abstract mesh's device, as Mosaic does)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132,
+                                       platform="gpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
 def lower(backend: str, C: int, K: int, V: int, dt, packed: bool, fused: bool = True) -> str:
-  """StableHLO text of jit(grad(sum(o) + sum(ht))) through kda_core, forward and backward
-  kernels lowered for the backend's platform (B = 1, T = 2C, H = 1, HV = 2)."""
+  """StableHLO text of jit(value_and_grad(sum(o) + sum(ht))) through kda_core, forward and
+  backward kernels lowered for the backend's platform (B = 1, T = 2C, H = 1, HV = 2). The
+  value keeps the forward kernel live: with the gradient alone, jax 0.12 removes a forward
+  whose outputs the backward does not read (the split forward's recurrence)."""
   cfg = (default_tpu_config(chunk_size=C, dtype=dt) if backend == "tpu"
          else default_gpu_config(chunk_size=C, k=K, v=V, dtype=dt))
   cfg = dataclasses.replace(cfg, fused=fused)
@@ -83,8 +94,9 @@ def lower(backend: str, C: int, K: int, V: int, dt, packed: bool, fused: bool = 
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
   platform = "tpu" if backend == "tpu" else "cuda"
-  return jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
-      lowering_platforms=(platform,)).as_text()
+  with contextlib.nullcontext() if backend == "tpu" else h100():
+    return jax.jit(jax.value_and_grad(loss, argnums=range(6))).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
 
 
 def _check(text: str, backend: str, packed: bool, fused: bool):

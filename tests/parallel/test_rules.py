@@ -18,29 +18,37 @@ from tests.conftest import ROOT, load_config
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
 
 
-def _abstract_params(name: str):
+def _abstract_params(name: str, scan_layers: bool = False):
   """The preset's parameters as shapes; flagships cut to their first four layers (one of
-  each kind of layer: the rules match per layer, so depth adds no new path)."""
-  cfg = run_config_from_dict(load_config(name).to_dict()).model
+  each kind of layer: the rules match per layer, so depth adds no new path), or with
+  `compute.scan_layers` to 13 (a prefix, 2 scanned repeats of the period and a tail)."""
+  run = run_config_from_dict(load_config(name).to_dict())
+  cfg = run.model
+  keep = 13 if scan_layers else 4
   if cfg.num_layers > 8:
-    cfg = dataclasses.replace(cfg, num_layers=4, **(
-        {"layer_kinds": cfg.layer_kinds[:4]} if cfg.layer_kinds else {}))
-  model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
+    cfg = dataclasses.replace(cfg, num_layers=keep, **(
+        {"layer_kinds": cfg.layer_kinds[:keep]} if cfg.layer_kinds else {}))
+  compute = dataclasses.replace(run.compute, scan_layers=scan_layers)
+  model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0), compute=compute))
   return jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("name", PRESETS)
-def test_every_parameter_has_exactly_one_rule(name):
+def test_every_parameter_has_exactly_one_rule(name, scan_layers):
   shard = [(re.compile(p), names) for p, names in rules.PARAM_LOGICAL]
   whole = [re.compile(p) for p in rules.REPLICATED]
-  leaves = _abstract_params(name)
+  leaves = _abstract_params(name, scan_layers)
   assert leaves
   for path, leaf in leaves:
     p = path_string(path)
     hits = [names for r, names in shard if r.search(p)] + [None for r in whole if r.search(p)]
     assert len(hits) == 1, f"{name}: {p} matches {len(hits)} rules (want exactly one)"
     if hits[0] is not None:
-      assert len(hits[0]) == leaf.ndim, f"{name}: {p} rank {leaf.ndim} vs rule {hits[0]}"
+      # A stacked leaf [R, ...] of the scanned layers: the rule names its layer's dims.
+      stacked = p.startswith("stack/")
+      assert len(hits[0]) + stacked == leaf.ndim, f"{name}: {p} rank {leaf.ndim} vs rule {hits[0]}"
+      assert rules.logical_names(p, leaf.ndim) == ("layers",) * stacked + hits[0]
 
 
 def test_low_rank_and_conv_weights_are_sharded():

@@ -114,10 +114,17 @@ def test_behaviour_logps_are_the_sampled_distributions_at_temperature_and_top_p(
   assert np.isfinite(want).all()                    # every sampled token is in its nucleus
   assert (want > np.log(np.asarray(jax.nn.softmax(raw[rows, cols] / 0.7, -1))[
       np.arange(rows.size), b["tokens"][rows, cols + 1]])).any()   # truncation matters
-  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 / 0.7)
+  # A distribution whose nucleus changes within +-1e-5 of top_p has a last member that fp32
+  # rounding (decode vs training forward) may keep or drop: its renormaliser is not defined
+  # to 1e-5. Those few are left out (seen: 1 of 384 with jax 0.12), the rest must agree.
+  edge = lambda d: np.array([_nucleus_logp(raw[r, c], b["tokens"][r, c + 1], 0.7, 0.9 + d)
+                             for r, c in zip(rows, cols)])
+  firm = np.isclose(edge(-1e-5), edge(1e-5), rtol=0, atol=1e-9)
+  assert firm.mean() > 0.95, firm.mean()
+  np.testing.assert_allclose(got[firm], want[firm], rtol=0, atol=1e-5 / 0.7)
   lp = np.asarray(learner.token_logps(graphdef, sampling)(params, biases, rest, b["tokens"],
                                                           b["segment_ids"]))
-  np.testing.assert_allclose(lp[rows, cols], want, rtol=0, atol=1e-5 / 0.7)
+  np.testing.assert_allclose(lp[rows, cols][firm], want[firm], rtol=0, atol=1e-5 / 0.7)
 
 
 # The rollout decodes token by token (the KDA recurrence, MLA absorbed over the cache); the

@@ -190,7 +190,8 @@ def test_compile_run_compiles_only_the_picked_stages_and_no_serving(monkeypatch)
   result = aot.compile_run(_curriculum_run(), stages="1m", serve=False)
   assert [p.name for p in result["programs"]] == ["train stage 3 T=1,048,576"]
   assert seen[0][1] == (4, 1 << 20) and seen[0][2]["context"] == 4
-  assert result["programs"][0].model_bytes > 70 * 2 ** 30  # stage 3's 74.15 GiB plan
+  # stage 3: 69.13 GiB by our plan (74.15 before the MoE intermediates went to the compute dtype)
+  assert result["programs"][0].model_bytes > 65 * 2 ** 30
   seen.clear()
   result = aot.compile_run(_curriculum_run(), stages="0,1m", serve=False, layers=(2, 4))
   assert [p.name.split(" T=")[0] for p in result["programs"]] == ["train stage 0",

@@ -306,7 +306,7 @@ def test_dry_run_prints_plan_and_memory(capsys):
   for want in ("seq_len 8,192 x batch 512", "seq_len 1,048,576 x batch 4", "target: h200",
                "T=262,144", "MLA attention (blockwise)", "KDA states", "logits", "to spare"):
     assert want in out
-  assert out.count("rows/data shard") == 4 and out.count("fits with compute.remat=") == 4
+  assert out.count("rows/batch shard") == 4 and out.count("fits with compute.remat=") == 4
   config = load_config("curriculum_1m")
   config.mesh.update(data=1, fsdp=16, context=1)
   e = dry_run.dry_run(run_config_from_dict(config))
