@@ -18,7 +18,7 @@ from tests.conftest import ROOT, load_config
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
 # Values tried against an `Allowed` test: the first it rejects is the bad value.
 CANDIDATES = {int: [0, -2, 24], str: ["", " x", "3-4", "v9-3"], float: [-1.0],
-              tuple: [(), ("",), (12, 8)], dict: [{"count": 0.0}]}
+              tuple: [(), ("",), (12, 8)], dict: [{"count": 0.0}], bool: [1, "yes"]}
 
 
 def _base(tp):
