@@ -243,6 +243,68 @@ def child(layout: str, layers: int) -> None:
 
 # ---------------------------------------------------------------- the parent
 
+# ---------------------------------------------------------------- ours, same layouts
+
+OURS_MESH = {"fsdp4_ep8": {"fsdp": 4, "expert": 8}, "fsdp32": {"fsdp": 32, "expert": 1}}
+
+
+def ours_child(layout: str, layers: int, config: str) -> None:
+  """Our preset's train step for the layout (batch 32 x 4,096 = 4,096 tokens per device,
+  grad_accum 1, remat full) through tools/aot.compile_run at `layers` layers; one JSON line
+  with the compiled figures and our full-depth model FLOPs / missed mixer FLOPs."""
+  from hybridmoe_jax.config.flags import load_config_file  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax.config.run import run_config_from_dict  # pylint: disable=import-outside-toplevel
+  cfg = load_config_file(str(REPO / config))
+  cfg.hardware.topology = TOPOLOGY
+  for axis, n in OURS_MESH[layout].items():
+    setattr(cfg.mesh, axis, n)
+  cfg.train.batch_size, cfg.train.grad_accum = DEVICES, 1
+  cfg.train.seq_len, cfg.compute.remat = TOKENS_PER_DEVICE, "full"
+  run = run_config_from_dict(cfg)
+  full = run.model.num_layers
+  result = aot.compile_run(aot._with_layers(run, layers) if layers < full else run,
+                           serve=False)
+  c = result["programs"][0]
+  # Our figures at the preset's full depth (compile_run gave the cut model's).
+  (c.model_bytes, c.model_flops, c.extra_flops), = aot.train_programs_model_only(
+      run, aot.topology.topology_devices(TOPOLOGY), aot.plan_lib.build_plan(run),
+      aot.plan_lib.build_plan(run).stages)
+  print(CHILD_TAG + json.dumps({"layers": layers, "compile_s": c.compile_s, "memory": c.memory,
+                                "cost": c.cost, "model_bytes": c.model_bytes,
+                                "model_flops": c.model_flops, "extra_flops": c.extra_flops,
+                                "full_layers": full, "impls": result["impls"]}), flush=True)
+
+
+def ours_row(layout: str, config: str, depths: list[int], timeout: float) -> dict:
+  """Our preset compiled like MaxText's anchor (same slice, tokens per device, estimator),
+  each depth in its own process, extrapolated per layer to the preset's depth."""
+  runs = []
+  for n in depths:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_ours", layout, str(n), config]
+    print(f"[maxtext_anchor] compiling ours ({config}) {layout} at {n} layers", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(CHILD_TAG)]
+    if proc.returncode != 0 or not lines:
+      tail = "\n".join((proc.stdout + "\n" + proc.stderr).strip().splitlines()[-40:])
+      raise RuntimeError(f"our compile {layout} x {n} layers failed:\n{tail}")
+    runs.append(json.loads(lines[-1][len(CHILD_TAG):]))
+  full = runs[-1]["full_layers"]
+  mk = lambda r: aot.Compiled(name=f"ours {layout}", tokens=TOKENS_PER_DEVICE * DEVICES,
+                              compile_s=r["compile_s"], memory=r["memory"], cost=r["cost"],
+                              model_bytes=r["model_bytes"], model_flops=r["model_flops"],
+                              extra_flops=r["extra_flops"])
+  c = (aot._extrapolate(mk(runs[0]), mk(runs[1]), depths[0], depths[1], full)
+       if len(runs) == 2 else mk(runs[0]))
+  secs, how = aot.step_seconds(c, CHIP)
+  peak = CHIPS[CHIP].peak_bf16_flops
+  return {"layout": layout, "program": f"ours {config}", "layers_compiled": depths,
+          "layers_full": full, "memory_gib_per_device": {k: v / GiB for k, v in c.memory.items()},
+          "model_gib": c.model_bytes / GiB, "step_seconds": secs, "step_how": how,
+          "tokens_per_second": c.tokens / secs if secs else None,
+          "mfu": c.model_flops / (secs * peak) if secs else None,
+          "compile_seconds": c.compile_s, "impls": runs[-1]["impls"]}
+
+
 def _versions() -> dict:
   out = {}
   for name in ("jax", "jaxlib", "libtpu", "maxtext", "flax"):
@@ -343,10 +405,11 @@ def _write(rows: list[dict]) -> None:
   RESULTS.parent.mkdir(parents=True, exist_ok=True)
   kept = []
   if RESULTS.exists():
-    done = {r["layout"] for r in rows}
+    key = lambda r: (r.get("program", "maxtext"), r.get("layout"))
+    done = {key(r) for r in rows}
     for line in RESULTS.read_text().splitlines():
       try:
-        if json.loads(line).get("layout") not in done:
+        if key(json.loads(line)) not in done:
           kept.append(line)
       except json.JSONDecodeError:
         continue
@@ -362,10 +425,19 @@ def main(argv=None) -> int:
                        "(27 = no extrapolation); default 2,4")
   ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per compile")
   ap.add_argument("--no_write", action="store_true", help="do not write the results file")
+  ap.add_argument("--ours", default="",
+                  help="also compile this preset of ours (e.g. configs/kimi_linear_48b.py) in "
+                       "the same layouts and run: batch 32 x 4,096, grad_accum 1, remat full, "
+                       "at the same --layers, extrapolated to its own depth")
   ap.add_argument("--_child", nargs=2, metavar=("LAYOUT", "LAYERS"), help=argparse.SUPPRESS)
+  ap.add_argument("--_ours", nargs=3, metavar=("LAYOUT", "LAYERS", "CONFIG"),
+                  help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args._child:
     child(args._child[0], int(args._child[1]))
+    return 0
+  if args._ours:
+    ours_child(args._ours[0], int(args._ours[1]), args._ours[2])
     return 0
 
   if importlib.util.find_spec("maxtext") is None:
@@ -432,6 +504,15 @@ def main(argv=None) -> int:
         + (f", extrapolated linearly per layer to {FULL_LAYERS}" if len(depths) == 2 else "")
         + "; compile s is the compiles'. COMPILER ESTIMATES, not measurements.\n")
   print(markdown(rows))
+  for layout in (layouts if args.ours else []):
+    r = ours_row(layout, args.ours, depths, args.timeout)
+    print(json.dumps(r), flush=True)
+    m = r["memory_gib_per_device"]
+    print(f"| ours {args.ours} {layout} | {m['arguments']:,.2f} | {m['outputs']:,.2f} | "
+          f"{m['temporaries']:,.2f} | {m['total']:,.2f} | model {r['model_gib']:,.2f} | "
+          f"{r['compile_seconds']:.0f} | {r['step_seconds'] * 1e3:,.2f} ({r['step_how']}) | "
+          f"{r['tokens_per_second']:,.0f} | {100 * r['mfu']:.1f}% |", flush=True)
+    rows.append(r)
   if not args.no_write:
     _write(rows)
     print(f"\nwrote {RESULTS.relative_to(REPO)}")
