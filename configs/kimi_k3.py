@@ -53,4 +53,7 @@ def get_config():
   v.image_buckets = (224, 448, 896)
   v.max_images_per_row = 8
   config.compute.dtype = "bfloat16"
+  # 93 layers: the repeating KDA/MLA period runs as one lax.scan over 22 stacked repeats
+  # (model/stack.py), so the whole train step compiles (210 s deviceless, BENCHMARKS.md).
+  config.compute.scan_layers = True
   return config
