@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridmoe_jax.config.hardware import CHIPS, HardwareConfig  # noqa: E402
 from hybridmoe_jax.tools import aot  # noqa: E402
 from hybridmoe_jax.tools.timing import now  # noqa: E402
+from benchmarks.deepseek_params import CONFIG_KEYS, _tree_params, count_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "maxtext_anchor.jsonl"
@@ -89,100 +90,11 @@ INSTALL = ("pip install --no-deps maxtext==0.2.5 && pip install --no-deps omegac
            "(in a Python 3.12 venv with jax/jaxlib/libtpu >= 0.11.1/0.11.1/0.0.46 and flax "
            ">= 0.12.9, e.g. this project's .venv)")
 CHILD_TAG = "MAXTEXT_ANCHOR_CHILD "
-
-
-# ---------------------------------------------------------------- our estimator
-
-def _estimator():
-  """(Compiled, _extrapolate, step_seconds(c) -> (s, how), source): tools/aot.py's own, so
-  MaxText's programs are costed exactly as ours."""
-  return aot.Compiled, aot._extrapolate, (lambda c: aot.step_seconds(c, CHIP)), \
-      "hybridmoe_jax.tools.aot (step_seconds, _extrapolate)"
-
-
-def _usable_bytes(memory_gib: float) -> tuple[float, str]:  # pylint: disable=unused-argument
-  """Our dry run's usable memory per device: HardwareConfig's default margin."""
-  return HardwareConfig(topology=TOPOLOGY).usable_bytes, "hardware.HardwareConfig"
-
-
-def _chip() -> tuple[float, float, float]:
-  """(memory GiB, peak bf16 FLOP/s, HBM bytes/s) of CHIPS['tpu_v5p']."""
-  c = CHIPS[CHIP]
-  return c.memory_gib, c.peak_bf16_flops, c.hbm_bytes_per_s
-
-
-# ---------------------------------------------------------------- deepseek2-16b's parameters
-
-def count_params(c: dict) -> dict:
-  """deepseek2-16b's parameters from its MaxText config `c` (a dict of config values): per
-  layer MLA (q_lora_rank 0: wq; wkv_a + kv norm; wkv_b; out), 2 RMSNorms, a dense SwiGLU
-  (first_num_dense_layers) or a MoE block (router gate, num_experts routed SwiGLU experts of
-  moe_mlp_dim, shared_experts x moe_mlp_dim shared SwiGLU); embedding, final norm, LM head
-  (logits_via_embedding false). Active = total - input embedding - routed x (1 - k/E)."""
-  d, L, dense = c["emb_dim"], c["num_decoder_layers"], c["first_num_dense_layers"]
-  h, nope, rope, vd, r = (c["num_query_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                          c["v_head_dim"], c["kv_lora_rank"])
-  assert c["q_lora_rank"] == 0, "counted for deepseek2-16b (q_lora_rank 0)"
-  attn = d * h * (nope + rope) + d * (r + rope) + r + r * h * (nope + vd) + h * vd * d
-  norms = 2 * d
-  dense_mlp = 3 * d * c["mlp_dim"]
-  gate = d * c["num_experts"]
-  routed = c["num_experts"] * 3 * d * c["moe_mlp_dim"]
-  shared = 3 * d * c["shared_experts"] * c["moe_mlp_dim"]
-  embed = c["vocab_size"] * d
-  head = 0 if c["logits_via_embedding"] else c["vocab_size"] * d
-  moe_layers = L - dense
-  total = (embed + head + d + L * (attn + norms) + dense * dense_mlp
-           + moe_layers * (gate + routed + shared))
-  routed_all = moe_layers * routed
-  routed_active = routed_all * c["num_experts_per_tok"] // c["num_experts"]
-  active = total - embed - routed_all + routed_active
-  return {"total": total, "active": active, "active_with_input_embedding": active + embed,
-          "input_embedding": embed, "lm_head": head, "routed_experts": routed_all,
-          "routed_active": routed_active, "per_layer_attention": attn,
-          "dense_mlp": dense_mlp, "per_moe_layer": gate + routed + shared, "layers": L,
-          "formula": ("total = embed + head + final norm + L x (MLA + 2 norms) + dense x SwiGLU"
-                      " + (L - dense) x (gate + E routed + shared); active = total - embed"
-                      " - routed + routed x k/E")}
-
-
-CONFIG_KEYS = ("emb_dim", "num_decoder_layers", "first_num_dense_layers", "num_query_heads",
-               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank",
-               "q_lora_rank", "mlp_dim", "moe_mlp_dim", "num_experts", "num_experts_per_tok",
-               "shared_experts", "vocab_size", "logits_via_embedding", "remat_policy",
-               "weight_dtype", "dtype", "opt_type", "sparse_matmul", "megablox",
-               "capacity_factor", "attention", "scan_layers", "per_device_batch_size",
-               "max_target_length", "mesh_axes", "ici_fsdp_parallelism",
-               "ici_expert_parallelism", "shard_mode", "gradient_accumulation_steps")
+# MaxText's programs are read, extrapolated and timed by our AOT tool's own functions.
+ESTIMATOR = "hybridmoe_jax.tools.aot (_memory, _cost, _extrapolate, step_seconds)"
 
 
 # ---------------------------------------------------------------- the child: one compile
-
-def _tree_params(abstract_state, num_experts: int) -> dict:
-  """Parameter count of the compiled model's abstract state (the `model` half of MaxText's
-  TrainStateNNX, less its nnx.Rngs keys and counters): total, and the routed experts' (wi_0 /
-  wi_1 / wo under a MoeBlock, with a leading num_experts axis)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  state = abstract_state.model if hasattr(abstract_state, "model") else abstract_state["model"]
-  total = routed = 0
-  names = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    shape = getattr(leaf, "shape", None)
-    if shape is None:
-      continue
-    n = 1
-    for s in shape:
-      n *= int(s)
-    keys = [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
-    if "rngs" in keys or "key" in str(getattr(leaf, "dtype", "")):
-      continue  # nnx.Rngs' keys and counters, not parameters
-    total += n
-    if any(k.startswith("MoeBlock") for k in keys) and \
-        any(k in ("wi_0", "wi_1", "wo") for k in keys) and shape and int(shape[0]) == num_experts:
-      routed += n
-    names.append(("/".join(keys), tuple(int(s) for s in shape)))
-  return {"total": total, "routed_experts": routed, "leaves": len(names)}
-
 
 def child(layout: str, layers: int) -> None:
   """Compile MaxText's train step for `layout` at `layers` decoder layers; print one JSON
@@ -332,19 +244,19 @@ def _run_child(layout: str, layers: int, timeout: float) -> dict:
   return out
 
 
-def _row(layout: str, runs: list[dict], est, active: int, versions: dict) -> dict:
-  Compiled, extrapolate, step_seconds, source = est
-  memory_gib, peak, hbm = _chip()
+def _row(layout: str, runs: list[dict], active: int, versions: dict) -> dict:
+  chip = CHIPS[CHIP]
+  peak = chip.peak_bf16_flops
   tokens = TOKENS_PER_DEVICE * DEVICES
-  comps = [Compiled(name=f"maxtext {layout}", tokens=tokens, compile_s=r["compile_s"],
+  comps = [aot.Compiled(name=f"maxtext {layout}", tokens=tokens, compile_s=r["compile_s"],
                     memory={k: float(v) for k, v in r["memory"].items()},
                     cost=dict(r["cost"])) for r in runs]
   layers = [r["layers"] for r in runs]
   if len(comps) == 2:
-    c = extrapolate(comps[0], comps[1], layers[0], layers[1], FULL_LAYERS)
+    c = aot._extrapolate(comps[0], comps[1], layers[0], layers[1], FULL_LAYERS)
   else:
     c = comps[0]
-  secs, how = step_seconds(c)
+  secs, how = aot.step_seconds(c, CHIP)
   mfu = 6.0 * active * tokens / (secs * DEVICES * peak) if secs else None
   mt = runs[-1]["maxtext_tflops_per_device"]
   mt_mfu = mt["total"] * 1e12 / (secs * peak) if secs else None
@@ -359,7 +271,7 @@ def _row(layout: str, runs: list[dict], est, active: int, versions: dict) -> dic
       "flops_per_device": c.cost.get("flops"),
       "bytes_accessed_per_device": c.cost.get("bytes accessed"),
       "optimal_seconds": c.cost.get("optimal_seconds"),
-      "step_seconds": secs, "step_how": how, "estimator": source,
+      "step_seconds": secs, "step_how": how, "estimator": ESTIMATOR,
       "tokens_per_step": tokens, "tokens_per_second": tokens / secs if secs else None,
       "active_params": active, "mfu": mfu,
       "maxtext_mfu_crosscheck": mt_mfu,
@@ -370,15 +282,15 @@ def _row(layout: str, runs: list[dict], est, active: int, versions: dict) -> dic
                        "memory_gib": {k: v / GiB for k, v in r["memory"].items()},
                        "cost": r["cost"], "tree_params": r["tree_params"]} for r in runs],
       "versions": versions, "python": sys.version.split()[0],
-      "chip_figures": {"memory_gib": memory_gib, "peak_bf16_flops": peak,
-                       "hbm_bytes_per_s": hbm},
+      "chip_figures": {"memory_gib": chip.memory_gib, "peak_bf16_flops": peak,
+                       "hbm_bytes_per_s": chip.hbm_bytes_per_s},
   }
 
 
 def markdown(rows: list[dict]) -> str:
   """The AOT table's columns (tools/aot.py report); model / model-XLA: '-' (no model here)."""
-  memory_gib, _, _ = _chip()
-  usable, _ = _usable_bytes(memory_gib)
+  memory_gib = CHIPS[CHIP].memory_gib
+  usable = HardwareConfig(topology=TOPOLOGY).usable_bytes
   head = ["program", "args GiB", "out GiB", "temp GiB", "total GiB", "of HBM",
           f"fits {usable / GiB:,.2f} GiB usable", "model GiB", "model/XLA", "compile s",
           "step ms", "tokens/s", "MFU"]
@@ -463,8 +375,7 @@ def main(argv=None) -> int:
              "(first_num_dense_layers=1: each depth needs a MoE layer)")
 
   versions = _versions()
-  est = _estimator()
-  print(f"[maxtext_anchor] versions {versions}; estimator: {est[3]}", flush=True)
+  print(f"[maxtext_anchor] versions {versions}; estimator: {ESTIMATOR}", flush=True)
   rows = []
   for layout in layouts:
     runs = [_run_child(layout, n, args.timeout) for n in depths]
@@ -481,7 +392,7 @@ def main(argv=None) -> int:
     if len(depths) == 1 and depths[0] != FULL_LAYERS:
       print(f"[maxtext_anchor]   NOTE: one depth ({depths[0]}) compiled, not extrapolated to "
             f"{FULL_LAYERS}: figures are those of {depths[0]} layers; MFU uses 27-layer params")
-    row = _row(layout, runs, est, params["active"], versions)
+    row = _row(layout, runs, params["active"], versions)
     row["params"] = {k: v for k, v in params.items()}
     rows.append(row)
     print(json.dumps(row), flush=True)

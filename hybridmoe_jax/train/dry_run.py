@@ -28,7 +28,7 @@ from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
 from hybridmoe_jax.config.run import MeshConfig, RunConfig
-from hybridmoe_jax.config.sharding import MESH_AXES, batch_axes
+from hybridmoe_jax.config.sharding import MESH_AXES
 from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
 
@@ -127,11 +127,10 @@ def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
 def batch_rows(mesh: dict[str, int], batch_size: int, grad_accum: int = 1) -> float:
   """Sequences of one microbatch per batch shard: batch_size / grad_accum rows over data x
   fsdp (below 1: a sequence's share, split over context), and over expert too where the
-  rows divide (`config.sharding.batch_axes`)."""
+  rows divide (as `config.sharding.batch_axes` splits them)."""
   micro = batch_size / grad_accum
   dp, ep = mesh["data"] * mesh["fsdp"], mesh.get("expert", 1)
-  whole = micro == int(micro) and "expert" in batch_axes(mesh, int(micro))
-  return micro / (dp * (ep if whole and int(micro) % (dp * ep) == 0 else 1))
+  return micro / (dp * (ep if micro % (dp * ep) == 0 else 1))
 
 
 def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
