@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from typing import Any, Callable, NamedTuple
@@ -200,6 +201,49 @@ class Restored(NamedTuple):
   meta: dict[str, Any]          # step, model_config (migrated), signature, config, ...
 
 
+_PRUNED = object()           # Checkpointer._restore_newest: a step vanished while read
+_RESTARTS_AFTER_PRUNE = 3
+
+
+def describe_damage(e: BaseException, part: str) -> str:
+  """Why a step could not be read, in one line a user can act on.
+
+  Orbax wraps tensorstore's error in an Exception whose text is the repr of a bound pybind
+  method (`<bound method pybind11_detail_function_record_... .spec of TensorStore(...)>`):
+  the cause chain holds the real status (OUT_OF_RANGE: a file shorter than its index says,
+  DATA_LOSS: bytes that do not decode, NOT_FOUND: a missing file), named here with the
+  file and the array it held.
+
+  Args:
+    e: the exception restore or read_meta raised.
+    part: what was being read ("state", "meta/metadata"), named when nothing better is known.
+  """
+  chain, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  texts = [" ".join(str(x).split()) for x in chain]
+  for x, text in zip(chain, texts):
+    if isinstance(x, json.JSONDecodeError):
+      return f"truncated or damaged {part} (not valid JSON: {x.msg} at char {x.pos})"
+    files = re.findall(r'local file "([^"]+)"', text)
+    array = re.search(r'Error reading "([^"]+)"', text)
+    where = files[-1] if files else part
+    where = f"a data file of {where}" if where.endswith("/") else where
+    where += f" (array {array.group(1)})" if array else ""
+    if "OUT_OF_RANGE" in text or "byte range" in text.lower():
+      return f"truncated: {where} is shorter than the checkpoint's index says"
+    if "DATA_LOSS" in text or "Error decoding" in text or "checksum" in text.lower():
+      return f"damaged: {where} does not decode"
+    if isinstance(x, FileNotFoundError) and x.filename:
+      return f"incomplete: {x.filename} is missing"
+    if "NOT_FOUND" in text:
+      return f"incomplete: {where} is missing"
+  plain = [x for x, t in zip(chain, texts) if "pybind11" not in t]
+  return io_noise.one_line(plain[-1] if plain else chain[0])
+
+
 class Checkpointer:
   """Saves and restores (state, data-iterator state, meta) under workdir/checkpoints.
 
@@ -339,11 +383,28 @@ class Checkpointer:
     """
     target_for = target if callable(target) else lambda _: target
     self.skipped = []
+    # A writer may rotate a step away (keep_checkpoints) while a reader beside it reads that
+    # step: then the reader starts again from the newest step that exists now, instead of
+    # calling a pruned step corrupt. Bounded: a writer cannot prune faster than it saves.
+    for _ in range(_RESTARTS_AFTER_PRUNE + 1):
+      restored = self._restore_newest(target_for, model_dict, check)
+      if restored is not _PRUNED:
+        return restored
+      self.manager.reload()
+    raise ValueError(f"checkpoints in {self.directory} were removed while being read "
+                     f"{_RESTARTS_AFTER_PRUNE + 1} times in a row (a run beside this one "
+                     "keeps rotating them out); retry, or read a copy of the directory")
+
+  def _restore_newest(self, target_for, model_dict, check) -> Restored | None | object:
+    """One pass of restore_latest, newest step first -> Restored, None, or _PRUNED (a step
+    vanished from disk while it was being read: the caller starts again)."""
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, f"unreadable metadata ({io_noise.one_line(e)})")
+        if self._pruned(step):
+          return _PRUNED
+        self._skip(step, f"unreadable metadata: {describe_damage(e, 'meta/metadata')}")
         continue
       check_workdir_config(self.workdir, model_dict, saved=meta["model_config"],
                            source=f"checkpoint step {step}")
@@ -360,9 +421,13 @@ class Checkpointer:
         r = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
-        self._skip(step, io_noise.one_line(e))
+        if self._pruned(step):
+          return _PRUNED
+        self._skip(step, describe_damage(e, "state"))
         continue
       if not _same_fingerprint(meta.get("fingerprint", []), fingerprint(r.state)):
+        if self._pruned(step):
+          return _PRUNED
         self._skip(step, "restored values do not match the fingerprint saved with them")
         continue
       # A read-only reader resumes no data iterator: the record stays as saved (it may hold
@@ -378,6 +443,15 @@ class Checkpointer:
       logging.info("restored checkpoint step %d from %s", step, self.directory)
       return restored
     return None
+
+  def _pruned(self, step: int) -> bool:
+    """Step `step` is gone from disk now (rotated out by a writer beside this reader)."""
+    if os.path.isdir(os.path.join(self.directory, str(step))):
+      return False
+    logging.warning("checkpoint step %d was removed while this run read it (a run beside it "
+                    "rotates checkpoints out: keep_checkpoints); reading the newest step that "
+                    "exists now", step)
+    return True
 
   def _skip(self, step: int, why: str) -> None:
     """Report a bad checkpoint; a writer moves it aside so that no later run tries it."""

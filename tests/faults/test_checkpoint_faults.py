@@ -155,6 +155,98 @@ def test_damage_to_one_data_file_never_restores_wrong_values(reference, tmp_path
   print(f"one data file {damage.__name__}: restored step {restored.meta['step']}")
 
 
+@pytest.mark.parametrize("damage", ["data_files", "metadata"])
+def test_truncated_step_is_named_truncated_in_one_line(reference, tmp_path, damage):
+  """Issue 45's weak probes: a truncated newest step was reported with tensorstore's raw repr
+  (`<bound method pybind11_detail_...>`), and a directory whose only step is truncated gave
+  an error that never said "truncated". Both now name what happened and where."""
+  workdir = _copy(reference, tmp_path / "run")
+  step_dir = os.path.join(workdir, "checkpoints", "8")
+  if damage == "data_files":
+    _truncate(step_dir)
+  else:
+    _truncate_file(os.path.join(step_dir, "meta", "metadata"))
+  with helpers.LogLines() as log:
+    restored, ckpt = _restore(reference, workdir)
+  assert restored.meta["step"] == 6
+  (step, why), = ckpt.skipped
+  assert step == 8 and "truncated" in why, why
+  assert "pybind11" not in why and "bound method" not in why, why
+  _check_one_warning(log, 8)
+  (line,) = [l for l in log.messages() if "checkpoint step 8" in l]
+  assert "truncated" in line and "pybind11" not in line, line
+
+
+def test_orbax_wrapped_tensorstore_error_is_described_from_its_cause():
+  """Orbax wraps a failed array read in an Exception whose text is a pybind repr; which
+  file of a step is truncated decides whether that wrapper or the bare ValueError arrives,
+  so the wrapper is built here as orbax builds it (raise ... from the tensorstore error)."""
+  status = ValueError('OUT_OF_RANGE: Error reading "params.embed.value/0.0" in OCDBT database '
+                      'at local file "/w/checkpoints/8/state/": Requested byte range [28622, '
+                      '32388) is not valid for value of size 31766')
+  try:
+    try:
+      raise status
+    except ValueError as inner:
+      raise Exception("Encountered error while reading array index: (slice(0, 4, 1),). See "  # pylint: disable=broad-exception-raised
+                      "full TensorStore details: <bound method pybind11_detail_function_"
+                      "record_v1_system_libstdcpp.spec of TensorStore({...})>") from inner
+  except Exception as e:  # pylint: disable=broad-except
+    why = ckpt_lib.describe_damage(e, "state")
+  assert why == ("truncated: a data file of /w/checkpoints/8/state/ (array "
+                 "params.embed.value/0.0) is shorter than the checkpoint's index says"), why
+  missing = ckpt_lib.describe_damage(FileNotFoundError(2, "No such file", "/w/x"), "state")
+  assert missing.startswith("incomplete:"), missing
+
+
+def test_only_checkpoint_truncated_says_truncated(reference, tmp_path):
+  """The eval loader on a run whose only step is truncated: one ValueError that says so."""
+  from hybridmoe_jax.evals.loading import load_from_workdir  # pylint: disable=import-outside-toplevel
+  workdir = _copy(reference, tmp_path / "run")
+  for step in (2, 4, 6):
+    shutil.rmtree(workdir / "checkpoints" / str(step))
+  _truncate(os.path.join(workdir, "checkpoints", "8"))
+  before = helpers.step_hashes(workdir, 8)
+  with pytest.raises(ValueError) as info:
+    load_from_workdir(str(workdir))
+  text = str(info.value)
+  assert "step 8: truncated" in text and "\n" not in text and "pybind11" not in text, text
+  assert helpers.step_hashes(workdir, 8) == before  # a reader moves nothing
+
+
+def test_step_rotated_out_while_read_restores_the_newest_existing(reference, tmp_path):
+  """`run_eval.py` beside a training with keep_checkpoints=2 called a step the trainer had
+  just pruned "corrupt or partial" and gave up. Now a step that vanishes while it is read
+  sends the reader back to the newest step on disk, with one line saying what happened; a
+  step saved meanwhile (10 here) is the one it restores."""
+  workdir = _copy(reference, tmp_path / "run")
+  ckpt_dir = workdir / "checkpoints"
+  model_dict = dataclasses.asdict(run_config_from_dict(reference["config"]).model)
+  ckpt = ckpt_lib.Checkpointer(str(workdir), read_only=True)
+  real_restore = ckpt.manager.restore
+  calls = []
+
+  def rotating_restore(step, *args, **kwargs):
+    calls.append(step)
+    if step == 8 and calls.count(8) == 2:  # the state read (the first is the meta read)
+      shutil.copytree(ckpt_dir / "8", ckpt_dir / "10")  # the trainer saves 10 ...
+      shutil.rmtree(ckpt_dir / "8")                      # ... and rotates 8 out
+    return real_restore(step, *args, **kwargs)
+
+  ckpt.manager.restore = rotating_restore
+  try:
+    with helpers.LogLines() as log:
+      restored = ckpt.restore_latest(_abstract(reference["summary"]), model_dict)
+  finally:
+    ckpt.close()
+  assert restored is not None and restored.meta["step"] == 8  # step 10 holds step 8's files
+  assert calls[-1] == 10 and not ckpt.skipped
+  lines = log.messages()
+  assert not any("corrupt" in l for l in lines), lines
+  assert sum("was removed while this run read it" in l for l in lines) == 1, lines
+  assert not os.path.exists(workdir / "checkpoints_corrupt")
+
+
 def test_garbage_checkpoint_metadata_is_harmless(reference, tmp_path):
   """_CHECKPOINT_METADATA is orbax's bookkeeping (timestamps), not the run's data: the state,
   data-iterator state and meta of the step are intact and fingerprint-checked, so the step
