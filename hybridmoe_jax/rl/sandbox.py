@@ -1,29 +1,40 @@
-"""Run untrusted Python (model-written code) in a limited subprocess.
+"""Run untrusted Python (model-written code) in a sandbox the operating system enforces.
 
 `run_python(source)` runs a script; `run_calls(source, calls, expected)` defines the
 solution's functions, calls each (name, args) and compares the results with `expected` in
 THIS process (the expected values never reach the child, so printing cannot fake a pass).
-Each run: a fresh temp dir as cwd (deleted afterwards), `python -I -S -B` (no site, no user
-paths, only a minimal PATH/LANG), its own process group, and `rl/sandbox_boot.py` first,
-which sets the limits and an audit hook.
 
-Guaranteed (kernel-enforced): CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file
-size (RLIMIT_FSIZE, also capping stdout/stderr, which go to files), open files, no core
-dumps; a wall-clock timeout, then SIGKILL of the whole process group (also after every
-normal exit). RLIMIT_NPROC = max_procs (default 0: no fork / threads; root ignores it, so
-as root only the audit hook stops process creation). Disk: at most about (max_files + 2) x
-file_size_mb in the temp dir (files opened for writing and directories made are counted by
-the hook; `SandboxResult.disk_bytes` reports what was left).
-Best effort (PEP 578 audit hooks are NOT a security boundary): the hook (sandbox_boot.py
-lists what it refuses: processes, sockets, ctypes, any change to a path outside the temp
-dir, ...) reads each path as the characters of a fresh exact str (str / bytes subclasses
-cannot answer for it), made absolute and resolved by its own symlink walk, so `..`,
-/proc/self/root, /proc/self/cwd and /dev/fd/N point where the kernel would go. Code that
-corrupts interpreter memory, or a C extension doing its own I/O, escapes it.
-Reading is allowed by design (environments need the standard library; secrets must not be
-readable by the user running RL). Without OS namespaces (bubblewrap, nsjail, gVisor, a
-container with no network and a read-only root) there is no real network or filesystem
-isolation: run RL with untrusted or adversarial code only inside one.
+Default isolation, SandboxLimits(isolation="namespaces"): `rl/sandbox_ns.py` runs each
+program in new user, PID, mount, network, IPC, UTS and cgroup namespaces. Guaranteed by the
+kernel, whatever the code does (RELIABILITY.md, "The RL code sandbox", says how each is
+enforced):
+  - it sees only a read-only view of what `python -I -S` needs (/usr, the /lib* and /bin
+    trees, the interpreter's prefix, the boot script), its own /proc (its processes only:
+    not this process, not the host's), a /dev of null / zero / full / random / urandom;
+  - its only writable place is one tmpfs seen as its cwd /sandbox, /tmp and /dev/shm, at
+    most max_files x file_size_mb bytes (plus the job's two files) and max_files inodes
+    more than it starts with; stdout and stderr are files opened here, each capped by
+    RLIMIT_FSIZE; nothing it writes outlives the run (the tmpfs dies with the namespace);
+  - no network (an empty network namespace; sockets other than AF_UNIX refused), no IPC
+    with anything outside, no signal / ptrace / priority / pidfd reaching another process;
+  - runs as an unprivileged uid (outside: 65534 when this process is root, else this
+    process's uid) with no capability over any namespace, no_new_privs, and a seccomp
+    filter (rl/sandbox_seccomp.py) refusing mount, namespace, module, keyring, bpf, perf,
+    io_uring, ptrace and similar calls;
+  - CPU seconds (RLIMIT_CPU, per process), address space (RLIMIT_AS), file size, open
+    files, processes and threads (RLIMIT_NPROC = max_procs + 1, counted in the run's own
+    user namespace), no core dumps; a wall clock, after which, and after every normal exit,
+    every process of the run is killed (the PID namespace ends with its init).
+Not guaranteed: safety from kernel bugs, side channels (timing, CPU caches), CPU time of a
+forked tree as a whole (RLIMIT_CPU is per process; cgroups are not used: `isolation()`
+says whether delegated cgroup v2 controllers exist). The audit hook of
+rl/sandbox_boot.py still runs inside, as a cheap first layer that names what it stops.
+
+Where the kernel refuses namespaces, every run raises SandboxUnavailable with one line
+naming the failed step and errno (probed once per process: `isolation()`); nothing falls
+back silently. SandboxLimits(isolation="audit-hook") is the explicit opt-out: the old mode
+(a temp dir as cwd, rlimits, the audit hook; a RuntimeWarning says it is NOT a security
+boundary: it can be switched off from inside).
 
 Results never raise for what the code does: the caller gets a SandboxResult with `killed`
 set ("timeout", "cpu", "memory", "output", "violation", "signal", "error") and continues.
@@ -32,6 +43,7 @@ set ("timeout", "cpu", "memory", "output", "violation", "signal", "error") and c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -41,13 +53,27 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Sequence
 
 from hybridmoe_jax.config import Checked, ranged
 
-BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+BOOT = os.path.join(_HERE, "sandbox_boot.py")
+NS_STAGE = os.path.join(_HERE, "sandbox_ns.py")
 VIOLATION_EXIT = 86          # sandbox_boot.VIOLATION_EXIT (kept equal by a test)
+SETUP_EXIT = 87              # sandbox_ns.SETUP_EXIT (kept equal by a test)
 TAIL_CHARS = 2000
+ISOLATIONS = ("namespaces", "audit-hook")
+# The namespaced run's init kills everything at the deadline itself; this process waits
+# that much longer before killing stage 0's process group (a backstop, never the rule).
+BACKSTOP_S = 1.0
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+
+
+class SandboxUnavailable(RuntimeError):
+  """The kernel refuses the namespaced sandbox; the message is one line naming the step
+  that failed (and its errno) and the opt-out."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +82,10 @@ class SandboxLimits(Checked):
 
   max_files (files opened for writing plus directories created) with file_size_mb (the
   largest file the child may write, stdout / stderr included) bounds the disk a run can use
-  to about (max_files + 2) x file_size_mb (the 2: stdout and stderr).
+  to about (max_files + 2) x file_size_mb (the 2: stdout and stderr); with namespaces the
+  writable tmpfs enforces it (size and inodes), without them only the audit hook counts.
+  isolation: "namespaces" (the default: the kernel's walls, see the module docstring) or
+  "audit-hook" (the opt-out where namespaces are unavailable: NOT a security boundary).
   """
   PATH = "SandboxLimits"
   timeout_s: float = ranged(2.0, "(0, 600]")  # wall clock
@@ -66,6 +95,8 @@ class SandboxLimits(Checked):
   max_procs: int = ranged(0, "[0, 4096]", "0: no new processes or threads")  # RLIMIT_NPROC
   max_open_files: int = ranged(64, "[16, 4096]")  # RLIMIT_NOFILE
   max_files: int = ranged(32, "[1, 4096]")
+  isolation: str = ranged("namespaces", ISOLATIONS,
+                          "audit-hook: no OS isolation, NOT a security boundary")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +110,9 @@ class SandboxResult:
       signal), "error" (a non-zero exit with a Python exception).
     detail: the violation line or the last exception line, "" if none.
     stdout_tail, stderr_tail: the last TAIL_CHARS characters of each stream.
-    wall_s: seconds from start to the end of the process group.
-    disk_bytes: bytes the run left in its temp dir (stdout and stderr included), measured
-      before the dir is deleted.
+    wall_s: seconds from start to the end of the run's last process.
+    disk_bytes: bytes the run left in its writable places (namespaces: the tmpfs; the
+      audit-hook mode: its temp dir) plus stdout and stderr, measured at its end.
   """
   exit_code: int
   killed: str | None
@@ -147,7 +178,9 @@ def _classify(code: int, timed_out: bool, stderr: str) -> tuple[str | None, str]
     return "violation", line
   if code < 0:
     sig = -code
-    kind = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "output"}.get(sig, "signal")
+    # SIGSYS: the seccomp filter killed a call made under a foreign architecture.
+    kind = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "output",
+            signal.SIGSYS: "violation"}.get(sig, "signal")
     try:
       name = signal.Signals(sig).name
     except ValueError:
@@ -163,9 +196,101 @@ def _classify(code: int, timed_out: bool, stderr: str) -> tuple[str | None, str]
   return None, ""
 
 
-def _run(source: str, job: dict, limits: SandboxLimits) -> SandboxResult:
-  if not isinstance(source, str):
-    raise TypeError(f"sandbox source must be a str, got {type(source).__name__}")
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+  """What this machine's kernel gives the namespaced sandbox (`isolation()`).
+
+  Attributes:
+    available: a namespaced run works here.
+    missing: "" if available, else the one line naming the step that failed and its errno.
+    notes: what namespaced runs go without here (no procfs, no delegated cgroup v2, ...).
+  """
+  available: bool
+  missing: str
+  notes: tuple[str, ...]
+
+
+def _cgroup_note() -> str:
+  """Whether cgroup v2 memory / pids controllers are delegated to this process (the
+  sandbox does not use them either way: its limits are per-process rlimits)."""
+  try:
+    with open("/proc/self/cgroup", encoding="utf-8") as f:
+      lines = f.read().splitlines()
+    own = next(ln[3:] for ln in lines if ln.startswith("0::"))
+    unified = "/sys/fs/cgroup" if len(lines) == 1 else "/sys/fs/cgroup/unified"
+    with open(f"{unified}{own.rstrip('/')}/cgroup.controllers", encoding="utf-8") as f:
+      controllers = f.read().split()
+  except (OSError, StopIteration):
+    return "cgroups: no cgroup v2 hierarchy; per-process rlimits only"
+  kind = "cgroup v2" if len(lines) == 1 else "v1/hybrid cgroup hierarchy"
+  have = [c for c in ("memory", "pids", "cpu") if c in controllers]
+  return (f"cgroups: {kind}, controllers {' '.join(have) or 'none'} of memory/pids/cpu here; "
+          "not used: CPU, memory and process limits are per-process rlimits")
+
+
+@functools.cache
+def _probe() -> Isolation:
+  """One namespaced run of `pass` (cached: once per process)."""
+  try:
+    result, report = _execute("pass", {"mode": "script"}, SandboxLimits(timeout_s=30.0))
+  except SandboxUnavailable as e:
+    return Isolation(False, str(e.args[0]), ())
+  if result.killed or "status" not in report:
+    how = result.killed or "without a report"
+    why = result.detail or result.stderr_tail.strip()[-200:]
+    return Isolation(False, f"a namespaced run of `pass` ended {how} (exit "
+                     f"{result.exit_code}): {why}", ())
+  notes = [_cgroup_note()]
+  if not report.get("proc"):
+    notes.append("procfs: the kernel refused a fresh /proc; runs have none and their payload "
+                 "keeps init's user namespace (seccomp still refuses every mount call)")
+  return Isolation(True, "", tuple(notes))
+
+
+def isolation() -> Isolation:
+  """What the kernel gives the namespaced sandbox here (probed once per process)."""
+  return _probe()
+
+
+@functools.cache
+def _warn_audit_hook() -> None:
+  warnings.warn("sandbox: SandboxLimits(isolation='audit-hook') runs untrusted code with an "
+                "audit hook only, which code can switch off from inside: NOT a security "
+                "boundary", RuntimeWarning, stacklevel=4)
+
+
+def require_isolation(limits: SandboxLimits) -> None:
+  """Raises SandboxUnavailable (one line: what failed, errno, the opt-out) when `limits`
+  asks for namespaces and the kernel refuses them; warns once for the audit-hook mode."""
+  if limits.isolation == "audit-hook":
+    _warn_audit_hook()
+    return
+  iso = _probe()
+  if not iso.available:
+    raise SandboxUnavailable(
+        f"sandbox: the kernel refuses the namespaced sandbox ({iso.missing}); to run "
+        "without OS isolation set SandboxLimits(isolation='audit-hook'): an audit hook "
+        "only, NOT a security boundary")
+
+
+def _read_report(path: str) -> dict:
+  """The namespaced run's report lines merged (a setup error wins)."""
+  merged: dict = {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          merged.update(json.loads(line))
+        except ValueError:
+          pass
+  except OSError:
+    pass
+  return merged
+
+
+def _execute(source: str, job: dict, limits: SandboxLimits) -> tuple[SandboxResult, dict]:
+  """One run in the mode `limits.isolation` names; (the result, the init's report)."""
+  namespaced = limits.isolation == "namespaces"
   workdir = tempfile.mkdtemp(prefix="hmoe_sandbox_")
   start = time.monotonic()
   try:
@@ -174,17 +299,25 @@ def _run(source: str, job: dict, limits: SandboxLimits) -> SandboxResult:
       json.dump(job, f)
     with open(os.path.join(workdir, "solution.py"), "w", encoding="utf-8") as f:
       f.write(source)
-    out_path, err_path = (os.path.join(workdir, n) for n in ("stdout.txt", "stderr.txt"))
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+    out_path, err_path, report_path = (os.path.join(workdir, n) for n in
+                                       ("stdout.txt", "stderr.txt", "report.jsonl"))
+    with open(out_path, "wb") as out, open(err_path, "wb") as err, \
+        open(report_path, "wb") as rep:
+      if namespaced:
+        cmd = [NS_STAGE, workdir, str(rep.fileno()), str(os.getpid()),
+               repr(start + limits.timeout_s)]
+        pass_fds, wait_s = (rep.fileno(),), limits.timeout_s + BACKSTOP_S
+      else:
+        cmd, pass_fds, wait_s = [BOOT], (), limits.timeout_s
       # start_new_session: the child leads its own process group, so one killpg ends it
-      # and anything it started (no preexec_fn: that is unsafe with threads in the parent).
-      proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", BOOT], cwd=workdir, env=env,
+      # (and, namespaced, its PID namespace's init, whose end kills every process of the
+      # run); no preexec_fn: that is unsafe with threads in the parent.
+      proc = subprocess.Popen([sys.executable, "-I", "-S", "-B"] + cmd, cwd=workdir, env=_ENV,
                               stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                              start_new_session=True, close_fds=True)
+                              start_new_session=True, close_fds=True, pass_fds=pass_fds)
       timed_out = False
       try:
-        proc.wait(timeout=limits.timeout_s)
+        proc.wait(timeout=wait_s)
       except subprocess.TimeoutExpired:
         timed_out = True
       finally:
@@ -195,15 +328,35 @@ def _run(source: str, job: dict, limits: SandboxLimits) -> SandboxResult:
         proc.wait()
     wall = time.monotonic() - start
     stdout, stderr = _tail(out_path), _tail(err_path)
-    killed, detail = _classify(proc.returncode, timed_out, stderr)
-    return SandboxResult(proc.returncode, killed, detail, stdout[-TAIL_CHARS:],
-                         stderr[-TAIL_CHARS:], wall, stdout, _disk_bytes(workdir))
+    code, disk, report = proc.returncode, _disk_bytes(workdir), {}
+    if namespaced:
+      report = _read_report(report_path)
+      if "setup_error" in report:
+        raise SandboxUnavailable(report["setup_error"])
+      if "status" in report:   # else stage 0 ended without it: its own code stands
+        code = os.waitstatus_to_exitcode(report["status"])
+        timed_out = timed_out or report["timeout"]
+        disk += report["disk"]
+    killed, detail = _classify(code, timed_out, stderr)
+    return SandboxResult(code, killed, detail, stdout[-TAIL_CHARS:], stderr[-TAIL_CHARS:],
+                         wall, stdout, disk), report
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _run(source: str, job: dict, limits: SandboxLimits) -> SandboxResult:
+  if not isinstance(source, str):
+    raise TypeError(f"sandbox source must be a str, got {type(source).__name__}")
+  require_isolation(limits)
+  return _execute(source, job, limits)[0]
+
+
 def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-  """Runs `source` as a script (`__name__ == "__main__"`) in the sandbox."""
+  """Runs `source` as a script (`__name__ == "__main__"`) in the sandbox.
+
+  Raises:
+    SandboxUnavailable: limits.isolation is "namespaces" and the kernel refuses them.
+  """
   return _run(source, {"mode": "script"}, limits)
 
 
@@ -228,6 +381,7 @@ def run_calls(source: str, calls: Sequence[tuple[str, Sequence[Any]]],
   Raises:
     ValueError: calls and expected differ in length, or an arg / expected value is not
       JSON-serialisable (caller bugs, raised before anything runs).
+    SandboxUnavailable: limits.isolation is "namespaces" and the kernel refuses them.
   """
   if len(calls) != len(expected):
     raise ValueError(f"run_calls: {len(calls)} calls but {len(expected)} expected values")

@@ -1,9 +1,12 @@
-"""The first code a sandbox child runs (`python -I -S -B sandbox_boot.py`, cwd = its temp dir).
+"""The first code a sandbox child runs (`python -I -S -B sandbox_boot.py`, cwd = its work dir).
 
-Never imported by the package: `rl/sandbox.py` starts it as a script. It reads `job.json`
-and `solution.py` from the cwd, sets the resource limits, installs the audit hook, then
-runs the solution: as a script (mode "script"), or defines its functions and calls each
-(name, args) of job["calls"], printing one line per call:
+Never imported by the package: it runs as a script, started by rl/sandbox_ns.py inside the
+run's namespaces (as /sandbox_boot.py, cwd /sandbox, after the rlimits, no_new_privs and
+the seccomp filter are in place) or, in the audit-hook mode, by rl/sandbox.py in a temp dir.
+sandbox_ns.py also loads it by path for `set_limits`. It reads `job.json` and
+`solution.py` from the cwd, sets the resource limits (again: the same values), installs the
+audit hook, then runs the solution: as a script (mode "script"), or defines its functions
+and calls each (name, args) of job["calls"], printing one line per call:
     <nonce> <index> <json of the return value>      or      <nonce> <index> !<exception name>
 The parent compares the values with the expected ones, which never enter this process.
 
@@ -12,11 +15,14 @@ stderr) on: process creation (fork, exec, spawn, system, subprocess, posix_spawn
 to other processes, socket creation / connect / bind / name lookup, ctypes, importing
 ctypes / _posixsubprocess / _socket, raising resource limits, walking the garbage
 collector's objects (how a solution could reach the hook), creating links, and any write,
-create, delete, rename or mode change of a path outside the temp dir (writes through
+create, delete, rename or mode change of a path outside the work dir (writes through
 os.open or a dir_fd are refused everywhere, since their real target cannot be checked).
 It keeps its own references to the functions it calls, so patching os / builtins from the
-solution does not switch it off. It is a guard rail, not a security boundary: see
-rl/sandbox.py for what is and is not guaranteed.
+solution does not switch it off; code that reaches the hook's frame or closure (an object
+whose methods run inside the hook), corrupts interpreter memory or loads a C module under
+another name does. It is a guard rail that names what it stops, not a security boundary:
+with namespaces the kernel enforces the guarantees (rl/sandbox.py lists them); in the
+audit-hook mode nothing does.
 """
 
 import json
@@ -28,14 +34,16 @@ import sys
 VIOLATION_EXIT = 86
 
 
-def _set_limits(limits: dict) -> None:
-  """Soft = hard, so the solution cannot raise them again (unless it runs as root, which
-  the audit hook covers by refusing resource.setrlimit)."""
+def set_limits(limits: dict) -> None:
+  """Sets the rlimits of SandboxLimits `limits` (a dict), soft = hard so the solution
+  cannot raise them again (no process of a namespaced run has CAP_SYS_RESOURCE; in the
+  audit-hook mode as root, only the hook's refusal of resource.setrlimit stands)."""
   mb = 1024 * 1024
   pairs = [(resource.RLIMIT_CPU, (int(limits["cpu_s"]), int(limits["cpu_s"]) + 1)),
            (resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2),
            (resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2),
-           (resource.RLIMIT_NPROC, (limits["max_procs"],) * 2),
+           # The count includes the process itself: max_procs more processes or threads.
+           (resource.RLIMIT_NPROC, (limits["max_procs"] + 1,) * 2),
            (resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2),
            (resource.RLIMIT_CORE, (0, 0))]
   for which, value in pairs:
@@ -198,7 +206,7 @@ def main() -> None:
     job = json.load(f)
   with open("solution.py", encoding="utf-8") as f:
     source = f.read()
-  _set_limits(job["limits"])
+  set_limits(job["limits"])
   _install_hook(os.path.realpath(os.getcwd()), int(job["limits"]["max_files"]))
   code = compile(source, "solution.py", "exec")
   namespace = {"__name__": "__main__" if job["mode"] == "script" else "solution"}

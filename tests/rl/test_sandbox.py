@@ -103,7 +103,8 @@ def test_deleting_outside_the_dir_is_refused(tmp_path):
               f"import os\nos.rename({str(victim)!r}, 'stolen.txt')",
               f"import shutil\nshutil.rmtree({str(tmp_path)!r})"):
     r = run_python(how, FAST)
-    assert r.killed == "violation", (how, r.stderr_tail)
+    # The audit hook refuses, or (namespaces) the path is not in the run's view at all.
+    assert r.killed in ("violation", "error"), (how, r.stderr_tail)
   assert victim.read_text() == "data"
 
 

@@ -106,13 +106,20 @@ class CodeEnv(Environment):
 
   def __init__(self, *, limits: sandbox.SandboxLimits | None = None, **kwargs):
     """Args:
-      limits: SandboxLimits for every run (default 2 s wall, 1 CPU s, 256 MB).
+      limits: SandboxLimits for every run (default 2 s wall, 1 CPU s, 256 MB, kernel
+        namespaces).
       **kwargs: Environment's (extra_turns, extra_tools).
+
+    Raises:
+      sandbox.SandboxUnavailable: the limits ask for namespaces (the default) and this
+        kernel refuses them: one line naming what failed and the opt-out,
+        SandboxLimits(isolation="audit-hook"). Checked here, before any episode runs.
     """
     super().__init__(**kwargs)
     if limits is not None and not isinstance(limits, sandbox.SandboxLimits):
       raise ValueError(f"code: limits = {limits!r}: allowed a SandboxLimits or None")
     self.limits = limits or sandbox.SandboxLimits()
+    sandbox.require_isolation(self.limits)
 
   def horizon(self, level: int) -> int:
     return self.check_level(level) + 1
