@@ -256,7 +256,7 @@ def isolation() -> Isolation:
 def _warn_audit_hook() -> None:
   warnings.warn("sandbox: SandboxLimits(isolation='audit-hook') runs untrusted code with an "
                 "audit hook only, which code can switch off from inside: NOT a security "
-                "boundary", RuntimeWarning, stacklevel=4)
+                "boundary", RuntimeWarning, stacklevel=5)
 
 
 def require_isolation(limits: SandboxLimits) -> None:

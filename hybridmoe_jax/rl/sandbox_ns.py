@@ -181,14 +181,32 @@ def _name_failing_flag() -> str:
   return name, int(err)
 
 
+def _maps_id(path: str, wanted: int) -> bool:
+  """Does /proc/self/{uid,gid}_map map id `wanted` of this namespace to something?"""
+  with open(path, encoding="ascii") as f:
+    return any(int(first) <= wanted < int(first) + int(count)
+               for first, _, count in (line.split() for line in f))
+
+
+def _outside_ids() -> tuple[int, int]:
+  """The ids the run's root maps to: 65534 when this process is root and has that id (in a
+  rootless container it may not), else this process's own (the only ones it may map)."""
+  if os.geteuid() == 0 and _maps_id("/proc/self/uid_map", NOBODY) and \
+      _maps_id("/proc/self/gid_map", NOBODY):
+    return NOBODY, NOBODY
+  return os.geteuid(), os.getegid()
+
+
 def _enter_namespaces() -> None:
   """New user, mount, PID, net, IPC, UTS and cgroup namespaces for this process, with the
   maps written by a helper that stays outside (a process cannot map an id other than its
   own from inside; the helper, as root, can map inside 0 to the unprivileged 65534)."""
-  root = os.geteuid() == 0
-  if root:
-    os.setgroups([])   # else root's supplementary groups would go along into the run
-  uid, gid = (NOBODY, NOBODY) if root else (os.geteuid(), os.getegid())
+  if os.geteuid() == 0:
+    try:
+      os.setgroups([])   # else root's supplementary groups would go along into the run
+    except PermissionError:
+      pass   # a user namespace with setgroups denied: its groups cannot change at all
+  uid, gid = _outside_ids()
   go_r, go_w = os.pipe()
   ack_r, ack_w = os.pipe()
   helper = os.fork()
