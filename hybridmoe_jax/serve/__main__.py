@@ -4,13 +4,20 @@ DIR is anything `hybridmoe_jax.load` reads (a training workdir, a params export,
 converted Hugging Face dir). Then, e.g.:
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
     -d '{"model": "default", "prompt": "The ", "max_tokens": 32}'
-or the `openai` client with base_url="http://localhost:8000/v1" (any api_key).
+or the `openai` client with base_url="http://localhost:8000/v1" (any api_key, unless the
+server has one: --api-key or $HYBRIDMOE_API_KEY, then that key).
+
+Limits against slow or hostile clients (guard.py): --limit_concurrency connections (the
+longest-waiting idle one is closed for a new one; 503 when all are answering),
+--timeout_read seconds for a request's headers and body (408), --timeout_keep_alive for an
+idle connection, --max_body_bytes per body (413).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 
 
@@ -32,22 +39,56 @@ def _parser() -> argparse.ArgumentParser:
                  "the stored one")
   p.add_argument("--model_name", default=None, help="the id clients send as `model` "
                  "(default: the directory's name)")
+  p.add_argument("--api_key", "--api-key", default=None, help="require `Authorization: "
+                 "Bearer <key>` on every route but /health (default: $HYBRIDMOE_API_KEY; "
+                 "unset or empty: no key)")
+  p.add_argument("--limit_concurrency", type=int, default=256, help="connections open at "
+                 "once (default 256): a new one closes the longest-waiting idle one; 503 "
+                 "when all are answering")
+  p.add_argument("--timeout_read", type=float, default=30.0, help="seconds a request's "
+                 "headers and body may take to arrive from its first byte (default 30; "
+                 "then 408 and the connection is closed)")
+  p.add_argument("--timeout_keep_alive", type=float, default=5.0, help="seconds an idle "
+                 "connection is kept between requests (default 5, uvicorn's)")
+  p.add_argument("--max_body_bytes", type=int, default=16 * 2**20, help="largest request "
+                 "body (default 16 MiB; 413 beyond)")
   return p
+
+
+def _raise_fd_limit(needed: int) -> str | None:
+  """Raise the soft open-file limit towards `needed` -> a warning when it stays lower (the
+  listening socket, the model's files and the loop need some beyond the connections)."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft != resource.RLIM_INFINITY and soft < needed:
+    top = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+    soft = top
+  if soft != resource.RLIM_INFINITY and soft < needed:
+    return (f"warning: the open-file limit is {soft}, under the {needed} that "
+            f"--limit_concurrency needs; lower it or raise `ulimit -n`")
+  return None
 
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  for name in ("slots", "max_len", "prefill_chunk"):
+  for name in ("slots", "max_len", "prefill_chunk", "max_body_bytes"):
     if getattr(args, name) < 1:
       print(f"error: --{name}={getattr(args, name)} is invalid: allowed an integer >= 1",
             file=sys.stderr)
       return 2
   try:
     import uvicorn
+    from hybridmoe_jax.serve import guard
     from hybridmoe_jax.serve.app import create_app
   except ImportError as e:
     print(f"error: the server needs the `serve` extra ({e.name} is missing): "
           "pip install -e '.[serve]'", file=sys.stderr)
+    return 2
+  try:
+    limits = guard.HttpLimits(args.limit_concurrency, args.timeout_keep_alive,
+                              args.timeout_read)
+  except ValueError as e:
+    print(f"error: --{e}", file=sys.stderr)
     return 2
   from hybridmoe_jax.api import load
   try:
@@ -57,11 +98,22 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   name = args.model_name or os.path.basename(os.path.normpath(args.workdir))
+  api_key = args.api_key if args.api_key is not None else os.environ.get(guard.API_KEY_ENV)
   print(f"serving {lm!r} as {name!r} on http://{args.host}:{args.port}/v1 with "
-        f"{args.slots} slots", file=sys.stderr)
-  uvicorn.run(create_app(lm, slots=args.slots, model_name=name), host=args.host,
-              port=args.port, log_level="warning")
-  return 0
+        f"{args.slots} slots; API key: " + ("required (Authorization: Bearer)" if api_key
+                                             else "none"), file=sys.stderr)
+  if not api_key and not guard.is_loopback(args.host):
+    print(f"warning: {args.host} is reachable from other machines and no API key is set: "
+          f"anyone who can reach it can use the model (--api-key or ${guard.API_KEY_ENV})",
+          file=sys.stderr)
+  warning = _raise_fd_limit(args.limit_concurrency + 64)
+  if warning:
+    print(warning, file=sys.stderr)
+  app = create_app(lm, slots=args.slots, model_name=name, api_key=api_key,
+                   max_body_bytes=args.max_body_bytes)
+  server = uvicorn.Server(guard.uvicorn_config(app, limits, host=args.host, port=args.port))
+  server.run()
+  return 0 if server.started else 1     # e.g. the port is taken (uvicorn said why)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,15 @@ call ("<tool_call> name argument") comes back as `tool_calls` with finish_reason
 Refused with 4xx before any compute, in OpenAI's error shape: malformed fields, n > 1,
 unsupported options (logprobs, penalties, ...), an unknown model id (404), token ids outside
 the vocabulary, and a prompt whose tokens + max_tokens exceed the cache row (max_len): never
-truncated silently.
+truncated silently. Bodies: at most `max_body_bytes` (413), then `protocol.load_json` (no
+NaN / Infinity, no huge integers, no deep nesting, no lone surrogates: 400 naming the field).
+
+A request's scheduler jobs live only as long as its client: a streamed response cancels
+them when it ends for any reason (client gone included), a whole one when the client
+disconnects while it is generated (the ASGI receive channel's http.disconnect), so a gone
+client's slot is free after the scheduler's next iteration. With `api_key`, every route but
+/health needs `Authorization: Bearer <key>` (guard.ApiKeyGuard). HTTP-level limits
+(connections, read timeouts) are uvicorn's settings: guard.uvicorn_config.
 """
 
 from __future__ import annotations
@@ -31,20 +39,22 @@ import json
 import socket
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Coroutine
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from hybridmoe_jax.data.token_roles import TokenizerError
 from hybridmoe_jax.infer.streaming import TextStream
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import ToolCall
-from hybridmoe_jax.serve.protocol import (ApiError, Sampling, parse_chat, parse_completion,
-                                          tool_arguments)
+from hybridmoe_jax.serve.guard import ApiKeyGuard, HttpLimits, uvicorn_config
+from hybridmoe_jax.serve.protocol import (ApiError, Sampling, load_json, parse_chat,
+                                          parse_completion, tool_arguments)
 from hybridmoe_jax.serve.scheduler import Job, Scheduler
 
 _ids = itertools.count()
@@ -120,6 +130,20 @@ class _Prepared:
   sampling: Sampling
   max_tokens: list[int]
   stop_ids: frozenset
+  jobs: list[Job] = dataclasses.field(default_factory=list)   # submitted so far
+
+
+@dataclasses.dataclass
+class Reply:
+  """A request's answer, not yet produced: `whole` (a coroutine -> the JSON dict) or
+  `stream` (chunks); `cancel()` ends its scheduler jobs (harmless once they are done)."""
+  prep: _Prepared
+  whole: Coroutine[Any, Any, dict] | None = None
+  stream: AsyncIterator[dict] | None = None
+
+  def cancel(self, scheduler) -> None:
+    for job in self.prep.jobs:
+      scheduler.cancel(job)
 
 
 class Server:
@@ -165,11 +189,12 @@ class Server:
       if isinstance(p, str):
         row = np.asarray(self.tokenizer.encode(p, bos=True), np.int32)
       else:
-        row = np.asarray(p, np.int64)
-        if row.min() < 0 or row.max() >= vocab:
-          raise ApiError(400, f"{param}: token id {int(row[(row < 0) | (row >= vocab)][0])} "
-                              f"is outside the vocabulary [0, {vocab})", param)
-        row = row.astype(np.int32)
+        # Checked as Python ints: a 2**63 would overflow numpy before any range check.
+        bad = next((k for k, t in enumerate(p) if not 0 <= t < vocab), None)
+        if bad is not None:
+          raise ApiError(400, f"{param}[{bad}]: token id {p[bad]} is outside the vocabulary "
+                              f"[0, {vocab})", f"{param}[{bad}]")
+        row = np.asarray(p, np.int32)
       limits.append(self._fit(row, req.sampling.max_tokens, param))
       ids.append(row)
     stop_ids = frozenset({int(self.tokenizer.eos_id)})
@@ -214,6 +239,7 @@ class Server:
             for i, (ids, limit) in enumerate(zip(prep.ids, prep.max_tokens))]
     try:
       for job in jobs:
+        prep.jobs.append(job)
         self.scheduler.submit(job)
       left = len(jobs)
       while left:
@@ -248,12 +274,16 @@ class Server:
         yield i, choice.on_done(value), True
 
   # ---- responses -----------------------------------------------------------------------------
-  async def completion(self, body) -> dict | AsyncIterator[dict]:
+  def completion(self, body) -> Reply:
+    """A /v1/completions body -> its Reply (ApiError: refused before any job exists)."""
     prep = self._prepare_completion(body)
     rid, head = _response_id("cmpl"), {"object": "text_completion", "created": int(time.time()),
                                        "model": self.name}
     if prep.sampling.stream:
-      return self._completion_chunks(prep, rid, head)
+      return Reply(prep, stream=self._completion_chunks(prep, rid, head))
+    return Reply(prep, whole=self._completion_whole(prep, rid, head))
+
+  async def _completion_whole(self, prep, rid, head) -> dict:
     texts = [""] * len(prep.ids)
     async for i, piece, _ in self._pieces(prep):
       texts[i] += piece
@@ -270,12 +300,17 @@ class Server:
     if prep.sampling.include_usage:
       yield {"id": rid, **head, "choices": [], "usage": self._usage(prep)}
 
-  async def chat(self, body) -> dict | AsyncIterator[dict]:
+  def chat(self, body) -> Reply:
+    """A /v1/chat/completions body -> its Reply (ApiError: refused before any job exists)."""
     prep = self._prepare_chat(body)
     rid, head = _response_id("chatcmpl"), {"object": "chat.completion",
                                            "created": int(time.time()), "model": self.name}
     if prep.sampling.stream:
-      return self._chat_chunks(prep, rid, dict(head, object="chat.completion.chunk"))
+      return Reply(prep, stream=self._chat_chunks(prep, rid, dict(head, object=
+                                                                   "chat.completion.chunk")))
+    return Reply(prep, whole=self._chat_whole(prep, rid, head))
+
+  async def _chat_whole(self, prep, rid, head) -> dict:
     content = ""
     async for _, piece, _ in self._pieces(prep):
       content += piece
@@ -325,16 +360,75 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
   yield "data: [DONE]\n\n"
 
 
-async def _body(request: Request) -> Any:
+class _EventStream(StreamingResponse):
+  """An SSE response that calls `on_close` however it ends. Starlette cancels the sending
+  task when the client disconnects, which may leave the chunk generators suspended (not
+  closed) if it was waiting to send; `on_close` cancels the jobs without waiting for them
+  to be collected."""
+
+  def __init__(self, chunks: AsyncIterator[dict], on_close):
+    super().__init__(_sse(chunks), media_type="text/event-stream")
+    self.on_close = on_close
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.on_close()
+
+
+async def _disconnected(receive) -> None:
+  """Returns when the client is gone. Called once the body is read: the ASGI receive channel
+  then has nothing but http.disconnect to give (uvicorn also gives it when the response is
+  complete, which ends this too)."""
+  while (await receive())["type"] != "http.disconnect":
+    pass
+
+
+async def _while_connected(request: Request, reply: Reply, scheduler) -> dict | None:
+  """-> reply.whole's dict, or None when the client disconnects first (then the work and its
+  jobs are cancelled at once: the slot frees at the scheduler's next iteration)."""
+  work = asyncio.ensure_future(reply.whole)
+  gone = asyncio.ensure_future(_disconnected(request.receive))
   try:
-    return json.loads(await request.body())
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    gone.cancel()
+    finished = work.done()
+    if not finished:
+      work.cancel()
+      reply.cancel(scheduler)
+  return work.result() if finished else None
 
 
-def create_app(model, *, slots: int = 8, model_name: str | None = None) -> FastAPI:
+async def _body(request: Request, max_bytes: int) -> Any:
+  """The request's JSON value (protocol.load_json), read up to `max_bytes` (413 beyond)."""
+  too_big = ApiError(413, f"the request body is larger than {max_bytes} bytes (the server's "
+                          "--max_body_bytes)")
+  declared = request.headers.get("content-length", "")
+  if declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+    raise too_big
+  chunks, size = [], 0
+  try:
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > max_bytes:
+        raise too_big
+      chunks.append(chunk)
+  except ClientDisconnect:
+    raise ApiError(400, "the client disconnected before sending the whole body") from None
+  return load_json(b"".join(chunks))
+
+
+MAX_BODY_BYTES = 16 * 2**20
+
+
+def create_app(model, *, slots: int = 8, model_name: str | None = None,
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
   """The FastAPI app serving `model` (a LoadedModel) with `slots` cache rows; its scheduler
-  thread runs while the app does (lifespan)."""
+  thread runs while the app does (lifespan). `api_key` (None or ""): no key needed; else
+  every route but /health needs `Authorization: Bearer <api_key>`. Bodies over
+  `max_body_bytes` are refused (413)."""
   server = Server(model, slots=slots, model_name=model_name)
 
   @contextlib.asynccontextmanager
@@ -347,19 +441,26 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None) -> FastA
 
   app = FastAPI(title="hybridmoe_jax", lifespan=lifespan)
   app.state.server = server
+  if api_key:
+    app.add_middleware(ApiKeyGuard, api_key=api_key)
 
   @app.exception_handler(ApiError)
   async def _api_error(_request, e: ApiError):
-    return JSONResponse(e.body(), status_code=e.status)
+    # 413: the rest of the body is never read, so the connection cannot be reused.
+    headers = {"connection": "close"} if e.status == 413 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
   @app.exception_handler(HTTPException)
   async def _http_error(_request, e: HTTPException):
     return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-  async def respond(result):
-    if isinstance(result, dict):
-      return JSONResponse(result)
-    return StreamingResponse(_sse(result), media_type="text/event-stream")
+  async def respond(request: Request, make) -> Response:
+    reply = make(await _body(request, max_body_bytes))
+    if reply.stream is not None:
+      return _EventStream(reply.stream, functools.partial(reply.cancel, server.scheduler))
+    result = await _while_connected(request, reply, server.scheduler)
+    # 499 (nginx's "client closed request"): nobody reads it, the access log shows it.
+    return JSONResponse(result) if result is not None else Response(status_code=499)
 
   @app.get("/v1/models")
   async def models():
@@ -367,29 +468,33 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None) -> FastA
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    return await respond(await server.completion(await _body(request)))
+    return await respond(request, server.completion)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
-    return await respond(await server.chat(await _body(request)))
+    return await respond(request, server.chat)
 
   @app.get("/health")
   async def health():
-    return {"status": "ok", "busy": server.scheduler.busy, "slots": server.scheduler.slots}
+    sched = server.scheduler
+    return {"status": "ok", "slots": sched.slots, "running": sched.running,
+            "waiting": sched.waiting, "busy": sched.busy}
 
   return app
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 60.0):
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 60.0,
+                    limits: HttpLimits = HttpLimits()):
   """Run `app` with uvicorn on a free port of `host` in a daemon thread (tests, benchmarks,
-  notebooks) -> yields the base URL ("http://host:port/v1"); shut down on exit."""
+  notebooks), with the same settings as `python -m hybridmoe_jax.serve` under `limits` ->
+  yields the base URL ("http://host:port/v1"); shut down on exit."""
   import uvicorn
   sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, 0))
   port = sock.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+  server = uvicorn.Server(uvicorn_config(app, limits, lifespan="on"))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
   deadline = time.monotonic() + timeout

@@ -1,9 +1,15 @@
 """OpenAI request bodies -> checked dataclasses; responses and errors in OpenAI's shapes.
 
 Only JSON-level checks live here (types, ranges, unsupported options); what needs the model
-(prompt length against the cache, the tokenizer's chat roles) is checked in app.py. Every
-bad field raises `ApiError(status, message, param)`, rendered as OpenAI's error object
-{"error": {"message", "type", "param", "code"}}.
+(prompt length against the cache, token ids against the vocabulary, the tokenizer's chat
+roles) is checked in app.py. Every bad field raises `ApiError(status, message, param)`,
+rendered as OpenAI's error object {"error": {"message", "type", "param", "code"}}.
+
+`load_json(raw)` is the only way a body becomes a value: NaN, +-Infinity, floats that
+overflow to infinity, integers of more than 20 digits, strings with lone surrogates and
+nesting deeper than MAX_DEPTH are refused there with the field's path, so the parsers below
+(and the tokenizer, numpy, the sampler) only ever see finite numbers, encodable text and a
+shallow tree.
 
 Tool calls: our chat format (rl/chat_format.py) gives a tool ONE free-text argument
 ("<tool_call> name argument <end_turn>"). On the wire it is
@@ -15,10 +21,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import Answer, ToolCall, ToolSpec
+
+MAX_DEPTH = 64          # levels of nested objects / lists a body may have
+MAX_INT_DIGITS = 20     # 2**64 - 1 has 20: no field takes a longer integer
+MAX_PROMPTS = 2048      # prompts in one /v1/completions list (each is one scheduler job)
+MAX_STOP_CHARS = 1000   # characters per stop string (each is matched at every token)
+
+# Numeric fields: name -> (low, high, integer, low excluded).
+_RANGES = {
+    "temperature": (0.0, 2.0, False, False),
+    "top_p": (0.0, 1.0, False, True),
+    "top_k": (0, 2**31 - 1, True, False),
+    "seed": (-2**63, 2**64 - 1, True, False),
+    "max_tokens": (1, 2**31 - 1, True, False),
+    "max_completion_tokens": (1, 2**31 - 1, True, False),
+}
 
 # Accepted and ignored when at their neutral value; any other value is refused.
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": None, "echo": False,
@@ -72,17 +94,115 @@ def _fail(param: str, message: str) -> ApiError:
   return ApiError(400, f"{param}: {message}", param)
 
 
-def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bool = False,
-            lo_open: bool = False):
+class _Refused:
+  """A JSON constant or number `load_json` refuses, kept in the tree until its path is known."""
+
+  def __init__(self, why: str):
+    self.why = why
+
+
+def _float(text: str) -> float | _Refused:
+  value = float(text)
+  return value if value - value == 0 else _Refused(f"{text} overflows to infinity")
+
+
+def _int(text: str) -> int | _Refused:
+  digits = len(text.lstrip("-"))
+  if digits > MAX_INT_DIGITS:      # also keeps int() below Python's 4300-digit limit
+    return _Refused(f"an integer of {digits} digits is out of range (no field takes more "
+                    f"than {MAX_INT_DIGITS})")
+  return int(text)
+
+
+def _nonfinite(text: str) -> _Refused:
+  return _Refused(f"{text} is not allowed: numbers must be finite")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _path(keys: tuple) -> str:
+  """("messages", 0, "content") -> "messages[0].content"."""
+  out = ""
+  for k in keys:
+    out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+  return out or "the request body"
+
+
+def _refuse(keys: tuple, why: str) -> ApiError:
+  name = _path(keys)
+  if len(keys) == 1 and keys[0] in _RANGES:
+    why += f"; allowed {_allowed(keys[0])}"
+  return ApiError(400, f"{name}: {why}", name if keys else None)
+
+
+def load_json(raw: bytes) -> Any:
+  """A request body -> its JSON value, or ApiError(400) naming the first bad field.
+
+  Guaranteed of the value returned: nested at most MAX_DEPTH levels; every float finite
+  (NaN, Infinity, -Infinity and overflowing literals like 1e999 are refused); every int of
+  at most MAX_INT_DIGITS digits; every string (keys too) encodable as UTF-8 (no lone
+  surrogates from "\\ud800" escapes). A body nested deep enough to exhaust the decoder's
+  recursion is refused the same way (RecursionError never escapes).
+  """
+  try:
+    value = json.loads(raw, parse_constant=_nonfinite, parse_float=_float, parse_int=_int)
+  except RecursionError:
+    raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels "
+                        f"(allowed at most {MAX_DEPTH})") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+  if isinstance(value, _Refused):
+    raise _refuse((), value.why)
+  # Walked with an explicit stack (no recursion); scalars are checked where they stand, so
+  # paths are built only for containers and for the one value reported.
+  stack = [(value, ())] if isinstance(value, (dict, list)) else []
+  while stack:
+    node, keys = stack.pop()
+    if len(keys) >= MAX_DEPTH:
+      raise ApiError(400, f"{_path(keys[:1])}: nested deeper than {MAX_DEPTH} levels "
+                          f"(allowed at most {MAX_DEPTH})", _path(keys[:1]))
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for k, child in items:
+      at = keys + (k,)
+      if isinstance(k, str) and _SURROGATE.search(k):
+        raise _refuse(keys, f"the key {k!r} holds a lone UTF-16 surrogate (not text)")
+      if isinstance(child, (dict, list)):
+        stack.append((child, at))
+      elif isinstance(child, _Refused):
+        raise _refuse(at, child.why)
+      elif isinstance(child, str) and _SURROGATE.search(child):
+        raise _refuse(at, "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not "
+                          "valid Unicode text")
+  return value
+
+
+def _allowed(name: str) -> str:
+  lo, hi, integer, lo_open = _RANGES[name]
+  return f"{'an integer' if integer else 'a number'} in {'(' if lo_open else '['}{lo}, {hi}]"
+
+
+def _number(body: dict, name: str, default):
+  """body[name] checked against _RANGES[name] (None or absent: `default`). Written as what
+  must hold, so a NaN (which fails every comparison) could not pass either."""
   value = body.get(name)
   if value is None:
     return default
+  lo, hi, integer, lo_open = _RANGES[name]
   ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-  if isinstance(value, bool) or not ok or value < lo or value > hi or (lo_open and value == lo):
-    kind = "an integer" if integer else "a number"
-    low = f"({lo}" if lo_open else f"[{lo}"
-    raise _fail(name, f"{value!r} is invalid: allowed {kind} in {low}, {hi}]")
+  if isinstance(value, bool) or not ok or not (lo <= value <= hi) or (lo_open and value == lo):
+    raise _fail(name, f"{json.dumps(value)[:80]} is invalid: allowed {_allowed(name)}")
   return value
+
+
+def _neutral(name: str, value: Any) -> bool:
+  """Whether an unsupported option's value is its neutral one (type-strict: true is not 1)."""
+  neutral = _NEUTRAL[name]
+  if value is None or (name == "logprobs" and value is False):
+    return True
+  if isinstance(neutral, bool) or isinstance(value, bool):
+    return value is neutral
+  return neutral is not None and isinstance(value, (int, float)) and value == neutral
 
 
 def _common(body: Any, *, default_max_tokens: int | None) -> tuple[str, Sampling]:
@@ -92,13 +212,13 @@ def _common(body: Any, *, default_max_tokens: int | None) -> tuple[str, Sampling
   if not isinstance(model, str) or not model:
     raise _fail("model", "required: the served model's id (see GET /v1/models)")
   for name, neutral in _NEUTRAL.items():
-    if name in body and body[name] not in (neutral, None) and not (
-        name == "logprobs" and body[name] is False):
-      raise _fail(name, f"{body[name]!r} is not supported by this server (allowed: "
-                        f"{neutral!r} or absent)")
-  if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-    raise _fail("n", f"{body['n']!r} is not supported: allowed 1 (one choice per prompt; "
-                     "send the request again for more samples)")
+    if name in body and not _neutral(name, body[name]):
+      raise _fail(name, f"{json.dumps(body[name])[:80]} is not supported by this server "
+                        f"(allowed: {json.dumps(neutral)} or absent)")
+  n = body.get("n")
+  if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+    raise _fail("n", f"{json.dumps(n)[:80]} is not supported: allowed 1 (one choice per "
+                     "prompt; send the request again for more samples)")
   stop = body.get("stop")
   if stop is None:
     stop = ()
@@ -108,48 +228,62 @@ def _common(body: Any, *, default_max_tokens: int | None) -> tuple[str, Sampling
     stop = tuple(stop)
   else:
     raise _fail("stop", "allowed a string or a list of at most 4 strings")
+  if any(len(s) > MAX_STOP_CHARS for s in stop):
+    raise _fail("stop", f"allowed strings of at most {MAX_STOP_CHARS} characters")
   stream = body.get("stream", False)
   if not isinstance(stream, bool):
     raise _fail("stream", f"{stream!r} is invalid: allowed true or false")
   options = body.get("stream_options") or {}
   if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
     raise _fail("stream_options", "allowed {\"include_usage\": true|false}")
-  max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-  key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-  max_tokens = _number({key: max_tokens}, key, default_max_tokens, 1, 2**31 - 1,
-                       integer=True)
+  key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else \
+      "max_tokens"
   sampling = Sampling(
-      max_tokens=max_tokens,
-      temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-      top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
-      top_k=int(_number(body, "top_k", 0, 0, 2**31 - 1, integer=True)),
-      seed=int(_number(body, "seed", 0, -2**63, 2**64 - 1, integer=True)) % 2**32,
+      max_tokens=_number(body, key, default_max_tokens),
+      temperature=float(_number(body, "temperature", 1.0)),
+      top_p=float(_number(body, "top_p", 1.0)),
+      top_k=int(_number(body, "top_k", 0)),
+      seed=int(_number(body, "seed", 0)) % 2**32,
       stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)))
   return model, sampling
 
 
+def _token_ids(value: list, param: str) -> tuple[int, ...]:
+  for k, t in enumerate(value):
+    if isinstance(t, bool) or not isinstance(t, int):
+      raise _fail(f"{param}[{k}]", f"{json.dumps(t)[:40]} is not a token id: a list of "
+                                   "token ids holds integers only")
+  return tuple(value)
+
+
 def parse_completion(body: Any) -> CompletionRequest:
-  """A /v1/completions body -> CompletionRequest (max_tokens defaults to 16, as OpenAI's)."""
+  """A /v1/completions body -> CompletionRequest (max_tokens defaults to 16, as OpenAI's).
+  `prompt`: a string, a list of token ids, or a list of at most MAX_PROMPTS of those (one
+  choice each); token ids are integers here, checked against the vocabulary in app.py."""
   model, sampling = _common(body, default_max_tokens=16)
   prompt = body.get("prompt")
-  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
-                                 all(isinstance(t, int) for t in prompt)):
+  if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not any(
+      isinstance(p, (str, list)) for p in prompt)):
     prompts = [prompt]
   elif isinstance(prompt, list) and prompt:
     prompts = prompt
   else:
     raise _fail("prompt", "required: a non-empty string, a list of token ids, or a list of "
                           "those")
+  if len(prompts) > MAX_PROMPTS:
+    raise _fail("prompt", f"{len(prompts)} prompts: allowed at most {MAX_PROMPTS} in one "
+                          "request")
   out = []
   for i, p in enumerate(prompts):
+    param = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
     if isinstance(p, str) and p:
       out.append(p)
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                           for t in p):
-      out.append(tuple(p))
+    elif isinstance(p, list) and p:
+      out.append(_token_ids(p, param))
     else:
-      raise _fail(f"prompt[{i}]" if len(prompts) > 1 else "prompt",
-                  "allowed a non-empty string or a non-empty list of token ids")
+      raise _fail(param, f"{json.dumps(p)[:40]} is invalid: allowed a non-empty string or a "
+                         "non-empty list of token ids (a list of token ids cannot mix with "
+                         "strings)")
   return CompletionRequest(model, tuple(out), sampling)
 
 

@@ -19,7 +19,9 @@ equal `Engine.generate(prompt[None], seed=seed)`'s, greedy and sampled alike.
 
 Events go to each job's `emit` callback from the scheduler thread: ("token", id) per drawn
 token (a stop token included), then one ("done", "stop" | "length" | "cancelled") or
-("error", message).
+("error", message). A cancelled job leaves its slot or the queue at the next iteration
+(`stats["cancelled"]` counts them); `running` and `waiting` say how many hold slots and
+wait for one.
 """
 
 from __future__ import annotations
@@ -123,16 +125,26 @@ class Scheduler:
       self._cond.notify_all()
 
   def cancel(self, job: Job) -> None:
-    """Stop generating for `job` (its slot is freed at the next iteration); harmless after
-    it has finished."""
+    """Stop generating for `job`: it leaves its slot or the queue at the next iteration
+    (which this wakes), then gets ("done", "cancelled"); harmless after it has finished."""
     with self._cond:
       job.cancelled = True
       self._cond.notify_all()
 
   @property
+  def running(self) -> int:
+    """Slots holding a job (a cancelled one holds its slot until the next iteration)."""
+    return sum(r is not None for r in self._rows)
+
+  @property
+  def waiting(self) -> int:
+    """Jobs queued for a slot (cancelled ones leave at the next iteration)."""
+    return len(self._waiting)
+
+  @property
   def busy(self) -> int:
     """Jobs running or waiting."""
-    return sum(r is not None for r in self._rows) + len(self._waiting)
+    return self.running + self.waiting
 
   # ---- the scheduler thread ------------------------------------------------------------------
   def _loop(self) -> None:
@@ -158,19 +170,33 @@ class Scheduler:
         self._rows[s] = None
     self._cache = self.engine.init_cache(self.slots)
 
+  def _cancelled(self, job: Job) -> None:
+    job.emit(("done", "cancelled"))
+    self.stats["cancelled"] += 1
+
   def _admit(self) -> None:
+    with self._cond:
+      # Cancelled jobs leave the queue now, not when a slot frees: a queue of gone clients
+      # costs nothing and does not count as waiting.
+      gone = [j for j in self._waiting if j.cancelled]
+      if gone:
+        self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
+    for job in gone:
+      self._cancelled(job)
     for s in range(self.slots):
       job = self._rows[s]
       if job is not None and job.cancelled:
-        job.emit(("done", "cancelled"))
+        self._cancelled(job)
         self._rows[s] = job = None
+      # Every slot is visited (an empty queue ends only the filling, not the loop): a
+      # cancelled job in a later slot must leave it too.
       while job is None:
         with self._cond:
-          if not self._waiting:
-            return
-          job = self._waiting.popleft()
+          job = self._waiting.popleft() if self._waiting else None
+        if job is None:
+          break
         if job.cancelled:
-          job.emit(("done", "cancelled"))
+          self._cancelled(job)
           job = None
           continue
         self._rows[s] = job
