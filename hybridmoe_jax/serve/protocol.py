@@ -24,7 +24,9 @@ import json
 import re
 from typing import Any
 
-from hybridmoe_jax.rl.chat_format import Message
+import numpy as np
+
+from hybridmoe_jax.rl.chat_format import Message, action_text
 from hybridmoe_jax.rl.envs.base import Answer, ToolCall, ToolSpec
 
 MAX_DEPTH = 64          # levels of nested objects / lists a body may have
@@ -195,6 +197,14 @@ def _number(body: dict, name: str, default):
   return value
 
 
+def _top_p(body: dict) -> float:
+  top_p = float(_number(body, "top_p", 1.0))
+  if np.float32(top_p) == 0:     # the sampler's float32 would keep no token at all
+    raise _fail("top_p", f"{top_p!r} is 0 in float32 (the sampler's precision): allowed "
+                         f"{_allowed('top_p')}, at least 1e-45")
+  return top_p
+
+
 def _neutral(name: str, value: Any) -> bool:
   """Whether an unsupported option's value is its neutral one (type-strict: true is not 1)."""
   neutral = _NEUTRAL[name]
@@ -241,7 +251,7 @@ def _common(body: Any, *, default_max_tokens: int | None) -> tuple[str, Sampling
   sampling = Sampling(
       max_tokens=_number(body, key, default_max_tokens),
       temperature=float(_number(body, "temperature", 1.0)),
-      top_p=float(_number(body, "top_p", 1.0)),
+      top_p=_top_p(body),
       top_k=int(_number(body, "top_k", 0)),
       seed=int(_number(body, "seed", 0)) % 2**32,
       stop=stop, stream=stream, include_usage=bool(options.get("include_usage", False)))
@@ -337,10 +347,12 @@ def _assistant(message: dict, i: int) -> Message:
     raise _fail(f"messages[{i}].tool_calls[0].function", "needs a name and arguments")
   argument = tool_argument(fn.get("arguments", ""), f"messages[{i}].tool_calls[0].function."
                                                     "arguments")
+  call = ToolCall(fn["name"], argument)
   try:
-    return Message("assistant", text, ToolCall(fn["name"], argument))
+    action_text(call)             # the chat format's own check (the name: an identifier)
   except ValueError as e:
     raise _fail(f"messages[{i}].tool_calls[0].function.name", str(e)) from None
+  return Message("assistant", text, call)
 
 
 def _tools(body: dict) -> tuple[ToolSpec, ...]:

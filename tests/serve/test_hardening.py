@@ -178,7 +178,10 @@ def test_malformed_bodies_are_400_naming_the_field(served):
           ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")},
            "temperature"),
           ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-           "messages[0].content")]
+           "messages[0].content"),
+          ({"messages": [{"role": "assistant", "tool_calls": [
+              {"type": "function", "function": {"name": "a b", "arguments": "{}"}}]}]},
+           "messages[0].tool_calls[0].function.name")]
   for fields, param in chat:
     status, reply = served.request("POST", "/v1/chat/completions", json.dumps(
         {"model": NAME, **fields}).encode())
