@@ -47,6 +47,7 @@ import functools
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -273,6 +274,23 @@ def require_isolation(limits: SandboxLimits) -> None:
         "only, NOT a security boundary")
 
 
+def _wait_for_exit(proc: subprocess.Popen, timeout: float) -> bool:
+  """Waits until `proc` exits or `timeout` seconds pass; True if the time ran out. A pidfd
+  wakes this at the exit itself (Popen.wait(timeout) polls, up to 50 ms late)."""
+  try:
+    pidfd = os.pidfd_open(proc.pid)
+  except (AttributeError, OSError):   # no pidfd (Linux < 5.3): poll
+    try:
+      proc.wait(timeout=timeout)
+      return False
+    except subprocess.TimeoutExpired:
+      return True
+  try:
+    return not select.select([pidfd], [], [], timeout)[0]
+  finally:
+    os.close(pidfd)
+
+
 def _read_report(path: str) -> dict:
   """The namespaced run's report lines merged (a setup error wins)."""
   merged: dict = {}
@@ -315,11 +333,8 @@ def _execute(source: str, job: dict, limits: SandboxLimits) -> tuple[SandboxResu
       proc = subprocess.Popen([sys.executable, "-I", "-S", "-B"] + cmd, cwd=workdir, env=_ENV,
                               stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                               start_new_session=True, close_fds=True, pass_fds=pass_fds)
-      timed_out = False
       try:
-        proc.wait(timeout=wait_s)
-      except subprocess.TimeoutExpired:
-        timed_out = True
+        timed_out = _wait_for_exit(proc, wait_s)
       finally:
         try:
           os.killpg(proc.pid, signal.SIGKILL)

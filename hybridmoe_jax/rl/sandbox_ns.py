@@ -1,8 +1,9 @@
 """Stage 0 of a namespaced sandbox run: builds the kernel's walls, then starts the boot script.
 
 Started by `rl/sandbox.py` as `python -I -S -B sandbox_ns.py WORKDIR REPORT_FD PARENT_PID
-DEADLINE` with cwd, stdout and stderr set; never imported by the package (it loads its two
-siblings sandbox_boot.py and sandbox_seccomp.py by path). Pure standard library (os.unshare
+DEADLINE` with cwd, stdout and stderr set; the package never imports it, and it imports
+nothing of the package (it loads its siblings sandbox_boot.py and sandbox_seccomp.py by
+path, as top-level modules). Pure standard library (os.unshare
 and ctypes calls into libc): no bubblewrap on these machines, and no new dependency.
 
 Three processes, each doing one thing:
@@ -10,8 +11,8 @@ Three processes, each doing one thing:
     reads WORKDIR/job.json and solution.py and the boot script, drops its supplementary
     groups, enters new user, mount, PID, network, IPC, UTS and cgroup namespaces (a forked
     helper that stays outside writes the maps: inside uid / gid 0 = outside 65534 when the
-    parent is root, else the parent's own ids; setgroups denied), forks the new PID
-    namespace's init and waits for it.
+    parent is root and has that id, else the parent's own ids; setgroups denied), forks
+    the new PID namespace's init and waits for it.
   init (PID 1 of the run): while it still has the host's file identity, makes every mount
     private and clones read-only, nosuid trees of what `python -I -S` needs (/usr, the /lib*
     and /bin trees, sys.base_prefix, the interpreter's dir, /etc/ld.so.cache); then becomes
@@ -37,7 +38,6 @@ import ctypes
 import errno
 import json
 import os
-import platform
 import select
 import signal
 import sys
@@ -54,6 +54,7 @@ SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache",)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 BOOT_NAME = "sandbox_boot.py"
+HOSTNAME = "sandbox"
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
@@ -159,8 +160,9 @@ class _Report:
 
 
 # --- stage 0 ----------------------------------------------------------------------------------
-def _name_failing_flag() -> str:
-  """Which namespace the kernel refuses (checked flag by flag in a throwaway child)."""
+def _name_failing_flag() -> tuple[str, int]:
+  """(name, errno) of the namespace the kernel refuses, checked flag by flag in a throwaway
+  child; ("", 0) if each alone works."""
   r, w = os.pipe()
   pid = os.fork()
   if pid == 0:
@@ -264,7 +266,7 @@ def main() -> None:
     _prctl("prctl(PR_SET_PDEATHSIG)", PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != int(parent):   # the parent died before the line above
       os._exit(1)  # pylint: disable=protected-access
-    machine = platform.machine()
+    machine = os.uname().machine
     try:
       seccomp_filter = sandbox_seccomp.program(machine)
     except ValueError as e:
@@ -354,6 +356,14 @@ def _build_root(root: str, clones: list, links: list, files: dict, job: dict) ->
   return True
 
 
+def _kill_all() -> None:
+  """From PID 1, kill(-1) reaches every other process of the namespace (and nothing else)."""
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
 def _wait(payload: int, deadline: float) -> tuple[int, bool]:
   """Reaps every child until the payload ends or the deadline passes (then kills all in
   the namespace); returns (the payload's wait status, whether the deadline hit)."""
@@ -363,7 +373,7 @@ def _wait(payload: int, deadline: float) -> tuple[int, bool]:
     remaining = deadline - time.monotonic()
     if remaining <= 0 and not timed_out:
       timed_out = True
-      os.kill(-1, signal.SIGKILL)   # from PID 1: every other process of the namespace
+      _kill_all()
     select.select([pidfd], [], [], min(max(remaining, 0), 0.25) if not timed_out else 0.25)
     while True:   # orphans of the run are reparented here: reap them as they end
       try:
@@ -374,10 +384,7 @@ def _wait(payload: int, deadline: float) -> tuple[int, bool]:
         break
       if pid == payload:
         status = st
-  try:
-    os.kill(-1, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+  _kill_all()   # what the payload left running (a daemon, a setsid'd tree) ends with it
   while True:
     try:
       os.waitpid(-1, 0)
@@ -406,7 +413,7 @@ def _init(workdir, report, lifeline, deadline, executable, clones, links, files)
       os._exit(1)  # pylint: disable=protected-access
     _prctl("prctl(PR_SET_DUMPABLE)", PR_SET_DUMPABLE, 0)
     has_proc = _build_root(root, trees, links, files, job)
-    _check(_libc.sethostname(_arg("sandbox"), ctypes.c_size_t(7)), "sethostname")
+    _check(_libc.sethostname(_arg(HOSTNAME), ctypes.c_size_t(len(HOSTNAME))), "sethostname")
     os.chdir(root)
     _syscall(NR_PIVOT_ROOT[files["machine"]], "pivot_root", ".", ".")
     _check(_libc.umount2(_arg("."), MNT_DETACH), "umount2(old root)")
@@ -443,6 +450,9 @@ def _payload(report, executable: str, job: dict, code: bytes, has_proc: bool) ->
     buf = ctypes.create_string_buffer(code, len(code))
     prog = _SockFprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
     _prctl("prctl(PR_SET_SECCOMP)", PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog))
+    # As subprocess does before exec: signals this interpreter ignores go back to default.
+    for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+      signal.signal(sig, signal.SIG_DFL)
     os.closerange(3, report.fd)
     os.closerange(report.fd + 1, os.sysconf("SC_OPEN_MAX"))
     os.set_inheritable(report.fd, False)

@@ -1,8 +1,12 @@
 """The sandbox contains runaway code (each case ends with reward 0 and the caller goes on)
 and runs honest code normally. Limits are short (1 CPU s, 2 s wall) to keep this fast."""
 
+import dataclasses
+import glob
 import os
+import tempfile
 import uuid
+import warnings
 
 import pytest
 
@@ -25,11 +29,19 @@ def test_honest_code_runs_and_passes():
 
 
 def test_writes_inside_the_dir_are_allowed_and_the_dir_is_removed():
-  r = run_python("import os, pathlib\npathlib.Path('p.txt').write_text('x')\n"
-                 "open('a.txt', 'w').write('x')\nos.mkdir('d')\n"
-                 "os.rename('a.txt', 'd/b.txt')\nos.remove('d/b.txt')\nprint(os.getcwd())", FAST)
+  src = ("import os, pathlib\npathlib.Path('p.txt').write_text('x')\n"
+         "open('a.txt', 'w').write('x')\nos.mkdir('d')\n"
+         "os.rename('a.txt', 'd/b.txt')\nos.remove('d/b.txt')\nprint(os.getcwd())")
+  before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hmoe_sandbox_*")))
+  r = run_python(src, FAST)
+  # Namespaced: the cwd is the run's own tmpfs, /sandbox, gone with the run.
+  assert r.killed is None and r.stdout_tail == "/sandbox\n", r.stderr_tail
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    r = run_python(src, dataclasses.replace(FAST, isolation="audit-hook"))
   assert r.killed is None, r.stderr_tail
   assert not os.path.exists(r.stdout_tail.strip())
+  assert set(glob.glob(os.path.join(tempfile.gettempdir(), "hmoe_sandbox_*"))) <= before
 
 
 def test_wrong_and_faked_results_fail():

@@ -595,10 +595,14 @@ for pid in sorted({{os.getppid(), 1, {P}}}):
     attempt(f'{{what}}_{{pid}}', lambda: open(f'/proc/{{pid}}/{{what}}', 'rb').read(64))
   attempt(f'fd_{{pid}}', os.listdir, f'/proc/{{pid}}/fd')
 attempt('cgroup', lambda: RESULTS.__setitem__('cg', open('/proc/self/cgroup').read()))
+attempt('proc_sys_net', lambda: open('/proc/sys/net/ipv4/ip_forward', 'w').write('1'))
+attempt('proc_sys_kernel', lambda: open('/proc/sys/kernel/hostname', 'w').write('x'))
 """
   r, got = _hostile(body, P=os.getpid())
   assert got["pids"] == [1, 2], got   # init and the payload: nothing of the host
   assert got["ppid"] == 1, got
+  # /proc/sys is read-only (the run's own network namespace's knobs included).
+  assert got["proc_sys_net"] == got["proc_sys_kernel"] == "EROFS", got
   for what in ("mem", "environ", "maps", "fd"):
     assert got[f"{what}_1"] == "EACCES", got
     assert got[f"{what}_{os.getpid()}"] in ("ENOENT", "ok"), got
