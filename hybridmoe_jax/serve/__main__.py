@@ -20,6 +20,8 @@ import os
 import resource
 import sys
 
+from hybridmoe_jax.serve.protocol import MAX_BODY_BYTES
+
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m hybridmoe_jax.serve", description=__doc__,
@@ -40,18 +42,18 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--model_name", default=None, help="the id clients send as `model` "
                  "(default: the directory's name)")
   p.add_argument("--api_key", "--api-key", default=None, help="require `Authorization: "
-                 "Bearer <key>` on every route but /health (default: $HYBRIDMOE_API_KEY; "
-                 "unset or empty: no key)")
+                 "Bearer <key>` on every route but /health (default: $HYBRIDMOE_API_KEY, "
+                 "which keeps the key out of `ps`; unset or empty: no key)")
   p.add_argument("--limit_concurrency", type=int, default=256, help="connections open at "
-                 "once (default 256): a new one closes the longest-waiting idle one; 503 "
-                 "when all are answering")
+                 "once (default 256): past it a new one closes the longest-waiting one not "
+                 "being answered, or gets 503 when all are")
   p.add_argument("--timeout_read", type=float, default=30.0, help="seconds a request's "
                  "headers and body may take to arrive from its first byte (default 30; "
                  "then 408 and the connection is closed)")
   p.add_argument("--timeout_keep_alive", type=float, default=5.0, help="seconds an idle "
                  "connection is kept between requests (default 5, uvicorn's)")
-  p.add_argument("--max_body_bytes", type=int, default=16 * 2**20, help="largest request "
-                 "body (default 16 MiB; 413 beyond)")
+  p.add_argument("--max_body_bytes", type=int, default=MAX_BODY_BYTES, help="largest "
+                 "request body (default 16 MiB; 413 beyond)")
   return p
 
 

@@ -53,8 +53,8 @@ from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import ToolCall
 from hybridmoe_jax.serve.guard import ApiKeyGuard, HttpLimits, uvicorn_config
-from hybridmoe_jax.serve.protocol import (ApiError, Sampling, load_json, parse_chat,
-                                          parse_completion, tool_arguments)
+from hybridmoe_jax.serve.protocol import (MAX_BODY_BYTES, ApiError, Sampling, load_json,
+                                          parse_chat, parse_completion, tool_arguments)
 from hybridmoe_jax.serve.scheduler import Job, Scheduler
 
 _ids = itertools.count()
@@ -138,12 +138,13 @@ class Reply:
   """A request's answer, not yet produced: `whole` (a coroutine -> the JSON dict) or
   `stream` (chunks); `cancel()` ends its scheduler jobs (harmless once they are done)."""
   prep: _Prepared
+  scheduler: Scheduler
   whole: Coroutine[Any, Any, dict] | None = None
   stream: AsyncIterator[dict] | None = None
 
-  def cancel(self, scheduler) -> None:
+  def cancel(self) -> None:
     for job in self.prep.jobs:
-      scheduler.cancel(job)
+      self.scheduler.cancel(job)
 
 
 class Server:
@@ -280,8 +281,8 @@ class Server:
     rid, head = _response_id("cmpl"), {"object": "text_completion", "created": int(time.time()),
                                        "model": self.name}
     if prep.sampling.stream:
-      return Reply(prep, stream=self._completion_chunks(prep, rid, head))
-    return Reply(prep, whole=self._completion_whole(prep, rid, head))
+      return Reply(prep, self.scheduler, stream=self._completion_chunks(prep, rid, head))
+    return Reply(prep, self.scheduler, whole=self._completion_whole(prep, rid, head))
 
   async def _completion_whole(self, prep, rid, head) -> dict:
     texts = [""] * len(prep.ids)
@@ -306,9 +307,9 @@ class Server:
     rid, head = _response_id("chatcmpl"), {"object": "chat.completion",
                                            "created": int(time.time()), "model": self.name}
     if prep.sampling.stream:
-      return Reply(prep, stream=self._chat_chunks(prep, rid, dict(head, object=
-                                                                   "chat.completion.chunk")))
-    return Reply(prep, whole=self._chat_whole(prep, rid, head))
+      chunk_head = dict(head, object="chat.completion.chunk")
+      return Reply(prep, self.scheduler, stream=self._chat_chunks(prep, rid, chunk_head))
+    return Reply(prep, self.scheduler, whole=self._chat_whole(prep, rid, head))
 
   async def _chat_whole(self, prep, rid, head) -> dict:
     content = ""
@@ -385,7 +386,7 @@ async def _disconnected(receive) -> None:
     pass
 
 
-async def _while_connected(request: Request, reply: Reply, scheduler) -> dict | None:
+async def _while_connected(request: Request, reply: Reply) -> dict | None:
   """-> reply.whole's dict, or None when the client disconnects first (then the work and its
   jobs are cancelled at once: the slot frees at the scheduler's next iteration)."""
   work = asyncio.ensure_future(reply.whole)
@@ -397,7 +398,7 @@ async def _while_connected(request: Request, reply: Reply, scheduler) -> dict | 
     finished = work.done()
     if not finished:
       work.cancel()
-      reply.cancel(scheduler)
+      reply.cancel()
   return work.result() if finished else None
 
 
@@ -406,7 +407,8 @@ async def _body(request: Request, max_bytes: int) -> Any:
   too_big = ApiError(413, f"the request body is larger than {max_bytes} bytes (the server's "
                           "--max_body_bytes)")
   declared = request.headers.get("content-length", "")
-  if declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+  if declared.isascii() and declared.isdigit() and (len(declared) > 18 or
+                                                    int(declared) > max_bytes):
     raise too_big
   chunks, size = [], 0
   try:
@@ -418,9 +420,6 @@ async def _body(request: Request, max_bytes: int) -> Any:
   except ClientDisconnect:
     raise ApiError(400, "the client disconnected before sending the whole body") from None
   return load_json(b"".join(chunks))
-
-
-MAX_BODY_BYTES = 16 * 2**20
 
 
 def create_app(model, *, slots: int = 8, model_name: str | None = None,
@@ -457,8 +456,8 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None,
   async def respond(request: Request, make) -> Response:
     reply = make(await _body(request, max_body_bytes))
     if reply.stream is not None:
-      return _EventStream(reply.stream, functools.partial(reply.cancel, server.scheduler))
-    result = await _while_connected(request, reply, server.scheduler)
+      return _EventStream(reply.stream, reply.cancel)
+    result = await _while_connected(request, reply)
     # 499 (nginx's "client closed request"): nobody reads it, the access log shows it.
     return JSONResponse(result) if result is not None else Response(status_code=499)
 

@@ -29,6 +29,7 @@ import numpy as np
 from hybridmoe_jax.rl.chat_format import Message, action_text
 from hybridmoe_jax.rl.envs.base import Answer, ToolCall, ToolSpec
 
+MAX_BODY_BYTES = 16 * 2**20   # the server's default body limit (--max_body_bytes)
 MAX_DEPTH = 64          # levels of nested objects / lists a body may have
 MAX_INT_DIGITS = 20     # 2**64 - 1 has 20: no field takes a longer integer
 MAX_PROMPTS = 2048      # prompts in one /v1/completions list (each is one scheduler job)

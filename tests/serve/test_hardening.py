@@ -360,7 +360,10 @@ def test_the_command_line_reports_the_key_and_passes_the_limits(model_path, monk
                                                                 capsys):
   import uvicorn
 
-  from hybridmoe_jax.serve.__main__ import main
+  from hybridmoe_jax.serve.__main__ import _parser, main
+  defaults = _parser().parse_args(["--workdir=x"])
+  assert HttpLimits() == HttpLimits(defaults.limit_concurrency, defaults.timeout_keep_alive,
+                                    defaults.timeout_read)
   seen = {}
 
   def run(server):
