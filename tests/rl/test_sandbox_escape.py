@@ -19,7 +19,9 @@ import platform
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
+import time
 import uuid
 import warnings
 
@@ -468,6 +470,30 @@ RESULTS['seen'] = sum(1 for p in os.listdir('/proc') if p.isdigit() and
     assert got == {"seen": 1}, (got, r.stderr_tail)   # the daemon did start
   else:
     assert r.killed == "timeout", (r.killed, r.stderr_tail)
+  assert _host_processes_with(marker) == []
+
+
+def test_the_run_dies_with_its_parent():
+  """SIGKILL of the process that called run_python (no cleanup code runs there): stage 0,
+  the run's init and so every process of the run die too (PR_SET_PDEATHSIG, then the PID
+  namespace's end)."""
+  marker = f"hmoe_marker_{uuid.uuid4().hex}"
+  payload = HOOK_OFF + f"import os\nos.execv('/bin/sh', [{marker!r}, '-c', 'sleep 60'])\n"
+  code = ("from hybridmoe_jax.rl.sandbox import SandboxLimits, run_python\n"
+          f"run_python({payload!r}, SandboxLimits(timeout_s=60.0, cpu_s=60))\n")
+  parent = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+  try:
+    deadline = time.monotonic() + 60
+    while not _host_processes_with(marker) and time.monotonic() < deadline:
+      assert parent.poll() is None, "the parent ended before the run started"
+      time.sleep(0.05)
+    assert _host_processes_with(marker), "the run never started"
+  finally:
+    parent.kill()
+    parent.wait()
+  deadline = time.monotonic() + 5
+  while _host_processes_with(marker) and time.monotonic() < deadline:
+    time.sleep(0.05)
   assert _host_processes_with(marker) == []
 
 
