@@ -1,9 +1,11 @@
 """A tiny hybrid model (1 KDA + 1 MLA layer, random weights) saved as a params export with the
-chat byte tokenizer: what the server, the chat REPL and the lm-eval adapter tests load."""
+chat byte tokenizer: what the server, the chat REPL and the lm-eval adapter tests load
+(`model_path`: the module-scoped fixture; import it into a test module to use it)."""
 
 import dataclasses
 import pathlib
 
+import pytest
 from flax import nnx
 
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, save_tokenizer
@@ -23,3 +25,9 @@ def write_chat_model(root: pathlib.Path, seed: int = 0) -> str:
   path = export_params(str(root / "chat_model"), params, biases, dataclasses.asdict(cfg))
   save_tokenizer(ByteTokenizer(chat=True), str(root / "chat_model" / "tokenizer"))
   return path
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+  """One chat model per test module."""
+  return write_chat_model(tmp_path_factory.mktemp("chat_model"))

@@ -17,12 +17,7 @@ from hybridmoe_jax.infer.streaming import stream_text
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from tests.conftest import ROOT
-from tests.serve.fixtures import write_chat_model
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-  return write_chat_model(tmp_path_factory.mktemp("chat"))
+from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
 
 
 def _greedy(lm, ids, n, stop):

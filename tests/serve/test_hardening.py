@@ -22,18 +22,13 @@ from hybridmoe_jax import api  # noqa: E402
 from hybridmoe_jax.serve.app import create_app, serve_in_thread  # noqa: E402
 from hybridmoe_jax.serve.guard import HttpLimits  # noqa: E402
 from hybridmoe_jax.serve.scheduler import Job, Scheduler  # noqa: E402
-from tests.serve.fixtures import write_chat_model  # noqa: E402
+from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
 
 NAME = "tiny"
 SLOTS = 2
 LIMITS = HttpLimits(limit_concurrency=8, timeout_keep_alive=1, timeout_read=2)
 MAX_BODY = 2**20
 KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-  return write_chat_model(tmp_path_factory.mktemp("hardening"))
 
 
 @pytest.fixture(scope="module")

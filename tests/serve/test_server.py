@@ -22,15 +22,10 @@ from hybridmoe_jax.rl.chat_format import Message  # noqa: E402
 from hybridmoe_jax.rl.envs.base import Answer, ToolCall  # noqa: E402
 from hybridmoe_jax.serve.app import create_app, serve_in_thread  # noqa: E402
 from hybridmoe_jax.serve.scheduler import Job, Scheduler  # noqa: E402
-from tests.serve.fixtures import write_chat_model  # noqa: E402
+from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
 
 NAME = "tiny"
 LONGEST = 24    # every reference generates this many tokens (one compilation) and is cut
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-  return write_chat_model(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
