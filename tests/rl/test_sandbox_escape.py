@@ -1,14 +1,21 @@
-"""Adversarial programs against the RL code sandbox (issue 33): each tries to change something
-outside its temp dir, or to use unbounded resources. For every one, nothing outside changes
-(a victim directory is compared file by file, content and mode, before and after) and the
-run ends within its limits.
+"""Adversarial programs against the RL code sandbox (issues 33 and 45): each tries to change
+something outside its work dir, reach the host, or use unbounded resources. For every one,
+nothing outside changes (a victim directory is compared file by file, content and mode,
+before and after) and the run ends within its limits.
 
-The attacks: str / bytes subclasses that override the methods a guard would call
-(startswith, split, __eq__, __str__, __fspath__, __repr__), PathLike objects that answer
-differently on each call, `..`, symlinks through /proc (/proc/self/root, /proc/self/cwd,
-/dev/fd), writes via builtins.open / io.open / os.open / pathlib, rename / replace / unlink
-/ rmdir / mkdir / chmod / truncate / shutil, patched builtins and __main__, a device node
-made in the dir, fork and thread bombs, one big file, many files.
+Issue 33 (the audit hook on): str / bytes subclasses that override the methods a guard
+would call (startswith, split, __eq__, __str__, __fspath__, __repr__), PathLike objects that
+answer differently on each call, `..`, symlinks through /proc (/proc/self/root,
+/proc/self/cwd, /dev/fd), writes via builtins.open / io.open / os.open / pathlib, rename /
+replace / unlink / rmdir / mkdir / chmod / truncate / shutil, patched builtins and __main__,
+a device node made in the dir, fork and thread bombs, one big file, many files.
+
+Issue 45 (the hook switched off first, HOOK_OFF, so only the kernel stands): host files and
+a secret, a C module loaded under another name calling mount / unshare / ptrace / mknod /
+..., special files and POSIX shm, signals / pidfds / priorities aimed at the host, a
+symlink swapped by threads, processes that setsid and outlive the run or its parent, files
+cleanup cannot remove, inodes and bytes, the network, /proc of the parent and the host,
+foreign-architecture calls, fork / thread / memory bombs.
 """
 
 import dataclasses
