@@ -279,12 +279,20 @@ def test_slow_clients_cannot_hold_connections_or_health(served):
   assert b"timeout_read" in rest[0]
   for s in socks:
     s.close()
-  # A keep-alive connection left idle is closed after timeout_keep_alive.
-  sock = socket.create_connection((served.host, served.port))
-  sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-  answer = _until_closed(sock, LIMITS.timeout_keep_alive + 2)
-  sock.close()
-  assert answer is not None and answer.startswith(b"HTTP/1.1 200")
+  # A keep-alive connection left idle is closed after timeout_keep_alive (silently); one
+  # whose next request stalls gets 408 after timeout_read.
+  idle, stalled = (socket.create_connection((served.host, served.port)) for _ in range(2))
+  for sock in (idle, stalled):
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+    sock.settimeout(5)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+  stalled.sendall(b"GET /health HTTP/1.1\r\nHo")
+  start = time.monotonic()
+  assert _until_closed(idle, LIMITS.timeout_keep_alive + 2) == b""
+  answer = _until_closed(stalled, LIMITS.timeout_read + 2)
+  assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start > LIMITS.timeout_read - 0.5
+  idle.close()
+  stalled.close()
   assert served.client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices
 
 
