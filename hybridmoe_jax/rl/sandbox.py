@@ -11,10 +11,11 @@ enforced):
   - it sees only a read-only view of what `python -I -S` needs (/usr, the /lib* and /bin
     trees, the interpreter's prefix, the boot script), its own /proc (its processes only:
     not this process, not the host's), a /dev of null / zero / full / random / urandom;
-  - its only writable place is one tmpfs seen as its cwd /sandbox, /tmp and /dev/shm, at
-    most max_files x file_size_mb bytes (plus the job's two files) and max_files inodes
-    more than it starts with; stdout and stderr are files opened here, each capped by
-    RLIMIT_FSIZE; nothing it writes outlives the run (the tmpfs dies with the namespace);
+  - its only writable place is one tmpfs (noexec) seen as its cwd /sandbox, /tmp and
+    /dev/shm, at most max_files x file_size_mb bytes (plus the job's two files) and
+    max_files inodes more than it starts with; stdout and stderr are files opened here,
+    each capped by RLIMIT_FSIZE; nothing it writes outlives the run (the tmpfs dies with the
+    namespace);
   - no network (an empty network namespace; sockets other than AF_UNIX refused), no IPC
     with anything outside, no signal / ptrace / priority / pidfd reaching another process;
   - runs as an unprivileged uid (outside: 65534 when this process is root, else this
@@ -212,8 +213,8 @@ class Isolation:
 
 
 def _cgroup_note() -> str:
-  """Whether cgroup v2 memory / pids controllers are delegated to this process (the
-  sandbox does not use them either way: its limits are per-process rlimits)."""
+  """Which of the memory / pids / cpu controllers the cgroup v2 hierarchy offers at this
+  process's cgroup (the sandbox uses none either way: its limits are per-process rlimits)."""
   try:
     with open("/proc/self/cgroup", encoding="utf-8") as f:
       lines = f.read().splitlines()

@@ -154,8 +154,9 @@ class _Report:
   def send(self, **fields) -> None:
     os.write(self.fd, (json.dumps(fields) + "\n").encode())
 
-  def fail(self, error: Exception) -> None:
-    self.send(setup_error=str(error))
+  def fail(self, error: Exception, stage: str) -> None:
+    self.send(setup_error=str(error) if isinstance(error, SetupError) else
+              f"{stage} setup: {error}")
     os._exit(SETUP_EXIT)  # pylint: disable=protected-access
 
 
@@ -281,8 +282,8 @@ def main() -> None:
     executable = os.path.realpath(sys.executable)
     clones, links = _trees(executable)
     _enter_namespaces()
-  except SetupError as e:
-    report.fail(e)
+  except (SetupError, OSError) as e:
+    report.fail(e, "stage 0")
   lifeline_r, lifeline_w = os.pipe()
   pid = os.fork()
   if pid == 0:
@@ -306,7 +307,8 @@ def _work_tmpfs_options(job: dict, job_size: int) -> str:
 
 
 def _build_root(root: str, clones: list, links: list, files: dict, job: dict) -> bool:
-  """Fills the new root at `root` (a tmpfs); returns whether /proc could be mounted."""
+  """Fills the new root at `root` (a tmpfs; "." in practice); returns whether /proc could be
+  mounted."""
   for path, fd, is_dir in clones:
     target = root + path
     os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
@@ -331,7 +333,7 @@ def _build_root(root: str, clones: list, links: list, files: dict, job: dict) ->
   # One tmpfs for every writable place, so one size and inode limit covers them all.
   work = root + "/.work"
   os.mkdir(work, 0o700)
-  _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
+  _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,   # no dropped binaries
          _work_tmpfs_options(job, len(files["job"]) + len(files["source"])))
   for name, mode, target in (("sandbox", 0o755, "/sandbox"), ("tmp", 0o1777, "/tmp"),
                              ("shm", 0o1777, "/dev/shm")):
@@ -395,10 +397,14 @@ def _wait(payload: int, deadline: float) -> tuple[int, bool]:
 
 def _init(workdir, report, lifeline, deadline, executable, clones, links, files) -> None:
   job = json.loads(files["job"])
-  root = workdir
   try:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,uid=0,gid=0,size=1048576")
+    _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
+           "mode=0755,uid=0,gid=0,size=1048576")
+    # From here on the new root is the cwd and every path is relative to it: the host path
+    # to it may cross directories the unprivileged id below cannot enter (a 0700 TMPDIR).
+    os.chdir(workdir)
+    root = "."
     # Cloned while this process still has the host's file identity (the interpreter may sit
     # under a directory only root can enter); read-only and nosuid before they are attached.
     ro = ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV
@@ -414,14 +420,13 @@ def _init(workdir, report, lifeline, deadline, executable, clones, links, files)
     _prctl("prctl(PR_SET_DUMPABLE)", PR_SET_DUMPABLE, 0)
     has_proc = _build_root(root, trees, links, files, job)
     _check(_libc.sethostname(_arg(HOSTNAME), ctypes.c_size_t(len(HOSTNAME))), "sethostname")
-    os.chdir(root)
     _syscall(NR_PIVOT_ROOT[files["machine"]], "pivot_root", ".", ".")
     _check(_libc.umount2(_arg("."), MNT_DETACH), "umount2(old root)")
     os.chdir("/")
     for path in ("/", "/dev"):
       _set_attr(AT_FDCWD, path, ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV, False, path)
   except (SetupError, OSError) as e:
-    report.fail(e)
+    report.fail(e, "init")
   signal.signal(signal.SIGINT, signal.SIG_IGN)   # no signal from inside may end PID 1
   payload = os.fork()
   if payload == 0:
@@ -458,7 +463,7 @@ def _payload(report, executable: str, job: dict, code: bytes, has_proc: bool) ->
     os.set_inheritable(report.fd, False)
     os.execve(executable, [executable, "-I", "-S", "-B", "/" + BOOT_NAME], dict(os.environ))
   except (SetupError, OSError, ValueError) as e:
-    report.fail(e if isinstance(e, SetupError) else SetupError(f"payload setup: {e}"))
+    report.fail(e, "payload")
 
 
 if __name__ == "__main__":
