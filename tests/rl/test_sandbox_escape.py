@@ -502,7 +502,8 @@ def test_the_run_dies_with_its_parent():
   payload = HOOK_OFF + f"import os\nos.execv('/bin/sh', [{marker!r}, '-c', 'sleep 60'])\n"
   code = ("from hybridmoe_jax.rl.sandbox import SandboxLimits, run_python\n"
           f"run_python({payload!r}, SandboxLimits(timeout_s=60.0, cpu_s=60))\n")
-  parent = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  parent = subprocess.Popen([sys.executable, "-c", code], cwd=root)
   try:
     deadline = time.monotonic() + 60
     while not _host_processes_with(marker) and time.monotonic() < deadline:

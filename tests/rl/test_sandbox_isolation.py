@@ -15,6 +15,7 @@ from hybridmoe_jax.rl import sandbox, sandbox_ns
 from hybridmoe_jax.rl.envs.code import CodeEnv
 from hybridmoe_jax.rl.sandbox import SandboxLimits, SandboxUnavailable, run_calls, run_python
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REFUSED = sandbox.Isolation(False, "unshare(CLONE_NEWUSER) failed: EPERM (Operation not "
                             "permitted)", ())
 
@@ -110,8 +111,7 @@ def test_a_kernel_without_user_namespaces_is_refused_for_real():
           "sandbox.SandboxLimits(isolation='audit-hook')).stdout, end='')\n")
   script = f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c \"$0\""
   out = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", script, code],
-                       capture_output=True, text=True, timeout=120, cwd=os.getcwd(),
-                       check=False)
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
   lines = out.stdout.splitlines()
   assert len(lines) == 2, (out.stdout, out.stderr[-2000:])
   assert lines[0].startswith("REFUSED sandbox: the kernel refuses the namespaced sandbox "
