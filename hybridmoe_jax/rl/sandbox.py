@@ -6,8 +6,8 @@ THIS process (the expected values never reach the child, so printing cannot fake
 
 Default isolation, SandboxLimits(isolation="namespaces"): `rl/sandbox_ns.py` runs each
 program in new user, PID, mount, network, IPC, UTS and cgroup namespaces. Guaranteed by the
-kernel, whatever the code does (RELIABILITY.md, "The RL code sandbox", says how each is
-enforced):
+kernel, whatever the code does (RELIABILITY.md, "The RL code sandbox, enforced by the
+kernel", says how each is enforced; rl/sandbox_ns.py, how each is built):
   - it sees only a read-only view of what `python -I -S` needs (/usr, the /lib* and /bin
     trees, the interpreter's prefix, the boot script), its own /proc (its processes only:
     not this process, not the host's), a /dev of null / zero / full / random / urandom;
@@ -17,21 +17,23 @@ enforced):
     each capped by RLIMIT_FSIZE; nothing it writes outlives the run (the tmpfs dies with the
     namespace);
   - no network (an empty network namespace; sockets other than AF_UNIX refused), no IPC
-    with anything outside, no signal / ptrace / priority / pidfd reaching another process;
-  - runs as an unprivileged uid (outside: 65534 when this process is root, else this
-    process's uid) with no capability over any namespace, no_new_privs, and a seccomp
+    with anything outside, no signal / ptrace / priority / pidfd reaching a process outside
+    the run, and it dies with this process (PR_SET_PDEATHSIG);
+  - runs as an unprivileged uid (outside: 65534 when this process is root and has that
+    id, else this process's uid) with no capability over any namespace, no_new_privs, and a seccomp
     filter (rl/sandbox_seccomp.py) refusing mount, namespace, module, keyring, bpf, perf,
     io_uring, ptrace and similar calls;
   - CPU seconds (RLIMIT_CPU, per process), address space (RLIMIT_AS), file size, open
     files, processes and threads (RLIMIT_NPROC = max_procs + 1, counted in the run's own
     user namespace), no core dumps; a wall clock, after which, and after every normal exit,
     every process of the run is killed (the PID namespace ends with its init).
-Not guaranteed: safety from kernel bugs, side channels (timing, CPU caches), CPU time of a
-forked tree as a whole (RLIMIT_CPU is per process; cgroups are not used: `isolation()`
-says whether delegated cgroup v2 controllers exist). The audit hook of
+Not guaranteed: safety from kernel bugs, side channels (timing, CPU caches), CPU time and
+memory of a forked tree as a whole (RLIMIT_CPU and RLIMIT_AS are per process; cgroups are
+not used: `isolation().notes` says which cgroup v2 controllers this machine offers). The audit hook of
 rl/sandbox_boot.py still runs inside, as a cheap first layer that names what it stops.
 
-Where the kernel refuses namespaces, every run raises SandboxUnavailable with one line
+Where the kernel refuses namespaces (or a mount step, or the machine has no seccomp table:
+x86_64 and aarch64 have one), every run raises SandboxUnavailable with one line
 naming the failed step and errno (probed once per process: `isolation()`); nothing falls
 back silently. SandboxLimits(isolation="audit-hook") is the explicit opt-out: the old mode
 (a temp dir as cwd, rlimits, the audit hook; a RuntimeWarning says it is NOT a security
