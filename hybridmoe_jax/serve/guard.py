@@ -10,7 +10,9 @@
   - a request's headers and body must arrive within `timeout_read` seconds of its first
     byte (a new connection's silence counts): otherwise 408 and the connection is closed.
     uvicorn itself (0.55) has no timeout for a request still arriving, so partial headers
-    would hold a connection forever; `_GuardedH11` adds it;
+    would hold a connection forever; `_GuardedH11` adds it. Likewise a client that stops
+    reading a response: once the socket's buffers are full, it has `timeout_read` seconds
+    to read again before the connection is aborted;
   - an idle connection between requests is closed after `timeout_keep_alive` (uvicorn's).
 Headers are at most h11's 16 KiB (uvicorn's h11_max_incomplete_event_size default: 400
 beyond); the body's size is bounded in app.py (`max_body_bytes`, 413).
@@ -72,6 +74,7 @@ class _GuardedH11(H11Protocol):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self._read_timer = None
+    self._write_timer = None
     self._waiting_since = time.monotonic()
 
   def connection_made(self, transport) -> None:
@@ -90,7 +93,24 @@ class _GuardedH11(H11Protocol):
 
   def connection_lost(self, exc) -> None:
     self._stop_timer()
+    if self._write_timer is not None:
+      self._write_timer.cancel()
     super().connection_lost(exc)
+
+  # ---- the write timeout -----------------------------------------------------------------
+  def pause_writing(self) -> None:
+    # The client reads nothing while the response waits to be sent: abort (not close, which
+    # would wait to flush) if that lasts timeout_read; the response's task then sees a
+    # disconnect and its jobs are cancelled.
+    super().pause_writing()
+    if self._write_timer is None:
+      self._write_timer = self.loop.call_later(self.limits.timeout_read, self.transport.abort)
+
+  def resume_writing(self) -> None:
+    super().resume_writing()
+    if self._write_timer is not None:
+      self._write_timer.cancel()
+      self._write_timer = None
 
   # ---- the read timeout ------------------------------------------------------------------
   def _reading(self) -> bool:

@@ -5,6 +5,7 @@ that goes away frees its slot at once; slow clients cannot hold connections or s
 `openai` client and raw sockets on 127.0.0.1, against `serve_in_thread` with the same uvicorn
 settings as `python -m hybridmoe_jax.serve`."""
 
+import asyncio
 import http.client
 import json
 import os
@@ -20,7 +21,7 @@ openai = pytest.importorskip("openai", reason="the `openai` client (test extra) 
 
 from hybridmoe_jax import api  # noqa: E402
 from hybridmoe_jax.serve.app import create_app, serve_in_thread  # noqa: E402
-from hybridmoe_jax.serve.guard import HttpLimits  # noqa: E402
+from hybridmoe_jax.serve.guard import HttpLimits, uvicorn_config  # noqa: E402
 from hybridmoe_jax.serve.scheduler import Job, Scheduler  # noqa: E402
 from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
 
@@ -309,6 +310,58 @@ def test_past_the_limit_with_every_connection_answering_is_503(served):
     s.close()
   served.wait_idle(5)
   assert served.health()["status"] == "ok"
+
+
+class _StuckTransport(asyncio.Transport):
+  """A transport whose peer reads nothing (the kernel buffers are full); abort, as a real
+  one, ends the connection (connection_lost)."""
+
+  def __init__(self, protocol):
+    super().__init__()
+    self.protocol, self.aborted, self.closing = protocol, False, False
+
+  def get_extra_info(self, name, default=None):
+    return default
+
+  def is_closing(self):
+    return self.closing
+
+  def abort(self):
+    if not self.closing:
+      self.aborted = self.closing = True
+      asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+
+def test_a_client_that_stops_reading_is_aborted_after_timeout_read():
+  """Over loopback a whole response of the test model fits the kernel's buffers, so this
+  drives the protocol by hand: a request is answered (an app that never finishes) and the
+  transport pauses writing (its buffer is full)."""
+  from uvicorn.server import ServerState
+
+  async def answering(scope, receive, send):
+    await asyncio.Event().wait()
+
+  config = uvicorn_config(answering, HttpLimits(timeout_read=0.2), lifespan="off")
+  config.load()
+
+  async def run(resume: bool) -> bool:
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(),
+                                          app_state={})
+    transport = _StuckTransport(protocol)
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+    protocol.pause_writing()
+    if resume:
+      await asyncio.sleep(0.1)
+      protocol.resume_writing()
+    await asyncio.sleep(0.4)
+    aborted = transport.aborted
+    transport.abort()            # the client leaves: the app's task can end
+    await asyncio.sleep(0)
+    return aborted
+
+  assert asyncio.run(run(resume=False))
+  assert not asyncio.run(run(resume=True))
 
 
 def test_api_key_is_required_everywhere_but_health(lm):
