@@ -9,8 +9,8 @@ server has one: --api-key or $HYBRIDMOE_API_KEY, then that key).
 
 Limits against slow or hostile clients (guard.py): --limit_concurrency connections (the
 longest-waiting idle one is closed for a new one; 503 when all are answering),
---timeout_read seconds for a request's headers and body (408), --timeout_keep_alive for an
-idle connection, --max_body_bytes per body (413).
+--timeout_read seconds for a request's headers and body (408) and for a client that stops
+reading, --timeout_keep_alive for an idle connection, --max_body_bytes per body (413).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                  "being answered, or gets 503 when all are")
   p.add_argument("--timeout_read", type=float, default=30.0, help="seconds a request's "
                  "headers and body may take to arrive from its first byte (default 30; "
-                 "then 408 and the connection is closed)")
+                 "then 408 and the connection is closed); also how long a client may stop "
+                 "reading a response once the socket's buffers are full (then aborted)")
   p.add_argument("--timeout_keep_alive", type=float, default=5.0, help="seconds an idle "
                  "connection is kept between requests (default 5, uvicorn's)")
   p.add_argument("--max_body_bytes", type=int, default=MAX_BODY_BYTES, help="largest "
