@@ -14,8 +14,10 @@
     reading a response: once the socket's buffers are full, it has `timeout_read` seconds
     to read again before the connection is aborted;
   - an idle connection between requests is closed after `timeout_keep_alive` (uvicorn's).
-Headers are at most h11's 16 KiB (uvicorn's h11_max_incomplete_event_size default: 400
-beyond); the body's size is bounded in app.py (`max_body_bytes`, 413).
+Headers: a header block still incomplete past 16 KiB is refused with 400 (h11's
+max_incomplete_event_size, uvicorn's default); one that arrives whole in a single read (at
+most the event loop's 256 KiB) is parsed. The body's size is bounded in app.py
+(`max_body_bytes`, 413).
 
 `ApiKeyGuard`: an ASGI middleware that answers 401 (OpenAI's error shape) to every request
 but GET /health without `Authorization: Bearer <key>`; keys are compared in constant time.
