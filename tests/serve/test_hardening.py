@@ -128,6 +128,7 @@ BAD_BODIES = [
     (_with("temperature", "Infinity"), "temperature", "Infinity is not allowed"),
     (_with("temperature", "-Infinity"), "temperature", "-Infinity is not allowed"),
     (_with("top_p", "1e999"), "top_p", "overflows to infinity"),
+    (_with("top_p", "1e-320"), "top_p", "is 0 in float32"),
     (_with("stop", '["a", NaN]'), "stop[1]", "NaN"),
     (b"[" * 100_000 + b"]" * 100_000, None, "nested deeper than 64 levels"),
     (_with("prompt", "[" * 70 + "1" + "]" * 70), "prompt", "nested deeper than 64 levels"),
