@@ -72,6 +72,9 @@ _AOT_STAGES = flags.DEFINE_string(
 _AOT_SERVE = flags.DEFINE_bool(
     "aot_serve", True, "--dry_run on a topology: also compile a prefill chunk and a decode "
     "step.")
+_AOT_COST = flags.DEFINE_bool(
+    "aot_cost", True, "--dry_run on a topology: also compile the unrolled loops that cost "
+    "the step time and MFU (--noaot_cost: memory only, one compile per train step).")
 # Multi-process (multi-host) runs: see hybridmoe_jax/parallel/distributed.py.
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Start jax.distributed; without --coordinator_address the cluster "
@@ -122,7 +125,8 @@ def main(argv):
       if run.hardware.topology:
         from hybridmoe_jax.tools import aot
         aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value),
-                       stages=_AOT_STAGES.value, serve=_AOT_SERVE.value)
+                       stages=_AOT_STAGES.value, serve=_AOT_SERVE.value,
+                       cost=_AOT_COST.value)
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)

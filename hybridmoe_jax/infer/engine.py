@@ -89,7 +89,7 @@ def _embed_inputs(graphdef, state, tokens, images, image_grid, image_index):
   """tokens [B, T] + image keys -> input embeddings [B, T, d] (the tower runs once)."""
   _TRACES["embed_inputs"] += 1
   model = nnx.merge(graphdef, state)
-  return model.embed_inputs(tokens, images, image_grid, image_index)
+  return model.embed_inputs(tokens, images, image_grid, image_index, serving=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))

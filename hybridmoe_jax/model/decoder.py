@@ -40,6 +40,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig, is_int
 from hybridmoe_jax.layers.attnres import BlockStream, DepthMix, num_blocks
+from hybridmoe_jax.layers.embed import embed_lookup
 from hybridmoe_jax.layers.kda import KDALayer
 from hybridmoe_jax.layers.lm_head import LMHead
 from hybridmoe_jax.layers.mla import MLALayer
@@ -163,10 +164,12 @@ class HybridLM(nnx.Module):
 
   def embed_inputs(self, tokens: jax.Array, images: jax.Array | None = None,
                    image_grid: jax.Array | None = None,
-                   image_index: jax.Array | None = None) -> jax.Array:
+                   image_index: jax.Array | None = None, *, serving: bool = False
+                   ) -> jax.Array:
     """tokens [B, T] -> input embeddings [B, T, d]; placeholders (image_index >= 0) take the
-    projected image token they index (see the module docstring)."""
-    x = self.embed(tokens)
+    projected image token they index (see the module docstring). `serving`: the weights
+    are laid out for serving (`parallel.rules.tree_shardings(serving=True)`)."""
+    x = embed_lookup(self.embed.embedding.value, tokens, self.embed.dtype, serving=serving)
     if images is None:
       return x
     if not self.cfg.vision.enabled:
@@ -239,7 +242,8 @@ class HybridLM(nnx.Module):
     if inputs_embeds is not None:
       x = inputs_embeds.astype(self.compute.dtype)
     else:
-      x = self.embed_inputs(tokens, images, image_grid, image_index)
+      x = self.embed_inputs(tokens, images, image_grid, image_index,
+                            serving=cache is not None)
     if cache is not None and len(cache.layers) != cfg.num_layers:
       raise ValueError(f"the cache holds {len(cache.layers)} layers, the model "
                        f"{cfg.num_layers}")

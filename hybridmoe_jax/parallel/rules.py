@@ -92,12 +92,14 @@ def logical_names(path: str, ndim: int) -> tuple[str | None, ...]:
 
 def tree_shardings(tree, mesh: Mesh, *, serving: bool = False):
   """NamedSharding for every array leaf of `tree` (params, optimizer state, biases, ...);
-  `serving` replicates over context (a decode step would all-gather every weight per token)."""
+  `serving` replicates over context, and over expert except the routed experts' own dim (a
+  decode step would all-gather every such weight per token)."""
   shape = dict(mesh.shape, **({"context": 1} if serving else {}))
+  owned_only = ("expert",) if serving else ()
 
   def one(path, leaf):
     dims = tuple(getattr(leaf, "shape", ()))
     names = logical_names(path_string(path), len(dims))
-    return NamedSharding(mesh, spec_for(names, dims, shape))
+    return NamedSharding(mesh, spec_for(names, dims, shape, owned_only))
 
   return jax.tree_util.tree_map_with_path(one, tree)

@@ -197,11 +197,13 @@ def select_stages(plan: plan_lib.Plan, text: str) -> tuple[plan_lib.StagePlan, .
 
 
 def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
-                   stages: tuple[plan_lib.StagePlan, ...]) -> list[Compiled]:
+                   stages: tuple[plan_lib.StagePlan, ...], cost: bool = True
+                   ) -> list[Compiled]:
   """The train step of each of `stages` (`select_stages`), compiled for `devices` with the
   run's mesh. XLA costs a loop body once: the microbatch loop (grad_accum) and the layer
   scan (compute.scan_layers, compiled at scan_unroll 1) are costed from extra compiles
-  with unrolled bodies (`_loop_corrected`)."""
+  with unrolled bodies (`_loop_corrected`). `cost=False`: one compile per step, memory
+  only (no step time: the unrolled compiles take most of a flagship's compile time)."""
   t = run.train
   out = []
   tx = optim.make_optimizer(t, plan.schedule())
@@ -220,6 +222,10 @@ def train_programs(run: RunConfig, devices, plan: plan_lib.Plan,
     args = (_structs(abstract, shardings), {"tokens": tokens, "segment_ids": tokens})
     name = f"train stage {s.index} T={s.seq_len:,}"
     c = _compile(name, step(1), args, {}, rt.mesh, s.batch_size * s.seq_len)
+    if not cost:
+      c.cost, c.extra_flops = {}, 0.0
+      out.append(c)
+      continue
     loops = []  # (body copies the compile missed, unroll u, the compile with u copies)
     ga = t.grad_accum
     if ga > 1 and c.cost:  # the loop body is costed once: cost it from u unrolled copies
@@ -329,12 +335,13 @@ def _extrapolate(small: Compiled, big: Compiled, la: int, lb: int, full: int) ->
 
 def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve: bool = True,
                 max_len: int | None = None, prefill_chunk: int = 2048,
-                stages: str = "") -> dict:
+                stages: str = "", cost: bool = True) -> dict:
   """Compile the run's programs for `hardware.topology`; -> {"programs": [Compiled],
   "devices": n, "chip": key, "impls": [lines], "extrapolated": layers or None}.
 
   `stages` ('' = all; see `select_stages`) picks the train steps compiled; `serve=False`
-  leaves out the prefill and decode programs.
+  leaves out the prefill and decode programs; `cost=False` compiles each train step once
+  and reports its memory only (`train_programs`).
 
   Raises ConfigError (bad topology / mesh) or topology.TopologyUnavailable (no libtpu).
   """
@@ -349,7 +356,7 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
   prefill_chunk = min(prefill_chunk, max_len)
 
   def programs(r: RunConfig) -> list[Compiled]:
-    out = train_programs(r, devices, plan, picked)
+    out = train_programs(r, devices, plan, picked, cost)
     if serve:
       out += serve_programs(r, devices, max_len=max_len, prefill_chunk=prefill_chunk)
     return out

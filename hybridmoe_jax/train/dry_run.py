@@ -10,9 +10,8 @@ the target device (`hardware`: device, memory, margin), and whether it fits.
 (`compiled.memory_analysis()`) and BENCHMARKS.md keeps the ratios.
 
 Everything comes from abstract shapes (`nnx.eval_shape` / `jax.eval_shape`). Per-device
-memory assumes the usual layout of the planned sharding: dense weights split over
-fsdp x context x tensor, routed experts over expert x fsdp x context x tensor, replicated
-over data.
+parameter and optimizer bytes lay each leaf out by the sharding rules themselves
+(`parallel.rules`: the train step's own shardings), replicated over data.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from hybridmoe_jax.ops.attention_backends import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
 from hybridmoe_jax.config.run import MeshConfig, RunConfig
-from hybridmoe_jax.config.sharding import MESH_AXES
+from hybridmoe_jax.config.sharding import MESH_AXES, path_string, spec_for
+from hybridmoe_jax.parallel import rules
 from hybridmoe_jax.train import memory_model, optim
 from hybridmoe_jax.train import plan as plan_lib
 
@@ -59,20 +59,35 @@ def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
   counts = param_breakdown(cfg)
   total, active = sum(counts.values()), active_from_breakdown(cfg, counts)
   tx = optim.make_optimizer(run.train, plan.schedule())
-  param_bytes = opt_bytes = 0
+  param_bytes = opt_bytes = dev_param_bytes = dev_opt_bytes = 0
   for _, params, times in param_pieces(cfg, vision=True):
+    opt = jax.eval_shape(tx.init, params)
     param_bytes += times * _bytes(params)
-    opt_bytes += times * _bytes(jax.eval_shape(tx.init, params))
-  shard = mesh["fsdp"] * mesh["tensor"] * mesh.get("context", 1)   # config/sharding.py
-  expert_frac = counts["routed_experts"] / max(total, 1)
-  per_param_split = (1 - expert_frac) / shard + expert_frac / (shard * mesh["expert"])
+    opt_bytes += times * _bytes(opt)
+    dev_param_bytes += times * _device_bytes(params, mesh)
+    dev_opt_bytes += times * _device_bytes(opt, mesh)
   return {
       "total": total, "active": active, "mesh": mesh,
       "devices": math.prod(mesh.values()), "param_bytes": param_bytes,
-      "opt_bytes": opt_bytes, "per_device_param_bytes": param_bytes * per_param_split,
-      "per_device_opt_bytes": opt_bytes * per_param_split, "per_param_split": per_param_split,
+      "opt_bytes": opt_bytes, "per_device_param_bytes": dev_param_bytes,
+      "per_device_opt_bytes": dev_opt_bytes,
+      "per_param_split": dev_param_bytes / max(param_bytes, 1),
       "optimizer": run.train.optimizer,
   }
+
+
+def _device_bytes(tree, mesh: dict[str, int]) -> float:
+  """Bytes of `tree` on one device when each leaf is laid out by the sharding rules
+  (`parallel.rules.logical_names` + `spec_for`, what the train step's shardings use): a dim
+  the mesh axes do not divide stays whole, as it does on the devices."""
+  total = 0.0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    shape = tuple(getattr(leaf, "shape", ()))
+    spec = spec_for(rules.logical_names(path_string(path), len(shape)), shape, mesh)
+    split = math.prod(mesh[a] for dim in spec if dim is not None
+                      for a in ((dim,) if isinstance(dim, str) else dim))
+    total += math.prod(shape) * leaf.dtype.itemsize / split
+  return total
 
 
 def _fmt_bytes(b: float) -> str:

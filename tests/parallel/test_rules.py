@@ -7,13 +7,17 @@ import jax
 import pytest
 from absl import logging
 from flax import nnx
+import optax
 
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel import rules
 from hybridmoe_jax.config.run import run_config_from_dict
+from hybridmoe_jax.train import dry_run, optim
+from hybridmoe_jax.train import plan as plan_lib
 from hybridmoe_jax.config.sharding import path_string, spec_for
 from jax.sharding import PartitionSpec as P
 from tests.conftest import ROOT, load_config
+from tests.parallel.helpers import make_mesh
 
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.py"))
 
@@ -66,9 +70,9 @@ def test_up_projections_and_the_vision_tower_split_over_fsdp():
   names = rules.logical_names("opt/mu/layers/3/mixer/q_b/kernel", 2)
   assert spec_for(names, (1536, 18432), mesh) == P(("fsdp", "context"))
   names = rules.logical_names("opt/mu/vision/blocks/4/up/kernel", 2)
-  assert spec_for(names, (1024, 4096), mesh) == P(("fsdp", "context"))
+  assert spec_for(names, (1024, 4096), mesh) == P(("fsdp", "context", "expert"))
   names = rules.logical_names("vision/proj_out/kernel", 2)
-  assert spec_for(names, (7168, 7168), mesh) == P(None, ("fsdp", "context"))
+  assert spec_for(names, (7168, 7168), mesh) == P(None, ("fsdp", "context", "expert"))
   assert rules.logical_names("vision/blocks/0/attn_norm/scale", 1) == (None,)
 
 
@@ -80,3 +84,26 @@ def test_a_leaf_no_rule_names_is_logged_not_silent(monkeypatch):
   assert rules.logical_names("layers/1/mixer/new_proj/kernel", 2) == (None, None)
   assert said == ["sharding: no rule names layers/0/mixer/new_proj/kernel (rank 2): replicated"]
   assert rules.logical_names("final_norm/scale", 1) == (None,) and len(said) == 1
+
+
+@pytest.mark.parametrize("sizes", [dict(fsdp=2, expert=2, context=2), dict(fsdp=4, tensor=2)])
+def test_per_device_state_bytes_equal_what_jax_places(sizes):
+  """`estimate`'s per-device parameter and optimizer bytes are those of one device after the
+  train state is placed by the sharding rules on a real (8-device, simulated) mesh."""
+  config = load_config("tiny")
+  config.mesh.update(data=1, fsdp=1, expert=1, tensor=1, context=1)
+  config.mesh.update(**sizes)
+  run = run_config_from_dict(config)
+  e = dry_run.estimate(run, plan_lib.build_plan(run))
+  mesh = make_mesh(**sizes)
+  params = nnx.state(HybridLM(run.model, rngs=nnx.Rngs(0), compute=run.compute), nnx.Param)
+  tx = optim.make_optimizer(run.train, optax.constant_schedule(1e-3))
+  opt = tx.init(params)
+
+  def one_device_bytes(tree):
+    placed = jax.device_put(tree, rules.tree_shardings(tree, mesh))
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
+
+  assert e["per_device_param_bytes"] == one_device_bytes(params)
+  # The optimizer's scalar counters are counted once per parameter piece (a few bytes).
+  assert e["per_device_opt_bytes"] == pytest.approx(one_device_bytes(opt), abs=64)

@@ -157,22 +157,30 @@ def test_rules_shard_every_leaf_consistently():
   assert spec("opt_state/1/0/mu/layers/1/ffn/w_down", (8, 64, 32)) == jax.P("expert", "tensor",
                                                                             "fsdp")
   assert spec("layers/1/ffn/bias", (8,)) == jax.P()
-  assert spec("embed/embedding", (259, 64)) == jax.P(None, "fsdp")   # 259 % 2: replicated
-  assert spec("layers/0/mixer/q_proj/kernel", (64, 64)) == jax.P("fsdp", "tensor")
+  # 259 % 2: the vocabulary replicated; the width over fsdp and expert, like every
+  # non-expert weight (MaxText's embed rule)
+  assert spec("embed/embedding", (259, 64)) == jax.P(None, ("fsdp", "expert"))
+  assert spec("layers/0/mixer/q_proj/kernel", (64, 64)) == jax.P(("fsdp", "expert"), "tensor")
   assert spec("step", ()) == jax.P()
   assert spec("layers/1/ffn/w_gate", (8, 32)) == jax.P()             # rank mismatch
-  # The context axis shards the state too: with it, the model width splits over fsdp x context.
+  # The context axis shards the state too: with it, the model width splits over fsdp x
+  # context (x expert for the non-expert weights).
   shape = dict(make_mesh(fsdp=2, expert=2, context=2).shape)
-  assert spec("layers/0/mixer/q_proj/kernel", (64, 64)) == jax.P(("fsdp", "context"))
+  assert spec("layers/0/mixer/q_proj/kernel", (64, 64)) == jax.P(("fsdp", "context", "expert"))
   assert spec("layers/1/ffn/w_gate", (8, 32, 64)) == jax.P("expert", ("fsdp", "context"))
   assert spec("layers/0/mixer/q_proj/kernel", (66, 64)) == jax.P("fsdp")  # 66 % 4: fsdp only
-  # Serving replicates the weights over context (the cache is what the context axis splits).
+  # Serving replicates the weights over context (the cache is what the context axis splits)
+  # and the non-expert ones over expert; routed experts stay on their expert shards.
   mesh = make_mesh(fsdp=2, expert=2, context=2)
   tree = {"layers": {"0": {"mixer": {"q_proj": {"kernel": jax.ShapeDtypeStruct((64, 64),
                                                                               "float32")}}}}}
-  for serving, want in ((False, jax.P(("fsdp", "context"))), (True, jax.P("fsdp"))):
+  tree["layers"]["1"] = {"ffn": {"w_gate": jax.ShapeDtypeStruct((8, 32, 64), "float32")}}
+  for serving, want, want_expert in (
+      (False, jax.P(("fsdp", "context", "expert")), jax.P("expert", ("fsdp", "context"))),
+      (True, jax.P("fsdp"), jax.P("expert", "fsdp"))):
     got = rules.tree_shardings(tree, mesh, serving=serving)
     assert got["layers"]["0"]["mixer"]["q_proj"]["kernel"].spec == want
+    assert got["layers"]["1"]["ffn"]["w_gate"].spec == want_expert
 
 
 class _Untouchable:

@@ -342,9 +342,12 @@ def test_stage_memory_components_scale():
   cp = dry_run.stage_memory(run4, e4, 16384, 8)
   assert cp["none"]["activations"] == pytest.approx(two["none"]["activations"] / 4)
   assert cp["none"]["mla_latents"] > 0
-  # Parameters, gradients and optimizer state are split over context too (ZeRO over it).
+  # Parameters, gradients and optimizer state are split over context too (ZeRO over it),
+  # leaf by leaf as the rules lay them out (a dim 32 ways does not divide stays whole:
+  # less than 4x smaller on the tiny preset; exact against jax's placement below).
   for part in ("params", "gradients", "optimizer"):
-    assert cp["none"][part] == pytest.approx(two["none"][part] / 4)
+    assert two["none"][part] / 4 <= cp["none"][part] < two["none"][part]
+
 
 
 def test_stage_memory_counts_the_gradient_sum_and_the_gathered_weights():
