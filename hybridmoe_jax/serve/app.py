@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import socket
 import threading
 import time
@@ -43,9 +42,8 @@ from typing import Any, AsyncIterator, Coroutine
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from hybridmoe_jax.data.token_roles import TokenizerError
 from hybridmoe_jax.infer.streaming import TextStream
@@ -53,9 +51,10 @@ from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import ToolCall
 from hybridmoe_jax.serve.guard import ApiKeyGuard, HttpLimits, uvicorn_config
-from hybridmoe_jax.serve.protocol import (MAX_BODY_BYTES, ApiError, Sampling, load_json,
+from hybridmoe_jax.serve.protocol import (MAX_BODY_BYTES, ApiError, Sampling,
                                           parse_chat, parse_completion, tool_arguments)
 from hybridmoe_jax.serve.scheduler import Job, Scheduler
+from hybridmoe_jax.serve.transport import EventStream, read_body, while_connected
 
 _ids = itertools.count()
 
@@ -351,77 +350,6 @@ def _tool_call_json(call: ToolCall, rid: str) -> dict:
           "function": {"name": call.name, "arguments": tool_arguments(call.argument)}}
 
 
-async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-  """Server-sent events in OpenAI's form: `data: {json}` per chunk, then `data: [DONE]`."""
-  try:
-    async for chunk in chunks:
-      yield f"data: {json.dumps(chunk)}\n\n"
-  except ApiError as e:
-    yield f"data: {json.dumps(e.body())}\n\n"
-  yield "data: [DONE]\n\n"
-
-
-class _EventStream(StreamingResponse):
-  """An SSE response that calls `on_close` however it ends. Starlette cancels the sending
-  task when the client disconnects, which may leave the chunk generators suspended (not
-  closed) if it was waiting to send; `on_close` cancels the jobs without waiting for them
-  to be collected."""
-
-  def __init__(self, chunks: AsyncIterator[dict], on_close):
-    super().__init__(_sse(chunks), media_type="text/event-stream")
-    self.on_close = on_close
-
-  async def __call__(self, scope, receive, send):
-    try:
-      await super().__call__(scope, receive, send)
-    finally:
-      self.on_close()
-
-
-async def _disconnected(receive) -> None:
-  """Returns when the client is gone. Called once the body is read: the ASGI receive channel
-  then has nothing but http.disconnect to give (uvicorn also gives it when the response is
-  complete, which ends this too)."""
-  while (await receive())["type"] != "http.disconnect":
-    pass
-
-
-async def _while_connected(request: Request, reply: Reply) -> dict | None:
-  """-> reply.whole's dict, or None when the client disconnects first (then the work and its
-  jobs are cancelled at once: the slot frees at the scheduler's next iteration)."""
-  work = asyncio.ensure_future(reply.whole)
-  gone = asyncio.ensure_future(_disconnected(request.receive))
-  try:
-    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-  finally:
-    gone.cancel()
-    finished = work.done()
-    if not finished:
-      work.cancel()
-      reply.cancel()
-  return work.result() if finished else None
-
-
-async def _body(request: Request, max_bytes: int) -> Any:
-  """The request's JSON value (protocol.load_json), read up to `max_bytes` (413 beyond)."""
-  too_big = ApiError(413, f"the request body is larger than {max_bytes} bytes (the server's "
-                          "--max_body_bytes)")
-  declared = request.headers.get("content-length", "")
-  if declared.isascii() and declared.isdigit() and (len(declared) > 18 or
-                                                    int(declared) > max_bytes):
-    raise too_big
-  chunks, size = [], 0
-  try:
-    async for chunk in request.stream():
-      size += len(chunk)
-      if size > max_bytes:
-        raise too_big
-      chunks.append(chunk)
-  except ClientDisconnect:
-    raise ApiError(400, "the client disconnected before sending the whole body") from None
-  return load_json(b"".join(chunks))
-
-
 def create_app(model, *, slots: int = 8, model_name: str | None = None,
                api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
   """The FastAPI app serving `model` (a LoadedModel) with `slots` cache rows; its scheduler
@@ -454,10 +382,10 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None,
     return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
   async def respond(request: Request, make) -> Response:
-    reply = make(await _body(request, max_body_bytes))
+    reply = make(await read_body(request, max_body_bytes))
     if reply.stream is not None:
-      return _EventStream(reply.stream, reply.cancel)
-    result = await _while_connected(request, reply)
+      return EventStream(reply.stream, reply.cancel)
+    result = await while_connected(request, reply)
     # 499 (nginx's "client closed request"): nobody reads it, the access log shows it.
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
