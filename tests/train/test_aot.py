@@ -206,6 +206,26 @@ def _tiny_accum(grad_accum: int):
 
 
 @needs_libtpu
+def test_memory_only_compiles_each_step_once_and_reports_no_step_time(monkeypatch):
+  """--noaot_cost (`cost=False`): the accumulation loop is not compiled again unrolled, and
+  the row says nothing about time rather than a loop-undercounted one. Compiler stubbed."""
+  from hybridmoe_jax.tools import aot
+
+  calls = []
+
+  def fake_compile(name, fn, args, kwargs, mesh, tokens, where=None):
+    calls.append(name)
+    memory = {k: 1.0 for k in ("arguments", "outputs", "aliased", "temporaries", "code")}
+    return aot.Compiled(name=name, tokens=tokens, compile_s=1.0, memory=dict(memory, total=4.0),
+                        cost={"flops": 13.0, "bytes accessed": 120.0, "optimal_seconds": 1.0})
+
+  monkeypatch.setattr(aot, "_compile", fake_compile)
+  train, = aot.compile_run(_tiny_accum(4), serve=False, cost=False)["programs"]
+  assert len(calls) == 1 and train.memory["total"] == 4.0
+  assert aot.step_seconds(train, "tpu_v5p") == (None, "n/a")
+
+
+@needs_libtpu
 def test_accumulation_loop_costed_from_an_unrolled_copy_and_missed_mixer_flops_added(
     monkeypatch):
   """XLA's cost analysis counts a loop body once (measured: a grad_accum=4 step's flops were
