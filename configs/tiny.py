@@ -1,4 +1,10 @@
-"""Tiny hybrid MoE for CPU: 4 layers (3 KDA + 1 MLA), 8 experts top-2 + 1 shared, bytes."""
+"""Tiny hybrid MoE for CPU: 4 layers (3 KDA + 1 MLA), 8 experts top-2 + 1 shared, bytes.
+
+The byte vocabulary with the chat roles (`byte_chat`, 266 ids): the README's own run
+(`runs/default`) can then be served on /v1/chat/completions and used by `lm.chat` and the
+chat REPL. Presets that quote figures measured with the plain byte vocabulary (259 ids)
+set `data.tokenizer = "byte"` and `model.vocab_size = 259` themselves.
+"""
 
 from hybridmoe_jax.config.run import default_config
 
@@ -6,7 +12,8 @@ from hybridmoe_jax.config.run import default_config
 def get_config():
   config = default_config()
   m = config.model
-  m.vocab_size = 259              # 256 bytes + pad/bos/eos
+  config.data.tokenizer = "byte_chat"   # 256 bytes + pad/bos/eos + 7 chat roles
+  m.vocab_size = 266
   m.d_model = 64
   m.num_layers = 4                # MLA at the last layer, KDA elsewhere
   m.kda.num_heads = 2

@@ -32,6 +32,7 @@ def _tiny():
 def get_config():
   config = _tiny()
   m = config.model
+  config.data.tokenizer = "byte"   # bytes + the image roles (no chat roles)
   m.vocab_size = 262              # bytes + pad/bos/eos + image_start/image_end/image_pad
   m.layer_kinds = ("kda", "mla", "kda", "mla")  # softmax lookup early, then decode
   v = m.vision

@@ -1,4 +1,5 @@
-"""A Python API for notebooks: `load(path)` -> a `LoadedModel` with generate, score, forward.
+"""A Python API for notebooks: `load(path)` -> a `LoadedModel` with generate, chat, score,
+forward.
 
 `load` reads any of three layouts, recognised from the files in `path`:
   training workdir   model_config.json + checkpoints/   the newest good checkpoint, read-only
@@ -7,7 +8,9 @@
   Hugging Face dir   config.json + *.safetensors        (`hybridmoe_jax.convert.load_hf_model`)
 and returns a `LoadedModel` (`infer.loaded_model`): the HybridLM, its ModelConfig, the
 tokenizer and the loader's info, with text-in / text-out calls on top of `infer.Engine`
-(chunked prefill, cached decode, one compilation per shape).
+(chunked prefill, cached decode, one compilation per shape bucket). `LoadedModel.chat`
+(defined here: the chat format lives in `rl.chat_format`, above `infer`) answers a
+conversation in the same format as the server's /v1/chat/completions.
 
 Sharding (`mesh=`): None keeps the model on the default device; "auto" (every device on the
 `fsdp` axis), a {axis: size} dict (see `parallel.mesh.build_mesh`) or a `jax.sharding.Mesh`
@@ -22,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -33,10 +36,14 @@ from hybridmoe_jax.convert import load_hf_model
 from hybridmoe_jax.data.tokenizer import TOKENIZER_DIR, check_vocab, tokenizer_from_dir
 from hybridmoe_jax.evals.loading import load_from_params, load_from_workdir
 from hybridmoe_jax.infer.engine import require_count
-from hybridmoe_jax.infer.loaded_model import LoadedModel
+from hybridmoe_jax.infer import loaded_model
+from hybridmoe_jax.infer.streaming import stream_text
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.parallel.rules import tree_shardings
+from hybridmoe_jax.rl import chat_format
+from hybridmoe_jax.rl.chat_format import Message
+from hybridmoe_jax.rl.envs.base import Answer
 from hybridmoe_jax.config.sharding import MESH_AXES
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE
 from hybridmoe_jax.train.params_export import PARAMS_FILE, is_export
@@ -44,6 +51,84 @@ from hybridmoe_jax.train.params_export import PARAMS_FILE, is_export
 _LAYOUTS = (f"a training workdir ({CONFIG_FILE} + checkpoints/), a params export "
             f"({CONFIG_FILE} + {PARAMS_FILE}, or params/ from older versions) or a Hugging "
             "Face dir (config.json + *.safetensors)")
+
+
+# ------------------------------------------------------------------------------------ chat
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+               "assistant": "assistant", "tool": "tool_result"}
+
+
+def chat_messages(messages) -> list[Message]:
+  """OpenAI-style messages -> chat_format Messages, the server's mapping: system / developer
+  -> system, user, assistant (its content as the answer), tool -> tool_result; a
+  chat_format.Message passes as it is.
+
+  Raises:
+    ValueError: not a non-empty list, or a message that is not {"role", "content": str} with
+      an allowed role (one line naming messages[i]).
+  """
+  if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or \
+      not messages:
+    raise ValueError("chat: messages must be a non-empty list of {\"role\", \"content\"} "
+                     f"dicts, got {type(messages).__name__}")
+  out = []
+  for i, m in enumerate(messages):
+    if isinstance(m, Message):
+      out.append(m)
+      continue
+    role = m.get("role") if isinstance(m, dict) else None
+    if role not in _CHAT_ROLES:
+      raise ValueError(f"chat: messages[{i}].role = {role!r} is invalid: allowed "
+                       f"{sorted(_CHAT_ROLES)}")
+    content = m.get("content")
+    if not isinstance(content, str):
+      raise ValueError(f"chat: messages[{i}].content must be a str, got "
+                       f"{type(content).__name__}")
+    out.append(Message("assistant", "", Answer(content)) if role == "assistant"
+               else Message(_CHAT_ROLES[role], content))
+  return out
+
+
+class LoadedModel(loaded_model.LoadedModel):
+  """`infer.loaded_model.LoadedModel` with `chat` (what `load` returns)."""
+
+  def chat(self, messages, *, max_new_tokens: int = 256, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           stop: str | Sequence[str] = ()) -> str:
+    """The assistant's reply to a conversation, in the server's chat format.
+
+    The conversation is rendered as /v1/chat/completions renders it (`rl.chat_format`: BOS,
+    each turn between its role id and <end_turn>, then the <assistant> header) and the reply
+    is generated until <end_turn> or EOS. Like the server's `content`, the text is what
+    comes before a <tool_call> with the special ids left out, cut at a `stop` string.
+
+    Args:
+      messages: [{"role": "system" | "developer" | "user" | "assistant" | "tool",
+        "content": str}, ...] (or rl.chat_format.Message objects).
+      max_new_tokens, temperature, top_k, top_p, seed: as for `generate`.
+      stop: strings that end the reply.
+
+    Raises:
+      ValueError: a malformed message, or a conversation + max_new_tokens over max_len.
+      TokenizerError: the model's tokenizer has no chat roles (the message names the
+        training flags that give it them).
+    """
+    roles = chat_format.chat_ids(self.tokenizer)
+    ids = chat_format.render(self.tokenizer, chat_messages(messages),
+                             add_generation_prompt=True).ids
+    max_new_tokens, sampling, stop, _ = self._generation_args(
+        max_new_tokens, temperature, top_k, top_p, stop, ())
+    self.engine.check_fits(len(ids), max_new_tokens, "messages")
+    ends = (roles["end_turn"], int(self.tokenizer.eos_id))
+    out = self.engine.generate(ids[None], max_new_tokens=max_new_tokens, sampling=sampling,
+                               stop_tokens=ends, seed=seed, pad_id=self.tokenizer.pad_id)
+    special, shown = set(self.tokenizer.special_ids.values()), []
+    for t in out.tokens[0, :out.lengths[0]].tolist():
+      if t == roles["tool_call"] or t in ends:
+        break
+      if t not in special:
+        shown.append(t)
+    return stream_text(self.tokenizer, shown, stop)
 
 
 # --------------------------------------------------------------------------------- loading

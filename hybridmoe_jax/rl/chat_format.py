@@ -90,8 +90,10 @@ def chat_ids(tokenizer) -> dict[str, int]:
   missing = [r for r in CHAT_ROLES if r not in ids]
   if missing:
     name = getattr(tokenizer, "name", type(tokenizer).__name__)
-    raise TokenizerError(f"tokenizer {name!r} has no id for chat role(s) {missing}: the chat "
-                         "format needs all of CHAT_ROLES (use ByteTokenizer(chat=True))")
+    raise TokenizerError(
+        f"tokenizer {name!r} has no id for chat role(s) {missing}: the chat format needs all "
+        "of them; train with a chat vocabulary, e.g. --config.data.tokenizer=byte_chat "
+        "--config.model.vocab_size=266 (bytes), or a tokenizer file that has the roles")
   return {r: int(ids[r]) for r in CHAT_ROLES}
 
 

@@ -6,6 +6,7 @@ is checked here is the wrapping (layouts, ragged batches, scoring arithmetic, pl
 the mixers, which tests/infer checks on the hybrid models.
 """
 
+import copy
 import math
 
 import jax
@@ -16,10 +17,12 @@ from flax import nnx
 
 import hybridmoe_jax
 from hybridmoe_jax import api
+from hybridmoe_jax.data.token_roles import TokenizerError
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.infer import Engine, cache_bytes, init_cache
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel.mesh import build_mesh
+from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
@@ -34,7 +37,7 @@ PROMPTS = ["The ", "A longer prompt here", "Hi"]
 def run(tmp_path_factory):
   """(workdir, params export) of a 2-step run of a 2-layer MLA model over bytes."""
   root = tmp_path_factory.mktemp("api")
-  config = load_config("tiny")            # the byte vocabulary (259)
+  config = load_config("tiny")            # the chat byte vocabulary (byte_chat, 266)
   set_tiny_model(config)
   config.model.moe.latent_dim = 8
   config.train.update(dict(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1,
@@ -86,7 +89,7 @@ def test_generate_ragged_batch_equals_engine_per_prompt(lm):
   got = lm.generate(PROMPTS, max_new_tokens=6)
   assert isinstance(got, list) and len(got) == 3
   engine = Engine(lm.model, max_len=64, prefill_chunk=16, kv_block=16)
-  tok = ByteTokenizer()
+  tok = lm.tokenizer
   for prompt, text in zip(PROMPTS, got):
     out = engine.generate(tok.encode(prompt, bos=True)[None], max_new_tokens=6,
                           stop_tokens=(tok.eos_id,), pad_id=tok.pad_id)
@@ -99,6 +102,44 @@ def test_generate_ragged_batch_equals_engine_per_prompt(lm):
     assert lm.generate(PROMPTS[0], max_new_tokens=6, stop=cut) == got[0][:got[0].index(cut)]
   hot = dict(max_new_tokens=6, temperature=1.0, top_k=20, seed=3)
   assert lm.generate(PROMPTS, **hot) == lm.generate(PROMPTS, **hot)
+
+
+def test_chat_renders_like_the_server_and_answers_until_end_turn(lm):
+  """lm.chat renders the conversation exactly as /v1/chat/completions does (the server's
+  own parser and chat_format.render) and shows the greedy reply up to <end_turn> / EOS /
+  <tool_call>, special ids left out."""
+  from hybridmoe_jax.serve.protocol import parse_chat  # pylint: disable=import-outside-toplevel
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sky?"}]
+  reply = lm.chat(messages, max_new_tokens=12)
+  tok, roles = lm.tokenizer, chat_format.chat_ids(lm.tokenizer)
+  served = parse_chat({"model": "m", "messages": messages}).messages
+  ids = chat_format.render(tok, list(served), add_generation_prompt=True).ids
+  assert ids.tolist() == chat_format.render(tok, api.chat_messages(messages),
+                                            add_generation_prompt=True).ids.tolist()
+  # The reference: greedy decoding one token at a time over the full forward (padded at the
+  # end to one width: causal, so the last real position's logits are unchanged).
+  seq, special = ids.tolist(), set(tok.special_ids.values())
+  for _ in range(12):
+    row = np.full((1, 64), tok.pad_id, np.int32)
+    row[0, :len(seq)] = seq
+    nxt = int(np.argmax(full_logits(lm.model, row)[0, len(seq) - 1]))
+    if nxt in (roles["end_turn"], tok.eos_id, roles["tool_call"]):
+      break
+    seq.append(nxt)
+  assert reply == tok.decode([t for t in seq[len(ids):] if t not in special])
+  with pytest.raises(ValueError, match=r"messages\[1\]\.role = 'bot' is invalid"):
+    lm.chat([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}])
+  with pytest.raises(ValueError, match="messages must be a non-empty list"):
+    lm.chat("Hi")
+
+
+def test_chat_without_chat_roles_names_the_training_flags(lm):
+  plain = copy.copy(lm)
+  plain.tokenizer = ByteTokenizer()
+  with pytest.raises(TokenizerError, match="--config.data.tokenizer=byte_chat "
+                                           "--config.model.vocab_size=266"):
+    plain.chat([{"role": "user", "content": "Hi"}])
 
 
 def test_score_is_the_log_softmax_of_the_forward(lm, ref):

@@ -99,7 +99,8 @@ def test_malformed_turns_are_reported(ids, fragment):
 
 
 def test_tokenizer_without_chat_roles_and_bad_messages_fail_clearly():
-  with pytest.raises(TokenizerError, match=r"no id for chat role.*ByteTokenizer\(chat=True\)"):
+  with pytest.raises(TokenizerError, match=r"no id for chat role.*--config.data.tokenizer="
+                     r"byte_chat --config.model.vocab_size=266"):
     cf.render(ByteTokenizer(), _conversation())
   with pytest.raises(ValueError, match="Message.role = 'bot'"):
     cf.Message("bot", "x")
