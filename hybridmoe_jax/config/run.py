@@ -22,10 +22,10 @@ from hybridmoe_jax.config.rl import RLConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
-DATA_SOURCES = ("bundled", "text", "jsonl")
+DATA_SOURCES = ("bundled", "text", "jsonl", "arrayrecord", "parquet")
 BAD_RECORD_MODES = ("skip", "error")  # data.bad_records (data/sources.py: BadRecords)
 VISION_SOURCES = ("synthetic", "jsonl")
-CURRICULUM_SOURCES = ("bundled", "stdlib_long", "text", "jsonl")
+CURRICULUM_SOURCES = ("bundled", "stdlib_long", "text", "jsonl", "arrayrecord", "parquet")
 STAGE_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 # Synthetic Q/A scene documents (data/images.py): question types and their default relative
 # sampling weights; digit identity at a position is the hardest type (10 classes read from
@@ -162,11 +162,12 @@ class DataConfig(Checked):
   (seq_len, batch size) and the run seed are pipeline arguments, not fields here."""
 
   PATH = "data"
-  # "bundled" (pydoc_data help texts), "text" or "jsonl"
+  # "bundled" (pydoc_data help texts), "text", "jsonl", "arrayrecord" (text records, or
+  # token shards from `python -m hybridmoe_jax.data.prepare`) or "parquet"
   source: str = ranged("bundled", DATA_SOURCES)
-  # files or directories for text / jsonl (searched recursively)
+  # files, directories (searched recursively) or globs; gs:// for arrayrecord / parquet
   paths: tuple[str, ...] = ranged((), PATHS)
-  # JSON key holding a document's text, for jsonl
+  # JSON key (jsonl) or column (parquet) holding a document's text
   jsonl_field: str = ranged("text", Allowed(bool, "a non-empty string"))
   # share of documents held out (at least one document)
   heldout_fraction: float = ranged(0.05, "(0, 0.5]")

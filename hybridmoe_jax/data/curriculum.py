@@ -27,6 +27,7 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.data import pipeline as pipeline_lib
+from hybridmoe_jax.data import record_sources
 from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
@@ -183,6 +184,9 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
   used = sorted({n for s in stages for n in s.weights})
   train_sources, heldout = _split_sources(used, curriculum, data, shard_count)
+  for name, src in train_sources.items():
+    record_sources.check_tokenizer(src, tokenizer, tokenizer_lib.fingerprint,
+                                   f"curriculum source {name!r}")
   datas = stage_data(stages, train_sources, seed=seed, shard_count=shard_count)
   eval_len = curriculum.eval_seq_len or stages[-1].seq_len
   eval_rows = max(1, curriculum.tokens_per_step // eval_len)

@@ -1,7 +1,8 @@
 """Documents -> token records: the tokenization step of the data pipelines.
 
-A document is a str (or a `data.retrieval.Document`, a str naming answer spans), or None
-where `sources.SafeSource` skipped one; a record is {"tokens": int32 [BOS, ids..., EOS]} and,
+A document is a str (or a `data.retrieval.Document`, a str naming answer spans), an int32
+array of token ids from prepared shards (`record_sources.py`: passed through, not
+re-tokenized), or None where `sources.SafeSource` skipped one; a record is {"tokens": int32 [BOS, ids..., EOS]} and,
 when asked, "loss_weights" float32 [n].
 """
 
@@ -20,6 +21,11 @@ def _tokenize(text: str | None, tokenizer, loss_weights: bool) -> dict[str, np.n
   # text a little differently than in one piece). Padding gets weight 0 in the packer.
   if text is None:  # SafeSource could not load it; filtered out below
     return None
+  if isinstance(text, np.ndarray):  # prepared token shards: already [BOS, ids..., EOS]
+    out = {"tokens": text.astype(np.int32)}
+    if loss_weights:
+      out["loss_weights"] = np.ones(len(text), np.float32)
+    return out
   spans = getattr(text, "answer_spans", ()) if loss_weights else ()
   w = float(getattr(text, "answer_weight", 1.0))
   parts, weights, prev = [], [], 0

@@ -25,7 +25,6 @@ in "error" mode), never a crash inside a grain worker.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -35,17 +34,14 @@ from absl import logging
 import numpy as np
 
 from hybridmoe_jax.data import long_docs
-from hybridmoe_jax.config.run import BAD_RECORD_MODES, DataConfig
+# The bad-record rules live in bad_records.py; re-exported here for callers of sources.
+from hybridmoe_jax.data.bad_records import (  # noqa: F401
+    BadRecordError, BadRecords, Problem, check_index, decode_utf8, parse_jsonl_line,
+    text_problem)
+from hybridmoe_jax.config.run import DataConfig
 
 PathLike = Union[str, os.PathLike]
 TEXT_SUFFIXES = (".txt", ".md")
-_MAX_LOCATIONS = 3  # bad-record locations quoted in a skip warning
-_HINT = "set data.bad_records=skip to skip bad records"
-Problem = tuple[str, str]  # (reason counted in warnings, one-line detail)
-
-
-class BadRecordError(ValueError):
-  """A bad input record with data.bad_records = "error"; the message is one line."""
 
 
 def _as_paths(paths: PathLike | Iterable[PathLike]) -> list[pathlib.Path]:
@@ -104,116 +100,6 @@ def _read_bytes(path: PathLike) -> bytes:
       raise _unreadable(path, e) from e
 
 
-def _check_index(i, n: int) -> int:
-  i = int(i)  # grain may pass numpy integers
-  if i < 0:
-    i += n
-  if not 0 <= i < n:
-    raise IndexError(f"document index {i} out of range for {n} documents")
-  return i
-
-
-_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number",
-               float: "a number", bool: "a boolean", type(None): "null"}
-
-
-def _json_type(value) -> str:
-  return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def text_problem(text) -> Problem | None:
-  """Why `text` cannot be a document (not a str, empty, not encodable as UTF-8), or None."""
-  if not isinstance(text, str):
-    return "text not a string", f"text is {_json_type(text)}, not a string"
-  if not text.strip():
-    return "empty text", "text is empty or whitespace only"
-  try:
-    text.encode("utf-8")
-  except UnicodeEncodeError as e:
-    return ("lone surrogate", f"text holds a lone surrogate U+{ord(text[e.start]):04X} at "
-            f"character {e.start} (not encodable as UTF-8)")
-  return None
-
-
-def decode_utf8(data: bytes) -> tuple[str | None, Problem | None]:
-  """(text, None), or (None, problem) naming the first byte that is not valid UTF-8."""
-  try:
-    return data.decode("utf-8"), None
-  except UnicodeDecodeError as e:
-    return None, ("not valid UTF-8", f"not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
-                  f"{e.start})")
-
-
-def parse_jsonl_line(line: bytes, field: str) -> tuple[str | None, Problem | None]:
-  """One JSONL line -> (its document text, None), or (None, why it is a bad record).
-
-  Args:
-    line: the raw line, with or without its newline.
-    field: the key holding the text.
-  """
-  s, problem = decode_utf8(line)
-  if problem:
-    return None, problem
-  try:
-    # strict=False: raw control characters inside strings (tabs, NUL) are legal text here.
-    record = json.loads(s.lstrip("\ufeff"), strict=False)
-  except ValueError as e:
-    cut = "" if line.endswith(b"\n") else "; the file's last line has no newline: truncated?"
-    return None, ("malformed JSON", f"malformed JSON ({getattr(e, 'msg', e)}, column "
-                  f"{getattr(e, 'colno', '?')}){cut}")
-  except RecursionError:
-    return None, ("malformed JSON", "malformed JSON (nested too deeply to parse)")
-  if not isinstance(record, dict):
-    return None, ("not a JSON object", f"the line holds {_json_type(record)}, not a JSON object")
-  if field not in record:
-    return None, (f"no {field!r} field", f"the object has no {field!r} field")
-  text = record[field]
-  if not isinstance(text, str):
-    return None, (f"{field!r} not a string", f"{field!r} is {_json_type(text)}, not a string")
-  problem = text_problem(text)
-  return (None, problem) if problem else (text, None)
-
-
-class BadRecords:
-  """The one place bad records are handled: counted and warned about, or raised.
-
-  Args:
-    what: the input, for the warning ("/x/y.jsonl", "['/x/texts']").
-    mode: "skip" or "error" (data.bad_records).
-    unit: what a record is ("lines", "text files"), for the warning.
-  """
-
-  def __init__(self, what: str, mode: str, unit: str):
-    if mode not in BAD_RECORD_MODES:
-      raise ValueError(f"bad_records must be one of {BAD_RECORD_MODES}, got {mode!r}")
-    self.what, self.mode, self.unit = what, mode, unit
-    self.counts: collections.Counter[str] = collections.Counter()
-    self.locations: list[str] = []
-
-  def add(self, where: str, problem: Problem) -> None:
-    """Records one bad record at `where` ("/x/y.jsonl line 7", "/x/a.txt").
-
-    Raises:
-      BadRecordError: in "error" mode, one line: where, what is wrong, how to skip instead.
-    """
-    reason, detail = problem
-    if self.mode == "error":
-      raise BadRecordError(f"{where}: {detail}; {_HINT}")
-    self.counts[reason] += 1
-    if len(self.locations) < _MAX_LOCATIONS:
-      self.locations.append(f"{where} ({detail})")
-
-  def warn(self, total: int) -> None:
-    """Logs one warning line (if anything was skipped): counts per reason, first locations."""
-    if not self.counts:
-      return
-    n = sum(self.counts.values())
-    detail = ", ".join(f"{k} {reason}" for reason, k in sorted(self.counts.items()))
-    more = ", ..." if n > len(self.locations) else ""
-    logging.warning("data: skipped %d of %d %s in %s (%s); first: %s%s", n, total, self.unit,
-                    self.what, detail, "; ".join(self.locations), more)
-
-
 class BundledTextSource:
   """The help texts that ship with CPython (`pydoc_data.topics`), one document per topic.
 
@@ -243,7 +129,7 @@ class BundledTextSource:
     return len(self._docs)
 
   def __getitem__(self, i) -> str:
-    return self._docs[_check_index(i, len(self._docs))]
+    return self._docs[check_index(i, len(self._docs))]
 
 
 class TextFileSource:
@@ -288,7 +174,7 @@ class TextFileSource:
     return len(self.files)
 
   def __getitem__(self, i) -> str:
-    path = self.files[_check_index(i, len(self.files))]
+    path = self.files[check_index(i, len(self.files))]
     text, problem = decode_utf8(_read_bytes(path))
     problem = problem or text_problem(text)
     if problem:  # the file changed after indexing
@@ -354,7 +240,7 @@ class JsonlSource:
     return len(self._offsets)
 
   def __getitem__(self, i) -> str:
-    i = _check_index(i, len(self._offsets))
+    i = check_index(i, len(self._offsets))
     path = self.files[self._file_ids[i]]
     with _open(path) as f:
       f.seek(int(self._offsets[i]))
@@ -389,8 +275,8 @@ class SafeSource:
       text = self.source[i]
     except (OSError, UnicodeError, ValueError, KeyError, TypeError) as e:
       problem = (type(e).__name__, f"{type(e).__name__}: {str(e)[:300]}")
-    else:
-      problem = text_problem(text)
+    else:  # prepared token records (record_sources.py) arrive as int32 arrays
+      problem = None if isinstance(text, np.ndarray) else text_problem(text)
     if problem is None:
       return text
     self.failures[problem[0]] += 1
@@ -410,7 +296,7 @@ class SubsetSource:
     return len(self.indices)
 
   def __getitem__(self, i) -> str:
-    return self.parent[int(self.indices[_check_index(i, len(self.indices))])]
+    return self.parent[int(self.indices[check_index(i, len(self.indices))])]
 
 
 def split_source(source: Sequence[str], heldout_fraction: float,
@@ -440,7 +326,19 @@ def make_source(kind: str, paths: Sequence[str] = (), field: str = "text",
   """THE document-source factory (the `data` section, every named curriculum source):
   "bundled" (pydoc help texts), "stdlib_long" (standard-library packages; paths[0], if
   given, is another root), "text" or "jsonl" (files or directories; `field` is the JSON key
-  of the text). `bad_records` ("skip" or "error", data.bad_records): see `BadRecords`."""
+  of the text), "arrayrecord" (text or prepared token shards) or "parquet" (`field` is the
+  text column): files, directories or globs, local or gs:// (record_sources.py).
+  `bad_records` ("skip" or "error", data.bad_records): see `BadRecords`."""
+  if kind in ("arrayrecord", "parquet"):
+    from hybridmoe_jax.data import record_sources  # pylint: disable=g-import-not-at-top
+    if kind == "arrayrecord":
+      return record_sources.ArrayRecordSource(list(paths), bad_records=bad_records)
+    return record_sources.ParquetSource(list(paths), field=field, bad_records=bad_records)
+  remote = [p for p in paths if "://" in str(p)]
+  if remote and kind in ("text", "jsonl"):
+    raise ValueError(f"data.paths {remote[0]!r}: {kind} sources read local files only; make "
+                     "ArrayRecord shards with `python -m hybridmoe_jax.data.prepare` (gs:// "
+                     "works there) or use data.source='parquet'")
   if kind == "bundled":
     return BundledTextSource()
   if kind == "stdlib_long":

@@ -21,6 +21,7 @@ keeps a copy in `workdir/tokenizer/` (`save_tokenizer`), read back by `tokenizer
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Protocol
 
@@ -150,6 +151,24 @@ class ByteTokenizer:
       raise ValueError(f"token id {int(bad)} is outside the byte vocabulary [0, {self.vocab_size})")
     # errors="replace": a packed row may cut a multi-byte character in two.
     return ids[ids < _NUM_BYTES].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _sha256_file(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def fingerprint(tokenizer: Tokenizer) -> dict:
+  """Class, flags, vocabulary size and file hashes: equal iff the same tokenizer (a run's
+  workdir/inputs.json and a prepared shard set's index.json both record it)."""
+  files = getattr(tokenizer, "files", None) or {}
+  return {"kind": type(tokenizer).__name__, "chat": bool(getattr(tokenizer, "chat", False)),
+          "vision": getattr(tokenizer, "image_pad_id", None) is not None,
+          "vocab_size": int(tokenizer.vocab_size),
+          "files": {name: _sha256_file(src) for name, src in sorted(files.items())}}
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:

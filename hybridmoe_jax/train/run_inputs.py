@@ -47,21 +47,8 @@ class TokenizerChanged(ConfigError):
   """The resumed run's tokenizer is not the one its checkpoints were trained with."""
 
 
-def _sha256_file(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
-  return h.hexdigest()
-
-
-def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
-  """Class, flags, vocabulary size and file hashes: equal iff the same tokenizer."""
-  files = getattr(tokenizer, "files", None) or {}
-  return {"kind": type(tokenizer).__name__, "chat": bool(getattr(tokenizer, "chat", False)),
-          "vision": getattr(tokenizer, "image_pad_id", None) is not None,
-          "vocab_size": int(tokenizer.vocab_size),
-          "files": {name: _sha256_file(src) for name, src in sorted(files.items())}}
+# One definition, in the data layer (prepared token shards record it too).
+tokenizer_fingerprint = tokenizer_lib.fingerprint
 
 
 def _data_files(paths) -> list[str]:
