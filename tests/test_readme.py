@@ -264,6 +264,44 @@ def test_readme_commands_refer_to_what_exists():
   assert not problems, "\n".join(problems)
 
 
+# ------------------------------------------------------------------------- paths in the prose
+# Where a repo path starts: a README word beginning so (or a top-level file) names the repo.
+REPO_PREFIXES = ("hybridmoe_jax/", "configs/", "tests/", "benchmarks/", "docs/", "examples/",
+                 "pallas_kernels/", ".ci/")
+
+
+def _expand(path: str) -> list[str]:
+  """`a/{b,c}.py` -> [a/b.py, a/c.py] (nested braces too)."""
+  m = re.search(r"\{([^{}]*)\}", path)
+  if not m:
+    return [path]
+  return [q for alt in m.group(1).split(",")
+          for q in _expand(path[:m.start()] + alt + path[m.end():])]
+
+
+def readme_paths() -> list[tuple[int, str]]:
+  """(line, path) for every repo path the README names in `code` or as a link target,
+  braces expanded; a glob (`kda*.py`) stands for the files it matches."""
+  text = README.read_text(encoding="utf-8")
+  out = []
+  spans = [(m.start(), m.group(1)) for m in re.finditer(r"`([^`\n]+)`", text)]
+  spans += [(m.start(), m.group(1)) for m in re.finditer(r"\]\(([^)\s]+)\)", text)
+            if not m.group(1).startswith(("http:", "https:", "#"))]
+  for start, span in spans:
+    for word in re.findall(r"[\w./{},*-]+", span):
+      if word.startswith(REPO_PREFIXES) or re.fullmatch(r"[\w-]+\.(py|md|toml)", word):
+        line = text[:start].count("\n") + 1
+        out += [(line, p.rstrip(".,")) for p in _expand(word)]
+  return out
+
+
+def test_readme_names_only_paths_that_exist():
+  paths = readme_paths()
+  assert len(paths) >= 40, paths            # the table and the prose name dozens
+  missing = [f"README.md:{line}: {p}" for line, p in paths if not list(ROOT.glob(p))]
+  assert not missing, "the README names paths that do not exist:\n" + "\n".join(missing)
+
+
 # ------------------------------------------------------------------------------ running them
 def _skip_reason(c: Command) -> str | None:
   prog, f = c.program(), c.flags()

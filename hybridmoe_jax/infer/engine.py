@@ -103,11 +103,12 @@ def _score_chunk(graphdef, state, tokens, targets, cache, n_valid, kv_block):
   return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
-def _one_token(model: HybridLM, token: jax.Array, cache: DecodeCache, kv_block: int
-               ) -> tuple[jax.Array, DecodeCache]:
-  """token [B] -> (logits [B, V], cache)."""
-  logits, cache = _forward(model, token[:, None], None, cache,
-                           jnp.ones(token.shape, jnp.int32), kv_block)
+def _one_token(model: HybridLM, token: jax.Array, cache: DecodeCache, kv_block: int,
+               n_valid: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
+  """token [B] -> (logits [B, V], cache); n_valid [B] in {0, 1} (default 1): a row with 0
+  is padding (segment id 0: its cache is left as it was)."""
+  n_valid = jnp.ones(token.shape, jnp.int32) if n_valid is None else n_valid
+  logits, cache = _forward(model, token[:, None], None, cache, n_valid, kv_block)
   return logits[:, 0], cache
 
 
@@ -120,18 +121,27 @@ def _decode_step(graphdef, state, token, cache, kv_block):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block", "max_new"),
                    donate_argnames=("cache",))
-def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, pad_id,
+def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, pad_id, live,
                    kv_block, max_new):
-  """Sample up to n_new (<= max_new) tokens in one while_loop; rows stop at a stop token."""
+  """Sample up to n_new (<= max_new) tokens in one while_loop; rows stop at a stop token.
+
+  live: bool [B], False for the rows that only pad the batch to its bucket: they start
+  finished (length 0, pad_id throughout) and are fed as padding (segment id 0), so they
+  change neither their cache nor any other row. The draw of row b depends only on b and
+  the key (threefry bits are counted per element), so the real rows' tokens are those of an
+  unpadded batch.
+  """
   _TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
   temperature, top_k, top_p, vocab_limit = sampling
   key, sub = jax.random.split(key)
   tok = sample(logits, sub, temperature, top_k, top_p, vocab_limit)
+  tok = jnp.where(live, tok, pad_id)
   b = tok.shape[0]
   out = jnp.full((b, max_new), pad_id, jnp.int32).at[:, 0].set(tok)
-  lengths = jnp.ones((b,), jnp.int32)
-  done = jnp.isin(tok, stop)
+  lengths = live.astype(jnp.int32)
+  done = jnp.isin(tok, stop) | ~live
+  n_valid = live.astype(jnp.int32)
 
   def cond(carry):
     i, _, _, _, done, _, _ = carry
@@ -139,7 +149,7 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
 
   def body(carry):
     i, tok, out, lengths, done, cache, key = carry
-    logits, cache = _one_token(model, tok, cache, kv_block)
+    logits, cache = _one_token(model, tok, cache, kv_block, n_valid)
     key, sub = jax.random.split(key)
     nxt = sample(logits, sub, temperature, top_k, top_p, vocab_limit)
     nxt = jnp.where(done, pad_id, nxt)
@@ -233,6 +243,11 @@ def row_sampling(sampling: "SamplingConfig", batch: int
   """(temperature float32 [B], top_k int32 [B], top_p float32 [B]) of one setting."""
   return (np.full(batch, sampling.temperature, np.float32),
           np.full(batch, sampling.top_k, np.int32), np.full(batch, sampling.top_p, np.float32))
+
+
+def batch_bucket(batch: int) -> int:
+  """The batch size `Engine.generate` compiles for: `batch` rounded up to a power of two."""
+  return 1 << (int(batch) - 1).bit_length()
 
 
 class GenerateOutput(NamedTuple):
@@ -417,13 +432,23 @@ class Engine:
 
   def generate(self, prompt, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                stop_tokens: Sequence[int] = (), seed: int = 0, pad_id: int = 0,
-               images: dict | None = None, prompt_lengths=None) -> GenerateOutput:
+               images: dict | None = None, prompt_lengths=None, bucket: bool = True
+               ) -> GenerateOutput:
     """Prefill `prompt` [B, T] (with `images`, if given: see prefill), then sample up to
-    max_new_tokens (fewer if the cache fills or every row hit a stop token). One
-    compilation per (B, max_new_tokens).
+    max_new_tokens (fewer if the cache fills or every row hit a stop token).
+
+    What compiles: one prefill chunk and one decode loop per batch bucket (B rounded up to
+    a power of two: 1, 2, 4, 8, ...; the extra rows are padding that changes nothing and is
+    cut off; a batch with images compiles for its own B), and nothing per max_new_tokens (the loop's output buffer is max_len wide, its
+    trip count a traced value); prompt lengths never compile (chunks of P). Sampling
+    settings, seeds and stop ids are traced values too. A first call per bucket compiles
+    (seconds); later calls of any max_new_tokens and any B in that bucket do not.
 
     prompt_lengths: optional [B] ints in [1, T] for ragged prompts padded on the right (see
       prefill's `lengths`); each row then continues from its own last prompt token.
+    bucket: False compiles for the exact (B, max_new_tokens) instead (the reference the
+      tests compare the bucketed path with; the tokens are the same).
+    Returns: GenerateOutput with tokens [B, max_new_tokens].
     """
     require_count(max_new_tokens, "max_new_tokens")
     if not 0 <= pad_id < self.cfg.vocab_size:   # finished rows are fed pad_id
@@ -432,6 +457,13 @@ class Engine:
     longest = tokens.shape[1] if lengths is None else int(lengths.max())
     self.check_fits(longest, 1, "prompt")
     room = self.max_len - longest
+    b = tokens.shape[0]
+    # Images are embedded per row: a batch with images keeps its own size.
+    rows = batch_bucket(b) if bucket and images is None else b
+    if rows > b:   # padding rows: length 0 (prefill leaves their cache empty), not live
+      lengths = np.full(b, tokens.shape[1], np.int32) if lengths is None else lengths
+      tokens = np.pad(tokens, ((0, rows - b), (0, 0)), constant_values=pad_id)
+      lengths = np.pad(lengths, (0, rows - b))
     logits, cache = self.prefill(tokens, images=images, lengths=lengths)
     # A fixed-size stop list (padded with -1) keeps one compilation for any stop set.
     stop = list(stop_tokens)
@@ -439,8 +471,12 @@ class Engine:
     out, lengths, cache = _generate_loop(
         self.graphdef, self.state, logits, cache, jax.random.PRNGKey(seed), stop,
         jnp.int32(min(max_new_tokens, room)), sampling.as_arrays(), jnp.int32(pad_id),
-        kv_block=self.kv_block, max_new=int(max_new_tokens))
-    return GenerateOutput(np.asarray(out), np.asarray(lengths), cache)
+        jnp.asarray(np.arange(rows) < b), kv_block=self.kv_block,
+        max_new=self.max_len if bucket else int(max_new_tokens))
+    out = np.asarray(out)[:b, :max_new_tokens]
+    if rows > b:
+      cache = jax.tree.map(lambda x: x[:b], cache)
+    return GenerateOutput(out, np.asarray(lengths)[:b], cache)
 
   def generate_stream(self, prompt, *, max_new_tokens: int,
                       sampling: SamplingConfig = SamplingConfig(),
