@@ -2,7 +2,9 @@
 `infer.Engine`: generate, generate_stream, score, forward, cache sizes.
 
 B texts / prompts, T tokens, V vocabulary, N = max_len (the cache capacity, fixed per
-LoadedModel: calls with one batch size share compilations). Text is encoded with BOS first;
+LoadedModel). What compiles: `generate` once per batch bucket (B rounded up to a power of
+two), never per max_new_tokens, prompt length, sampling setting or seed
+(`Engine.generate`); `generate_stream` once; `score` and `forward` per (B, padded T). Text is encoded with BOS first;
 generation stops at EOS by default. Ragged rows are right-padded to one width and go to the
 engine in one call with their lengths (the padding is marked as such: no row changes).
 """
@@ -154,6 +156,8 @@ class LoadedModel:
 
     Returns:
       The continuation (new text only): a str for one prompt, else a list in prompt order.
+
+    Compiles on the first call of each batch bucket (1, 2, 4, 8, ... prompts) only.
     """
     max_new_tokens, sampling, stop, stop_set = self._generation_args(
         max_new_tokens, temperature, top_k, top_p, stop, stop_tokens)
