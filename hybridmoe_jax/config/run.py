@@ -176,6 +176,10 @@ class DataConfig(Checked):
   heldout_seed: int = ranged(0, ">= 0")
   shuffle: bool = True          # shuffle documents (every epoch anew); False: source order
   num_packing_bins: int = ranged(16, ">= 1")  # rows the first-fit packer fills at once
+  # Input shards the global batch is cut into (each its own documents and packer); each
+  # process reads input_shards / process_count of them, so a fixed value gives the same
+  # global batches on 1, 2, ... processes (a divisor of it). 0: one shard per process.
+  input_shards: int = ranged(0, ">= 0")
   # A bad record (JSONL line that is not a JSON object with a non-empty, UTF-8-encodable
   # string text; a text file that is not UTF-8 or empty): "skip" leaves it out with one
   # counted warning per file, "error" stops before training naming file and line.

@@ -24,6 +24,7 @@ from hybridmoe_jax.data import record_sources
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import DataConfig
 
 Batch = dict[str, np.ndarray]
@@ -111,6 +112,57 @@ def eval_batches(source, tokenizer: tokenizer_lib.Tokenizer, seq_len: int, batch
   return [_pad_rows(b, batch_size, tokenizer.pad_id) for b in itertools.islice(it, max_batches)]
 
 
+def host_input_shards(input_shards: int, batch_size: int, process_index: int,
+                      process_count: int) -> tuple[range, int]:
+  """(the input shards this process reads, rows per shard batch).
+
+  input_shards: data.input_shards (0: one per process); batch_size: this process's rows.
+  Shards are given out in contiguous runs, so process p's rows are the global batch's rows
+  [p * batch_size, (p + 1) * batch_size).
+
+  Raises:
+    ConfigError: a shard count that does not split over the processes or the batch (named).
+  """
+  n = input_shards or process_count
+  if n % process_count:
+    raise ConfigError(f"config field `data.input_shards` = {input_shards} is invalid: allowed "
+                      f"a multiple of the {process_count} processes (or 0: one per process)")
+  per = n // process_count
+  if batch_size % per:
+    raise ConfigError(f"config field `data.input_shards` = {input_shards} is invalid: each "
+                      f"process's {batch_size} rows must split evenly over its {per} shards")
+  return range(process_index * per, (process_index + 1) * per), batch_size // per
+
+
+class ShardsIterator:
+  """Several input shards' iterators as one: each batch is theirs concatenated along rows.
+
+  State: {"input_shards": [state of each]}, JSON-able; restoring it resumes every shard.
+  """
+
+  def __init__(self, iterators: Sequence[grain.DatasetIterator]):
+    self.iterators = list(iterators)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Batch:
+    parts = [next(it) for it in self.iterators]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def get_state(self) -> dict:
+    return {"input_shards": [it.get_state() for it in self.iterators]}
+
+  def set_state(self, state: dict) -> None:
+    states = state.get("input_shards") if isinstance(state, dict) else None
+    if not isinstance(states, list) or len(states) != len(self.iterators):
+      raise ConfigError(f"the saved data state holds {len(states or [])} input shards for this "
+                        f"process, this run reads {len(self.iterators)}: resume with the same "
+                        "data.input_shards and process count")
+    for it, s in zip(self.iterators, states):
+      it.set_state(s)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainEvalData:
   """What the train loop needs; keep the sources to rebuild pipelines for later stages."""
@@ -135,7 +187,8 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
     seq_len, batch_size, seed: as in make_pipeline (batch_size is per shard).
     eval_batch_size: rows per eval batch (default batch_size).
     max_eval_batches: cap on held-out batches.
-    shard_index, shard_count: the training-data shard of this process.
+    shard_index, shard_count: this process and the number of processes; it reads input
+      shards `host_input_shards(data_cfg.input_shards, ...)`.
     tokenizer: default `make_tokenizer(data_cfg.tokenizer)`.
 
   Raises:
@@ -150,10 +203,13 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
                                             data_cfg.heldout_seed)
   logging.info("data: %s source, %d documents: %d train, %d held out", data_cfg.source,
                len(source), len(train), len(heldout))
-  it = make_pipeline(train, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size,
-                     seed=seed, shuffle=data_cfg.shuffle, shard_index=shard_index,
-                     shard_count=shard_count, num_packing_bins=data_cfg.num_packing_bins,
-                     prefetch_batches=2)
+  mine, rows = host_input_shards(data_cfg.input_shards, batch_size, shard_index, shard_count)
+  its = [make_pipeline(train, tokenizer=tokenizer, seq_len=seq_len, batch_size=rows,
+                       seed=seed, shuffle=data_cfg.shuffle, shard_index=j,
+                       shard_count=data_cfg.input_shards or shard_count,
+                       num_packing_bins=data_cfg.num_packing_bins, prefetch_batches=2)
+         for j in mine]
+  it = its[0] if len(its) == 1 else ShardsIterator(its)
   evals = eval_batches(heldout, tokenizer, seq_len, eval_batch_size or batch_size,
                        max_eval_batches)
   return TrainEvalData(it, evals, tokenizer, train, heldout)
