@@ -4,6 +4,7 @@
   python run_eval.py --params=runs/x/export --task=generate --prompt="The sky is"
   python run_eval.py --workdir=runs/x --task=niah --niah_lengths=512,2048 --niah_samples=8
   python run_eval.py --workdir=runs/vlm --task=vqa                # vision models
+  python run_eval.py --params=runs/x/export --task=ruler --ruler_lengths=8192,32768 --ruler_samples=100
   python run_eval.py --workdir=runs/x --task=report   # runs/x/report.html (no model loaded)
   python run_eval.py --workdir=runs/rl --task=agent --agent_levels=0,1,2 --agent_episodes=16
   # vision models: an image at <image> in the prompt (else before it); a generated scene:
@@ -64,6 +65,15 @@ flags.DEFINE_bool("pad_image", _D.pad_image,
 flags.DEFINE_integer("vqa_images", _D.vqa_images, "vqa: held-out generated images.")
 flags.DEFINE_integer("vqa_seed", _D.vqa_seed,
                      "vqa: scene seed (-1: the run's data.vision.heldout_seed).")
+flags.DEFINE_list("ruler_tasks", list(_D.ruler_tasks), "ruler: tasks (RULER-style suite).")
+flags.DEFINE_list("ruler_lengths", [str(x) for x in _D.ruler_lengths],
+                  "ruler: prompt lengths in the model's tokens.")
+flags.DEFINE_integer("ruler_samples", _D.ruler_samples, "ruler: prompts per task x length.")
+flags.DEFINE_integer("ruler_batch", _D.ruler_batch, "ruler: prompts decoded together.")
+flags.DEFINE_integer("ruler_seed", _D.ruler_seed,
+                     "ruler: prompt seed (-1: fresh per call, recorded in ruler.json).")
+flags.DEFINE_enum("ruler_split", _D.ruler_split, ["validation", "test"],
+                  "ruler: haystack files; validation to choose a recipe, test to report.")
 
 # --task=agent (also uses --temperature for the model policy, --seed, --prefill_chunk,
 # --kv_block).

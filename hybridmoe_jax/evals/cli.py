@@ -9,7 +9,7 @@ from typing import Any
 
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
-from hybridmoe_jax.evals import niah, report
+from hybridmoe_jax.evals import niah, report, ruler
 from hybridmoe_jax.evals.loading import load_model
 from hybridmoe_jax.evals.runner import (EvalOptions, default_output_dir, resolve_tasks,
                                         run_evals)
@@ -32,7 +32,8 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
       continue
     v = values[f.name]
     if isinstance(f.default, tuple):
-      cast = float if f.name == "niah_depths" else str if f.name == "text_files" else int
+      cast = (float if f.name == "niah_depths" else
+              str if f.name in ("text_files", "ruler_tasks") else int)
       try:
         v = tuple(cast(x) for x in v)
       except ValueError as e:
@@ -54,6 +55,8 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
                      f"and question (needs >= {niah.min_length(opts.niah_digits)})")
   if not all(0.0 <= d <= 1.0 for d in opts.niah_depths):
     raise ValueError(f"--niah_depths must lie in [0, 1], got {opts.niah_depths}")
+  ruler.check_options(opts.ruler_tasks, opts.ruler_lengths, opts.ruler_samples,
+                      opts.ruler_batch, opts.ruler_split)
   return opts
 
 
@@ -98,5 +101,7 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
                       data_cfg=data, echo=echo, tokenizer=tok)
   if "niah" in results:  # a grid of zeros is expected from a small run: say so, and what is not
     echo(f"niah: what to expect: {niah.EXPECTATION}")
+  if "ruler" in results:
+    echo(f"ruler: what to expect: {ruler.EXPECTATION}")
   echo(f"results in {output_dir}")
   return results

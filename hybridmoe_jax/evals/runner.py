@@ -2,9 +2,10 @@
 
 Tasks: ppl (perplexity / bits per byte by context bucket), niah (passkey grid + PNG
 heatmap), mqar (associative recall grid), generate (prompt [+ --image] -> text), vqa
-(vision models: question answering on held-out generated images), all (the text tasks, and
-vqa for a vision model). Every task uses the run's tokenizer (`tokenizer_from_dir` of
-<workdir>/tokenizer; the byte tokenizer when there is none).
+(vision models: question answering on held-out generated images), ruler (the RULER-style
+long-context suite, task x length + PNG heatmap; not part of "all": long prompts), all (the
+text tasks, and vqa for a vision model). Every task uses the run's tokenizer
+(`tokenizer_from_dir` of <workdir>/tokenizer; the byte tokenizer when there is none).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import numpy as np
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
-from hybridmoe_jax.evals import mqar, niah, ppl, vqa
+from hybridmoe_jax.evals import mqar, niah, ppl, ruler, vqa
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.train import io_noise
 
 TEXT_TASKS = ("ppl", "niah", "mqar", "generate")
-TASKS = TEXT_TASKS + ("vqa",)
+TASKS = TEXT_TASKS + ("vqa", "ruler")
 RESULTS_FILE = "results.json"   # every task's latest result, merged across runs
 
 
@@ -59,6 +60,12 @@ class EvalOptions:
   pad_image: bool = False       # pad an image whose sides are not multiples of 2p
   vqa_images: int = 48          # vqa: held-out generated scenes
   vqa_seed: int = -1            # vqa: scene seed; -1: the run's data.vision.heldout_seed
+  ruler_tasks: tuple[str, ...] = ruler.TASKS
+  ruler_lengths: tuple[int, ...] = (1024, 4096)
+  ruler_samples: int = 8        # ruler: prompts per (task, length) cell
+  ruler_batch: int = 8          # ruler: prompts decoded together
+  ruler_seed: int = -1          # ruler: -1: a fresh seed per call (recorded in the result)
+  ruler_split: str = "test"     # ruler: "validation" to choose recipes, "test" to report
 
 
 def default_output_dir(workdir: str | None, params: str | None) -> str:
@@ -196,6 +203,13 @@ def run_task(task: str, model: HybridLM, opts: EvalOptions, output_dir: str,
                               opts.mqar_pairs, samples=opts.mqar_samples, seed=opts.seed)
   if task == "vqa":
     return run_vqa(model, opts, data_cfg, tok)
+  if task == "ruler":
+    # Room for the longest answer (a few UUIDs) after the longest prompt.
+    engine = _engine(model, opts, max(opts.ruler_lengths) + 256)
+    return ruler.evaluate_ruler(engine, opts.ruler_tasks, opts.ruler_lengths,
+                                samples=opts.ruler_samples, batch=opts.ruler_batch,
+                                seed=None if opts.ruler_seed < 0 else opts.ruler_seed,
+                                split=opts.ruler_split, tokenizer=tok, output_dir=output_dir)
   return run_generate(model, opts, tok)
 
 
@@ -224,6 +238,8 @@ def format_table(task: str, r: dict[str, Any]) -> str:
     return "\n".join(lines + [f"chance {r['chance']:.3f}"])
   if task == "vqa":
     return vqa.format_vqa(r)
+  if task == "ruler":
+    return ruler.format_table(r)
   rate = f", {r['tokens_per_s']:.1f} tok/s" if r.get("tokens_per_s") else ""
   timing = (f"compile {r['compile_s']:.2f}s + run {r['run_s']:.2f}s{rate}"
             if "compile_s" in r else f"{r['seconds']:.2f}s")

@@ -9,6 +9,7 @@ imports only numpy and matplotlib (rank 0 in tests/test_layering.py).
 
 from hybridmoe_jax.plots.curves import loss_figure
 from hybridmoe_jax.plots.evals import niah_figure
+from hybridmoe_jax.plots.evals import ruler_figure
 from hybridmoe_jax.plots.evals import vqa_figure
 from hybridmoe_jax.plots.figure import new_figure
 from hybridmoe_jax.plots.figure import png_bytes

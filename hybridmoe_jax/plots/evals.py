@@ -1,4 +1,5 @@
-"""Eval results as figures: NIAH accuracy over length x depth, VQA per question type."""
+"""Eval results as figures: NIAH accuracy over length x depth, RULER-style recall over task x
+length, VQA per question type."""
 
 from __future__ import annotations
 
@@ -74,4 +75,39 @@ def vqa_figure(result: dict[str, Any]) -> Figure:
                f"({result.get('questions', '?')} questions): model vs baselines", fontsize=10)
   ax.legend(fontsize=8, loc="upper right", ncol=2)
   ax.grid(axis="y", alpha=0.3)
+  return fig
+
+
+def ruler_figure(result: dict[str, Any]) -> Figure:
+  """RULER-style recall per (task, context length) cell, the score and the 95% Wilson
+  interval of the all-correct rate written in it.
+
+  Args:
+    result: `evals.ruler.evaluate_ruler`'s result: "tasks" [T], "lengths" [L], "score",
+      "wilson_low", "wilson_high" [T][L] in [0, 1], "samples", "split".
+  """
+  score = np.asarray(result["score"], np.float64)
+  tasks, lengths = list(result["tasks"]), list(result["lengths"])
+  if score.shape != (len(tasks), len(lengths)):
+    raise ValueError(f"ruler score has shape {score.shape}; expected [tasks, lengths] = "
+                     f"{[len(tasks), len(lengths)]}")
+  lo, hi = (np.asarray(result[k], np.float64) for k in ("wilson_low", "wilson_high"))
+  fig = new_figure(max(5.5, 3.0 + 1.3 * len(lengths)), max(3.5, 1.5 + 0.55 * len(tasks)))
+  ax = fig.add_subplot()
+  image = ax.imshow(score, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
+                    interpolation="nearest")
+  fig.colorbar(image, ax=ax, label="recall (RULER string match)")
+  for i in range(len(tasks)):
+    for j in range(len(lengths)):
+      ax.text(j, i, f"{score[i, j]:.2f}\n[{lo[i, j]:.2f}, {hi[i, j]:.2f}]", ha="center",
+              va="center", fontsize=7,
+              color="black" if 0.25 < score[i, j] < 0.85 else "white")
+  ax.set_xticks(np.arange(len(lengths)))
+  ax.set_xticklabels([str(n) for n in lengths])
+  ax.set_yticks(np.arange(len(tasks)))
+  ax.set_yticklabels(tasks)
+  ax.set_xlabel("context length (tokens)")
+  ax.set_title(f"RULER-style suite ({result.get('split', '?')} split): "
+               f"{result.get('samples', '?')} prompts per cell; [95% Wilson, all correct]",
+               fontsize=9)
   return fig
