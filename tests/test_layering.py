@@ -9,8 +9,8 @@ Ranks (a module may import modules of its own group or of a lower rank only):
     (ops.kda = ops/kda/__init__ and ops/kda/api.py): above both, so no arrow runs upward
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
     (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format)
-  7 tools (tools/: describe, aot, agent_eval, timing) and api.py (`load`); they may import
-    everything, and no package module may import them.
+  7 tools (tools/: describe, aot, agent_eval, timing), api.py (`load`) and launch/ (the
+    cluster recipes); they may import everything, and no package module may import them.
   8 serve: apps built on the `load` API (the OpenAI server, the chat REPL, the lm-eval
     adapter); they may import tools, nothing imports them.
 data: imports only config and data; only train, infer, evals and the tools
@@ -33,7 +33,7 @@ OPS_API = ("hybridmoe_jax.ops.kda", "hybridmoe_jax.ops.kda.api")
 RANKS = {"config": 0, "plots": 0, "io": 0, "ops": 1, "pallas_kernels": 1, "ops_api": 1.5,
          "layers": 2,
          "model": 3, "parallel": 4, "train": 5, "infer": 5, "evals": 6, "convert": 6, "rl": 6,
-         "tools": 7, "api": 7, "serve": 8}
+         "tools": 7, "api": 7, "launch": 7, "serve": 8}
 TOOLS_RANK = 7
 DATA_IMPORTS = {"config", "data"}
 DATA_IMPORTERS_MIN_RANK = 5
