@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import optax
@@ -27,11 +28,26 @@ from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.state import abstract_train_state, split_model
 
 
-def _read_config(path: str, what: str) -> dict[str, Any]:
-  saved = ckpt_lib.read_model_config(path)
-  if saved is None:
+def check_model_dir(path: str, what: str) -> None:
+  """ValueError (one line naming `what` and `path`) unless `path` is an existing directory
+  holding a model config (a run or an export); called before anything else is read, so a mistyped path is reported as such (not as a
+  missing config or tokenizer)."""
+  if not os.path.exists(path):
+    raise ValueError(f"{what} {path} does not exist (a training run directory or a params "
+                     "export)")
+  if not os.path.isdir(path):
+    raise ValueError(f"{what} {path} is a file, not a directory (a training run directory "
+                     "or a params export)")
+  if not os.path.isfile(os.path.join(path, ckpt_lib.CONFIG_FILE)):
     raise ValueError(f"{what} {path} has no {ckpt_lib.CONFIG_FILE}: not a training run "
                      "directory / params export")
+
+
+def _read_config(path: str, what: str) -> dict[str, Any]:
+  check_model_dir(path, what)
+  saved = ckpt_lib.read_model_config(path)
+  if saved is None:
+    raise ValueError(f"{what} {path}: {ckpt_lib.CONFIG_FILE} cannot be read")
   return saved
 
 

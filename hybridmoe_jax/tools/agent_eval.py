@@ -27,7 +27,7 @@ from hybridmoe_jax import plots
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data.token_roles import CHAT_ROLES
 from hybridmoe_jax.evals.cli import load_model_config
-from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.evals.loading import check_model_dir, load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.rl.envs import env_names
 from hybridmoe_jax.rl.evaluate import POLICIES, evaluate_agent, format_agent_table
@@ -156,7 +156,8 @@ def _chat_tokenizer(source: str, vision: bool):
   if missing:
     raise ValueError(f"the tokenizer of {source} ({getattr(tok, 'name', 'byte')}) has no chat "
                      f"roles ({', '.join(missing)}): the agent task needs a model trained with "
-                     "the chat tokenizer (data.tokenizer = 'byte_chat', or a tokenizer file)")
+                     "the chat tokenizer (--config.data.tokenizer=byte_chat "
+                     "--config.model.vocab_size=266, or a tokenizer file that has the roles)")
   return tok
 
 
@@ -177,6 +178,7 @@ def run_agent_eval(*, workdir: str | None, params: str | None, output_dir: str |
   if bool(workdir) == bool(params):
     raise ValueError("give exactly one of --workdir (a training run) or --params (an export)")
   source = workdir or params
+  check_model_dir(source, "--workdir" if workdir else "--params")
   _chat_tokenizer(source, vision=False)             # fail before loading any weights
   expected = load_model_config(config) if config else None
   model, info = load_model(workdir=workdir, params=params, expected=expected)

@@ -217,5 +217,13 @@ def test_bad_input_fails_before_compute(tmp_path):
       options_from_flags(values)
   assert options_from_flags({"agent_brief": True, "seed": 3}) == AgentOptions(brief=True,
                                                                                  seed=3)
-  with pytest.raises(ValueError, match="trained with the chat tokenizer .*byte_chat"):
+  # A mistyped path is named as missing (not blamed on the tokenizer), as is a directory
+  # that is no run; a run without chat roles names the training flags.
+  for path, match in [(tmp_path / "runs" / "rl", r"--workdir .*/runs/rl does not exist"),
+                      (tmp_path, r"--workdir .* has no model_config\.json")]:
+    with pytest.raises(ValueError, match=match):
+      agent_eval.run_agent_eval(workdir=str(path), params=None, output_dir=None)
+  (tmp_path / "model_config.json").write_text("{}")
+  with pytest.raises(ValueError, match="trained with the chat tokenizer .*--config.data."
+                                       "tokenizer=byte_chat --config.model.vocab_size=266"):
     agent_eval.run_agent_eval(workdir=str(tmp_path), params=None, output_dir=None)
