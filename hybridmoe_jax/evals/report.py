@@ -214,6 +214,17 @@ def _eval_task(task: str, r: dict[str, Any]) -> str:
                   [(c["length"], c["pairs"], c["accuracy"]) for c in r["cells"]])
   if task == "vqa":
     return _img(plots.vqa_figure(r), "VQA accuracy per question type")
+  if task == "ruler":
+    corpus = r.get("corpus", {})
+    note = (f'<p class="muted">{r["samples"]} prompts per cell, {_e(r["split"])} split '
+            f'({_e(", ".join(corpus.get("files", [])))}; sha256 '
+            f'{_e(str(corpus.get("sha256", ""))[:12])}), seed {r["seed"]}'
+            f'{" (fixed)" if r.get("seed_fixed") else " (fresh)"}; score: RULER recall; '
+            "interval: 95% Wilson of the all-correct rate</p>")
+    rows = [(c["task"], c["length"], c["score"], c["all_correct"],
+             f'{c["wilson_low"]:.2f}-{c["wilson_high"]:.2f}') for c in r["cells"]]
+    return (_img(plots.ruler_figure(r), "RULER-style recall by task and length") + note +
+            _table(("task", "length", "score", "all correct", "95% interval"), rows))
   if task == "agent":
     return _img(plots.agent_eval_bars(r), "agent success per level") + _agent_table(r)
   return _table(("prompt", "continuation"), [(repr(r["prompt"]), repr(r["text"]))])

@@ -13,7 +13,7 @@ from matplotlib import image as mpimg
 
 from hybridmoe_jax.convert import convert
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, tokenizer_from_dir
-from hybridmoe_jax.evals import EvalOptions, run_evals, ruler, ruler_tasks
+from hybridmoe_jax.evals import EvalOptions, report, run_evals, ruler, ruler_tasks
 from hybridmoe_jax.evals.cli import main
 from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
 from tests.conftest import ROOT
@@ -148,16 +148,20 @@ FAST = EvalOptions(prefill_chunk=128, kv_block=128, ruler_tasks=("niah_single",)
                    ruler_lengths=(320,), ruler_samples=3, ruler_batch=3, ruler_seed=11)
 
 
-def test_ruler_task_in_memory_writes_json_and_heatmap(tmp_path):
+def test_ruler_task_in_memory_writes_json_heatmap_and_report(tmp_path):
   lines = []
-  r = run_evals(two_layer_model(), ["ruler"], FAST, str(tmp_path), echo=lines.append)["ruler"]
-  assert sorted(os.listdir(tmp_path)) == ["results.json", "ruler.json", "ruler_heatmap.png"]
+  out = tmp_path / "eval"
+  r = run_evals(two_layer_model(), ["ruler"], FAST, str(out), echo=lines.append)["ruler"]
+  assert sorted(os.listdir(out)) == ["results.json", "ruler.json", "ruler_heatmap.png"]
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 5.0}\n')
+  page = open(report.write_report(str(tmp_path))).read()      # the run report's section
+  assert "RULER-style recall" in page and re.search(r"niah_single\s*</td><td[^>]*>320<", page)
   assert np.array(r["score"]).shape == (1, 1) and r["seed"] == 11 and r["seed_fixed"]
   assert r["corpus"]["split"] == "test" and len(r["corpus"]["sha256"]) == 64
   assert all(0 <= c["wilson_low"] <= c["all_correct"] <= c["wilson_high"] <= 1
              for c in r["cells"])
-  assert mpimg.imread(tmp_path / "ruler_heatmap.png").ndim == 3
-  saved = json.load(open(tmp_path / "ruler.json"))
+  assert mpimg.imread(out / "ruler_heatmap.png").ndim == 3
+  saved = json.load(open(out / "ruler.json"))
   assert saved["task"] == "ruler" and saved["result"]["cells"][0]["samples"] == 3
   assert any("Wilson" in line for line in lines)
 
