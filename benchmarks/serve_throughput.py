@@ -1,24 +1,31 @@
-"""Serving throughput and latency: the OpenAI server's continuous batching vs one-at-a-time
-`generate`.
+"""Serving throughput and latency: the OpenAI server's load-sized scheduler vs one-at-a-time
+`generate`, and the prefix cache on a shared-prefix workload, in one run.
 
-The tiny config (configs/tiny.py: 3 KDA + 1 MLA layers, MoE), random weights, the byte
-tokenizer, fp32. R requests (prompts of random printable text, --min_prompt..--max_prompt
-bytes; greedy; max_tokens --max_tokens; a request ends early only at EOS, identically in both
-paths since greedy outputs are equal) are sent:
-  reference       one at a time through `LoadedModel.generate` (the batch-1 engine: chunked
-                  prefill + a compiled while_loop decode), in process;
-  server c=1,4,16 through the official `openai` client (streaming, to time the first token)
-                  against `python -m hybridmoe_jax.serve` in its own process on 127.0.0.1
-                  (the same weights, saved as a params export), c requests in flight at once,
-                  --slots cache rows (one Scheduler: prefill chunks interleaved with decode
-                  steps of every running row).
-Compilation is excluded (a warm-up request on each path). Per row: wall_s, completion tokens,
-tok_per_s, ratio = tok_per_s / the reference's, request latency p50 / p90 and time to first
-token p50 (s). The reference's tokens must equal the server's (checked).
+The tiny config (configs/tiny.py), random weights, its byte tokenizer, fp32; greedy. The
+server is `python -m hybridmoe_jax.serve` in its own process on 127.0.0.1 (the same weights
+saved as a params export), driven by the official `openai` client (streaming, to time the
+first token), started and warmed up (every shape compiled) before anything is timed; the
+reference is compiled by a first call too.
 
-  python benchmarks/serve_throughput.py [--requests 16] [--concurrency 1,4,16] [--slots 16]
-      [--max_tokens 32] [--min_prompt 16] [--max_prompt 96] [--prefill_chunk 64]
-Prints one JSON line per row, then a table.
+  mixed       --requests prompts of random text (--min_prompt..--max_prompt bytes), up to
+              --max_tokens tokens each (fewer only at EOS, identically on both paths):
+                generate    one at a time through `LoadedModel.generate`, in process;
+                server c=N  N requests in flight at once, for each N in --concurrency.
+  shared      --prefix_requests prompts = one --prefix_bytes text + a distinct suffix,
+              --prefix_max_tokens each, all in flight at once, against the server with its
+              prefix cache and against a second server started with --prefix_cache_mb=0;
+              the prefix was seen once before by each (one untimed request), as a system
+              prompt is in service.
+Per row: wall_s, completion tokens, tok_per_s, ratio (tok/s over generate's), request
+latency p50 / p95 and time to first token p50 / p95 (s). Every server output is checked
+equal to generate's (the run stops if one differs). The last line: the acceptance figures
+(server/generate at 1 and 16 clients, shared-prefix TTFT p50 with / without the cache).
+
+  python benchmarks/serve_throughput.py [--requests 32] [--concurrency 1,4,16,32]
+      [--slots 16] [--max_tokens 64] [--min_prompt 5] [--max_prompt 400] [--prefill_chunk 64]
+      [--decode_steps 16] [--prefix_bytes 2048] [--prefix_requests 16]
+      [--prefix_max_tokens 16]
+Prints one JSON line per row, a table, then the acceptance JSON line.
 """
 
 from __future__ import annotations
@@ -43,54 +50,67 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 from hybridmoe_jax.api import LoadedModel, load  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.config import model_config_from_dict
+from hybridmoe_jax.config.flags import load_config_file
+from hybridmoe_jax.data.tokenizer import ByteTokenizer, save_tokenizer
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.config.flags import load_config_file
-from hybridmoe_jax.train.params_export import export_params
-from hybridmoe_jax.tools import timing
 from hybridmoe_jax.tools.timing import Stopwatch, stopwatch
+from hybridmoe_jax.train.params_export import export_params
+
+MACHINE = f"{os.cpu_count()}-core CPU box (measured)"
 
 
 def _export(path: str) -> str:
-  """The tiny model, random weights, as a params export (what the server process loads)."""
+  """The tiny model, random weights, as a params export (+ its tokenizer)."""
   cfg = model_config_from_dict(load_config_file(os.path.join(_ROOT, "configs", "tiny.py")).model)
   _, params, biases, _ = nnx.split(HybridLM(cfg, rngs=nnx.Rngs(0)), nnx.Param, RoutingBias, ...)
-  return export_params(path, params, biases, dataclasses.asdict(cfg))
+  out = export_params(path, params, biases, dataclasses.asdict(cfg))
+  chat = ByteTokenizer(chat=True)
+  if cfg.vocab_size == chat.vocab_size:
+    save_tokenizer(chat, os.path.join(path, "tokenizer"))
+  return out
 
 
 @contextlib.contextmanager
-def _server(path: str, *, slots: int, max_len: int, prefill_chunk: int):
-  """`python -m hybridmoe_jax.serve` on a free port -> its base URL; stopped on exit."""
+def _server(path: str, log_path: str, **flags):
+  """`python -m hybridmoe_jax.serve` on a free port -> (base URL, seconds to ready); stopped
+  on exit. Its compilations go to a cache shared by the run's servers (JAX's persistent
+  compilation cache), so a second server warms up from it."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  proc = subprocess.Popen([sys.executable, "-m", "hybridmoe_jax.serve", f"--workdir={path}",
-                           f"--port={port}", f"--slots={slots}", f"--max_len={max_len}",
-                           f"--prefill_chunk={prefill_chunk}", "--model_name=tiny"], cwd=_ROOT)
+  args = [f"--{k}={v}" for k, v in flags.items()]
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(os.path.dirname(log_path),
+                                                                "jax_cache"))
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen([sys.executable, "-m", "hybridmoe_jax.serve", f"--workdir={path}",
+                             f"--port={port}", "--model_name=tiny", *args], cwd=_ROOT,
+                            stdout=log, stderr=log, env=env)
+  sw = Stopwatch()
   try:
-    deadline = timing.now() + 300
     while True:
       try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).close()
-        break
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+        break                                   # 200: warmed up
       except OSError:
-        if proc.poll() is not None or timing.now() > deadline:
-          raise SystemExit("the server did not start") from None
+        if proc.poll() is not None or sw.seconds > 1800:
+          with open(log_path) as f:
+            tail = f.read()[-3000:]
+          raise SystemExit(f"the server did not become ready:\n{tail}") from None
         time.sleep(0.5)
-    yield f"http://127.0.0.1:{port}/v1"
+    yield f"http://127.0.0.1:{port}/v1", sw.seconds
   finally:
     proc.terminate()
     proc.wait(60)
 
 
-def _prompts(n: int, lo: int, hi: int) -> list[str]:
-  rng = np.random.default_rng(0)
+def _texts(rng, n: int, lo: int, hi: int) -> list[str]:
   letters = np.array(list("abcdefghijklmnopqrstuvwxyz      ,."))
   return ["".join(rng.choice(letters, int(rng.integers(lo, hi + 1)))) for _ in range(n)]
 
 
 def _pct(xs, q) -> float:
-  return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+  return float(np.percentile(np.asarray(xs), q)) if len(xs) else float("nan")
 
 
 def reference(lm: LoadedModel, prompts: list[str], max_tokens: int) -> dict:
@@ -101,79 +121,119 @@ def reference(lm: LoadedModel, prompts: list[str], max_tokens: int) -> dict:
       with stopwatch() as sw:
         texts.append(lm.generate(p, max_new_tokens=max_tokens))
       lat.append(sw.seconds)
-  wall = all_sw.seconds
   tokens = 0
   for p in prompts:          # completion tokens as the server counts them (EOS included)
     out = lm.engine.generate(lm.tokenizer.encode(p, bos=True)[None], max_new_tokens=max_tokens,
                              stop_tokens=(lm.tokenizer.eos_id,))
     tokens += int(out.lengths[0])
-  return {"path": "generate one at a time", "concurrency": 1, "wall_s": wall,
-          "tokens": tokens, "tok_per_s": tokens / wall, "latency_p50_s": _pct(lat, 50),
-          "latency_p90_s": _pct(lat, 90), "ttft_p50_s": float("nan"), "texts": texts}
+  return _row("generate one at a time", 1, all_sw.seconds, tokens, lat, [], texts)
 
 
-def served(client, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+def _row(path, concurrency, wall, tokens, lat, ttft, texts) -> dict:
+  return {"path": path, "concurrency": concurrency, "wall_s": wall, "tokens": tokens,
+          "tok_per_s": tokens / wall, "latency_p50_s": _pct(lat, 50),
+          "latency_p95_s": _pct(lat, 95), "ttft_p50_s": _pct(ttft, 50),
+          "ttft_p95_s": _pct(ttft, 95), "texts": texts}
+
+
+def served(client, prompts: list[str], max_tokens: int, concurrency: int, path: str) -> dict:
   def one(p):
     sw = Stopwatch()
     first, text, tokens = None, "", 0
     for chunk in client.completions.create(model="tiny", prompt=p, max_tokens=max_tokens,
                                            temperature=0, stream=True,
                                            stream_options={"include_usage": True}):
-      if chunk.choices and first is None:
+      if chunk.choices and chunk.choices[0].text and first is None:
         first = sw.seconds
       if chunk.choices:
         text += chunk.choices[0].text
       if chunk.usage is not None:
         tokens = chunk.usage.completion_tokens
-    return text, tokens, sw.seconds, first
+    return text, tokens, sw.seconds, sw.seconds if first is None else first
 
   with stopwatch() as all_sw, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
     results = list(pool.map(one, prompts))
-  wall = all_sw.seconds
-  tokens = sum(r[1] for r in results)
-  return {"path": "server", "concurrency": concurrency, "wall_s": wall, "tokens": tokens,
-          "tok_per_s": tokens / wall, "latency_p50_s": _pct([r[2] for r in results], 50),
-          "latency_p90_s": _pct([r[2] for r in results], 90),
-          "ttft_p50_s": _pct([r[3] for r in results if r[3] is not None], 50),
-          "texts": [r[0] for r in results]}
+  return _row(path, concurrency, all_sw.seconds, sum(r[1] for r in results),
+              [r[2] for r in results], [r[3] for r in results], [r[0] for r in results])
+
+
+def _check(row: dict, want: list[str]) -> dict:
+  if row["texts"] != want:
+    bad = sum(a != b for a, b in zip(row["texts"], want))
+    raise SystemExit(f"{row['path']} c={row['concurrency']}: {bad} outputs differ from "
+                     "generate's")
+  return row
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--requests", type=int, default=16)
-  ap.add_argument("--concurrency", default="1,4,16")
+  ap.add_argument("--requests", type=int, default=32)
+  ap.add_argument("--concurrency", default="1,4,16,32")
   ap.add_argument("--slots", type=int, default=16)
-  ap.add_argument("--max_tokens", type=int, default=32)
-  ap.add_argument("--min_prompt", type=int, default=16)
-  ap.add_argument("--max_prompt", type=int, default=96)
+  ap.add_argument("--max_tokens", type=int, default=64)
+  ap.add_argument("--min_prompt", type=int, default=5)
+  ap.add_argument("--max_prompt", type=int, default=400)
   ap.add_argument("--prefill_chunk", type=int, default=64)
+  ap.add_argument("--decode_steps", type=int, default=16)
+  ap.add_argument("--prefix_bytes", type=int, default=2048)
+  ap.add_argument("--prefix_requests", type=int, default=16)
+  ap.add_argument("--prefix_max_tokens", type=int, default=16)
   args = ap.parse_args()
   import openai
-  max_len = args.max_prompt + 1 + args.max_tokens
+  rng = np.random.default_rng(0)
+  prompts = _texts(rng, args.requests, args.min_prompt, args.max_prompt)
+  prefix = _texts(rng, 1, args.prefix_bytes, args.prefix_bytes)[0]
+  shared = [prefix + s for s in _texts(rng, args.prefix_requests, 8, 48)]
+  longest = max(max(len(p) + args.max_tokens for p in prompts),
+                max(len(p) + args.prefix_max_tokens for p in shared))
+  max_len = -(-(longest + 1) // 64) * 64
+  flags = dict(slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
+               decode_steps=args.decode_steps)
   with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
     path = _export(os.path.join(tmp, "tiny"))
     lm = load(path, max_len=max_len, prefill_chunk=args.prefill_chunk)
-    prompts = _prompts(args.requests, args.min_prompt, args.max_prompt)
     ref = reference(lm, prompts, args.max_tokens)
-    rows = [ref]
-    with _server(path, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk) as url:
+    want_shared = [lm.generate(p, max_new_tokens=args.prefix_max_tokens) for p in shared]
+    rows, startup = [ref], {}
+    with _server(path, os.path.join(tmp, "server.log"), **flags) as (url, ready_s):
+      startup["server"] = ready_s
       client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-      served(client, prompts[:1], args.max_tokens, 1)                # compile
       for c in [int(x) for x in args.concurrency.split(",")]:
-        row = served(client, prompts, args.max_tokens, c)
-        if row["texts"] != ref["texts"] or row["tokens"] != ref["tokens"]:
-          raise SystemExit(f"concurrency {c}: the server's outputs differ from generate's")
-        rows.append(row)
+        rows.append(_check(served(client, prompts, args.max_tokens, c, "server"), ref["texts"]))
+      served(client, [prefix + "!"], 1, 1, "")            # the prefix seen once
+      rows.append(_check(served(client, shared, args.prefix_max_tokens, len(shared),
+                                "shared prefix, cache on"), want_shared))
+    with _server(path, os.path.join(tmp, "server_nocache.log"), prefix_cache_mb=0,
+                 **flags) as (url, ready_s):
+      startup["server without prefix cache (compilation cache warm)"] = ready_s
+      client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+      served(client, [prefix + "!"], 1, 1, "")
+      rows.append(_check(served(client, shared, args.prefix_max_tokens, len(shared),
+                                "shared prefix, cache off"), want_shared))
+  common = dict(machine=MACHINE, slots=args.slots, max_len=max_len,
+                prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps)
   for row in rows:
     row.pop("texts")
-    row.update(ratio=row["tok_per_s"] / ref["tok_per_s"], slots=args.slots,
-               requests=args.requests, max_tokens=args.max_tokens)
+    row.update(ratio=row["tok_per_s"] / ref["tok_per_s"], **common)
     print(json.dumps(row), flush=True)
-  print(f"\n{'path':24} {'conc':>4} {'tok/s':>8} {'ratio':>6} {'p50 s':>7} {'p90 s':>7} "
-        f"{'ttft s':>7}")
+  print(f"\n{'path':26} {'conc':>4} {'tok/s':>8} {'ratio':>6} {'p50 s':>7} {'p95 s':>7} "
+        f"{'ttft50':>7} {'ttft95':>7}")
   for r in rows:
-    print(f"{r['path']:24} {r['concurrency']:>4} {r['tok_per_s']:>8.1f} {r['ratio']:>6.2f} "
-          f"{r['latency_p50_s']:>7.3f} {r['latency_p90_s']:>7.3f} {r['ttft_p50_s']:>7.3f}")
+    print(f"{r['path']:26} {r['concurrency']:>4} {r['tok_per_s']:>8.1f} {r['ratio']:>6.2f} "
+          f"{r['latency_p50_s']:>7.3f} {r['latency_p95_s']:>7.3f} {r['ttft_p50_s']:>7.3f} "
+          f"{r['ttft_p95_s']:>7.3f}")
+  by = {(r["path"], r["concurrency"]): r for r in rows}
+  on = by["shared prefix, cache on", len(shared)]["ttft_p50_s"]
+  off = by["shared prefix, cache off", len(shared)]["ttft_p50_s"]
+  accept = {"acceptance": True, "machine": MACHINE, "outputs_equal_generate": True,
+            "server_ready_s": startup,
+            "ratio_c1": by.get(("server", 1), {}).get("ratio"),
+            "ratio_c16": by.get(("server", 16), {}).get("ratio"),
+            "shared_prefix_ttft_p50_on_over_off": on / off}
+  accept["met"] = {"c1 >= 0.9": (accept["ratio_c1"] or 0) >= 0.9,
+                   "c16 >= 3": (accept["ratio_c16"] or 0) >= 3,
+                   "ttft on/off <= 0.2": accept["shared_prefix_ttft_p50_on_over_off"] <= 0.2}
+  print(json.dumps(accept), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,19 @@ Limits against slow or hostile clients (guard.py): --limit_concurrency connectio
 longest-waiting idle one is closed for a new one; 503 when all are answering),
 --timeout_read seconds for a request's headers and body (408) and for a client that stops
 reading, --timeout_keep_alive for an idle connection, --max_body_bytes per body (413).
+
+Scheduling (scheduler.py): every decode bucket (1, 2, 4, ... --slots rows) and prefill
+bucket is compiled before the first request is served (a progress line each; /health says
+"warming_up" until then); --decode_steps tokens per host round trip when no request waits
+to join; --prefix_cache_mb of cache-row snapshots reused by prompts that share a prefix.
+GET /metrics: Prometheus text. One log line per request. SIGINT / SIGTERM: running requests
+get --shutdown_timeout seconds to finish, then are cancelled.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import resource
 import sys
@@ -37,6 +45,14 @@ def _parser() -> argparse.ArgumentParser:
                  "max_tokens of one request must fit")
   p.add_argument("--prefill_chunk", type=int, default=128, help="prompt tokens fed per "
                  "scheduler iteration (between two decode steps of the running requests)")
+  p.add_argument("--decode_steps", type=int, default=16, help="most decode steps per "
+                 "scheduler call (tokens streamed per chunk) while no request waits to join")
+  p.add_argument("--prefill_rows", type=int, default=4, help="most prompts fed a chunk in "
+                 "one call")
+  p.add_argument("--prefix_cache_mb", type=int, default=256, help="memory for prompt-prefix "
+                 "snapshots (KDA states + MLA latents of one cache row each; 0: off)")
+  p.add_argument("--shutdown_timeout", type=float, default=30.0, help="seconds running "
+                 "requests get to finish at shutdown before they are cancelled")
   p.add_argument("--dtype", default=None, help="compute dtype (float32, bfloat16); default: "
                  "the stored one")
   p.add_argument("--model_name", default=None, help="the id clients send as `model` "
@@ -74,9 +90,15 @@ def _raise_fd_limit(needed: int) -> str | None:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  for name in ("slots", "max_len", "prefill_chunk", "max_body_bytes"):
+  for name in ("slots", "max_len", "prefill_chunk", "max_body_bytes", "decode_steps",
+               "prefill_rows"):
     if getattr(args, name) < 1:
       print(f"error: --{name}={getattr(args, name)} is invalid: allowed an integer >= 1",
+            file=sys.stderr)
+      return 2
+  for name in ("prefix_cache_mb", "shutdown_timeout"):
+    if getattr(args, name) < 0:
+      print(f"error: --{name}={getattr(args, name)} is invalid: allowed a number >= 0",
             file=sys.stderr)
       return 2
   try:
@@ -112,9 +134,20 @@ def main(argv=None) -> int:
   warning = _raise_fd_limit(args.limit_concurrency + 64)
   if warning:
     print(warning, file=sys.stderr)
+  # The scheduler's warm-up progress and the one line per request.
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+  serve_log = logging.getLogger("hybridmoe_jax.serve")
+  serve_log.addHandler(handler)
+  serve_log.setLevel(logging.INFO)
   app = create_app(lm, slots=args.slots, model_name=name, api_key=api_key,
-                   max_body_bytes=args.max_body_bytes)
-  server = uvicorn.Server(guard.uvicorn_config(app, limits, host=args.host, port=args.port))
+                   max_body_bytes=args.max_body_bytes, shutdown_drain=args.shutdown_timeout,
+                   decode_steps=args.decode_steps, prefill_rows=args.prefill_rows,
+                   prefix_cache_bytes=args.prefix_cache_mb << 20)
+  # uvicorn first waits (up to the timeout) for open responses, then the lifespan drains
+  # and cancels what is left.
+  server = uvicorn.Server(guard.uvicorn_config(app, limits, host=args.host, port=args.port,
+                                               timeout_graceful_shutdown=args.shutdown_timeout))
   server.run()
   return 0 if server.started else 1     # e.g. the port is taken (uvicorn said why)
 

@@ -1,10 +1,17 @@
 """The OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions.
 
 `create_app(model, slots=S)` -> a FastAPI app over a `LoadedModel` (hybridmoe_jax.api.load)
-whose requests all run on one continuous-batching `Scheduler` (S cache rows). Each prompt is
-one scheduler Job; its token events reach the request's coroutine through an asyncio queue
-and `infer.streaming.TextStream` turns them into text as `LoadedModel.generate` does, so a
-streamed response, a non-streamed one and `generate` give the same text.
+whose requests all run on one continuous-batching `Scheduler` (S cache rows; scheduler.py).
+Each prompt is one scheduler Job; its token events (a few ids per scheduler call) reach the
+request's coroutine through an asyncio queue and `infer.streaming.TextStream` turns them into
+text as `LoadedModel.generate` does, so a streamed response (one chunk per event), a
+non-streamed one and `generate` give the same text.
+
+Operations: the scheduler compiles every shape before it serves (warm-up; /health answers
+503 {"status": "warming_up", "compiled": i, "of": n} until then, 200 after; requests sent
+meanwhile wait); GET /metrics is Prometheus' text format (metrics.py); each request logs one
+line (logger "hybridmoe_jax.serve"); at shutdown running requests get `shutdown_drain`
+seconds to finish, then are cancelled.
 
 Completions: text prompts are encoded with BOS first; token-id lists are used as given; a
 list of prompts gives one choice each. Generation ends at EOS (not shown), a stop string
@@ -42,7 +49,7 @@ from typing import Any, AsyncIterator, Coroutine
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from hybridmoe_jax.data.token_roles import TokenizerError
@@ -51,6 +58,7 @@ from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import ToolCall
 from hybridmoe_jax.serve.guard import ApiKeyGuard, HttpLimits, uvicorn_config
+from hybridmoe_jax.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from hybridmoe_jax.serve.protocol import (MAX_BODY_BYTES, ApiError, Sampling,
                                           parse_chat, parse_completion, tool_arguments)
 from hybridmoe_jax.serve.scheduler import Job, Scheduler
@@ -75,6 +83,10 @@ class _TextChoice:
   def shown(self, token: int) -> bool:
     """Record a drawn token -> whether its text belongs to the visible output."""
     return token not in self.stop_ids
+
+  def on_tokens(self, tokens) -> str:
+    """The text of a run of drawn tokens."""
+    return "".join(self.on_token(t) for t in tokens)
 
   def on_token(self, token: int) -> str:
     if self.finish is not None:
@@ -147,14 +159,17 @@ class Reply:
 
 
 class Server:
-  """The routes' state: the model, its tokenizer, the scheduler and the served id."""
+  """The routes' state: the model, its tokenizer, the scheduler and the served id.
+  `scheduler` holds the Scheduler's keyword arguments (decode_steps, prefill_rows,
+  prefix_cache_bytes, progress)."""
 
-  def __init__(self, model, *, slots: int = 8, model_name: str | None = None):
+  def __init__(self, model, *, slots: int = 8, model_name: str | None = None,
+               scheduler: dict | None = None):
     self.lm, self.tokenizer = model, model.tokenizer
     self.name = model_name or str(model.info.get("path", "hybridmoe_jax")).rstrip("/").split(
         "/")[-1]
     self.scheduler = Scheduler(model.engine, slots=slots,
-                               vocab_limit=int(self.tokenizer.vocab_size))
+                               vocab_limit=int(self.tokenizer.vocab_size), **(scheduler or {}))
     self.created = int(time.time())
 
   # ---- checks --------------------------------------------------------------------------------
@@ -222,7 +237,7 @@ class Server:
                      req.sampling, [limit], stop_ids)
 
   # ---- running -------------------------------------------------------------------------------
-  async def _events(self, prep: _Prepared) -> AsyncIterator[tuple[int, str, Any]]:
+  async def _events(self, prep: _Prepared, rid: str) -> AsyncIterator[tuple[int, str, Any]]:
     """Submit one Job per prompt; yield (choice index, kind, value) as they come. A choice
     that saw a stop string is cancelled; leaving early cancels all (client gone)."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -235,21 +250,25 @@ class Server:
 
     s = prep.sampling
     jobs = [Job(ids, limit, functools.partial(emit, i), temperature=s.temperature,
-                top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop_tokens=prep.stop_ids)
+                top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop_tokens=prep.stop_ids,
+                name=rid if len(prep.ids) == 1 else f"{rid}/{i}")
             for i, (ids, limit) in enumerate(zip(prep.ids, prep.max_tokens))]
     try:
       for job in jobs:
         prep.jobs.append(job)
-        self.scheduler.submit(job)
+        try:
+          self.scheduler.submit(job)
+        except RuntimeError as e:      # shutting down
+          raise ApiError(503, f"the server is shutting down ({e}); retry elsewhere") from None
       left = len(jobs)
       while left:
         i, kind, value = await queue.get()
-        if kind != "token":
+        if kind != "tokens":
           left -= 1
           if kind == "error":
             raise ApiError(500, f"generation failed: {value}")
         yield i, kind, value
-        if prep.choices[i].finish is not None and kind == "token":
+        if prep.choices[i].finish is not None and kind == "tokens":
           self.scheduler.cancel(jobs[i])
     finally:
       for job in jobs:
@@ -261,13 +280,13 @@ class Server:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
-  async def _pieces(self, prep: _Prepared) -> AsyncIterator[tuple[int, str, bool]]:
+  async def _pieces(self, prep: _Prepared, rid: str) -> AsyncIterator[tuple[int, str, bool]]:
     """(choice index, text piece, whether the choice just finished)."""
-    async for i, kind, value in self._events(prep):
+    async for i, kind, value in self._events(prep, rid):
       choice = prep.choices[i]
-      if kind == "token":
+      if kind == "tokens":
         was_done = choice.finish is not None
-        piece = choice.on_token(value)
+        piece = choice.on_tokens(value)
         if piece or (choice.finish is not None and not was_done):
           yield i, piece, False
       else:
@@ -285,14 +304,14 @@ class Server:
 
   async def _completion_whole(self, prep, rid, head) -> dict:
     texts = [""] * len(prep.ids)
-    async for i, piece, _ in self._pieces(prep):
+    async for i, piece, _ in self._pieces(prep, rid):
       texts[i] += piece
     choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": c.finish}
                for i, (t, c) in enumerate(zip(texts, prep.choices))]
     return {"id": rid, **head, "choices": choices, "usage": self._usage(prep)}
 
   async def _completion_chunks(self, prep, rid, head) -> AsyncIterator[dict]:
-    async for i, piece, done in self._pieces(prep):
+    async for i, piece, done in self._pieces(prep, rid):
       finish = prep.choices[i].finish if done else None
       if piece or done:
         yield {"id": rid, **head, "choices": [{"index": i, "text": piece, "logprobs": None,
@@ -312,7 +331,7 @@ class Server:
 
   async def _chat_whole(self, prep, rid, head) -> dict:
     content = ""
-    async for _, piece, _ in self._pieces(prep):
+    async for _, piece, _ in self._pieces(prep, rid):
       content += piece
     choice = prep.choices[0]
     message = {"role": "assistant", "content": content or None}
@@ -327,7 +346,7 @@ class Server:
     chunk = lambda delta, finish=None: {"id": rid, **head, "choices": [  # noqa: E731
         {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
     yield chunk({"role": "assistant", "content": ""})
-    async for _, piece, done in self._pieces(prep):
+    async for _, piece, done in self._pieces(prep, rid):
       if piece:
         yield chunk({"content": piece})
       if done:
@@ -351,12 +370,15 @@ def _tool_call_json(call: ToolCall, rid: str) -> dict:
 
 
 def create_app(model, *, slots: int = 8, model_name: str | None = None,
-               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               shutdown_drain: float = 0.0, **scheduler) -> FastAPI:
   """The FastAPI app serving `model` (a LoadedModel) with `slots` cache rows; its scheduler
-  thread runs while the app does (lifespan). `api_key` (None or ""): no key needed; else
-  every route but /health needs `Authorization: Bearer <api_key>`. Bodies over
-  `max_body_bytes` are refused (413)."""
-  server = Server(model, slots=slots, model_name=model_name)
+  thread (warm-up first) runs while the app does (lifespan). `api_key` (None or ""): no key
+  needed; else every route but /health needs `Authorization: Bearer <api_key>`. Bodies over
+  `max_body_bytes` are refused (413). At shutdown the running requests get `shutdown_drain`
+  seconds to finish before they are cancelled. `scheduler`: the Scheduler's options
+  (decode_steps, prefill_rows, prefix_cache_bytes, progress)."""
+  server = Server(model, slots=slots, model_name=model_name, scheduler=scheduler)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -364,7 +386,8 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None,
     try:
       yield
     finally:
-      server.scheduler.stop()
+      # In a worker thread: draining waits, and the event loop must keep streaming.
+      await asyncio.to_thread(server.scheduler.stop, drain=shutdown_drain)
 
   app = FastAPI(title="hybridmoe_jax", lifespan=lifespan)
   app.state.server = server
@@ -404,8 +427,15 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None,
   @app.get("/health")
   async def health():
     sched = server.scheduler
-    return {"status": "ok", "slots": sched.slots, "running": sched.running,
-            "waiting": sched.waiting, "busy": sched.busy}
+    state = {"slots": sched.slots, "running": sched.running, "waiting": sched.waiting,
+             "busy": sched.busy, "compiled": sched.compiled[0], "of": sched.compiled[1]}
+    if not sched.ready.is_set():
+      return JSONResponse({"status": "warming_up", **state}, status_code=503)
+    return {"status": "ok", **state}
+
+  @app.get("/metrics")
+  async def metrics():
+    return PlainTextResponse(server.scheduler.render_metrics(), media_type=METRICS_TYPE)
 
   return app
 

@@ -1,33 +1,48 @@
-"""Continuous batching on one hybrid DecodeCache: requests join and leave a running batch.
+"""Continuous batching sized to the load: requests join and leave, work is bucketed by rows.
 
-Conventions: S slots (cache rows), P the engine's prefill chunk, T a prompt's tokens.
+Conventions: S slots (cache rows of requests), P the engine's prefill chunk, T a prompt's
+tokens, K the most decode steps per call (`decode_steps`).
 
-A `Scheduler` thread owns one `DecodeCache` of S rows. A submitted `Job` waits for a free
-slot; then its row is cleared (`infer.engine.clear_row`) and its prompt fed P tokens per
-iteration; the call that feeds its last prompt chunk draws its first token, and from then
-on it feeds one token per iteration and draws the next. It leaves at a stop token, at
-max_tokens, or when cancelled (a stop string seen by the caller, a client gone).
-Each iteration makes at most two calls over all S rows: one [S, P] feeding the next prompt
-chunk of every prefilling row, one [S, 1] feeding every decoding row; a row without work has
-n_valid 0 (padding, its cache row untouched). So a long prompt costs the running decodes one
-chunk call per iteration, never a whole prefill, and the engine compiles two shapes in all.
+A `Scheduler` thread owns a `BatchEngine` (batch_engine.py: a cache of S + 1 rows and the
+compiled calls). `start()` first compiles every call shape (`warm_up`: each decode bucket
+1, 2, 4, ..., S rows and each prefill bucket; one progress line per shape) and then sets
+`ready`; jobs submitted meanwhile wait in the queue. After that no job compiles anything.
 
-Both calls are `infer.engine.feed_and_draw_fn` (the step `Engine.generate_stream` runs with
-one row): each row samples from its last real token's logits with its own settings and key
-chain (PRNGKey(seed), split per draw), never depending on its neighbours, so a job's tokens
-equal `Engine.generate(prompt[None], seed=seed)`'s, greedy and sampled alike.
+Each iteration (the vLLM / JetStream / SGLang pattern, written for this cache):
+  1. admission: a free slot takes the oldest waiting job; its row starts from the longest
+     cached prefix of its prompt (prefix_cache.py: the row snapshot at a chunk boundary) or
+     empty. With the prefix cache on, a job whose prompt shares a longer chunk-aligned
+     prefix with a prompt being prefilled right now waits for that prefill (then hits)
+     rather than prefilling the same tokens alongside it;
+  2. prefill: up to `prefill_rows` prefilling rows get their next chunk of P tokens in one
+     call (bucketed); a row whose prompt ends in that chunk draws its first token; a row at
+     a chunk boundary not yet cached is snapshotted into the prefix cache;
+  3. decode: every decoding row in one call of the smallest bucket holding them. While a job
+     waits to join (a prompt still being prefilled, or a queued job and a free slot) the
+     call makes one step, so prefill chunks interleave with decode steps; otherwise it makes
+     up to K steps in one host round trip, ending early when every row has stopped or, if
+     jobs are queued, as soon as one row stops (its slot is then free for them).
+So a long prompt costs the running requests one chunk call per iteration, never a whole
+prefill, and one request alone pays K-step calls over 1 row, not S.
 
-Events go to each job's `emit` callback from the scheduler thread: ("token", id) per drawn
-token (a stop token included), then one ("done", "stop" | "length" | "cancelled") or
-("error", message). A cancelled job leaves its slot or the queue at the next iteration
-(`stats["cancelled"]` counts them); `running` and `waiting` say how many hold slots and
-wait for one.
+Sampling is the one sampler (`infer.engine._feed_and_draw`): each row draws from its own
+settings and key chain (PRNGKey(seed), split per draw), so a job's tokens equal
+`Engine.generate(prompt[None], seed=seed)`'s, greedy and sampled alike, whatever it shared.
+
+Events go to each job's `emit` from the scheduler thread: ("tokens", [ids]) per call that
+drew any for it (a stop id included, last), then one ("done", "stop" | "length" |
+"cancelled") or ("error", message). A cancelled job leaves its slot or the queue at the next
+iteration. Each finished job gives one log line (logger "hybridmoe_jax.serve") and its
+figures to `metrics` (metrics.py). `stop(drain=s)` refuses new jobs, lets running and queued
+ones finish for up to s seconds, then cancels the rest.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import logging
 import threading
 import time
 from typing import Callable
@@ -36,9 +51,14 @@ import jax
 import numpy as np
 
 from hybridmoe_jax.config import is_int
-from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
+from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax.serve.batch_engine import MAX_STOP_IDS, BatchEngine
+from hybridmoe_jax.serve.metrics import Metrics
+from hybridmoe_jax.serve.prefix_cache import PrefixCache, shared_boundary
 
 Event = tuple[str, object]
+log = logging.getLogger("hybridmoe_jax.serve")
+_job_ids = itertools.count(1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,7 +70,8 @@ class Job:
     max_tokens: tokens to draw at most.
     emit: called from the scheduler thread with each Event (must not block).
     temperature, top_k, top_p, seed: sampling (temperature 0: greedy).
-    stop_tokens: ids that end the job (the id is emitted, then ("done", "stop")).
+    stop_tokens: at most MAX_STOP_IDS ids that end the job (emitted, then ("done", "stop")).
+    name: shown in the job's log line.
   """
   prompt: np.ndarray
   max_tokens: int
@@ -60,13 +81,20 @@ class Job:
   top_p: float = 1.0
   seed: int = 0
   stop_tokens: frozenset = frozenset()
+  name: str = dataclasses.field(default_factory=lambda: f"job-{next(_job_ids)}")
   # Scheduler-side state.
-  fed: int = 0                 # prompt tokens cached so far
+  fed: int = 0                 # prompt tokens in its cache row so far
+  cached: int = 0              # of them, taken from the prefix cache
   generated: int = 0           # tokens drawn so far
   last: int = -1               # the last drawn token, fed at the next decode call
   cancelled: bool = False
   submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
   first_token_at: float | None = None
+  emitted_at: float = 0.0      # when its last tokens were emitted
+
+
+class _Stopped(Exception):
+  """Raised inside warm-up when the scheduler is stopped before it is ready."""
 
 
 class Scheduler:
@@ -74,42 +102,69 @@ class Scheduler:
 
   Args:
     engine: an infer.Engine (model, max_len = each row's capacity, prefill chunk P).
-    slots: S, rows decoded together.
+    slots: S, rows decoded together at most.
     vocab_limit: ids >= vocab_limit are never drawn (the tokenizer's vocabulary size).
+    decode_steps: K, most decode steps per call (>= 1).
+    prefill_rows: most prompts fed a chunk in one call (>= 1).
+    prefix_cache_bytes: memory for prefix snapshots (each one cache row,
+      `batch.row_bytes()`); 0: no prefix cache, else room for at least one.
+    progress: called with each warm-up line (default: the log).
   """
 
-  def __init__(self, engine: Engine, *, slots: int = 8, vocab_limit: int = 0):
-    if not is_int(slots) or slots < 1:
-      raise ValueError(f"slots={slots!r} is invalid: allowed an integer >= 1")
+  def __init__(self, engine: Engine, *, slots: int = 8, vocab_limit: int = 0,
+               decode_steps: int = 16, prefill_rows: int = 4, prefix_cache_bytes: int = 0,
+               progress: Callable[[str], None] | None = None):
+    for name, v, low in (("slots", slots, 1), ("decode_steps", decode_steps, 1),
+                         ("prefill_rows", prefill_rows, 1),
+                         ("prefix_cache_bytes", prefix_cache_bytes, 0)):
+      if not is_int(v) or v < low:
+        raise ValueError(f"{name}={v!r} is invalid: allowed an integer >= {low}")
     self.engine, self.slots = engine, int(slots)
+    self.batch = BatchEngine(engine, slots=self.slots, decode_steps=decode_steps,
+                             prefill_rows=prefill_rows)
+    self.prefix = None if not prefix_cache_bytes else PrefixCache(
+        engine.prefill_chunk, max(1, prefix_cache_bytes // self.batch.row_bytes()))
+    self.metrics = Metrics()
+    self._progress = progress or log.info
     self._vocab_limit = np.int32(vocab_limit)
-    self._step = feed_and_draw_fn(engine.graphdef, engine.kv_block)
     self._rows: list[Job | None] = [None] * self.slots
     self._keys = np.zeros((self.slots, 2), np.uint32)
     self._waiting: collections.deque[Job] = collections.deque()
     self._cond = threading.Condition()
-    self._stopping = False
+    self._stopping = self._draining = False
     self._thread: threading.Thread | None = None
-    self._cache = None
+    self.ready = threading.Event()
+    self.compiled = (0, 0)          # (compiled so far, shapes to compile)
     self.stats = collections.Counter()
 
   # ---- the caller's side -------------------------------------------------------------------
   def start(self) -> "Scheduler":
+    """Start the thread: warm-up, then the loop (jobs may be submitted at once)."""
     if self._thread is None:
-      self._cache = self.engine.init_cache(self.slots)
-      self._thread = threading.Thread(target=self._loop, name="hybridmoe-scheduler",
+      self._thread = threading.Thread(target=self._run, name="hybridmoe-scheduler",
                                       daemon=True)
       self._thread.start()
     return self
 
-  def stop(self, timeout: float = 30.0) -> None:
-    """Ends the thread after its current iteration; jobs still there get ("done",
-    "cancelled")."""
+  def wait_ready(self, timeout: float | None = None) -> bool:
+    return self.ready.wait(timeout)
+
+  def stop(self, timeout: float = 30.0, drain: float = 0.0) -> None:
+    """Refuse new jobs; let the running and queued ones finish for up to `drain` seconds;
+    then end the thread after its current iteration (jobs still there get ("done",
+    "cancelled"))."""
+    with self._cond:
+      self._draining = True
+    deadline = time.monotonic() + drain
+    while self.busy and time.monotonic() < deadline and self._thread is not None:
+      time.sleep(0.01)
     with self._cond:
       self._stopping = True
       self._cond.notify_all()
     if self._thread is not None:
-      self._thread.join(timeout)
+      # A thread still warming up is inside a compilation that cannot be interrupted (it
+      # stops after it): the daemon thread is not waited for.
+      self._thread.join(timeout if self.ready.is_set() else 1.0)
       self._thread = None
 
   def submit(self, job: Job) -> None:
@@ -118,8 +173,11 @@ class Scheduler:
     if n < 1 or job.max_tokens < 1 or n + job.max_tokens > self.engine.max_len:
       raise ValueError(f"job of {n} prompt tokens + max_tokens {job.max_tokens} does not fit "
                        f"the cache rows of {self.engine.max_len} tokens")
+    if len(job.stop_tokens) > MAX_STOP_IDS:
+      raise ValueError(f"stop_tokens: {len(job.stop_tokens)} ids, allowed at most "
+                       f"{MAX_STOP_IDS}")
     with self._cond:
-      if self._stopping:
+      if self._stopping or self._draining:
         raise RuntimeError("the scheduler is stopped")
       self._waiting.append(job)
       self._cond.notify_all()
@@ -146,7 +204,43 @@ class Scheduler:
     """Jobs running or waiting."""
     return self.running + self.waiting
 
+  def render_metrics(self) -> str:
+    """/metrics' Prometheus text."""
+    return self.metrics.render(
+        running=self.running, waiting=self.waiting, ready=self.ready.is_set(),
+        compiled=self.compiled[0], prefix=None if self.prefix is None else self.prefix.stats,
+        prefix_entries=0 if self.prefix is None else len(self.prefix))
+
   # ---- the scheduler thread ------------------------------------------------------------------
+  def warm_up(self) -> None:
+    """Compile every call shape (progress lines), then mark the scheduler ready."""
+    start = time.perf_counter()
+
+    def progress(done, total, name):
+      if self._stopping:
+        raise _Stopped
+      self.compiled = (done, total)
+      self._progress(f"warm-up: compiled {done}/{total} ({name}), "
+                     f"{time.perf_counter() - start:.1f} s")
+
+    self.batch.warm_up(self._vocab_limit, progress)
+    self.ready.set()
+    self._progress(f"ready: every shape compiled in {time.perf_counter() - start:.1f} s "
+                   f"(decode rows {list(self.batch.decode_buckets)}, prefill rows "
+                   f"{list(self.batch.prefill_buckets)})")
+
+  def _run(self) -> None:
+    try:
+      if not self.ready.is_set():
+        self.warm_up()
+    except _Stopped:
+      pass                   # the loop sees _stopping: queued jobs are cancelled
+    except Exception as e:   # noqa: BLE001 -- the jobs get the error, the loop still runs
+      self._progress(f"warm-up failed: {type(e).__name__}: {e}")
+      self.batch.reset()
+      self.ready.set()
+    self._loop()
+
   def _loop(self) -> None:
     while True:
       with self._cond:
@@ -159,103 +253,155 @@ class Scheduler:
       except Exception as e:   # noqa: BLE001 -- reported to every job, the loop goes on
         self._fail_all(f"{type(e).__name__}: {e}")
     for job in [r for r in self._rows if r is not None] + list(self._waiting):
-      job.emit(("done", "cancelled"))
+      self._finish(job, "cancelled")
     self._rows, self._waiting = [None] * self.slots, collections.deque()
+
+  def _finish(self, job: Job, reason: str, message: str = "") -> None:
+    """The job's last event, its log line and metrics."""
+    job.emit(("error", message) if reason == "error" else ("done", reason))
+    now = time.perf_counter()
+    self.metrics.request_done(reason, len(job.prompt), job.cached)
+    ttft = "-" if job.first_token_at is None else f"{job.first_token_at - job.submitted_at:.3f}s"
+    log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, ttft %s, total "
+             "%.3fs", job.name, reason, len(job.prompt), job.cached, job.generated, ttft,
+             now - job.submitted_at)
 
   def _fail_all(self, message: str) -> None:
     """A failed model call: every running job ends with the error; a fresh cache."""
     for s, job in enumerate(self._rows):
       if job is not None:
-        job.emit(("error", message))
+        self._finish(job, "error", message)
         self._rows[s] = None
-    self._cache = self.engine.init_cache(self.slots)
+    self.batch.reset()
 
   def _cancelled(self, job: Job) -> None:
-    job.emit(("done", "cancelled"))
+    self._finish(job, "cancelled")
     self.stats["cancelled"] += 1
+
+  def _next_job(self) -> Job | None:
+    """The oldest waiting job that should start now: with the prefix cache, one whose prompt
+    shares a longer chunk-aligned prefix with a prompt still being fed before that boundary
+    waits for it (it then starts from the snapshot instead of feeding the same tokens)."""
+    with self._cond:
+      for job in self._waiting:
+        if not self._follows_a_prefill(job):
+          self._waiting.remove(job)
+          return job
+    return None
+
+  def _follows_a_prefill(self, job: Job) -> bool:
+    if self.prefix is None:
+      return False
+    have = self.prefix.cached_length(job.prompt)
+    for r in self._rows:
+      if r is not None and r.fed < len(r.prompt):
+        boundary = shared_boundary(r.prompt, job.prompt, self.prefix.chunk)
+        if boundary > have and r.fed < boundary:
+          return True
+    return False
 
   def _admit(self) -> None:
     with self._cond:
       # Cancelled jobs leave the queue now, not when a slot frees: a queue of gone clients
       # costs nothing and does not count as waiting.
       gone = [j for j in self._waiting if j.cancelled]
-      if gone:
-        self._waiting = collections.deque(j for j in self._waiting if not j.cancelled)
+      for j in gone:
+        self._waiting.remove(j)
     for job in gone:
       self._cancelled(job)
     for s in range(self.slots):
       job = self._rows[s]
       if job is not None and job.cancelled:
         self._cancelled(job)
-        self._rows[s] = job = None
-      # Every slot is visited (an empty queue ends only the filling, not the loop): a
-      # cancelled job in a later slot must leave it too.
-      while job is None:
-        with self._cond:
-          job = self._waiting.popleft() if self._waiting else None
-        if job is None:
-          break
-        if job.cancelled:
-          self._cancelled(job)
-          job = None
-          continue
-        self._rows[s] = job
-        self._keys[s] = np.asarray(jax.random.PRNGKey(job.seed))
-        self._cache = clear_row(self._cache, np.int32(s))
-        self.stats["admitted"] += 1
+        self._rows[s] = None
+    for s in range(self.slots):
+      if self._rows[s] is not None:
+        continue
+      job = self._next_job()
+      if job is None:
+        break
+      self._rows[s] = job
+      self._keys[s] = np.asarray(jax.random.PRNGKey(job.seed))
+      n, snap = (0, None) if self.prefix is None else self.prefix.lookup(job.prompt)
+      if snap is not None:
+        self.batch.restore(s, snap)
+      else:
+        self.batch.clear(s)
+      job.fed = job.cached = n
+      self.stats["admitted"] += 1
 
   def _iteration(self) -> None:
     self._admit()
     p = self.engine.prefill_chunk
     prefilling = [s for s, j in enumerate(self._rows) if j is not None and j.fed < len(j.prompt)]
+    prefilling = prefilling[:self.batch.prefill_buckets[-1]]
     if prefilling:
-      tokens = np.zeros((self.slots, p), np.int32)
-      n_valid = np.zeros(self.slots, np.int32)
-      for s in prefilling:
-        job = self._rows[s]
-        part = job.prompt[job.fed:job.fed + p]
-        tokens[s, :len(part)], n_valid[s] = part, len(part)
-        job.fed += len(part)
-      done = [s for s in prefilling if self._rows[s].fed == len(self._rows[s].prompt)]
-      self._call(tokens, n_valid, done, "prefill_calls")
-    # Rows that drew their first token in the prefill call decode in the same iteration.
+      self._prefill(prefilling, p)
     decoding = [s for s, j in enumerate(self._rows)
                 if j is not None and j.fed == len(j.prompt) and j.generated]
     if decoding:
-      tokens = np.zeros((self.slots, 1), np.int32)
-      n_valid = np.zeros(self.slots, np.int32)
-      for s in decoding:
-        tokens[s, 0], n_valid[s] = self._rows[s].last, 1
-      self._call(tokens, n_valid, decoding, "decode_calls")
+      joining = any(j is not None and j.fed < len(j.prompt) for j in self._rows) or (
+          self._waiting and any(j is None for j in self._rows))
+      self._decode(decoding, 1 if joining else self.batch.steps, bool(self._waiting))
 
-  def _call(self, tokens: np.ndarray, n_valid: np.ndarray, drawing: list[int],
-            counter: str) -> None:
-    """One model call; the rows in `drawing` take their drawn token."""
-    draw = np.zeros(self.slots, bool)
-    draw[drawing] = True
-    rows = [j if j is not None else _IDLE for j in self._rows]
-    temperature = np.array([j.temperature for j in rows], np.float32)
-    top_k = np.array([j.top_k for j in rows], np.int32)
-    top_p = np.array([j.top_p for j in rows], np.float32)
-    tok, _, _, keys, self._cache = self._step(
-        self.engine.state, tokens, n_valid, self._cache, self._keys, draw, temperature, top_k,
-        top_p, self._vocab_limit)
-    tok, self._keys = np.asarray(tok), np.array(keys)
-    self.stats[counter] += 1
-    self.stats["max_rows"] = max(self.stats["max_rows"], int((n_valid > 0).sum()))
+  def _sampling(self, jobs: list[Job]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.array([j.temperature for j in jobs], np.float32),
+            np.array([j.top_k for j in jobs], np.int32),
+            np.array([j.top_p for j in jobs], np.float32))
+
+  def _prefill(self, slots: list[int], p: int) -> None:
+    jobs = [self._rows[s] for s in slots]
+    tokens = np.zeros((len(slots), p), np.int32)
+    n_valid = np.zeros(len(slots), np.int32)
+    for i, job in enumerate(jobs):
+      part = job.prompt[job.fed:job.fed + p]
+      tokens[i, :len(part)], n_valid[i] = part, len(part)
+      job.fed += len(part)
+    draw = np.array([j.fed == len(j.prompt) for j in jobs])
+    rows = np.asarray(slots, np.int32)
+    tok, self._keys[rows] = self.batch.prefill(rows, tokens, n_valid, self._keys[rows], draw,
+                                               self._sampling(jobs), self._vocab_limit)
+    self.stats["prefill_calls"] += 1
+    self.stats["max_rows"] = max(self.stats["max_rows"], len(slots))
+    if self.prefix is not None:
+      for s, job in zip(slots, jobs):
+        if self.prefix.wants(job.prompt, job.fed):
+          self.prefix.insert(job.prompt, job.fed, self.batch.snapshot(s))
     now = time.perf_counter()
-    for s in drawing:
-      job = self._rows[s]
-      t = int(tok[s])
-      job.generated += 1
-      job.last = t
-      if job.first_token_at is None:
+    for i, (s, job) in enumerate(zip(slots, jobs)):
+      if draw[i]:
         job.first_token_at = now
-      job.emit(("token", t))
-      self.stats["tokens"] += 1
-      if t in job.stop_tokens or job.generated >= job.max_tokens:
-        job.emit(("done", "stop" if t in job.stop_tokens else "length"))
-        self._rows[s] = None
+        self.metrics.first_token(now - job.submitted_at)
+        self._take(s, job, [int(tok[i])], now)
 
+  def _decode(self, slots: list[int], steps: int, exit_on_done: bool) -> None:
+    jobs = [self._rows[s] for s in slots]
+    rows = np.asarray(slots, np.int32)
+    stop = np.full((len(slots), MAX_STOP_IDS), -1, np.int32)
+    for i, job in enumerate(jobs):
+      ids = sorted(job.stop_tokens)
+      stop[i, :len(ids)] = ids
+    out = self.batch.decode(rows, np.array([j.last for j in jobs], np.int32), self._keys[rows],
+                            np.array([j.max_tokens - j.generated for j in jobs], np.int32),
+                            stop, self._sampling(jobs), self._vocab_limit, steps, exit_on_done)
+    self._keys[rows] = out.keys
+    self.stats["decode_calls"] += 1
+    self.stats["max_rows"] = max(self.stats["max_rows"], len(slots))
+    now = time.perf_counter()
+    for i, (s, job) in enumerate(zip(slots, jobs)):
+      n = int(out.count[i])
+      if n:
+        self._take(s, job, out.tokens[i, :n].tolist(), now)
 
-_IDLE = Job(np.zeros(1, np.int32), 1, lambda e: None)   # sampling settings of an idle row
+  def _take(self, s: int, job: Job, ids: list[int], now: float) -> None:
+    """Row s drew `ids` (in order): emit them, end the job at a stop id or max_tokens."""
+    first = job.generated == 0
+    job.generated += len(ids)
+    job.last = ids[-1]
+    self.metrics.tokens(len(ids), None if first else (now - job.emitted_at) / len(ids))
+    job.emitted_at = now
+    self.stats["tokens"] += len(ids)
+    job.emit(("tokens", ids))
+    if ids[-1] in job.stop_tokens or job.generated >= job.max_tokens:
+      self._rows[s] = None
+      self._finish(job, "stop" if ids[-1] in job.stop_tokens else "length")

@@ -5,6 +5,7 @@ interleaving of prefill chunks with decode steps; tool calls through the chat fo
 
 import concurrent.futures
 import json
+import threading
 import urllib.error
 import urllib.request
 
@@ -26,6 +27,9 @@ from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
 
 NAME = "tiny"
 LONGEST = 24    # every reference generates this many tokens (one compilation) and is cut
+# The scheduler's options in this module (the server and the hand-driven schedulers share
+# their compilations): decode buckets 1, 2, 4; prefill buckets 1, 2; 4 steps per call.
+SCHED = dict(decode_steps=4, prefill_rows=2)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def reference_text(lm, prompt, max_tokens, **sampling):
 
 @pytest.fixture(scope="module")
 def server(lm):
-  app = create_app(lm, slots=4, model_name=NAME)
+  app = create_app(lm, slots=4, model_name=NAME, **SCHED)
   with serve_in_thread(app) as url:
     yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120), app
 
@@ -140,17 +144,19 @@ class _Scripted:
 
   def __init__(self, ids):
     self.ids, self.jobs, self.slots, self.busy = ids, [], 1, 0
+    self.ready = threading.Event()
+    self.ready.set()
 
   def start(self):
     return self
 
-  def stop(self):
+  def stop(self, drain=0.0):
     pass
 
   def submit(self, job):
     self.jobs.append(job)
-    for t in self.ids:
-      job.emit(("token", t))
+    for t in self.ids:             # one id per event: the text must not depend on grouping
+      job.emit(("tokens", [t]))
     job.emit(("done", "stop"))
 
   def cancel(self, job):
@@ -237,29 +243,30 @@ def test_bad_requests_get_4xx_with_a_message(lm, server):
 
 
 def test_a_long_prompt_is_prefilled_between_decode_steps(lm):
-  """While a 5-chunk prompt is prefilled, a running request still gets one token per
-  iteration (chunked prefill interleaved with decoding), and both equal generate."""
-  # 4 slots: the server fixture's compiled shapes. Driven by hand: no thread.
-  sched = Scheduler(lm.engine, slots=4, vocab_limit=lm.tokenizer.vocab_size)
-  sched._cache = lm.engine.init_cache(4)
+  """While a 5-chunk prompt is prefilled, a running request gets one token per iteration
+  (chunked prefill interleaved with single decode steps); alone, it gets up to 4 per call;
+  both equal generate."""
+  # The server fixture's options: the same compiled shapes. Driven by hand: no thread.
+  sched = Scheduler(lm.engine, slots=4, vocab_limit=lm.tokenizer.vocab_size, **SCHED)
   events = {"a": [], "b": []}
   short = lm.tokenizer.encode("ab", bos=True)
   long = lm.tokenizer.encode("z" * 36, bos=True)           # 37 tokens: 5 chunks of 8
   a = Job(short, LONGEST, events["a"].append)
   b = Job(long, 4, events["b"].append)
+  drawn = lambda name: sum(len(v) for kind, v in events[name] if kind == "tokens")  # noqa
   sched.submit(a)
-  sched._iteration()          # prefill (draws the first token), then a decode step
-  sched._iteration()
-  assert len(events["a"]) == 3
+  sched._iteration()          # prefill (draws the first token), then 4 decode steps
+  assert drawn("a") == 5 and len(events["a"]) == 2      # streamed in 2 events
   sched.submit(b)
   for k in range(5):
     sched._iteration()
-    assert b.fed == min(8 * (k + 1), 37) and len(events["a"]) == 4 + k
+    assert b.fed == min(8 * (k + 1), 37)
+    assert drawn("a") == 5 + (k + 1 if k < 4 else 8)    # b's first token ends the joining
   assert sched.stats["prefill_calls"] == 6 and sched.stats["max_rows"] == 2
   while sched.busy:
     sched._iteration()
   for job, name in ((a, "a"), (b, "b")):
-    toks = [v for kind, v in events[name] if kind == "token"]
+    toks = [t for kind, v in events[name] if kind == "tokens" for t in v]
     assert toks == reference(lm, job.prompt, job.max_tokens, stop_tokens=())
     assert events[name][-1] == ("done", "length")
 
