@@ -250,7 +250,7 @@ def _kda_parent(remat: str) -> str:
 
 
 def _verdict(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
-             context: int) -> str:
+             context: int, devices: int) -> str:
   """Fits (with the margin left) or not, and what the other remat policies change, in GiB."""
   usable = run.hardware.usable_bytes
   totals = {p: step_bytes(c) for p, c in comps.items()}
@@ -274,10 +274,32 @@ def _verdict(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
             f"{_fmt_bytes(totals[chosen] - totals[better[0]])})")
   top = max(((n, b) for n, b in comps["full"].items() if n != "kda_states"),
             key=lambda kv: kv[1])
-  return (f"does not fit even with remat='full' ({_fmt_bytes(totals['full'])} > "
+  head = (f"does not fit even with remat='full' ({_fmt_bytes(totals['full'])} > "
           f"{_fmt_bytes(usable)} usable, {_fmt_bytes(totals['full'] - usable)} over; "
-          f"largest: {top[0]} {_fmt_bytes(top[1])}): raise train.grad_accum or "
-          "mesh.context, or add devices")
+          f"largest: {top[0]} {_fmt_bytes(top[1])})")
+  state = sum(comps["full"][n] for n in STATE_COMPONENTS)
+  if state > usable:
+    # grad_accum and mesh.context shrink only activations: the state needs more devices.
+    return head + ": " + state_advice(state, usable, devices)
+  return head + ": raise train.grad_accum or mesh.context, or add devices"
+
+
+# The per-device bytes that only more devices shrink (sharded over fsdp / expert): neither
+# grad_accum (a smaller microbatch) nor mesh.context (a shorter sequence piece) changes them.
+STATE_COMPONENTS = ("params", "gradients", "optimizer", "gradient_sum", "weight_copies")
+
+
+def state_advice(state: float, usable: float, devices: int) -> str:
+  """What to do when the model state alone (`state` bytes per device on `devices` devices)
+  exceeds `usable`: the slice size that holds it, spread evenly (a lower bound: activations
+  and temporaries come on top)."""
+  need = math.ceil(state * devices / usable)
+  pow2 = 1 << (need - 1).bit_length()
+  return (f"the model state alone (params, gradients, optimizer, weight copies: "
+          f"{_fmt_bytes(state)} per device on {devices} device(s)) exceeds "
+          f"{_fmt_bytes(usable)}; grad_accum and mesh.context do not shrink it: shard it over "
+          f"at least {need:,} devices of this size (a slice of {pow2:,}, e.g. mesh.fsdp x "
+          "mesh.expert; activations come on top)")
 
 
 def _core_label(impl: str, core: str) -> str:
@@ -317,7 +339,7 @@ def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
   for s, c, core, rows in zip(plan.stages, comps, cores, rows_of):
     lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/batch shard, context "
                  f"{context}, MLA attention ({_core_label(run.compute.mla_impl, core)}) | "
-                 + _verdict(run, c, rows, context))
+                 + _verdict(run, c, rows, context, math.prod(mesh.values())))
   return "\n".join(lines)
 
 
