@@ -108,7 +108,9 @@ def main(argv):
   except OSError as e:  # the --config file could not be loaded
     sys.exit(f"error: {' '.join(str(e).split())}")
   if _PRINT_CONFIG.value:
-    print(config, end="")
+    print(cli_flags.config_yaml(
+        config, config_flags.get_config_filename(flags.FLAGS["config"]),
+        [a for a in sys.argv[1:] if a.startswith("--config.")]), end="")
     return
   try:
     if _INIT_FROM.value:

@@ -16,6 +16,7 @@ import sys
 
 from absl import flags
 import ml_collections
+import yaml
 from ml_collections import config_flags
 
 from hybridmoe_jax.config import ConfigError, MOVED
@@ -32,6 +33,30 @@ def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
+
+
+def _plain(value):
+  """A config value as plain YAML types: dicts, lists (tuples too), scalars; anything else
+  as its str (so safe_dump never writes a !!python tag)."""
+  if isinstance(value, dict):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  return str(value)
+
+
+def config_yaml(config: ml_collections.ConfigDict, source: str,
+                overrides: list[str] | tuple[str, ...] = ()) -> str:
+  """`--print_config`'s text: a comment naming the config file and the --config.* overrides,
+  then every field as plain YAML (tuples as lists, no !!python tags: any YAML reader and a
+  person read it the same)."""
+  head = [f"# config file: {source}"]
+  if overrides:
+    head.append("# overrides: " + " ".join(overrides))
+  body = yaml.safe_dump(_plain(config.to_dict()), sort_keys=True, default_flow_style=False)
+  return "\n".join(head) + "\n" + body
 
 
 def config_flag_error(error: BaseException, argv: list[str]) -> str:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from hybridmoe_jax.train.params_export import load_exported_params
 from hybridmoe_jax.train.loop import train_and_evaluate
@@ -44,6 +45,13 @@ def test_help_shows_config_and_print_config_lists_fields():
   p = _run("--print_config", "--config.train.steps=7")
   assert p.returncode == 0, p.stderr
   assert "steps: 7" in p.stdout and "kda:" in p.stdout and "seq_len:" in p.stdout
+  # Plain YAML (no !!python/tuple tags) that names the file and the overrides.
+  lines = p.stdout.splitlines()
+  assert lines[0] == f"# config file: {ROOT / 'configs' / 'tiny.py'}"
+  assert lines[1] == "# overrides: --config.train.steps=7" and "!!" not in p.stdout
+  loaded = yaml.safe_load(p.stdout)
+  assert loaded["train"]["steps"] == 7 and loaded["curriculum"]["niah_depths"] == [0.1, 0.5,
+                                                                                   0.9]
 
 
 def test_rerun_of_a_finished_run_changes_nothing(tmp_path, caplog):
