@@ -15,7 +15,8 @@ The run resumes from the newest good checkpoint in --workdir; rerunning a finish
 trains and logs nothing (it says so; with --export_params_to it writes the export). A config
 whose `rl.envs` is set is an RL run (`hybridmoe_jax.rl.trainer`), else pre-training
 (`hybridmoe_jax.train`); this file only parses flags. Progress: clean lines (a bar on a
-terminal), then a sample, a summary and the next commands (--absl_logs: absl's lines).
+terminal) ending in one `done:` summary line, then a sample, where the outputs are and the
+next commands (--absl_logs: absl's lines).
 
 Exit status: 0 finished; 1 an error, told in one line (bad config or data, a workdir in use
 by another run, training diverged, a checkpoint that cannot be written: disk full); 128 + N
@@ -163,7 +164,7 @@ def _print_end(summary, workdir: str) -> None:
   """After pre-training: a sample of the model, where the outputs are, what to run next."""
   # pylint: disable=g-import-not-at-top
   import jax
-  from hybridmoe_jax.train.terminal import fmt_duration
+  from hybridmoe_jax.train.terminal import end_lines
   if jax.process_index() != 0:
     return
   n = _SAMPLE_TOKENS.value
@@ -179,21 +180,7 @@ def _print_end(summary, workdir: str) -> None:
     except (ValueError, OSError) as e:  # e.g. a prompt the tokenizer cannot encode
       print(f"(no sample: {e})")
     sys.stdout.flush()
-  ev = summary["eval"]
-  held_out = (f", held-out {ev['loss']:.4f} nats/token = {ev['bits_per_byte']:.3f} bits/byte"
-              if "bits_per_byte" in ev else "")
-  loss = (f", loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
-          if summary["first_loss"] is not None else "")
-  print(f"trained steps {summary['start_step']}..{summary['end_step']} in "
-        f"{fmt_duration(summary['wall_s'])}{loss}{held_out}")
-  print(f"outputs in {workdir}/: checkpoints/, metrics.jsonl, tensorboard/, "
-        "expert_load.png")
-  print("next:\n"
-        f"  python run_eval.py --workdir={workdir} --task=all     # ppl, NIAH, MQAR, generate\n"
-        f"  python run_eval.py --workdir={workdir} --task=report  # {workdir}/report.html\n"
-        f"  tensorboard --logdir={workdir}/tensorboard\n"
-        f"  python run_train.py --workdir={workdir} --config.train.steps="
-        f"{2 * summary['end_step']}   # train on")
+  print("\n".join(end_lines(summary, workdir)))
 
 
 if __name__ == "__main__":

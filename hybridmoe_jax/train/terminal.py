@@ -207,3 +207,17 @@ def uninstall(handler: CleanLogHandler) -> None:
     _BAR.close()
   _BAR = None
   logging.getLogger().removeHandler(handler)
+
+
+def end_lines(summary: dict, workdir: str) -> list[str]:
+  """run_train.py's closing lines after pre-training: where the outputs are and what to run
+  next. The numbers (losses, held-out bits/byte, tokens/s, time) are the loop's own `done:`
+  line just above; they are not repeated here."""
+  return [f"outputs in {workdir}/ (steps {summary['start_step']}..{summary['end_step']}): "
+          "checkpoints/, metrics.jsonl, tensorboard/, expert_load.png",
+          "next:",
+          f"  python run_eval.py --workdir={workdir} --task=all     # ppl, NIAH, MQAR, generate",
+          f"  python run_eval.py --workdir={workdir} --task=report  # {workdir}/report.html",
+          f"  tensorboard --logdir={workdir}/tensorboard",
+          f"  python run_train.py --workdir={workdir} --config.train.steps="
+          f"{2 * summary['end_step']}   # train on"]

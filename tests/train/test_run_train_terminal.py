@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from hybridmoe_jax.train.params_export import load_exported_params
+from hybridmoe_jax.train.terminal import end_lines
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, load_config
@@ -54,6 +55,19 @@ def test_help_shows_config_and_print_config_lists_fields():
                                                                                    0.9]
 
 
+def test_end_lines_do_not_repeat_the_done_summary():
+  """The closing lines name the outputs and the next commands; the losses, bits/byte and
+  time are the loop's `done:` line's alone (the end of a run said them twice)."""
+  lines = end_lines({"start_step": 0, "end_step": 300, "first_loss": 6.0, "last_loss": 1.0,
+                     "eval": {"loss": 1.6, "bits_per_byte": 2.38}, "wall_s": 360.0},
+                    "runs/default")
+  text = "\n".join(lines)
+  assert lines[0].startswith("outputs in runs/default/ (steps 0..300): checkpoints/")
+  for repeated in ("loss", "bits/byte", "6m", "nats"):
+    assert repeated not in text
+  assert "--config.train.steps=600" in text
+
+
 def test_rerun_of_a_finished_run_changes_nothing(tmp_path, caplog):
   cfg = load_config("tiny")
   cfg.train.update(TINY)
@@ -92,8 +106,10 @@ def test_cli_prints_clean_lines_a_sample_and_an_end_summary(tmp_path):
   assert any(l.startswith("done: step 3, loss ") and "bits/byte" in l for l in err), err
   out = p.stdout
   assert "sample (12 tokens, temperature 0.8):\ndef " in out
-  assert "trained steps 0..3 in " in out and "bits/byte" in out
-  assert f"outputs in {workdir}/" in out and f"python run_eval.py --workdir={workdir}" in out
+  # One summary: the loop's `done:` line; stdout says where the outputs are, not the numbers.
+  assert sum(l.startswith("done: ") for l in err) == 1 and "bits/byte" not in out
+  assert f"outputs in {workdir}/ (steps 0..3)" in out
+  assert f"python run_eval.py --workdir={workdir}" in out
   before = _snapshot(workdir)
   p = _run(*flags)
   assert p.returncode == 0, p.stderr[-3000:]
