@@ -281,7 +281,8 @@ class StageConfig(Checked):
   retrieval_fraction: float = ranged(0.0, "[0, 0.9]")
   retrieval_answer_weight: float = ranged(1.0, "[1, 100]", "1: answers weigh like other tokens")
   retrieval_kinds: tuple[str, ...] = ranged(("passkey", "multikey", "kv"),
-                                            ("passkey", "multikey", "kv"), nonempty=True)
+                                            ("passkey", "multikey", "kv", "textkey",
+                                             "textchain"), nonempty=True)
   retrieval_bytes: tuple[int, int] = ranged((0, 0), ">= 0", "0: the default bound")
   lr: float | None = ranged(None, "(0, 10]", "None: train.lr")
   warmup: int = ranged(0, ">= 0")

@@ -115,7 +115,7 @@ def stage_data(stages: Sequence[Stage], train_sources: dict[str, Any], *, seed: 
       src = retrieval.RetrievalSource(hi, min_bytes=lo,
                                       seed=seed + 7919 * s.index, answer_weight=answer_weight,
                                       kinds=tuple(getattr(s, "retrieval_kinds",
-                                                          retrieval.KINDS)))
+                                                          retrieval.DEFAULT_KINDS)))
       comps.append(stages_lib.Component("retrieval", src, retrieval_weight(
           s.retrieval_fraction, comps, src, long_upsample=s.long_upsample,
           long_min_bytes=s.long_min_bytes)))

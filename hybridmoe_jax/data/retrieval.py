@@ -13,7 +13,19 @@ text rarely forces. Every document is plain text the packer handles like any oth
              (MQAR in text: every pair queried once, shuffled)
 
 The hay is short sentences drawn from small word lists (no digits), so a key's digits occur
-only in its needle and its answer. The evaluation (`evals.niah`, `evals.mqar.kv_recall`) builds
+only in its needle and its answer. Two kinds read real text instead (`text_hay`: consecutive
+sentences of the pydoc help texts, numbers and all), so a model cannot key on "the only digits
+in the prompt" and must pick the asked value among others of the same shape:
+
+  textkey:   2-6 facts in one of several phrasings, names and values of a random kind (word
+             pairs, hex ids, numbers; values of 3-8 digits, a word or hex), one name
+             sometimes holding 2-3 values ("List every tag of ...: a, b, c"); then 1-3 asked
+  textchain: "Let m_ab be 4821." ... "Set m_cd to m_ab." chains (one asked, one distracting),
+             then "Which names hold 4821? m_ab, m_cd, ..."
+
+These phrasings are not the RULER-style suite's (`evals.ruler_tasks`), and its haystack is
+other text (CPython's IDLE docs, which training never reads): the evaluation measures
+retrieval that generalises, not a memorised template. The evaluation (`evals.niah`, `evals.mqar.kv_recall`) builds
 its prompts from the same pieces, with held-out content: keys come from a disjoint key space
 (`key_split`: a fixed hash puts every key in "train" or "eval"), and hay, depths and keys from a
 disjoint seed stream (`rng_for`). Nothing the evaluation asks was trained on.
@@ -30,12 +42,15 @@ so the copy a retrieval document teaches is not drowned by its hay in the loss.
 
 from __future__ import annotations
 
+import functools
+import re
 import zlib
 from collections.abc import Iterator
 
 import numpy as np
 
-KINDS = ("passkey", "multikey", "kv")
+KINDS = ("passkey", "multikey", "kv", "textkey", "textchain")
+DEFAULT_KINDS = ("passkey", "multikey", "kv")   # without retrieval_kinds (as before textkey)
 SPLITS = ("train", "eval")
 QUESTION = "What is the pass key? The pass key is "
 
@@ -232,7 +247,131 @@ def kv_document(rng: np.random.Generator, target_bytes: int, split: str = "train
   return _from_pieces(kv_pieces(rng, target_bytes, split, num_pairs))
 
 
-_MAKERS = {"passkey": passkey_document, "multikey": multikey_document, "kv": kv_document}
+# --------------------------------------------------------------------------- real-text hay
+# Phrasings of a fact and its question ({label} {name} {value}); several, so no single
+# template is what the model learns. None is the evaluation suite's.
+_FACTS = (("The {label} of {name} is {value}. ", "What is the {label} of {name}? The {label} "
+           "of {name} is "),
+          ("Note that {name} has {label} {value}. ", "Which {label} does {name} have? "
+           "{name} has {label} "),
+          ("For {name}, use {label} {value}. ", "For {name}, which {label} should be used? "
+           "Use {label} "),
+          ("{name}: {label} = {value}. ", "Recall the {label} of {name}: "))
+_LABELS = ("pass key", "access code", "serial number", "tag", "ticket", "pin", "token",
+           "record id")
+_CHAIN_NAMES = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+
+@functools.lru_cache(maxsize=1)
+def _pydoc_text() -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(sentences of the pydoc help texts, their distinct 4-10 letter words), whitespace
+  normalised: the training corpus's own text (`sources.BundledTextSource`)."""
+  from hybridmoe_jax.data import sources  # pylint: disable=g-import-not-at-top
+  docs = sources.BundledTextSource()
+  sents, words = [], set()
+  for i in range(len(docs)):
+    flat = " ".join(docs[i].split())
+    sents += [x + " " for x in re.split(r"(?<=[.!?]) +", flat) if 8 <= len(x) <= 400]
+    words.update(re.findall(r"\b[a-z]{4,10}\b", flat))
+  return tuple(sents), tuple(sorted(words))
+
+
+def text_hay(rng: np.random.Generator, n_bytes: int) -> tuple[str, list[int]]:
+  """(exactly n_bytes of consecutive pydoc sentences from a random start, its sentence
+  boundaries incl. 0 and n_bytes): real text, digits included."""
+  sents = _pydoc_text()[0]
+  i, parts, cuts, n = int(rng.integers(len(sents))), [], [0], 0
+  while n < n_bytes:
+    x = sents[i % len(sents)][:n_bytes - n]
+    parts.append(x)
+    n += len(x)
+    cuts.append(n)
+    i += 1
+  return "".join(parts), cuts
+
+
+def _text_token(rng: np.random.Generator, kind: str) -> str:
+  words = _pydoc_text()[1]
+  if kind == "words":
+    a, b = rng.choice(len(words), 2, replace=False)
+    return f"{words[a]} {words[b]}"
+  if kind == "word":
+    return words[int(rng.integers(len(words)))]
+  if kind == "hex":
+    return "".join(rng.choice(list("0123456789abcdef"), 8))
+  return str(int(rng.integers(10 ** (int(kind) - 1), 10 ** int(kind))))   # digits
+
+
+def textkey_document(rng: np.random.Generator, target_bytes: int, split: str = "train"
+                     ) -> Document:
+  """2-6 facts of one phrasing (names and values of one random kind each, one name possibly
+  holding 2-3 values) in ~target_bytes of pydoc text, then 1-3 questions (answer spans)."""
+  fact, question = _FACTS[int(rng.integers(len(_FACTS)))]
+  label = _LABELS[int(rng.integers(len(_LABELS)))]
+  name_kind = ("words", "hex", "4")[int(rng.integers(3))]
+  value_kind = ("3", "5", "7", "8", "word", "hex")[int(rng.integers(6))]
+  n = int(rng.integers(2, 7))
+  names, values = [], []
+  while len(names) < n:
+    x = _text_token(rng, name_kind)
+    if x not in names:
+      names.append(x)
+  multi = int(rng.integers(2, 4)) if rng.uniform() < 0.25 else 1   # values of names[0]
+  while len(values) < n - 1 + multi:
+    v = _text_token(rng, value_kind)
+    if v not in values:
+      values.append(v)
+  owners = [names[0]] * multi + names[1:]
+  facts = [fact.format(label=label, name=o, value=v) for o, v in zip(owners, values)]
+  asked = [0] + list(rng.permutation(np.arange(1, n))[:int(rng.integers(0, 3))])
+  pieces = []
+  for j in rng.permutation(asked):
+    if j == 0 and multi > 1:
+      pieces += [(f"List every {label} of {names[0]}: ", False),
+                 (", ".join(values[:multi]), True), (". ", False)]
+    else:
+      pieces += [(question.format(label=label, name=names[j]), False),
+                 (values[multi - 1 + j], True), (". ", False)]
+  room = target_bytes - sum(map(len, facts)) - sum(len(t) for t, _ in pieces)
+  if room < 0:     # a short document: the facts do not fit, a plain passkey does
+    return passkey_document(rng, target_bytes, split)
+  text, cuts = text_hay(rng, room)
+  depths = rng.uniform(0, 1, len(facts))
+  depths[:multi] = np.sort(depths[:multi])   # names[0]'s values in the order they are listed
+  body = _insert(text, cuts, depths, facts)
+  return _from_pieces([(body, False)] + pieces)
+
+
+def textchain_document(rng: np.random.Generator, target_bytes: int, split: str = "train"
+                       ) -> Document:
+  """Two assignment chains of 2-4 links ("Let m_ab be 4821." then "Set m_cd to m_ab.") in
+  ~target_bytes of pydoc text, in order; the first chain's names asked for."""
+  hops = int(rng.integers(2, 5))
+  names: list[str] = []
+  while len(names) < 2 * hops:
+    x = "m_" + "".join(rng.choice(_CHAIN_NAMES, 2))
+    if x not in names:
+      names.append(x)
+  values = [_text_token(rng, "4"), _text_token(rng, "4")]
+  while values[1] == values[0]:
+    values[1] = _text_token(rng, "4")
+  facts, depths = [], []
+  for c in range(2):
+    chain = names[c * hops:(c + 1) * hops]
+    facts += [f"Let {chain[0]} be {values[c]}. "] + [
+        f"Set {b} to {a}. " for a, b in zip(chain, chain[1:])]
+    depths += sorted(rng.uniform(0, 1, hops))
+  pieces = [(f"Which names hold {values[0]}? ", False),
+            (", ".join(names[:hops]), True), (". ", False)]
+  room = target_bytes - sum(map(len, facts)) - sum(len(t) for t, _ in pieces)
+  if room < 0:     # a short document: the chains do not fit, a plain passkey does
+    return passkey_document(rng, target_bytes, split)
+  text, cuts = text_hay(rng, room)
+  return _from_pieces([(_insert(text, cuts, np.asarray(depths), facts), False)] + pieces)
+
+
+_MAKERS = {"passkey": passkey_document, "multikey": multikey_document, "kv": kv_document,
+           "textkey": textkey_document, "textchain": textchain_document}
 
 
 class RetrievalSource:
@@ -251,7 +390,7 @@ class RetrievalSource:
   """
 
   def __init__(self, target_bytes: int, *, min_bytes: int | None = None, seed: int = 0,
-               num_documents: int = 1 << 16, kinds: tuple[str, ...] = KINDS,
+               num_documents: int = 1 << 16, kinds: tuple[str, ...] = DEFAULT_KINDS,
                split: str = "train", answer_weight: float = 1.0):
     if target_bytes < 64:
       raise ValueError(f"retrieval documents need target_bytes >= 64, got {target_bytes}")

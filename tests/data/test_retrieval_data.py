@@ -167,3 +167,59 @@ def test_stage_niah_lengths_capped_per_stage(tmp_path):
   assert capped.lengths_after(8192) == lengths and capped.lengths_after(16) == (512,)
   assert StageNiah(str(tmp_path), lengths, (0.5,), samples=1,
                    tokenizer=ByteTokenizer()).lengths_after(16) == lengths
+
+
+def _fact_patterns():
+  """(fact regex, question regex) per phrasing, from the module's own templates."""
+  out = []
+  for fact, question in retrieval._FACTS:  # pylint: disable=protected-access
+    f = re.escape(fact).replace(r"\{label\}", "(?P<label>[a-z ]+?)").replace(
+        r"\{name\}", "(?P<name>[0-9a-z ]+?)").replace(r"\{value\}", "(?P<value>[0-9a-z]+)")
+    q = re.escape(question).replace(r"\{label\}", "[a-z ]+?").replace(
+        r"\{name\}", "(?P<name>[0-9a-z ]+?)", 1).replace(r"\{name\}", "(?P=name)")
+    out.append((f, q))
+  return out
+
+
+def test_textkey_answers_follow_from_the_facts_in_real_text():
+  """Slow reference: parse each document's facts and questions back out of its text and
+  recompute every answer span; the hay is pydoc text with its own digits."""
+  src = retrieval.RetrievalSource(3000, min_bytes=600, seed=4, kinds=("textkey",))
+  with_digits = 0
+  for i in range(40):
+    doc = src[i]
+    first = doc.answer_spans[0][0]
+    for fact, question in _fact_patterns():
+      facts = [m.groupdict() for m in re.finditer(fact, doc[:first])]
+      if len(facts) >= 2:
+        break
+    assert len({f["name"].strip() for f in facts}) >= 2   # distractors of the same shape
+    prev = 0
+    for (a, b), ans in zip(doc.answer_spans, doc.answers()):
+      asked = doc[prev:a]
+      m = re.search(question + "$", asked) or re.search(r"List every [a-z ]+ of (?P<name>"
+                                                        r"[0-9a-z ]+?): $", asked)
+      assert m, asked[-120:]
+      want = [f["value"] for f in facts if f["name"].strip() == m.group("name")]
+      assert ans == ", ".join(want) and want
+      prev = b
+    body = doc[:first]
+    for f in facts:
+      body = body.replace(f["value"], "")
+    with_digits += bool(re.search(r"\d", body))
+  assert with_digits >= 10                               # numbers besides the values
+
+
+def test_textchain_answers_follow_the_assignments():
+  src = retrieval.RetrievalSource(2000, min_bytes=400, seed=5, kinds=("textchain",))
+  for i in range(20):
+    doc = src[i]
+    value = re.search(r"Which names hold (\d+)\? $", doc[:doc.answer_spans[0][0]]).group(1)
+    chain = re.findall(rf"Let (m_[a-z]{{2}}) be {value}\. ", doc)
+    links = dict((b, a) for b, a in re.findall(r"Set (m_[a-z]{2}) to (m_[a-z]{2})\. ", doc))
+    while True:
+      nxt = [b for b, a in links.items() if a == chain[-1]]
+      if not nxt:
+        break
+      chain += nxt
+    assert doc.answers() == [", ".join(chain)] and len(chain) >= 2

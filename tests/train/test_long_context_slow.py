@@ -56,3 +56,16 @@ def test_config_string_sets_the_later_stages_lr_and_steps_and_rejects_bad_values
                      ("late_scale=0", "late_scale")):
     with pytest.raises(ValueError, match=field):
       recipe.get_config(f"hybrid,{bad}")
+
+
+def test_text_flag_adds_real_text_retrieval_to_the_later_stages_only():
+  recipe = _recipe()
+  cfg = recipe.get_config("hybrid,text=1")
+  kinds = [s.get("retrieval_kinds") for s in cfg.curriculum.stages]
+  assert kinds[0] == ("passkey",)                           # the copy still forms on passkeys
+  assert all(set(recipe.TEXT_KINDS) <= set(k) for k in kinds[1:])
+  run_config_from_dict(cfg.to_dict())                       # the config checks accept them
+  plain = recipe.get_config("hybrid").curriculum.stages
+  assert all(not set(recipe.TEXT_KINDS) & set(s.get("retrieval_kinds", ())) for s in plain)
+  with pytest.raises(ValueError, match="text=2 must be 0 or 1"):
+    recipe.get_config("hybrid,text=2")
