@@ -140,6 +140,7 @@ def main(argv=None) -> int:
   serve_log = logging.getLogger("hybridmoe_jax.serve")
   serve_log.addHandler(handler)
   serve_log.setLevel(logging.INFO)
+  serve_log.propagate = False          # a root handler (absl's) would print each line twice
   app = create_app(lm, slots=args.slots, model_name=name, api_key=api_key,
                    max_body_bytes=args.max_body_bytes, shutdown_drain=args.shutdown_timeout,
                    decode_steps=args.decode_steps, prefill_rows=args.prefill_rows,

@@ -6,6 +6,7 @@ interleaving of prefill chunks with decode steps; tool calls through the chat fo
 import concurrent.futures
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -282,8 +283,11 @@ def test_the_command_line_serves_and_refuses_bad_flags(model_path, capsys):
   from hybridmoe_jax.serve.__main__ import main
   assert main([f"--workdir={model_path}", "--slots=0"]) == 2
   assert main(["--workdir=/nonexistent/run"]) == 2
+  assert main([f"--workdir={model_path}", "--decode_steps=0"]) == 2
+  assert main([f"--workdir={model_path}", "--prefix_cache_mb=-1"]) == 2
   err = capsys.readouterr().err
   assert "--slots=0 is invalid" in err and "does not exist" in err
+  assert "--decode_steps=0 is invalid" in err and "--prefix_cache_mb=-1 is invalid" in err
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -322,3 +326,46 @@ def test_stop_strings_cut_the_text_and_end_the_request(lm, server):
                                           temperature=0, stop=stop, stream=True))
   assert "".join(c.choices[0].text for c in chunks) == want
   assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_metrics_and_health_after_warm_up(server):
+  client, app = server
+  client.completions.create(model=NAME, prompt="metrics", max_tokens=3, temperature=0)
+  base = str(client.base_url).rstrip("/").rsplit("/v1", 1)[0]
+  with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = r.read().decode()
+  samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+  assert int(samples['hybridmoe_requests_total{finish="length"}']) >= 1
+  assert int(samples["hybridmoe_generation_tokens_total"]) >= 3
+  assert int(samples["hybridmoe_time_to_first_token_seconds_count"]) >= 1
+  assert samples["hybridmoe_ready"] == "1" and samples["hybridmoe_requests_running"] == "0"
+  with urllib.request.urlopen(base + "/health", timeout=30) as r:
+    health = json.loads(r.read())
+  assert health["status"] == "ok" and health["compiled"] == health["of"] > 0
+
+
+def test_health_is_503_while_warming_up_and_requests_wait(lm):
+  """Until warm-up has compiled every shape /health answers 503 "warming_up"; a request
+  sent meanwhile is answered once it is done."""
+  app = create_app(lm, slots=4, model_name=NAME, **SCHED)
+  sched = app.state.server.scheduler
+  release, real = threading.Event(), sched.warm_up
+
+  def held_warm_up():
+    release.wait(60)
+    real()                 # the shapes are the server fixture's: already compiled
+  sched.warm_up = held_warm_up
+  with serve_in_thread(app) as url:
+    base = url.rsplit("/v1", 1)[0]
+    with pytest.raises(urllib.error.HTTPError) as e:
+      urllib.request.urlopen(base + "/health", timeout=30)
+    assert e.value.code == 503 and json.loads(e.value.read())["status"] == "warming_up"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      answer = pool.submit(client.completions.create, model=NAME, prompt="wait",
+                           max_tokens=4, temperature=0)
+      time.sleep(0.5)
+      assert not answer.done() and sched.waiting == 1
+      release.set()
+      assert answer.result(timeout=120).choices[0].text == reference_text(lm, "wait", 4)
