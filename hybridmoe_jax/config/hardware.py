@@ -1,6 +1,6 @@
 """`hardware`: the accelerator a plan targets, and the one table of chips (memory, peak
 FLOP/s, HBM bandwidth) that the dry run's fit check and the AOT report's MFU read; TPU
-topology names (`parse_topology`) for the deviceless AOT compile. Part of the run config
+topology and GPU node names (`parse_topology`) for the deviceless AOT compile. Part of the run config
 (`run_config.RunConfig.hardware`); jax-free, like the rest of rank 0.
 """
 
@@ -45,9 +45,16 @@ DEVICE_MEMORY_GIB = {name: chip.memory_gib for name, chip in CHIPS.items()}
 TPU_GENERATIONS = {"v4": ("tpu_v4", 2, 3), "v5p": ("tpu_v5p", 2, 3),
                    "v5e": ("tpu_v5e", 1, 2), "v5litepod": ("tpu_v5e", 1, 2),
                    "v6e": ("tpu_v6e", 1, 2)}  # name: (chip, cores per chip, torus dims)
+# GPUs `hardware.topology` may name -> the XLA target config (configs/gpu_targets/<stem>.txtpb)
+# a deviceless compile describes the device with (parallel.topology.gpu_target_config).
+GPU_TARGETS = {"h100": "h100_sxm", "h200": "h200"}
+GPUS_PER_HOST_MAX, GPU_HOSTS_MAX = 8, 4096  # an NVLink node (HGX: 8 GPUs); hosts: a sanity cap
 _TOPOLOGY_ALLOWED = ("'' (none) or a TPU topology: a libtpu name <gen>:<AxBxC> (v4, v5p; "
                      "v5e, v6e: <AxB>) such as 'v5p:2x2x1', or a Cloud slice name <gen>-<N> "
-                     "such as 'v5p-256' (N TensorCores for v4 / v5p, chips for v5e / v6e)")
+                     "such as 'v5p-256' (N TensorCores for v4 / v5p, chips for v5e / v6e); or "
+                     f"GPUs <gpu>:<N> (one host) or <gpu>:<hosts>x<N> with gpu in "
+                     f"{'/'.join(GPU_TARGETS)}, N in [1, {GPUS_PER_HOST_MAX}], hosts in "
+                     f"[1, {GPU_HOSTS_MAX}], such as 'h100:8' or 'h200:2x8'")
 
 
 def _slice_shape(chips: int, dims: int) -> list[int]:
@@ -59,14 +66,35 @@ def _slice_shape(chips: int, dims: int) -> list[int]:
   return sorted(shape, key=lambda v: (v == 1, v))  # 2x2x1, 2x2x4, 4x4x8 as Cloud names them
 
 
-def parse_topology(name: str) -> tuple[str, str, int]:
-  """A `hardware.topology` name -> (chip key of CHIPS, the libtpu topology name, chips).
+def is_gpu_topology(name: str) -> bool:
+  """True for a GPU node name ('h100:8', 'h200:2x8'): its prefix names a GPU_TARGETS chip."""
+  return name.split(":", 1)[0] in GPU_TARGETS
 
-  'v5p:2x2x1' passes through (4 chips); 'v5p-256' is the Cloud slice of 256 TensorCores =
-  128 chips -> 'v5p:4x4x8'. Raises ConfigError naming `hardware.topology` otherwise.
+
+def _parse_gpu(name: str, bad: ConfigError) -> tuple[str, str, int]:
+  """'h100:8' -> ("h100", "1x1x8", 8); 'h200:2x8' -> ("h200", "1x2x8", 16): jax's GPU
+  topology string is partitions x hosts x devices per host."""
+  m = re.fullmatch(r"([a-z0-9]+):(?:([0-9]+)x)?([0-9]+)", name)
+  if not m:
+    raise bad
+  chip, hosts, per_host = m.group(1), int(m.group(2) or 1), int(m.group(3))
+  if not (1 <= per_host <= GPUS_PER_HOST_MAX and 1 <= hosts <= GPU_HOSTS_MAX):
+    raise bad
+  return chip, f"1x{hosts}x{per_host}", hosts * per_host
+
+
+def parse_topology(name: str) -> tuple[str, str, int]:
+  """A `hardware.topology` name -> (chip key of CHIPS, the compiler's topology name, chips).
+
+  TPU: 'v5p:2x2x1' passes through (4 chips); 'v5p-256' is the Cloud slice of 256
+  TensorCores = 128 chips -> 'v5p:4x4x8' (libtpu's name). GPU: 'h100:8' -> ("h100",
+  "1x1x8", 8), 'h100:2x8' (2 hosts of 8) -> ("h100", "1x2x8", 16) (jax's partitions x hosts
+  x devices per host). Raises ConfigError naming `hardware.topology` otherwise.
   """
   bad = ConfigError(f"config field `hardware.topology` = {name!r} is invalid: allowed "
                     f"{_TOPOLOGY_ALLOWED}")
+  if is_gpu_topology(name):
+    return _parse_gpu(name, bad)
   m = re.fullmatch(r"([a-z0-9]+)(?::([0-9]+(?:x[0-9]+)+)|-([0-9]+))", name)
   if not m or m.group(1) not in TPU_GENERATIONS:
     raise bad
@@ -100,9 +128,10 @@ class HardwareConfig(Checked):
   0 too); a named device takes its memory from CHIPS unless memory_gib is set.
   `margin` is the share of that memory kept free for XLA's scratch buffers, fragmentation
   and the runtime (the plan must fit in (1 - margin) x memory).
-  `topology` (a TPU topology or slice name, see `parse_topology`) makes `--dry_run` also
-  compile the steps ahead of time for that TPU slice (`hybridmoe_jax/tools/aot.py`, libtpu's
-  compiler, no TPU needed); it implies `device` (tpu_v5p for 'v5p-256').
+  `topology` (a TPU topology or slice name, or GPUs 'h100:8' / 'h200:2x8', see
+  `parse_topology`) makes `--dry_run` also compile the steps ahead of time for those devices
+  (`hybridmoe_jax/tools/aot.py`: libtpu's compiler, or XLA:GPU's from the CUDA plugin; no
+  accelerator needed); it implies `device` (tpu_v5p for 'v5p-256', h100 for 'h100:8').
   """
 
   PATH = "hardware"

@@ -1,4 +1,4 @@
-"""TPU devices to compile for, without a TPU: libtpu's topology descriptions.
+"""TPU or GPU devices to compile for, without the accelerator: deviceless topologies.
 
 `topology_devices("v5p-256")` returns the 128 abstract TPU v5p devices of that slice
 (`jax.experimental.topologies.get_topology_desc`): a mesh built from them (`parallel.mesh.
@@ -6,17 +6,29 @@ build_mesh(..., devices=...)`) lowers and compiles jitted steps with the TPU com
 CPU-only host (deviceless ahead-of-time compilation, as MaxText's train_compile does); the
 programs cannot run here. Names are `hardware.topology`'s (`hardware.parse_topology`).
 libtpu comes with the `[tpu]` extra; without it the error says how to install it.
+
+GPU nodes ('h100:8', 'h200:2x8') come from the CUDA plugin (the `[gpu]` extra) in the same
+way: `get_topology_desc(platform="cuda", target_config=<XLA GpuTargetConfigProto text>,
+topology="1xHxN")`, the target config read from configs/gpu_targets/ (`gpu_target_config`).
+The devices' platform is "gpu", so the choosers pick the GPU paths (Pallas Triton KDA,
+Triton attention, the native ragged all-to-all). The CUDA plugin must not look for a GPU:
+jax's platforms must be "cpu" before the first backend starts (the dry run sets it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 
 import jax
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.config.hardware import TPU_GENERATIONS, parse_topology
+from hybridmoe_jax.config.hardware import (GPU_TARGETS, TPU_GENERATIONS, is_gpu_topology,
+                                           parse_topology)
+
+# configs/gpu_targets/ of the repository (an editable install: the package sits beside it).
+GPU_TARGETS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs" / "gpu_targets"
 
 
 class TopologyUnavailable(ConfigError):
@@ -29,6 +41,17 @@ def install_hint() -> str:
   """The one command that brings the TPU compiler matching the installed jax."""
   return (f"pip install -e \".[tpu]\" (or pip install \"jax[tpu]=={jax.__version__}\"; "
           "the same version as the installed jax)")
+
+
+def gpu_install_hint() -> str:
+  """The one command that brings the CUDA plugin (XLA:GPU, Triton, ptxas) for the installed jax."""
+  return (f"pip install -e \".[gpu]\" (or pip install \"jax[cuda12]=={jax.__version__}\"; "
+          "the same version as the installed jax)")
+
+
+def has_cuda_plugin() -> bool:
+  """Whether jax's CUDA plugin (the XLA:GPU compiler) is installed."""
+  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 
 
 def _quiet_libtpu(chip_gen: str) -> None:
@@ -50,6 +73,8 @@ def topology_devices(name: str) -> list:
     ConfigError: a name `parse_topology` or libtpu rejects (one line, naming the field).
     TopologyUnavailable: libtpu is not installed (the message gives the pip command).
   """
+  if is_gpu_topology(name):
+    return gpu_topology_devices(name)
   chip, libtpu_name, chips = parse_topology(name)
   if importlib.util.find_spec("libtpu") is None:
     raise TopologyUnavailable(f"hardware.topology={name!r} needs the TPU compiler (libtpu), "
@@ -67,4 +92,56 @@ def topology_devices(name: str) -> list:
   if len(devices) != chips:
     raise ConfigError(f"config field `hardware.topology` = {name!r}: libtpu describes "
                       f"{len(devices)} devices for {libtpu_name!r}, expected {chips} ({chip})")
+  return devices
+
+
+def _platforms() -> str:
+  """jax's platforms setting ("cpu", "" when unset): what its backends start with."""
+  return jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+
+
+def gpu_target_config(chip: str) -> str:
+  """The text of configs/gpu_targets/<GPU_TARGETS[chip]>.txtpb (XLA's GpuTargetConfigProto).
+
+  Raises ConfigError when the file is missing or unreadable (a broken checkout)."""
+  path = GPU_TARGETS_DIR / f"{GPU_TARGETS[chip]}.txtpb"
+  try:
+    return path.read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"hardware.topology: the {chip} target config {path} cannot be read "
+                      f"({type(e).__name__})") from None
+
+
+def gpu_topology_devices(name: str) -> list:
+  """The abstract GPU devices of `name` ('h100:8', 'h200:2x8'): platform "gpu", device_kind
+  the target config's name (e.g. "NVIDIA H100 80GB HBM3"), process_index = host.
+
+  Raises:
+    ConfigError: a bad name or a target config the plugin rejects (one line).
+    TopologyUnavailable: the CUDA plugin is not installed, or jax already started a backend
+      other than CPU (the plugin would look for a GPU).
+  """
+  chip, jax_topology, chips = parse_topology(name)
+  if not has_cuda_plugin():
+    raise TopologyUnavailable(f"hardware.topology={name!r} needs the GPU compiler (jax's CUDA "
+                              f"plugin), not installed: {gpu_install_hint()}")
+  platforms = _platforms()
+  if platforms != "cpu":
+    raise TopologyUnavailable(f"hardware.topology={name!r}: compiling for GPUs without one needs "
+                              "JAX_PLATFORMS=cpu set before jax starts (got "
+                              f"{platforms or 'unset'!r})")
+  text = gpu_target_config(chip)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  try:
+    desc = topologies.get_topology_desc(platform="cuda", target_config=text,
+                                        topology=jax_topology)
+  except Exception as e:  # JaxRuntimeError: the plugin's INVALID_ARGUMENT, one line of it
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConfigError(f"config field `hardware.topology` = {name!r} is invalid: the CUDA "
+                      f"plugin rejects {jax_topology!r} ({first})") from None
+  devices = list(desc.devices)
+  if len(devices) != chips:
+    raise ConfigError(f"config field `hardware.topology` = {name!r}: the CUDA plugin describes "
+                      f"{len(devices)} devices for {jax_topology!r}, expected {chips} ({chip})")
   return devices

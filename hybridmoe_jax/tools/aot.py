@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of a run's real steps for a TPU topology, on any machine.
+"""Ahead-of-time compilation of a run's real steps for a TPU topology or GPU node, on any machine.
 
 `run_train.py --dry_run --config.hardware.topology=v5p-256` calls `aot_report`: each stage's
 train step (the run's TrainState with `parallel.rules` shardings, the EP MoE and context runner
@@ -10,6 +10,12 @@ Per program: the compiler's figures ("compiler estimate": `memory_analysis()` pe
 cost model's time), our memory model's figure (train) and the ratio, compile time, tokens/s and
 MFU against the chip's peak (`hardware.CHIPS`). `layers=(a, b)` compiles a and b layers (same
 pattern) and extrapolates linearly per layer: compile time grows with depth.
+
+GPUs ('h100:8', 'h200:2x8'): compiled by XLA:GPU from the CUDA plugin for the target config's
+device (`parallel.topology.gpu_topology_devices`). Deviceless GPU executables have no cost
+analysis (UNIMPLEMENTED) and XLA's HLO cost analysis counts nothing inside the Triton calls,
+so step time and MFU come from our own count (`step_seconds`: a roofline of 6 / 2 x active x
+tokens plus every mixer's FLOPs, and the compiler's argument + output bytes).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.exchange import resolve_impl_why
 from hybridmoe_jax.parallel.mesh import batch_sharding, build_mesh, mesh_shape
 from hybridmoe_jax.parallel.rules import tree_shardings
-from hybridmoe_jax.config.hardware import CHIPS
+from hybridmoe_jax.config.hardware import CHIPS, GPU_TARGETS
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.config.sharding import TOKEN_AXES
 from hybridmoe_jax.train import dry_run as dry_lib
@@ -53,6 +59,7 @@ from hybridmoe_jax.train.step import make_train_step
 
 GiB = 2 ** 30
 MOSAIC_CALL = "tpu_custom_call"   # the custom call a Pallas TPU (Mosaic) kernel compiles to
+TRITON_CALL = "__gpu$xla.gpu.triton"  # ... and a Pallas GPU (Triton) kernel, in XLA:GPU's HLO
 
 
 @dataclasses.dataclass
@@ -83,8 +90,14 @@ def _memory(compiled) -> dict[str, float]:
 
 def _cost(compiled) -> dict[str, float]:
   """The cost model's figures per device: optimal_seconds (absent or <= 0 when XLA's TPU
-  cost model cannot time the program), flops, bytes accessed."""
-  cost = compiled.cost_analysis()
+  cost model cannot time the program), flops, bytes accessed; {} where the compiler has no
+  cost analysis (deviceless GPU executables: UNIMPLEMENTED)."""
+  try:
+    cost = compiled.cost_analysis()
+  except jax.errors.JaxRuntimeError as e:
+    if "UNIMPLEMENTED" not in str(e):
+      raise
+    return {}
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
   return {k: float(cost[k]) for k in ("optimal_seconds", "flops", "bytes accessed")
@@ -94,10 +107,18 @@ def _cost(compiled) -> dict[str, float]:
 def step_seconds(c: "Compiled", chip: str) -> tuple[float | None, str]:
   """-> (seconds per call, how): the cost model's optimal_seconds, else the roofline of its
   FLOPs and bytes on the chip (max(flops / peak, bytes / HBM bandwidth)); either plus
-  `extra_flops` at peak."""
+  `extra_flops` at peak. GPUs (no cost model): "our roofline", max((model_flops +
+  extra_flops) / peak, (arguments + outputs) / HBM bandwidth), a lower bound on the time
+  (every weight and state byte moved once, every FLOP at peak)."""
   spec, plus = CHIPS.get(chip), " + our count" if c.extra_flops else ""
   if spec is None:
     return None, "n/a"
+  if chip in GPU_TARGETS and not c.cost:
+    if c.model_flops is None:
+      return None, "n/a"
+    moved = c.memory.get("arguments", 0.0) + c.memory.get("outputs", 0.0)
+    return (max((c.model_flops + c.extra_flops) / spec.peak_bf16_flops,
+                moved / spec.hbm_bytes_per_s), "our roofline")
   extra = c.extra_flops / spec.peak_bf16_flops
   if c.cost.get("optimal_seconds", 0) > 0:
     return c.cost["optimal_seconds"] + extra, "cost model" + plus
@@ -107,11 +128,14 @@ def step_seconds(c: "Compiled", chip: str) -> tuple[float | None, str]:
   return None, "n/a"
 
 
-def uncounted_flops(run: RunConfig, plan: ExecutionPlan, seq_len: int, rows: int) -> float:
+def uncounted_flops(run: RunConfig, plan: ExecutionPlan, seq_len: int, rows: int,
+                    every_mixer: bool = False) -> float:
   """Global FLOPs of a train step's mixers that XLA's cost model misses (splash has no cost
   estimate; a loop body, blockwise or the chunked KDA scan, is counted once), by our count:
   causal attention T^2 x heads x (qk + v dims) per row forward, 3.5 forwards with the
-  backward (KDA: 3, DESIGN s1.3b), one more under remat. Call under the program's mesh."""
+  backward (KDA: 3, DESIGN s1.3b), one more under remat. `every_mixer` (GPUs: no cost model
+  at all): every attention and KDA layer whatever its implementation (the Pallas KDA kernel
+  counted as the chunked form's FLOPs). Call under the program's mesh."""
   m, kd, cp, kinds = run.model.mla, run.model.kda, run.compute, run.model.layer_kinds
   remat = float(cp.remat != "none")
   attn, _ = latent_attention.choose(
@@ -120,14 +144,15 @@ def uncounted_flops(run: RunConfig, plan: ExecutionPlan, seq_len: int, rows: int
       dtype=cp.dtype, has_segments=True)
   dims = (2 * m.kv_lora_rank + m.qk_rope_head_dim if attn == "context"  # absorbed
           else m.qk_head_dim + m.v_head_dim)
-  total = (attn != "dense") * kinds.count("mla") * rows * seq_len ** 2 * m.num_heads * dims
+  counted = attn != "dense" or every_mixer
+  total = counted * kinds.count("mla") * rows * seq_len ** 2 * m.num_heads * dims
   total *= 3.5 + remat
   lb = kd.lower_bound if kd.gate == "bounded" else None
   core = lambda p: kda_choose(cp.kda_impl, head_dim=kd.head_dim, v_head_dim=kd.v_head_dim,
                               chunk_size=cp.kda_chunk_size, lower_bound=lb, tokens=seq_len,
                               plan=p)[0]
   kda_core = core(plan) if core(plan) != "context" else core(LOCAL)  # a shard's own pass
-  if kda_core == "chunked":
+  if kda_core == "chunked" or every_mixer:
     total += (3 + remat) * kinds.count("kda") * forward_flops(
         rows * seq_len, kd.num_v_heads, kd.head_dim, kd.v_head_dim, cp.kda_chunk_size)
   return float(total)
@@ -396,7 +421,8 @@ def train_programs_model_only(run: RunConfig, devices, plan,
     comps = dry_lib.stage_memory(run, e, s.seq_len, s.batch_size)[run.compute.remat]
     rt = _train_runtime(run, s, devices)
     with jax.set_mesh(rt.mesh):
-      missed = uncounted_flops(run, rt.plan, s.seq_len, s.batch_size)
+      missed = uncounted_flops(run, rt.plan, s.seq_len, s.batch_size,
+                               every_mixer=run.hardware.chip in GPU_TARGETS)
     out.append((dry_lib.step_bytes(comps),
                 6.0 * e["active"] * s.batch_size * s.seq_len / len(devices),
                 missed / len(devices)))
@@ -414,10 +440,15 @@ def report(result: dict) -> str:
   usable = run.hardware.usable_bytes
   mesh = " x ".join(f"{a}={n}" for a, n in result["mesh"].items())
   layers = result["extrapolated"]
+  gpu = chip in GPU_TARGETS
+  source = ("XLA:GPU from the CUDA plugin: memory analysis only; deviceless GPU executables "
+            "have no cost analysis, so step ms and MFU are OUR ESTIMATE, a roofline of our "
+            "FLOP count and the compiler's argument + output bytes" if gpu
+            else "libtpu: XLA's memory analysis and cost model")
   head = (f"AOT compile for {run.hardware.topology}: {result['devices']} x {chip} "
           f"({spec.memory_gib:.0f} GiB HBM, {spec.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 "
-          f"peak), mesh {mesh}. Figures per device are COMPILER ESTIMATES (libtpu: XLA's "
-          f"memory analysis and cost model), not measurements.")
+          f"peak), mesh {mesh}. Figures per device are COMPILER ESTIMATES ({source}), not "
+          f"measurements.")
   if layers:
     head += (f" Compiled with {layers[0]} and {layers[1]} layers, extrapolated linearly per "
              f"layer to {run.model.num_layers}; compile time is the two compiles'.")
@@ -444,11 +475,15 @@ def report(result: dict) -> str:
             "of HBM", f"fits {_gib(usable)} GiB usable", f"model {unit}", "model/XLA",
             "compile s",
             "step ms", "tokens/s", "MFU"]
+  if gpu:
+    head += " Pallas kernels compiled to Triton calls: " + ", ".join(
+        f"{p.name.split(' ')[0]} {p.hlo.count(TRITON_CALL)}" for p in result["programs"]
+        if p.hlo) + "."
   notes = ("  total = arguments + outputs - donated (aliased) + temporaries + code; model: "
            "our memory model (train.dry_run) for the train step; step ms: the cost model's "
            "optimal_seconds, or the roofline of its FLOPs and bytes (grad_accum's loop costed "
            "from an unrolled compile; + our count: the attention / KDA FLOPs it misses, "
-           "uncounted_flops); MFU: 6 (train) or 2 "
+           "uncounted_flops; GPUs: our roofline, see above); MFU: 6 (train) or 2 "
            "(serve) x active parameters x tokens over step time x peak.")
   return "\n".join([head, "implementations (chosen for the target):"]
                    + [f"  {line}" for line in result["impls"]]
