@@ -26,6 +26,7 @@ from hybridmoe_jax import plots
 from hybridmoe_jax.evals import report_data
 from hybridmoe_jax.evals.report_data import RunData
 from hybridmoe_jax.plots import history
+from hybridmoe_jax.train import monitor
 
 REPORT_FILE = "report.html"
 
@@ -240,12 +241,15 @@ def _expert_load(run: RunData, train: list[dict]) -> str:
     vio = [float(latest["moe"][n]["max_vio"]) for n in names]
   except (KeyError, TypeError, ValueError) as e:
     return f'<p class="note">expert load of step {latest["step"]} unreadable ({_e(e)})</p>'
-  threshold = (run.run_config or {}).get("train", {}).get("maxvio_alert_threshold")
+  t = (run.run_config or {}).get("train", {})
+  threshold = t.get("maxvio_alert_threshold")
   overload = 1.0 + threshold if threshold is not None else 1.5
   return (_img(plots.expert_load_figure(load, names, step=latest["step"], max_vio=vio,
                                         overload=overload),   # one step: "step N only"
                "expert load heatmap")
-          + _img(plots.maxvio_figure(run.records, threshold=threshold), "MaxVio over steps"))
+          + _img(plots.maxvio_figure(run.records, threshold=threshold,
+                                     alert_steps=t.get("maxvio_alert_steps")),
+                 "MaxVio over steps"))
 
 
 def _checkpoints(run: RunData) -> str:
@@ -264,19 +268,60 @@ def _checkpoints(run: RunData) -> str:
   return "".join(out)
 
 
-def _alerts(train: list[dict]) -> str:
-  """Final alert counters and the first logged step at which each one grew."""
+def _alert_rules(t: dict) -> str:
+  """How each alert fires, from the run's train config (train/monitor.py's rules)."""
+  thr, steps = t.get("maxvio_alert_threshold"), t.get("maxvio_alert_steps")
+  factor = t.get("loss_spike_factor")
+  maxvio = (f"a layer's MaxVio (max expert load / mean - 1) above {thr:g} (the dashed line "
+            f"of the MaxVio figure) for {steps} steps in a row, every step counted, not only "
+            "the logged ones; a shorter excursion above the line raises none"
+            if thr is not None and steps is not None else "see train.maxvio_alert_*")
+  spike = monitor.spike_rule(factor) if factor is not None else "see train.loss_spike_factor"
+  return ('<p class="muted">How alerts fire: <b>maxvio</b>: ' + _e(maxvio) +
+          '. <b>loss_spike</b>: ' + _e(spike) + '. <b>nonfinite</b>: a step whose loss or '
+          'gradient norm is not finite (its update is skipped).</p>')
+
+
+def _maxvio_crossings(train: list[dict], thr: float | None) -> str:
+  """Without a MaxVio alert: how often the logged MaxVio was above the line anyway."""
+  if thr is None:
+    return ""
+  above, logged, layers = 0, 0, set()
+  for r in train:
+    moe = r.get("moe") or {}
+    vios = {n: l.get("max_vio") for n, l in moe.items() if isinstance(l, dict)}
+    vios = {n: v for n, v in vios.items() if isinstance(v, (int, float))}
+    if vios:
+      logged += 1
+      hot = [n for n, v in vios.items() if v > thr]
+      above += bool(hot)
+      layers.update(hot)
+  if not above:
+    return ""
+  names = ", ".join(history.layer_label(n) for n in sorted(layers))
+  return (f'<p class="note">MaxVio was above the line ({thr:g}) at {above} of {logged} '
+          f'logged steps ({_e(names)}), but no layer stayed above it long enough for an '
+          'alert (the rule above).</p>')
+
+
+def _alerts(run: RunData, train: list[dict]) -> str:
+  """Final alert counters and the first logged step at which each one grew, the rules they
+  follow, and MaxVio above the drawn line without an alert (explained, not hidden)."""
+  t = (run.run_config or {}).get("train", {})
   first, last = {}, {}
   for r in train:
     for k, v in (r.get("alerts") or {}).items():
       if isinstance(v, (int, float)) and v > last.get(k, 0):
         first.setdefault(k, r["step"])
         last[k] = v
+  crossings = "" if "maxvio" in last else _maxvio_crossings(
+      train, t.get("maxvio_alert_threshold"))
   if not last:
-    return '<p class="muted">no alerts raised</p>'
+    return '<p class="muted">no alerts raised</p>' + crossings + _alert_rules(t)
   return ('<p class="alert">alerts were raised (MaxVio streaks, loss spikes, non-finite '
           'steps):</p>' + _table(("alert", "count", "first logged at step"),
-                                 [(k, last[k], first[k]) for k in sorted(last)]))
+                                 [(k, last[k], first[k]) for k in sorted(last)])
+          + crossings + _alert_rules(t))
 
 
 def render(run: RunData) -> str:
@@ -291,7 +336,7 @@ def render(run: RunData) -> str:
             else _img(plots.loss_figure(run.records), "loss curves"))
   sections = [("Run", _summary(run, train)),
               ("Curves", curves),
-              ("Expert load", _expert_load(run, train)), ("Alerts", _alerts(train)),
+              ("Expert load", _expert_load(run, train)), ("Alerts", _alerts(run, train)),
               ("Evaluations", _evals(run)),
               ("Hardware and throughput", _hardware(run, train)),
               ("Checkpoints and resumes", _checkpoints(run)),

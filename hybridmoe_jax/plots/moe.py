@@ -99,8 +99,8 @@ def _layer_colours(n: int) -> list:
   return [colormaps["viridis"](i / max(n - 1, 1)) for i in range(n)]
 
 
-def maxvio_figure(records: Sequence[history.Record], *, threshold: float | None = None
-                  ) -> Figure:
+def maxvio_figure(records: Sequence[history.Record], *, threshold: float | None = None,
+                  alert_steps: int | None = None) -> Figure:
   """MaxVio per MoE layer, its routing-bias spread over steps and its bias range now.
 
   Panels: MaxVio per layer over steps (top); the spread max - min of each layer's routing
@@ -111,6 +111,8 @@ def maxvio_figure(records: Sequence[history.Record], *, threshold: float | None 
   Args:
     records: metrics.jsonl records (train records carry "moe").
     threshold: the MaxVio alert threshold, drawn as a dashed line.
+    alert_steps: the steps in a row above it that raise an alert (said in the line's label,
+      so a line crossed for fewer steps is not read as a missed alert).
   """
   train = history.split_records(records, "train")
   names = history.layer_names(train)
@@ -131,7 +133,9 @@ def maxvio_figure(records: Sequence[history.Record], *, threshold: float | None 
       middle.plot(s_lo, hi - lo, color=c, lw=1.2, label=label)
       last.append((label, c, int(s_lo[-1]), float(lo[-1]), float(hi[-1])))
   if threshold is not None:
-    top.axhline(threshold, color="red", ls="--", lw=1, label=f"alert threshold {threshold:g}")
+    rule = f" (alert: {alert_steps} steps in a row above)" if alert_steps else ""
+    top.axhline(threshold, color="red", ls="--", lw=1,
+                label=f"alert threshold {threshold:g}{rule}")
   top.set_ylabel("MaxVio\n(max load / mean - 1)")
   top.set_title("Load balance per MoE layer")
   middle.set_ylabel("bias spread\n(max - min)")

@@ -1,7 +1,7 @@
 """Run monitoring: progress line, TensorBoard, JSONL, alerts and the expert-load heatmap.
 
 Every step's (host) metrics go through `Monitor.step`, which keeps the alert state (MaxVio
-streaks per MoE layer, loss spikes against a running mean); every `log_every` steps it prints
+streaks per MoE layer, loss spikes against a running mean and spread); every `log_every` steps it prints
 one progress line and writes TensorBoard scalars / histograms (`train/`, `moe/<layer>/`, the
 layer named by its MoE module path, e.g. "layers/1/ffn") and one JSON line to
 `workdir/metrics.jsonl`. Every `heatmap_every` steps the expert load summed since the last
@@ -60,6 +60,26 @@ def hardware() -> dict[str, Any]:
           "processes": jax.process_count(), "jax_version": jax.__version__}
 
 
+# The loss-spike rule. A step's loss is a spike when it exceeds both loss_spike_factor x the
+# running mean and the running mean + SPIKE_SIGMAS running standard deviations (exponential
+# averages, weight SPIKE_EMA per step, from the 10th finite step on): a loss that is noisy by
+# nature (a mix of easy and hard batches, e.g. the retrieval recipe's) raises its own bar.
+# After an alert, further spikes for SPIKE_COOLDOWN steps are counted into the next alert's
+# line, not alerted one by one: an alert on most steps is noise.
+SPIKE_SIGMAS = 4.0
+SPIKE_EMA = 0.1
+SPIKE_WARMUP = 10
+SPIKE_COOLDOWN = 50
+
+
+def spike_rule(factor: float) -> str:
+  """The loss-spike rule in words (the run report explains its alerts with it)."""
+  return (f"loss above both {factor:g} x its running mean and the running mean + "
+          f"{SPIKE_SIGMAS:g} running standard deviations (exponential averages, weight "
+          f"{SPIKE_EMA:g}, from step {SPIKE_WARMUP}); at most one alert per "
+          f"{SPIKE_COOLDOWN} steps, the spikes in between counted in the next one")
+
+
 class Monitor:
   """Progress line, TensorBoard events, JSONL metrics, alerts and expert-load heatmaps."""
 
@@ -75,7 +95,10 @@ class Monitor:
     self.alerts: collections.Counter[str] = collections.Counter()
     self._streak: dict[str, int] = collections.defaultdict(int)
     self._loss_mean: float | None = None
+    self._loss_var = 0.0
     self._loss_seen = 0
+    self._spike_alerted: int | None = None   # step of the last loss-spike alert
+    self._spikes_held = 0                     # spikes since then, not alerted
     self._heat_load: dict[str, np.ndarray] = {}
     self._heat_from = start_step + 1     # first step summed into the next heatmap
     self._last_vio: dict[str, float] = {}
@@ -132,13 +155,28 @@ class Monitor:
                f"loss {loss:.4f} | {fmt_rate(rate)} tok/s | ETA {fmt_duration(eta)}")
 
   def _check_loss_spike(self, step: int, loss: float) -> None:
-    warm = self._loss_seen >= 10
-    if warm and loss > self.t.loss_spike_factor * self._loss_mean:
-      self.alerts["loss_spike"] += 1
-      logging.warning("ALERT step %d: loss spike %.4f > %.2f x running mean %.4f (%d spikes)",
-                      step, loss, self.t.loss_spike_factor, self._loss_mean,
-                      self.alerts["loss_spike"])
-    self._loss_mean = loss if self._loss_mean is None else 0.9 * self._loss_mean + 0.1 * loss
+    """The rule of SPIKE_* above (spike_rule)."""
+    if self._loss_seen >= SPIKE_WARMUP:
+      mean, std = self._loss_mean, math.sqrt(self._loss_var)
+      bar = max(self.t.loss_spike_factor * mean, mean + SPIKE_SIGMAS * std)
+      if loss > bar:
+        if self._spike_alerted is not None and step - self._spike_alerted < SPIKE_COOLDOWN:
+          self._spikes_held += 1
+        else:
+          self.alerts["loss_spike"] += 1
+          held = (f"; {self._spikes_held} more spike(s) since the last alert"
+                  if self._spikes_held else "")
+          logging.warning("ALERT step %d: loss spike %.4f > %.4f (%.2f x running mean %.4f, "
+                          "mean + %g std %.4f)%s (%d alerts)", step, loss, bar,
+                          self.t.loss_spike_factor, mean, SPIKE_SIGMAS, std, held,
+                          self.alerts["loss_spike"])
+          self._spike_alerted, self._spikes_held = step, 0
+    if self._loss_mean is None:
+      self._loss_mean = loss
+    else:   # exponential mean and variance (West's incremental form)
+      delta = loss - self._loss_mean
+      self._loss_mean += SPIKE_EMA * delta
+      self._loss_var = (1 - SPIKE_EMA) * (self._loss_var + SPIKE_EMA * delta * delta)
     self._loss_seen += 1
 
   def _check_maxvio(self, step: int, moe: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.config import model_config_from_dict
-from hybridmoe_jax.evals import cli, report
+from hybridmoe_jax.evals import cli, report, report_data
 from tests.conftest import ROOT, load_config
 
 CHROMIUM = "/usr/bin/chromium"
@@ -95,7 +95,29 @@ def test_report_content(run_report):
   assert re.search(r"maxvio\s*</td><td[^>]*>1</td><td[^>]*>30<", page)  # count, first step
   assert re.search(r"median over logs\s*</td><td[^>]*>1,025<", page)
   assert "device_kind" in text and "jax_version" in text
-  assert re.search(r"total\s*</td><td[^>]*>345,638<", page)     # configs/tiny.py's count
+  assert re.search(r"total\s*</td><td[^>]*>346,534<", page)     # configs/tiny.py's count
+
+
+def test_alerts_explain_the_rules_and_maxvio_above_the_line_without_an_alert():
+  """MaxVio above the drawn threshold at logged steps but no alert (the rule wants a streak
+  of maxvio_alert_steps): the section says so and states every rule, never a bare "no alerts
+  raised" beside a figure whose curves cross the line."""
+  train_cfg = {"maxvio_alert_threshold": 0.5, "maxvio_alert_steps": 50,
+               "loss_spike_factor": 1.5}
+  records = [{"step": s, "split": "train", "loss": 2.0, "alerts": {},
+              "moe": {"layers/3/ffn": {"max_vio": 0.6 if s in (20, 40) else 0.2}}}
+             for s in (10, 20, 30, 40)]
+  run = report_data.RunData("w", records=records, run_config={"train": train_cfg})
+  text = re.sub(r"<[^>]+>", " ", report._alerts(run, records))
+  assert "no alerts raised" in text
+  assert "MaxVio was above the line (0.5) at 2 of 4 logged steps (layer 3)" in text
+  assert "above 0.5 (the dashed line of the MaxVio figure) for 50 steps in a row" in text
+  assert "1.5 x its running mean" in text and "at most one alert per 50 steps" in text
+  # With a MaxVio alert the crossings need no excuse; the rules are still stated.
+  records[-1]["alerts"] = {"maxvio": 1}
+  text = re.sub(r"<[^>]+>", " ", report._alerts(run, records))
+  assert "alerts were raised" in text and "MaxVio was above" not in text
+  assert "How alerts fire" in text
 
 
 def test_report_is_self_contained(run_report):

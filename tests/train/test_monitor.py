@@ -7,6 +7,7 @@ from matplotlib import image as mpimg
 import numpy as np
 
 from hybridmoe_jax.config.run import default_config
+from hybridmoe_jax.train import monitor as monitor_lib
 from hybridmoe_jax.train.monitor import Monitor
 
 
@@ -18,6 +19,41 @@ def monitor_metrics(loss, vio, finite=True):
                           "load": np.array([2, 2, 2, 2])}}
   return {"loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": 100.0, "finite": finite,
           "skipped": 0, "moe": moe}
+
+
+def test_loss_spike_alert_adapts_to_a_noisy_loss_and_is_rate_limited(tmp_path, caplog):
+  """704 steps of a loss falling 6 -> 2 with lognormal noise (sigma 0.35: a mix of easy and
+  hard batches, like the retrieval recipe whose 1.5 x mean rule fired 129 times in 704
+  steps): the old rule would fire on ~1 step in 10; the running-spread bar and the cooldown
+  keep alerts rare, and a real spike (20 x the loss) still alerts at its step."""
+  t = default_config().train
+  t.update(dict(log_every=1000, heatmap_every=0, loss_spike_factor=1.5))
+  mon = Monitor(str(tmp_path), t, start_step=0, total_steps=704, tokens_seen=lambda s: s)
+  rng = np.random.default_rng(0)
+  base = 2.0 + 4.0 * np.exp(-np.arange(1, 705) / 150.0)
+  losses = base * np.exp(0.35 * rng.standard_normal(704))
+  losses[599] = 20.0 * base[599]                        # step 600: a real spike
+  old_mean, old_fires = None, 0
+  for step, loss in enumerate(losses, 1):
+    if step > 10 and loss > 1.5 * old_mean:             # the previous rule, for scale
+      old_fires += 1
+    old_mean = loss if old_mean is None else 0.9 * old_mean + 0.1 * loss
+    mon.step(step, monitor_metrics(float(loss), 0.0))
+  mon.close()
+  assert old_fires > 50
+  assert 1 <= mon.alerts["loss_spike"] <= 704 // monitor_lib.SPIKE_COOLDOWN + 1
+  assert mon.alerts["loss_spike"] <= 5, mon.alerts
+  assert "ALERT step 600: loss spike" in caplog.text
+  # A 10 x spike every 25 steps on a flat loss (the spread decays between them, so each is
+  # a spike): one alert per cooldown, the one in between counted in the next alert.
+  caplog.clear()
+  mon = Monitor(str(tmp_path / "b"), t, start_step=0, total_steps=300, tokens_seen=lambda s: s)
+  for step in range(1, 301):
+    mon.step(step, monitor_metrics(20.0 if step % 25 == 0 else 2.0, 0.0))
+  mon.close()
+  assert mon.alerts["loss_spike"] == 6              # steps 25, 75, ..., 275 of 12 spikes
+  assert "ALERT step 75: loss spike" in caplog.text and "ALERT step 50" not in caplog.text
+  assert "1 more spike(s) since the last alert" in caplog.text
 
 
 def test_alerts_and_outputs(tmp_path, caplog):
