@@ -32,6 +32,7 @@ from hybridmoe_jax.rl.chat_format import Message
 PROMPT = ">>> "
 HELP = "commands: /reset (forget the conversation), /exit (quit), /help"
 PLAIN_STOP = "\nUser:"
+EMPTY_REPLY = "[empty reply]"   # shown when a reply has no visible text (e.g. <end_turn> first)
 
 
 class Conversation:
@@ -113,7 +114,8 @@ def reply(conv: Conversation, line: str, *, max_tokens: int, sampling: SamplingC
     out.flush()
     if text.stopped:
       break
-  out.write(text.finish() + "\n")
+  tail = text.finish()
+  out.write((tail if text.text else EMPTY_REPLY) + "\n")
   out.flush()
   conv.add_reply(prompt, ids, text.text)
 

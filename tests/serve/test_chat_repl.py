@@ -37,7 +37,8 @@ def test_piped_conversation_equals_generate_and_reset_forgets(model_path):
   roles = chat_format.chat_ids(tok)
   stop = (roles["end_turn"], tok.eos_id)
   specials = set(tok.special_ids.values())
-  show = lambda ids: stream_text(tok, [t for t in ids if t not in specials])  # noqa: E731
+  show = lambda ids: stream_text(tok, [t for t in ids if t not in specials]) or \
+      chat.EMPTY_REPLY  # noqa: E731
   first = chat_format.render(tok, [Message("user", "hello")], add_generation_prompt=True)
   r1 = _greedy(lm, first.ids, 6, stop)
   history = first.ids.tolist() + [t for t in r1 if t not in stop] + [roles["end_turn"]]
@@ -61,3 +62,16 @@ def test_plain_transcript_and_an_overlong_conversation_is_refused(model_path):
   assert out.getvalue() == (
       f">>> {r1}\n>>> [the conversation has {need} tokens: with --max_tokens=8 it exceeds "
       f"--max_len=40; /reset to start over]\n>>> \n")
+
+
+def test_an_empty_reply_shows_a_marker(model_path, monkeypatch):
+  """A reply that ends before any visible text (<end_turn> first) prints EMPTY_REPLY, not a
+  blank line that reads like a hang; the conversation still records the turn."""
+  lm = api.load(model_path, max_len=64)
+  conv = chat.Conversation(lm)
+  end = conv.roles["end_turn"]
+  monkeypatch.setattr(lm.engine, "generate_stream", lambda *a, **k: iter([end]))
+  out = io.StringIO()
+  chat.reply(conv, "hi", max_tokens=4, sampling=chat.SamplingConfig(), seed=0, out=out)
+  assert out.getvalue() == chat.EMPTY_REPLY + "\n"
+  assert conv.ids[-1] == end
