@@ -1,0 +1,189 @@
+"""KDA on an H100 / H200 by the compiler's own reports: the Pallas (Triton) GPU kernels compiled
+ahead of time on a CPU-only machine (deviceless XLA:GPU from jax's CUDA plugin, ptxas -v).
+
+Usage:  nice -n 19 python benchmarks/kda_gpu_aot.py [--T 8192 32768 131072]
+            [--packing unpacked packed] [--modes fwd fwdbwd] [--gpu h100] [--tpu v5p:2x2x1]
+            [--config block_v=32,num_warps=4] [--out kda_gpu_aot.jsonl]
+Needs the CUDA plugin (`pip install -e ".[gpu]"`); the TPU reference needs libtpu (`--tpu ''`
+leaves it out). Shapes: B=1, H=HV=16, K=V=128, q/k/v/beta bf16, gates fp32 bounded by lb=-5,
+chunk 64 (benchmarks/kda_tpu_aot.py's). Packed: segment_ids [B, T] int32 are an argument.
+
+Per (T, packing, mode), one JSON line per KDA kernel launched (prefixed "JSON "): registers,
+spill store / load bytes and stack frame (ptxas -v), shared memory, grid, threads, programs,
+programs per SM (programs / 132) and programs resident per SM by occupancy
+(hybridmoe_jax/tools/gpu_kernel_report.py), then one line for the program: the compiler's
+temporaries (memory_analysis), XLA's own kernels launched besides the KDA kernels (the glue),
+and, for fwdbwd, the TPU kernel's temporaries from libtpu at the same shapes with the ratio
+gpu / tpu. The fla anchor (`--fla`): flash-linear-attention's Triton chunk_kda compiled by
+Triton for sm_90 (benchmarks/kda_fla_aot.py, its own venv: it needs torch); a line saying
+why when it cannot run. All figures are COMPILER REPORTS: no GPU ran anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import sys
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+from hybridmoe_jax.tools import gpu_kernel_report as gkr  # noqa: E402  (jax-free)
+
+_DUMP = tempfile.mkdtemp(prefix="kda_gpu_aot_")
+# Before jax starts: a CPU host describing GPUs, ptxas's report logged, thunks dumped.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {gkr.compiler_flags(_DUMP)}"
+os.environ.update(gkr.LOG_ENV)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+from hybridmoe_jax.parallel.topology import gpu_topology_devices  # noqa: E402
+from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
+from pallas_kernels.kda import kda_pallas  # noqa: E402
+from pallas_kernels.kda.config import default_gpu_config  # noqa: E402
+
+LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
+
+
+@contextlib.contextmanager
+def stderr_to(path: str):
+  """fd 2 (where XLA's C++ logging writes) into `path` for the block."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(path, "w") as f:
+    os.dup2(f.fileno(), 2)
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+
+
+def arg_specs(T: int, packed: bool):
+  bf16 = jnp.bfloat16
+  specs = [jax.ShapeDtypeStruct((B, T, H, K), bf16), jax.ShapeDtypeStruct((B, T, H, K), bf16),
+           jax.ShapeDtypeStruct((B, T, H, V), bf16),
+           jax.ShapeDtypeStruct((B, T, H, K), jnp.float32),
+           jax.ShapeDtypeStruct((B, T, H), bf16)]
+  if packed:
+    specs.append(jax.ShapeDtypeStruct((B, T), jnp.int32))
+  return specs
+
+
+def program(mode: str, config, name: str):
+  """The jitted function (named `name`: its dumps are found by it) for `mode`."""
+  def run(q, k, v, g, beta, seg=None):
+    return kda_pallas(q, k, v, g, beta, segment_ids=seg, chunk_size=C, lower_bound=LB,
+                      backend="gpu", interpret=False, config=config)[0]
+
+  def fwdbwd(q, k, v, g, beta, *seg):
+    loss = lambda *x: jnp.sum(run(*x, *seg).astype(jnp.float32))  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+  fn = run if mode == "fwd" else fwdbwd
+  fn.__name__ = fn.__qualname__ = name
+  return fn
+
+
+def compile_gpu(mesh: Mesh, mode: str, T: int, packed: bool, config) -> tuple[dict, list]:
+  """-> (the program's row, one row per KDA kernel launch)."""
+  packing = "packed" if packed else "unpacked"
+  name = f"kda_{mode}_{packing}_{T}"
+  specs = arg_specs(T, packed)
+  rep = NamedSharding(mesh, PartitionSpec())
+  log = os.path.join(_DUMP, f"{name}.ptxas.log")
+  with stopwatch() as sw, stderr_to(log), jax.set_mesh(mesh):
+    fn = jax.jit(program(mode, config, name), in_shardings=(rep,) * len(specs))
+    compiled = fn.lower(*specs).compile()
+  thunks = "".join(open(p).read() for p in
+                   glob.glob(os.path.join(_DUMP, f"*jit_{name}.thunk_sequence.txt")))
+  with open(log) as f:
+    ptxas = f.read()
+  mem = compiled.memory_analysis()
+  launches = gkr.parse_thunks(thunks)
+  kernels = gkr.kernel_rows(ptxas, thunks, prefix="kda_")
+  row = dict(program=name, gpu=mesh.devices.flat[0].device_kind, mode=mode, T=T,
+             packing=packing, temp_bytes=int(mem.temp_size_in_bytes),
+             argument_bytes=int(mem.argument_size_in_bytes),
+             output_bytes=int(mem.output_size_in_bytes),
+             kda_kernels=len(kernels), xla_kernels=len(launches) - len(kernels),
+             compile_s=round(sw.seconds, 1), config=dataclasses.asdict(config),
+             source="COMPILER REPORT")
+  for k in kernels:
+    k.update(program=name, mode=mode, T=T, packing=packing)
+  return row, kernels
+
+
+def tpu_temp_bytes(topology: str, T: int, packed: bool) -> int | None:
+  """The TPU (Mosaic) kernel's fwd+bwd temporaries at the same shapes (libtpu), or None
+  without libtpu."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  if not topology or importlib.util.find_spec("libtpu") is None:
+    return None
+  from benchmarks import kda_tpu_aot  # pylint: disable=g-import-not-at-top
+  row = kda_tpu_aot.compile_one(kda_tpu_aot.tpu_mesh(topology), "pallas", "fwdbwd", T, packed)
+  return row["temp_bytes"]
+
+
+def parse_config(text: str):
+  """'block_v=32,num_warps=4' -> the default GpuConfig for K=V=128 bf16 with those fields."""
+  cfg = default_gpu_config(chunk_size=C, k=K, v=V, dtype=jnp.bfloat16)
+  fields = {f.name: f.type for f in dataclasses.fields(cfg)}
+  changes = {}
+  for item in filter(None, text.split(",")):
+    key, _, value = item.partition("=")
+    if key not in fields or key == "chunk_size":
+      raise SystemExit(f"--config: {key!r} is not a GpuConfig field (allowed: "
+                       f"{', '.join(f for f in fields if f != 'chunk_size')})")
+    changes[key] = (value == "True" if value in ("True", "False")
+                    else int(value) if value.isdigit() else value)
+  return dataclasses.replace(cfg, **changes)
+
+
+def emit(row: dict, out) -> None:
+  line = json.dumps(row)
+  print("JSON " + line, flush=True)
+  if out:
+    with open(out, "a") as f:
+      f.write(line + "\n")
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
+  p.add_argument("--gpu", default="h100", choices=["h100", "h200"])
+  p.add_argument("--tpu", default="v5p:2x2x1", help="'' : no TPU reference")
+  p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+  p.add_argument("--packing", nargs="+", default=["unpacked", "packed"],
+                 choices=["unpacked", "packed"])
+  p.add_argument("--config", default="", help="GpuConfig fields, e.g. block_v=32,num_warps=4")
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  config = parse_config(a.config)
+  mesh = Mesh(np.array(gpu_topology_devices(f"{a.gpu}:1")), ("x",))
+  print(f"# {mesh.devices.flat[0].device_kind} (deviceless), jax {jax.__version__}, "
+        f"{config}; dumps in {_DUMP}", file=sys.stderr)
+  for T in a.T:
+    for packing in a.packing:
+      for mode in a.modes:
+        row, kernels = compile_gpu(mesh, mode, T, packing == "packed", config)
+        for k in kernels:
+          emit(k, a.out)
+        if mode == "fwdbwd":
+          tpu = tpu_temp_bytes(a.tpu, T, packing == "packed")
+          row.update(tpu_temp_bytes=tpu, tpu_topology=a.tpu or None,
+                     temp_gpu_over_tpu=None if not tpu else round(row["temp_bytes"] / tpu, 3))
+        emit(row, a.out)
+
+
+if __name__ == "__main__":
+  main()
