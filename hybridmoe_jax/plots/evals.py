@@ -16,6 +16,27 @@ _VQA_BARS = (("accuracy", "model", "C0"), ("blank_image_accuracy", "same model, 
              ("majority", "majority answer", "C1"), ("chance", "chance", "C3"))
 
 
+def _unit_grid(values: np.ndarray, cells: list[list[str]], rows: list[str], cols: list[str],
+               size: tuple[float, float], label: str, fontsize: int):
+  """(figure, axes) of a [rows, cols] grid of values in [0, 1] (red -> green), `cells` text
+  written in each cell, columns = context lengths."""
+  fig = new_figure(*size)
+  ax = fig.add_subplot()
+  image = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
+                    interpolation="nearest")
+  fig.colorbar(image, ax=ax, label=label)
+  for i in range(len(rows)):
+    for j in range(len(cols)):
+      ax.text(j, i, cells[i][j], ha="center", va="center", fontsize=fontsize,
+              color="black" if 0.25 < values[i, j] < 0.85 else "white")
+  ax.set_xticks(np.arange(len(cols)))
+  ax.set_xticklabels(cols)
+  ax.set_yticks(np.arange(len(rows)))
+  ax.set_yticklabels(rows)
+  ax.set_xlabel("context length (tokens)")
+  return fig, ax
+
+
 def niah_figure(result: dict[str, Any]) -> Figure:
   """Passkey accuracy per (needle depth, context length) cell, the value written in it.
 
@@ -28,20 +49,10 @@ def niah_figure(result: dict[str, Any]) -> Figure:
   if acc.shape != (len(depths), len(lengths)):
     raise ValueError(f"niah accuracy has shape {acc.shape}; expected [depths, lengths] = "
                      f"{[len(depths), len(lengths)]}")
-  fig = new_figure(max(5.0, 2.5 + 1.1 * len(lengths)), max(3.5, 1.8 + 0.6 * len(depths)))
-  ax = fig.add_subplot()
-  image = ax.imshow(acc, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
-                    interpolation="nearest")
-  fig.colorbar(image, ax=ax, label="exact-match accuracy")
-  for i in range(len(depths)):
-    for j in range(len(lengths)):
-      ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=10,
-              color="black" if 0.25 < acc[i, j] < 0.85 else "white")
-  ax.set_xticks(np.arange(len(lengths)))
-  ax.set_xticklabels([str(n) for n in lengths])
-  ax.set_yticks(np.arange(len(depths)))
-  ax.set_yticklabels([f"{d:g}" for d in depths])
-  ax.set_xlabel("context length (tokens)")
+  fig, ax = _unit_grid(acc, [[f"{a:.2f}" for a in row] for row in acc],
+                       [f"{d:g}" for d in depths], [str(n) for n in lengths],
+                       (max(5.0, 2.5 + 1.1 * len(lengths)), max(3.5, 1.8 + 0.6 * len(depths))),
+                       "exact-match accuracy", 10)
   ax.set_ylabel("needle depth (0 = start, 1 = end)")
   ax.set_title(f"Passkey retrieval (NIAH): mean {float(acc.mean()):.2f}, "
                f"{result.get('samples', '?')} per cell, chance {result.get('chance', 0):.0e}",
@@ -92,22 +103,11 @@ def ruler_figure(result: dict[str, Any]) -> Figure:
     raise ValueError(f"ruler score has shape {score.shape}; expected [tasks, lengths] = "
                      f"{[len(tasks), len(lengths)]}")
   lo, hi = (np.asarray(result[k], np.float64) for k in ("wilson_low", "wilson_high"))
-  fig = new_figure(max(5.5, 3.0 + 1.3 * len(lengths)), max(3.5, 1.5 + 0.55 * len(tasks)))
-  ax = fig.add_subplot()
-  image = ax.imshow(score, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto",
-                    interpolation="nearest")
-  fig.colorbar(image, ax=ax, label="recall (RULER string match)")
-  for i in range(len(tasks)):
-    for j in range(len(lengths)):
-      ax.text(j, i, f"{score[i, j]:.2f}\n[{lo[i, j]:.2f}, {hi[i, j]:.2f}]", ha="center",
-              va="center", fontsize=7,
-              color="black" if 0.25 < score[i, j] < 0.85 else "white")
-  ax.set_xticks(np.arange(len(lengths)))
-  ax.set_xticklabels([str(n) for n in lengths])
-  ax.set_yticks(np.arange(len(tasks)))
-  ax.set_yticklabels(tasks)
-  ax.set_xlabel("context length (tokens)")
-  ax.set_title(f"RULER-style suite ({result.get('split', '?')} split): "
-               f"{result.get('samples', '?')} prompts per cell; [95% Wilson, all correct]",
-               fontsize=9)
+  cells = [[f"{score[i, j]:.2f}\n[{lo[i, j]:.2f}, {hi[i, j]:.2f}]" for j in range(len(lengths))]
+           for i in range(len(tasks))]
+  fig, ax = _unit_grid(score, cells, tasks, [str(n) for n in lengths],
+                       (max(5.5, 3.0 + 1.3 * len(lengths)), max(3.5, 1.5 + 0.55 * len(tasks))),
+                       "recall (RULER string match)", 7)
+  ax.set_title(f"RULER-style, {result.get('split', '?')} split, {result.get('samples', '?')} "
+               "prompts/cell [95% Wilson, all correct]", fontsize=9)
   return fig
