@@ -12,7 +12,7 @@ from absl import logging
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers import moe
-from hybridmoe_jax.ops import attention_backends, latent_attention
+from hybridmoe_jax.ops import attention_backends, grouped_ffn, latent_attention
 from hybridmoe_jax.ops.kda import PALLAS_BACKENDS
 from hybridmoe_jax.ops.kda import choose as kda_choose
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan
@@ -68,8 +68,11 @@ def _report(cfg: ModelConfig, compute: ComputeConfig, plan: ExecutionPlan,
     lines.append(_mla_line(cfg, compute, plan, backend, capability, mla_layers))
   moe_layers = list(cfg.moe_layers)
   if moe_layers:
-    lines.append((f"{_layer_list(moe_layers)} (moe): {moe.choose(compute.moe_impl, plan)[1]}",
-                  False))
+    experts, _ = moe.choose(compute.moe_impl, plan)
+    matmul = (f"; grouped matmul {grouped_ffn.choose('auto', backend)[1]}"
+              if experts in ("ragged", "dispatch") else "")
+    lines.append((f"{_layer_list(moe_layers)} (moe): {moe.choose(compute.moe_impl, plan)[1]}"
+                  f"{matmul}", False))
   return lines
 
 

@@ -8,6 +8,17 @@ on TPU (jax >= 0.11, Mosaic ragged-dot; jax 0.10 compiled it to a dense convolut
 every local expert, 11.2x: tests/ops/test_grouped_ffn.py compiles it for a v5p chip).
 Bytes: every intermediate ([N, I] gate / up / GLU, [N, n] output) is in the compute dtype,
 with fp32 accumulation only inside the matmuls (as MaxText's MoE); the GLU itself in fp32.
+The grouped matmul has two implementations (`IMPLS`, chosen by `choose`):
+  "ragged_dot": `jax.lax.ragged_dot`, XLA's own (every platform). On TPU its input gradient
+    contracts the weights over their last dim, which the Mosaic kernel cannot read in place:
+    XLA copies each [G, n, I] weight transposed first (a full read + write per matmul).
+  "megablox": jax's Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`,
+    part of jax, what MaxText's MoE runs) with its custom VJP: the input gradient reads the
+    weights transposed inside the kernel's tiles (no copy), the weight gradient is its
+    grouped transposed matmul. TPU only (a Mosaic kernel; interpret mode elsewhere, for
+    tests). At the Kimi-Linear-48B fsdp shapes (4,096 tokens x top 8, 256 experts) the
+    layer's fwd+bwd costs 9.42 ms vs 11.39 ms by libtpu's cost model (COMPILER ESTIMATES,
+    `benchmarks/moe_intensity.py`).
 Conventions: N rows, G experts (groups), n = expert input width, I = expert width.
 """
 
@@ -18,12 +29,62 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from hybridmoe_jax.ops.platform import target_platform
+
 _F32 = jnp.float32
+IMPLS = ("auto", "ragged_dot", "megablox")
+# Megablox tiles (rows, contraction, output): the lowest cost-model step of those tried at the
+# 48B fsdp shapes (128/256/512 rows x 1,024 x 1,024: 11.74 / 10.19 / 9.42 ms, COMPILER
+# ESTIMATES); rows per tile shrink to divide N, contraction and output tiles clip to the dims.
+_TILE = (512, 1024, 1024)
+
+
+def choose(impl: str = "auto", platform: str | None = None) -> tuple[str, str]:
+  """The grouped matmul for the program being traced (or for `platform`) -> (name, reason).
+  "auto": megablox on TPU, ragged_dot elsewhere; a named impl is used as asked (megablox off
+  TPU runs the kernel in interpret mode: tests only)."""
+  if impl not in IMPLS:
+    raise ValueError(f"grouped matmul impl={impl!r} is invalid: allowed {IMPLS}")
+  if impl != "auto":
+    return impl, f"{impl} (compute.grouped_matmul)"
+  platform, where = target_platform() if platform is None else (platform, "given")
+  if platform == "tpu":
+    return "megablox", ("megablox: jax's Pallas TPU grouped matmul (its input gradient reads "
+                        "the weights transposed in-kernel; ragged_dot copies them)")
+  return "ragged_dot", f"ragged_dot: XLA's grouped matmul ({platform}, {where})"
+
+
+def _row_tile(rows: int) -> int | None:
+  """The largest megablox row tile <= _TILE[0] dividing `rows` (multiples of 8), else None."""
+  for t in (512, 256, 128, 64, 32, 16, 8):
+    if t <= _TILE[0] and rows % t == 0:
+      return t
+  return None
+
+
+def _grouped_matmul(impl: str, dtype):
+  """-> dot(a [N, K], w [G, K, M], sizes [G] int32) -> [N, M] in `dtype` (fp32 accumulation
+  inside), rows grouped in order of `sizes`; rows past sum(sizes) unspecified."""
+  if impl == "megablox":
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # pylint: disable=g-import-not-at-top
+    interpret = target_platform()[0] != "tpu"
+
+    def dot(a, w, sizes):
+      tm = _row_tile(a.shape[0])
+      if tm is None:  # rows not a multiple of 8: the XLA matmul (exact, only slower)
+        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
+                                  preferred_element_type=dtype)
+      tiling = (tm, min(_TILE[1], w.shape[1]), min(_TILE[2], w.shape[2]))
+      return megablox.gmm(a.astype(dtype), w.astype(dtype), sizes, dtype, tiling, None, None,
+                          False, interpret)
+    return dot
+  return lambda a, w, sizes: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
+                                                preferred_element_type=dtype)
 
 
 def grouped_ffn(x: jax.Array, groups: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array, *, glu: Callable, dtype, rows: jax.Array | None = None
-                ) -> jax.Array:
+                w_down: jax.Array, *, glu: Callable, dtype, rows: jax.Array | None = None,
+                impl: str = "auto") -> jax.Array:
   """y[r] = W_down[g] glu(x_r W_gate[g], x_r W_up[g]) with g = groups[r], x_r = x[rows[r]].
 
   Args:
@@ -35,6 +96,7 @@ def grouped_ffn(x: jax.Array, groups: jax.Array, w_gate: jax.Array, w_up: jax.Ar
     dtype: matmul and intermediate dtype (fp32 accumulation inside each matmul).
     rows: optional [N] int32 row of `x` feeding output row r (default r, i.e. N = M);
       the local MoE passes assignment // k so tokens are gathered once, already sorted.
+    impl: the grouped matmul (`IMPLS`; "auto" = `choose`'s pick for the target platform).
 
   Returns:
     [N, n] in `dtype`, in the order of `groups`.
@@ -45,8 +107,16 @@ def grouped_ffn(x: jax.Array, groups: jax.Array, w_gate: jax.Array, w_up: jax.Ar
   src = order if rows is None else jnp.take(rows, order)
   xs = jnp.take(x, src, axis=0).astype(dtype)                 # [N, n], grouped by expert
   sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[groups].add(1)[:num_groups]
-  dot = lambda a, w: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
-                                        preferred_element_type=dtype)
+  name = choose(impl)[0]
+  matmul = _grouped_matmul(name, dtype)
+  dot = lambda a, w: matmul(a, w, sizes)
+  if name == "megablox":
+    # The kernel leaves rows past sum(sizes) (skipped rows) unwritten, forward and backward:
+    # zero them where they enter and leave, so neither y nor dx can carry that memory.
+    kept = (jnp.arange(xs.shape[0], dtype=jnp.int32) < jnp.sum(sizes))[:, None]
+    xs = jnp.where(kept, xs, jnp.zeros((), dtype))
   h = glu(dot(xs, w_gate).astype(_F32), dot(xs, w_up).astype(_F32))   # [N, I] fp32, fused
   ys = dot(h, w_down)                                         # [N, n] dtype, sorted
+  if name == "megablox":
+    ys = jnp.where(kept, ys, jnp.zeros((), ys.dtype))
   return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
