@@ -221,7 +221,9 @@ class BatchEngine:
   def warm_up(self, vocab_limit, progress=None) -> int:
     """Compile every bucket of every call (each run on scratch rows only: no request's row
     changes) -> the number of compiled functions; progress(done, total, name) after each."""
-    steps = [("clear", lambda: self.clear(self.scratch)),
+    # jax.random.PRNGKey compiles on its first call too: a request's key must not.
+    steps = [("seed", lambda: jax.random.PRNGKey(np.uint32(0))),
+             ("clear", lambda: self.clear(self.scratch)),
              ("snapshot", lambda: self.snapshot(self.scratch)),
              ("restore", lambda: self.restore(self.scratch, self.snapshot(self.scratch)))]
     p = self.engine.prefill_chunk

@@ -69,7 +69,7 @@ class Job:
     prompt: int32 [T] token ids (T >= 1; T + max_tokens <= the engine's max_len).
     max_tokens: tokens to draw at most.
     emit: called from the scheduler thread with each Event (must not block).
-    temperature, top_k, top_p, seed: sampling (temperature 0: greedy).
+    temperature, top_k, top_p, seed: sampling (temperature 0: greedy; seed in [0, 2**32)).
     stop_tokens: at most MAX_STOP_IDS ids that end the job (emitted, then ("done", "stop")).
     name: shown in the job's log line.
   """
@@ -107,7 +107,7 @@ class Scheduler:
     decode_steps: K, most decode steps per call (>= 1).
     prefill_rows: most prompts fed a chunk in one call (>= 1).
     prefix_cache_bytes: memory for prefix snapshots (each one cache row,
-      `batch.row_bytes()`); 0: no prefix cache, else room for at least one.
+      `batch.row_bytes()`); 0, or less than one row: no prefix cache (said in the log).
     progress: called with each warm-up line (default: the log).
   """
 
@@ -122,10 +122,13 @@ class Scheduler:
     self.engine, self.slots = engine, int(slots)
     self.batch = BatchEngine(engine, slots=self.slots, decode_steps=decode_steps,
                              prefill_rows=prefill_rows)
-    self.prefix = None if not prefix_cache_bytes else PrefixCache(
-        engine.prefill_chunk, max(1, prefix_cache_bytes // self.batch.row_bytes()))
-    self.metrics = Metrics()
     self._progress = progress or log.info
+    rows = prefix_cache_bytes // self.batch.row_bytes()
+    self.prefix = PrefixCache(engine.prefill_chunk, rows) if rows else None
+    if prefix_cache_bytes and not rows:
+      self._progress(f"prefix cache off: {prefix_cache_bytes} bytes hold no cache row "
+                     f"({self.batch.row_bytes()} bytes each)")
+    self.metrics = Metrics()
     self._vocab_limit = np.int32(vocab_limit)
     self._rows: list[Job | None] = [None] * self.slots
     self._keys = np.zeros((self.slots, 2), np.uint32)
@@ -321,7 +324,8 @@ class Scheduler:
       if job is None:
         break
       self._rows[s] = job
-      self._keys[s] = np.asarray(jax.random.PRNGKey(job.seed))
+      # uint32: the dtype warm-up compiled PRNGKey for (a Python int would compile again).
+      self._keys[s] = np.asarray(jax.random.PRNGKey(np.uint32(job.seed % 2**32)))
       n, snap = (0, None) if self.prefix is None else self.prefix.lookup(job.prompt)
       if snap is not None:
         self.batch.restore(s, snap)

@@ -6,6 +6,7 @@ metrics in Prometheus' text format, one log line per request, draining shutdown.
 import logging
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -76,12 +77,21 @@ def test_mixed_workload_traces_nothing_after_warm_up_and_equals_generate(lm, war
           for i, (t, m) in enumerate(zip(texts, limits))]
   doomed = Job(enc("cancel me"), 20, lambda e: None)
   before = batch_engine.trace_counts()
-  with caplog.at_level(logging.INFO, logger="hybridmoe_jax.serve"):
-    warm.submit(doomed)
-    warm._iteration()
-    warm.cancel(doomed)
-    run(warm, jobs[:5], late=jobs[5:])
-  assert batch_engine.trace_counts() == before       # no request compiled anything
+  compiles = []        # every XLA compilation in the process (the PRNG key's included)
+
+  def listen(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    with caplog.at_level(logging.INFO, logger="hybridmoe_jax.serve"):
+      warm.submit(doomed)
+      warm._iteration()
+      warm.cancel(doomed)
+      run(warm, jobs[:5], late=jobs[5:])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert batch_engine.trace_counts() == before and not compiles   # no request compiled
   used = {k for k in warm.batch.calls}
   assert {("decode", b) for b in (1, 2, 4)} <= used and ("prefill", 2) in used, used
   for i, job in enumerate(jobs):
@@ -187,6 +197,8 @@ def test_bad_options_are_one_line_errors(lm):
                         (dict(prefix_cache_bytes=-1), "prefix_cache_bytes=-1")):
     with pytest.raises(ValueError, match=words):
       Scheduler(lm.engine, **kwargs)
-  sched = Scheduler(lm.engine, slots=1)
+  lines = []
+  sched = Scheduler(lm.engine, slots=1, prefix_cache_bytes=10, progress=lines.append)
+  assert sched.prefix is None and "prefix cache off: 10 bytes hold no cache row" in lines[0]
   with pytest.raises(ValueError, match="stop_tokens: 9 ids"):
     sched.submit(Job(np.ones(2, np.int32), 2, lambda e: None, stop_tokens=frozenset(range(9))))
