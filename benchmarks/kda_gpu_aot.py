@@ -22,7 +22,6 @@ why when it cannot run. All figures are COMPILER REPORTS: no GPU ran anything.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import glob
 import json
@@ -37,13 +36,18 @@ from hybridmoe_jax.tools import gpu_kernel_report as gkr  # noqa: E402  (jax-fre
 _DUMP = tempfile.mkdtemp(prefix="kda_gpu_aot_")
 # Before jax starts: a CPU host describing GPUs, ptxas's report logged, thunks dumped.
 os.environ["JAX_PLATFORMS"] = "cpu"
+_CUDA = gkr.install_ptxas_wrapper(_DUMP)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {gkr.compiler_flags(_DUMP)}"
-os.environ.update(gkr.LOG_ENV)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from jax._src import lib as jax_lib  # noqa: E402  pylint: disable=g-direct-jax-src-import
+
+# jax passes its own CUDA directory to every compile (compiler.py: xla_gpu_cuda_data_dir =
+# lib.cuda_path), over XLA_FLAGS: point it at the wrapper's, whose ptxas reports (-v).
+jax_lib.cuda_path = _CUDA
 
 from hybridmoe_jax.parallel.topology import gpu_topology_devices  # noqa: E402
 from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
@@ -51,21 +55,6 @@ from pallas_kernels.kda import kda_pallas  # noqa: E402
 from pallas_kernels.kda.config import default_gpu_config  # noqa: E402
 
 LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
-
-
-@contextlib.contextmanager
-def stderr_to(path: str):
-  """fd 2 (where XLA's C++ logging writes) into `path` for the block."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with open(path, "w") as f:
-    os.dup2(f.fileno(), 2)
-  try:
-    yield
-  finally:
-    sys.stderr.flush()
-    os.dup2(saved, 2)
-    os.close(saved)
 
 
 def arg_specs(T: int, packed: bool):
@@ -100,14 +89,15 @@ def compile_gpu(mesh: Mesh, mode: str, T: int, packed: bool, config) -> tuple[di
   name = f"kda_{mode}_{packing}_{T}"
   specs = arg_specs(T, packed)
   rep = NamedSharding(mesh, PartitionSpec())
-  log = os.path.join(_DUMP, f"{name}.ptxas.log")
-  with stopwatch() as sw, stderr_to(log), jax.set_mesh(mesh):
+  log = os.path.join(_DUMP, gkr.PTXAS_LOG)
+  if os.path.exists(log):
+    os.remove(log)   # this program's kernels only
+  with stopwatch() as sw, jax.set_mesh(mesh):
     fn = jax.jit(program(mode, config, name), in_shardings=(rep,) * len(specs))
     compiled = fn.lower(*specs).compile()
   thunks = "".join(open(p).read() for p in
                    glob.glob(os.path.join(_DUMP, f"*jit_{name}.thunk_sequence.txt")))
-  with open(log) as f:
-    ptxas = f.read()
+  ptxas = open(log).read() if os.path.exists(log) else ""
   mem = compiled.memory_analysis()
   launches = gkr.parse_thunks(thunks)
   kernels = gkr.kernel_rows(ptxas, thunks, prefix="kda_")
@@ -149,6 +139,10 @@ def parse_config(text: str):
   return dataclasses.replace(cfg, **changes)
 
 
+_PTXAS_FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_bytes",
+                 "resident_per_sm")
+
+
 def emit(row: dict, out) -> None:
   line = json.dumps(row)
   print("JSON " + line, flush=True)
@@ -172,11 +166,17 @@ def main(argv=None) -> None:
   mesh = Mesh(np.array(gpu_topology_devices(f"{a.gpu}:1")), ("x",))
   print(f"# {mesh.devices.flat[0].device_kind} (deviceless), jax {jax.__version__}, "
         f"{config}; dumps in {_DUMP}", file=sys.stderr)
+  seen = {}   # (kernel, T, packing) -> its row with ptxas's report
   for T in a.T:
     for packing in a.packing:
       for mode in a.modes:
         row, kernels = compile_gpu(mesh, mode, T, packing == "packed", config)
         for k in kernels:
+          key = (k["kernel"], T, packing)
+          if k["registers"] is None and key in seen:  # compiled once, reused: that report
+            k.update({f: seen[key][f] for f in _PTXAS_FIELDS}, ptxas_from=seen[key]["program"])
+          elif k["registers"] is not None:
+            seen[key] = k
           emit(k, a.out)
         if mode == "fwdbwd":
           tpu = tpu_temp_bytes(a.tpu, T, packing == "packed")

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .chunk_math import SUB, backward_chunk, forward_chunk, output_chunk, states_chunk
+from .chunk_math import SUB, forward_chunk, mm, mm_nt, mm_tn, states_chunk
 from .config import GpuConfig, lax_precision
 
 _f32 = jnp.float32
@@ -95,102 +95,183 @@ def _chunk_specs(N, C, K, BV):
   return k_side, v_side, decay, state, states
 
 
-def states(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
-  """States entering each chunk: St [BH, N, V, K] f32 from chunk_prep's w, u, k_out, decay."""
+def _parallel_params(cfg: GpuConfig):
+  """The chunk-parallel kernels hold whole [C, K] fp32 tiles: 8 warps keep them in registers."""
+  return plgpu.CompilerParams(num_warps=max(cfg.num_warps, 8), num_stages=cfg.num_stages)
+
+
+def _per_chunk_specs(C, K, BV):
+  """Block specs over the chunk layout [BH, N, C, F] for the chunk-parallel grid (BH, N, NV):
+  one chunk (and one value tile) per program."""
+  k_side = pl.BlockSpec((None, None, C, K), lambda i, n, j: (i, n, 0, 0))
+  v_side = pl.BlockSpec((None, None, C, BV), lambda i, n, j: (i, n, 0, j))
+  a_spec = pl.BlockSpec((None, None, C, C), lambda i, n, j: (i, n, 0, 0))
+  decay = pl.BlockSpec((None, None, 1, K), lambda i, n, j: (i, n, 0, 0))
+  state = pl.BlockSpec((None, None, BV, K), lambda i, n, j: (i, n, j, 0))
+  return k_side, v_side, a_spec, decay, state
+
+
+def _states_and_final(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
+  """The sequential pass: the state entering each chunk, St [BH, N, V, K] f32, and the final
+  state [BH, V, K] f32. Per chunk two [C, K] x [K, BV] products: the light part of the
+  recurrence (chunk_prep did the 16 x 16 solves, chunk-parallel, in XLA)."""
   BH, N, C, K = w.shape
   V, BV = u.shape[-1], cfg.block_v
   prec = lax_precision(cfg.precision)
   k_side, v_side, decay_spec, state, states_spec = _chunk_specs(N, C, K, BV)
 
-  def kernel(w_ref, u_ref, ko_ref, d_ref, s0_ref, st_ref):
+  def kernel(w_ref, u_ref, ko_ref, d_ref, s0_ref, st_ref, ht_ref):
     def body(n, St):
       st_ref[n] = St
       return states_chunk(w_ref[n], u_ref[n], ko_ref[n], d_ref[n], St, prec)
-
-    lax.fori_loop(0, N, body, s0_ref[...])
-
-  return pl.pallas_call(
-      kernel,
-      grid=(BH, V // BV),
-      in_specs=[k_side, v_side, k_side, decay_spec, state],
-      out_specs=states_spec,
-      out_shape=jax.ShapeDtypeStruct((BH, N, V, K), _f32),
-      compiler_params=_params(cfg),
-      interpret=interpret,
-      name="kda_states_gpu",
-  )(w, u, k_out, decay, s0t)
-
-
-def recurrent_forward(w, u, q_in, k_out, a_qk, decay, s0t, *, out_dtype, cfg: GpuConfig,
-                      interpret: bool):
-  """Split forward's recurrence: (o [BH, N, C, V] in out_dtype, final St [BH, V, K] f32)."""
-  BH, N, C, K = w.shape
-  V, BV = u.shape[-1], cfg.block_v
-  prec = lax_precision(cfg.precision)
-  k_side, v_side, decay_spec, state, _ = _chunk_specs(N, C, K, BV)
-
-  def kernel(w_ref, u_ref, qi_ref, ko_ref, a_ref, d_ref, s0_ref, o_ref, ht_ref):
-    def body(n, St):
-      o, St = output_chunk(w_ref[n], u_ref[n], qi_ref[n], ko_ref[n], a_ref[n], d_ref[n],
-                           St, prec)
-      o_ref[n] = o.astype(o_ref.dtype)
-      return St
 
     ht_ref[...] = lax.fori_loop(0, N, body, s0_ref[...])
 
   return pl.pallas_call(
       kernel,
       grid=(BH, V // BV),
-      in_specs=[k_side, v_side, k_side, k_side,
-                pl.BlockSpec((None, N, C, C), lambda i, j: (i, 0, 0, 0)), decay_spec, state],
-      out_specs=[v_side, state],
-      out_shape=[jax.ShapeDtypeStruct((BH, N, C, V), out_dtype),
+      in_specs=[k_side, v_side, k_side, decay_spec, state],
+      out_specs=[states_spec, state],
+      out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
                  jax.ShapeDtypeStruct((BH, V, K), _f32)],
       compiler_params=_params(cfg),
       interpret=interpret,
-      name="kda_recurrent_fwd_gpu",
-  )(w, u, q_in, k_out, a_qk, decay, s0t)
+      name="kda_states_gpu",
+  )(w, u, k_out, decay, s0t)
 
 
-def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
-             interpret: bool):
-  """Reverse chunk recurrence. Returns (dw, dq_in, dk_out [NV, BH, N, C, K],
-  da [NV, BH, N, C, C], du [BH, N, C, V], ddecay [NV, BH, N, 1, K], dS0t [BH, V, K])."""
+def states(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
+  """States entering each chunk: St [BH, N, V, K] f32 from chunk_prep's w, u, k_out, decay."""
+  return _states_and_final(w, u, k_out, decay, s0t, cfg=cfg, interpret=interpret)[0]
+
+
+def _outputs(w, u, q_in, a_qk, st, *, out_dtype, cfg: GpuConfig, interpret: bool):
+  """Chunk-parallel outputs o [BH, N, C, V] = q_in S + A (U - W S) with S the state entering
+  each chunk (st [BH, N, V, K], transposed): one program per (head, chunk, value tile)."""
   BH, N, C, K = w.shape
   V, BV = u.shape[-1], cfg.block_v
-  NV = V // BV
+  prec = lax_precision(cfg.precision)
+  k_side, v_side, a_spec, _, state = _per_chunk_specs(C, K, BV)
+
+  def kernel(w_ref, u_ref, qi_ref, a_ref, st_ref, o_ref):
+    St = st_ref[...]
+    v_new = u_ref[...] - mm_nt(w_ref[...], St, prec)
+    o = mm_nt(qi_ref[...], St, prec) + mm(a_ref[...], v_new, prec)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+  return pl.pallas_call(
+      kernel,
+      grid=(BH, N, V // BV),
+      in_specs=[k_side, v_side, k_side, a_spec, state],
+      out_specs=v_side,
+      out_shape=jax.ShapeDtypeStruct((BH, N, C, V), out_dtype),
+      compiler_params=_parallel_params(cfg),
+      interpret=interpret,
+      name="kda_output_gpu",
+  )(w, u, q_in, a_qk, st)
+
+
+def recurrent_forward(w, u, q_in, k_out, a_qk, decay, s0t, *, out_dtype, cfg: GpuConfig,
+                      interpret: bool):
+  """Split forward's recurrence: (o [BH, N, C, V] in out_dtype, final St [BH, V, K] f32).
+
+  Two kernels: the sequential states pass (BH x V / BV programs) and the chunk-parallel
+  output pass (BH x N x V / BV programs), so the chunk-parallel work fills the SMs."""
+  st, final = _states_and_final(w, u, k_out, decay, s0t, cfg=cfg, interpret=interpret)
+  o = _outputs(w, u, q_in, a_qk, st, out_dtype=out_dtype, cfg=cfg, interpret=interpret)
+  return o, final
+
+
+def _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, *, cfg: GpuConfig, interpret: bool):
+  """The reverse pass: the gradient w.r.t. the state leaving each chunk, dSt [BH, N, V, K]
+  f32, and w.r.t. the initial state [BH, V, K]. It needs no forward state:
+  dS_in = do^T q_in + decay dS - dVn^T W with dVn = A^T do + k_out dS^T."""
+  BH, N, C, K = w.shape
+  V, BV = do.shape[-1], cfg.block_v
   prec = lax_precision(cfg.precision)
   k_side, v_side, decay_spec, state, states_spec = _chunk_specs(N, C, K, BV)
   a_spec = pl.BlockSpec((None, N, C, C), lambda i, j: (i, 0, 0, 0))
 
-  def part(f):  # per-value-tile partial sums: [NV, BH, N, C, f]
-    return pl.BlockSpec((None, None, N, C, f), lambda i, j: (j, i, 0, 0, 0))
-
-  def kernel(w_ref, qi_ref, ko_ref, a_ref, u_ref, do_ref, d_ref, st_ref, dht_ref,
-             dw_ref, dqi_ref, dko_ref, da_ref, du_ref, dd_ref, ds0_ref):
+  def kernel(w_ref, qi_ref, ko_ref, a_ref, do_ref, d_ref, dht_ref, dst_ref, ds0_ref):
     def body(i, dSt):
       n = N - 1 - i
-      outs = backward_chunk(w_ref[n], qi_ref[n], ko_ref[n], a_ref[n], u_ref[n],
-                            do_ref[n].astype(_f32), d_ref[n], st_ref[n], dSt, prec)
-      for ref, x in zip((dw_ref, dqi_ref, dko_ref, da_ref, du_ref, dd_ref), outs[:6]):
-        ref[n] = x
-      return outs[6]
+      dst_ref[n] = dSt
+      do = do_ref[n].astype(_f32)
+      dv_new = mm_tn(a_ref[n], do, prec) + mm_nt(ko_ref[n], dSt, prec)
+      return mm_tn(do, qi_ref[n], prec) + dSt * d_ref[n] - mm_tn(dv_new, w_ref[n], prec)
 
     ds0_ref[...] = lax.fori_loop(0, N, body, dht_ref[...])
 
-  out_shape = [jax.ShapeDtypeStruct((NV, BH, N, C, f), _f32) for f in (K, K, K, C)]
-  out_shape += [jax.ShapeDtypeStruct((BH, N, C, V), _f32),
-                jax.ShapeDtypeStruct((NV, BH, N, 1, K), _f32),
-                jax.ShapeDtypeStruct((BH, V, K), _f32)]
   return pl.pallas_call(
       kernel,
-      grid=(BH, NV),
-      in_specs=[k_side, k_side, k_side, a_spec, v_side, v_side, decay_spec, states_spec,
-                state],
-      out_specs=[part(K), part(K), part(K), part(C), v_side,
-                 pl.BlockSpec((None, None, N, 1, K), lambda i, j: (j, i, 0, 0, 0)), state],
-      out_shape=out_shape,
+      grid=(BH, V // BV),
+      in_specs=[k_side, k_side, k_side, a_spec, v_side, decay_spec, state],
+      out_specs=[states_spec, state],
+      out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
+                 jax.ShapeDtypeStruct((BH, V, K), _f32)],
       compiler_params=_params(cfg),
       interpret=interpret,
+      name="kda_dstates_gpu",
+  )(w, q_in, k_out, a_qk, do, decay, dht_t)
+
+
+def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
+             interpret: bool):
+  """Reverse chunk recurrence. Returns (dw, dq_in, dk_out [1, BH, N, C, K],
+  da [1, BH, N, C, C], du [BH, N, C, V], ddecay [1, BH, N, 1, K], dS0t [BH, V, K]) (the
+  leading 1: value tiles already summed).
+
+  Two kernels: the sequential reverse pass over the state gradient (`_state_grads`), then
+  every chunk's gradients at once from the states entering it (st) and the state gradients
+  leaving it: one program per (head, chunk) walking the value tiles of BV, summing the
+  K-side gradients over them in registers (`chunk_math.backward_chunk`'s products without
+  its carry), so no per-tile partial sums reach HBM."""
+  BH, N, C, K = w.shape
+  V, BV = u.shape[-1], cfg.block_v
+  NV = V // BV
+  prec = lax_precision(cfg.precision)
+  dst, ds0 = _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, cfg=cfg,
+                          interpret=interpret)
+  k_side = pl.BlockSpec((None, None, C, K), lambda i, n: (i, n, 0, 0))
+  v_all = pl.BlockSpec((None, None, C, V), lambda i, n: (i, n, 0, 0))
+  a_spec = pl.BlockSpec((None, None, C, C), lambda i, n: (i, n, 0, 0))
+  states_spec = pl.BlockSpec((None, None, V, K), lambda i, n: (i, n, 0, 0))
+
+  def out(f):
+    return pl.BlockSpec((None, None, None, C, f), lambda i, n: (0, i, n, 0, 0))
+
+  def kernel(w_ref, ko_ref, a_ref, u_ref, do_ref, st_ref, dst_ref,
+             dw_ref, dqi_ref, dko_ref, da_ref, du_ref, dd_ref):
+    w_c, ko, a = w_ref[...], ko_ref[...], a_ref[...]
+    dw = dqi = dko = jnp.zeros((C, K), _f32)
+    da = jnp.zeros((C, C), _f32)
+    dd = jnp.zeros((1, K), _f32)
+    for j in range(NV):  # value tiles, unrolled: NV <= 16
+      cols = pl.ds(j * BV, BV)
+      St, dSt = st_ref[cols, :], dst_ref[cols, :]
+      do = do_ref[:, cols].astype(_f32)
+      v_new = u_ref[:, cols] - mm_nt(w_c, St, prec)
+      dv_new = mm_tn(a, do, prec) + mm_nt(ko, dSt, prec)
+      du_ref[:, cols] = dv_new
+      dw = dw - mm(dv_new, St, prec)
+      dqi = dqi + mm(do, St, prec)
+      dko = dko + mm(v_new, dSt, prec)
+      da = da + mm_nt(do, v_new, prec)
+      dd = dd + jnp.sum(St * dSt, axis=0, keepdims=True)
+    dw_ref[...], dqi_ref[...], dko_ref[...], da_ref[...], dd_ref[...] = dw, dqi, dko, da, dd
+
+  out_shape = [jax.ShapeDtypeStruct((1, BH, N, C, f), _f32) for f in (K, K, K, C)]
+  out_shape += [jax.ShapeDtypeStruct((BH, N, C, V), _f32),
+                jax.ShapeDtypeStruct((1, BH, N, 1, K), _f32)]
+  outs = pl.pallas_call(
+      kernel,
+      grid=(BH, N),
+      in_specs=[k_side, k_side, a_spec, v_all, v_all, states_spec, states_spec],
+      out_specs=[out(K), out(K), out(K), out(C), v_all,
+                 pl.BlockSpec((None, None, None, 1, K), lambda i, n: (0, i, n, 0, 0))],
+      out_shape=out_shape,
+      compiler_params=_parallel_params(cfg),
+      interpret=interpret,
       name="kda_bwd_gpu",
-  )(w, q_in, k_out, a_qk, u, do, decay, st, dht_t)
+  )(w, k_out, a_qk, u, do, st, dst)
+  return (*outs, ds0)
