@@ -35,7 +35,7 @@ _F32 = jnp.float32
 IMPLS = ("auto", "ragged_dot", "megablox")
 # Megablox tiles (rows, contraction, output): the lowest cost-model step of those tried at the
 # 48B fsdp shapes (128/256/512 rows x 1,024 x 1,024: 11.74 / 10.19 / 9.42 ms, COMPILER
-# ESTIMATES); rows per tile shrink to divide N, contraction and output tiles clip to the dims.
+# ESTIMATES); `_megablox_tiling` fits them to each matmul.
 _TILE = (512, 1024, 1024)
 
 
@@ -50,36 +50,45 @@ def choose(impl: str = "auto", platform: str | None = None) -> tuple[str, str]:
   platform, where = target_platform() if platform is None else (platform, "given")
   if platform == "tpu":
     return "megablox", ("megablox: jax's Pallas TPU grouped matmul (its input gradient reads "
-                        "the weights transposed in-kernel; ragged_dot copies them)")
+                        "the weights transposed in-kernel; ragged_dot copies them); ragged_dot "
+                        "where widths are not multiples of 128")
   return "ragged_dot", f"ragged_dot: XLA's grouped matmul ({platform}, {where})"
 
 
-def _row_tile(rows: int) -> int | None:
-  """The largest megablox row tile <= _TILE[0] dividing `rows` (multiples of 8), else None."""
-  for t in (512, 256, 128, 64, 32, 16, 8):
-    if t <= _TILE[0] and rows % t == 0:
-      return t
-  return None
+def _megablox_tiling(rows: int, k: int, n: int) -> tuple[int, int, int] | None:
+  """Megablox tiles for a [rows, k] x [G, k, n] matmul, or None where the kernel cannot run.
+
+  Its custom VJP reuses the tiles for the transposed problem ([rows, n] x [G, k, n]^T), so
+  the contraction and output tiles are one size, valid for both: k and n multiples of 128
+  (Mosaic's lane width), the tile min(1,024, k, n); rows a multiple of 8, the row tile the
+  largest of 512 ... 8 dividing them."""
+  if k % 128 or n % 128:
+    return None
+  tm = next((t for t in (512, 256, 128, 64, 32, 16, 8) if t <= _TILE[0] and rows % t == 0),
+            None)
+  if tm is None:
+    return None
+  t = min(_TILE[1], k, n)
+  return tm, t, t
 
 
 def _grouped_matmul(impl: str, dtype):
   """-> dot(a [N, K], w [G, K, M], sizes [G] int32) -> [N, M] in `dtype` (fp32 accumulation
   inside), rows grouped in order of `sizes`; rows past sum(sizes) unspecified."""
-  if impl == "megablox":
-    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # pylint: disable=g-import-not-at-top
-    interpret = target_platform()[0] != "tpu"
+  ragged = lambda a, w, sizes: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
+                                                  preferred_element_type=dtype)
+  if impl != "megablox":
+    return ragged
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # pylint: disable=g-import-not-at-top
+  interpret = target_platform()[0] != "tpu"
 
-    def dot(a, w, sizes):
-      tm = _row_tile(a.shape[0])
-      if tm is None:  # rows not a multiple of 8: the XLA matmul (exact, only slower)
-        return jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
-                                  preferred_element_type=dtype)
-      tiling = (tm, min(_TILE[1], w.shape[1]), min(_TILE[2], w.shape[2]))
-      return megablox.gmm(a.astype(dtype), w.astype(dtype), sizes, dtype, tiling, None, None,
-                          False, interpret)
-    return dot
-  return lambda a, w, sizes: jax.lax.ragged_dot(a.astype(dtype), w.astype(dtype), sizes,
-                                                preferred_element_type=dtype)
+  def dot(a, w, sizes):
+    tiling = _megablox_tiling(a.shape[0], w.shape[1], w.shape[2])
+    if tiling is None:  # shapes the kernel cannot tile: XLA's matmul (exact, only slower)
+      return ragged(a, w, sizes)
+    return megablox.gmm(a.astype(dtype), w.astype(dtype), sizes, dtype, tiling, None, None,
+                        False, interpret)
+  return dot
 
 
 def grouped_ffn(x: jax.Array, groups: jax.Array, w_gate: jax.Array, w_up: jax.Array,

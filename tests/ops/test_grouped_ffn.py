@@ -70,6 +70,13 @@ def test_grouped_gradient_costs_the_grouped_work_at_48b_shard_shapes(impl):
   _check(rows=32768, n=2304, inner=1024, experts=32, impl=impl)
 
 
+def test_megablox_tiles_fit_both_directions():
+  assert grouped_ffn_lib._megablox_tiling(32768, 2304, 1024) == (512, 1024, 1024)
+  assert grouped_ffn_lib._megablox_tiling(1024, 64, 32) is None     # widths under 128 lanes
+  assert grouped_ffn_lib._megablox_tiling(37, 128, 256) is None     # rows not a multiple of 8
+  assert grouped_ffn_lib._megablox_tiling(40, 256, 128) == (8, 128, 128)
+
+
 def test_auto_picks_megablox_on_tpu_only():
   assert grouped_ffn_lib.choose("auto", "tpu")[0] == "megablox"
   assert grouped_ffn_lib.choose("auto", "gpu")[0] == "ragged_dot"
@@ -78,13 +85,14 @@ def test_auto_picks_megablox_on_tpu_only():
     grouped_ffn_lib.choose("gmm")
 
 
-@pytest.mark.parametrize("rows", [64, 37])  # whole 64-row tiles; no tile (the XLA fallback)
-def test_megablox_matches_ragged_dot_forward_and_backward(rows):
+@pytest.mark.parametrize("rows,n,inner", [(64, 128, 256), (37, 128, 256), (64, 24, 40)])
+def test_megablox_matches_ragged_dot_forward_and_backward(rows, n, inner):
   """The Pallas TPU grouped matmul (interpret mode here) against XLA's ragged_dot: outputs
   and the gradients of x and all three weights, skipped rows (group G) in the batch; a
-  skipped row's output and its dx are zero (the kernel leaves those rows unwritten)."""
+  skipped row's output is zero (the kernel leaves those rows unwritten). 37 rows (not a
+  multiple of 8) and widths under 128 take the ragged_dot fallback: the same contract."""
   k = jax.random.split(jax.random.key(1), 5)
-  n, inner, experts = 24, 40, 5
+  experts = 5
   x = jax.random.normal(k[0], (rows, n))
   wg, wu = (jax.random.normal(k[i], (experts, n, inner)) * n ** -0.5 for i in (1, 2))
   wd = jax.random.normal(k[3], (experts, inner, n)) * inner ** -0.5
