@@ -369,3 +369,47 @@ def test_health_is_503_while_warming_up_and_requests_wait(lm):
       assert not answer.done() and sched.waiting == 1
       release.set()
       assert answer.result(timeout=120).choices[0].text == reference_text(lm, "wait", 4)
+
+
+@pytest.mark.slow
+def test_sigterm_lets_running_requests_finish(model_path):
+  """`python -m hybridmoe_jax.serve`: SIGTERM while requests run and wait -> every one is
+  answered in full (greedy text equal to generate's), then the process exits."""
+  import signal
+  import socket
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  proc = subprocess.Popen([sys.executable, "-m", "hybridmoe_jax.serve", f"--workdir={model_path}",
+                           f"--port={port}", "--max_len=1024", "--prefill_chunk=8", "--slots=2",
+                           "--decode_steps=4", "--prefill_rows=1", "--shutdown_timeout=60"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+      try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).close()
+        break                               # 200: warmed up
+      except OSError:
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    prompts = ["hi", "Once upon", "Hi!", "0123456789"]      # 2 run, 2 wait for a slot
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+      answers = [pool.submit(client.completions.create, model="chat_model", prompt=p,
+                             max_tokens=1000, temperature=0) for p in prompts]
+      while json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
+                                              timeout=5).read())["busy"] < len(prompts):
+        time.sleep(0.01)
+      proc.send_signal(signal.SIGTERM)
+      texts = [a.result(timeout=120).choices[0].text for a in answers]
+    assert proc.wait(60) in (0, -signal.SIGTERM)   # uvicorn re-raises the signal at exit
+  finally:
+    proc.kill()
+    proc.wait(30)
+  lm = api.load(model_path, max_len=1024, prefill_chunk=8)
+  assert texts == [lm.generate(p, max_new_tokens=1000) for p in prompts]
+  assert proc.stderr.read().count(" request cmpl-") == len(prompts)   # one log line each
