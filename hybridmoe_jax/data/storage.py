@@ -86,15 +86,31 @@ def _has_glob(path: str) -> bool:
 
 def _walk(root, suffixes) -> list[str]:
   """Files under `root`, recursively, sorted, hidden entries skipped, filtered by suffix."""
-  found = [p for p in root.rglob("*") if p.is_file()]
+  if is_remote(root):  # one listing call (epath refuses recursive globs on GCS)
+    fs, base = fsspec_for(str(root))
+    scheme = str(root).split("://")[0]
+    found = [f"{scheme}://{p}" for p in fs.find(base)]
+  else:
+    found = [str(p) for p in root.rglob("*") if p.is_file()]
   out = []
   for p in found:
-    rel = str(p)[len(str(root)):].lstrip("/")
+    rel = p[len(str(root)):].lstrip("/")
     if any(part.startswith(".") for part in rel.split("/")):
       continue
-    if suffixes is None or p.name.endswith(tuple(suffixes)):
-      out.append(str(p))
+    if suffixes is None or p.endswith(tuple(suffixes)):
+      out.append(p)
   return sorted(out)
+
+
+def fsspec_for(path: str):
+  """(fsspec filesystem, path without the scheme) for a remote path: listings and
+  directory copies that epath does not offer on GCS."""
+  epath_module()
+  from etils.epath import backend  # pylint: disable=g-import-not-at-top
+  # epath's own filesystem object: one listing cache for both (a copy made through another
+  # instance would leave epath's cached listing stale).
+  fs = backend.fsspec_backend.fs(path)
+  return fs, fs._strip_protocol(path)  # pylint: disable=protected-access
 
 
 def list_files(paths: Iterable, suffixes: Sequence[str] | None, *,

@@ -16,6 +16,14 @@ Sharded states are saved collectively (every process calls `save`; orbax writes 
 once) and restored onto whatever shardings the abstract target carries, so a run may resume
 on a different mesh (`parallel.runtime.Runtime.restore_target`).
 A params export (parameters and routing biases only) is `params_export`'s.
+
+Cloud storage: the checkpoints may live in a bucket (`directory="gs://bucket/run/ckpt"`,
+train.checkpoint_dir) while the workdir (logs, lock, metrics) stays local; the workdir then
+records the location in `checkpoints.url`, so every later reader (a resume, an eval) finds
+them from the workdir alone. Paths go through etils epath (data/storage.py); orbax writes a
+gs:// step in place and marks it complete with commit_success.txt (no rename on GCS), so a
+step without that file is a partial save and is set aside like a local tmp directory.
+Storage failures (no such bucket, no credentials, unreachable) are one line each.
 """
 
 from __future__ import annotations
@@ -37,10 +45,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
+from hybridmoe_jax.data import storage
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 from hybridmoe_jax.train import io_noise
 
 CONFIG_FILE = "model_config.json"
+LOCATION_FILE = "checkpoints.url"   # in the workdir: where its checkpoints live (gs://...)
+_COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" file on GCS
 
 
 @jax.jit
@@ -252,18 +263,21 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int | None = None, async_save: bool = True,
-               read_only: bool = False):
+               read_only: bool = False, directory: str | None = None):
     self.workdir = os.path.abspath(workdir)  # orbax wants absolute paths
-    self.directory = os.path.join(self.workdir, "checkpoints")
-    self.corrupt_dir = os.path.join(self.workdir, "checkpoints_corrupt")
+    self.directory = _checkpoint_location(self.workdir, directory, read_only)
+    self.remote = storage.is_remote(self.directory)
+    self.corrupt_dir = (self.directory.rstrip("/") + "_corrupt" if self.remote
+                        else os.path.join(self.workdir, "checkpoints_corrupt"))
     self.read_only = read_only
     self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
     self._pending: int | None = None   # the step of the last save started
     self._failed = False               # a write failed (reported as CheckpointWriteError)
     io_noise.install()  # also after a failed write, until the process exits
     if read_only:
-      if not os.path.isdir(self.directory):
-        raise ValueError(f"{workdir} has no checkpoints/ directory")
+      if not _isdir(self.directory):
+        raise ValueError(f"{workdir} has no checkpoints/ directory" if not self.remote else
+                         f"{self.directory} (the checkpoints of {workdir}) does not exist")
       options = ocp.CheckpointManagerOptions(read_only=True)
     else:
       self._check_writable()
@@ -277,6 +291,16 @@ class Checkpointer:
     directory stops the run here, in one line, not at the first save (where orbax's save
     threads would wait for a step directory that never appears)."""
     probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+    if self.remote:
+      try:
+        storage.as_path(self.directory).mkdir(parents=True, exist_ok=True)
+        storage.as_path(probe).write_text("probe")
+        storage.as_path(probe).unlink()
+      except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
+        raise CheckpointWriteError(
+            f"cannot write checkpoints: {storage.storage_error(self.directory, e, 'write')}; "
+            "nothing was trained or changed") from None
+      return
     try:
       os.makedirs(self.directory, exist_ok=True)
       os.mkdir(probe)
@@ -446,7 +470,7 @@ class Checkpointer:
 
   def _pruned(self, step: int) -> bool:
     """Step `step` is gone from disk now (rotated out by a writer beside this reader)."""
-    if os.path.isdir(os.path.join(self.directory, str(step))):
+    if _isdir(os.path.join(self.directory, str(step))):
       return False
     logging.warning("checkpoint step %d was removed while this run read it (a run beside it "
                     "rotates checkpoints out: keep_checkpoints); reading the newest step that "
@@ -467,14 +491,64 @@ class Checkpointer:
 
   def _set_aside(self, name: str) -> str:
     """Move directory `name` into corrupt_dir as `<name>-<ms>` (never overwritten) -> there."""
-    os.makedirs(self.corrupt_dir, exist_ok=True)
     dst = os.path.join(self.corrupt_dir, f"{name}-{int(time.time() * 1000)}")
+    if self.remote:  # GCS has no directory rename: copy every object, then delete
+      src = os.path.join(self.directory, name)
+      fs, _ = storage.fsspec_for(src)
+      fs.copy(src, dst, recursive=True)
+      fs.rm(src, recursive=True)
+      fs.invalidate_cache()  # listings cached before the move would still show it
+      return dst
+    os.makedirs(self.corrupt_dir, exist_ok=True)
     shutil.move(os.path.join(self.directory, name), dst)
     return dst
 
   def _quarantine_partial(self) -> None:
     """Move aside unfinished temporary step directories left by a killed save."""
-    for name in sorted(os.listdir(self.directory)):
-      if ".orbax-checkpoint-tmp" in name:
+    for name in sorted(_listdir(self.directory)):
+      # On GCS orbax writes a step in place: one without its commit marker is partial.
+      partial = ".orbax-checkpoint-tmp" in name or (
+          self.remote and name.isdigit()
+          and not storage.as_path(os.path.join(self.directory, name, _COMMIT_MARKER)).exists())
+      if partial:
         logging.warning("found a partial checkpoint %s (a save was interrupted); moved to %s",
                         name, self._set_aside(name))
+
+
+# ------------------------------------------------------------------------------ locations
+def _isdir(path: str) -> bool:
+  return storage.as_path(path).is_dir() if storage.is_remote(path) else os.path.isdir(path)
+
+
+def _listdir(path: str) -> list[str]:
+  if storage.is_remote(path):  # a bucket has no empty directories: nothing there yet
+    try:
+      return [p.name for p in storage.as_path(path).iterdir()]
+    except FileNotFoundError:
+      return []
+  return os.listdir(path)
+
+
+def _checkpoint_location(workdir: str, directory: str | None, read_only: bool) -> str:
+  """workdir/checkpoints, or the remote `directory` (recorded in workdir/checkpoints.url;
+  a later reader without `directory` finds it there). ConfigError (one line) when the
+  workdir records another location than the one asked for."""
+  record = os.path.join(workdir, LOCATION_FILE)
+  saved = None
+  if os.path.isfile(record):
+    with open(record, encoding="utf-8") as f:
+      saved = f.read().strip() or None
+  if directory and saved and directory.rstrip("/") != saved.rstrip("/"):
+    raise ConfigError(f"train.checkpoint_dir = {directory!r}, but the checkpoints of {workdir} "
+                      f"are in {saved!r} ({record}); use that, or a fresh --workdir")
+  directory = directory or saved
+  if not directory:
+    return os.path.join(workdir, "checkpoints")
+  if not storage.is_remote(directory):
+    directory = os.path.abspath(directory)
+  if not saved and not read_only:
+    os.makedirs(workdir, exist_ok=True)
+    with open(record + ".tmp", "w", encoding="utf-8") as f:
+      f.write(directory + "\n")
+    os.replace(record + ".tmp", record)
+  return directory
