@@ -186,6 +186,7 @@ def _old_run_config(steps: int):
                            checkpoint_every=0, heatmap_every=0, async_checkpoints=False,
                            log_every=1))
   m = config.model
+  config.data.tokenizer, m.vocab_size = "byte", 259   # tiny's vocabulary before issue 48
   m.d_model, m.num_layers = 16, 2
   m.kda.update(dict(num_heads=1, num_v_heads=1, head_dim=16, v_head_dim=16))
   m.mla.update(dict(num_heads=1, kv_lora_rank=16))
