@@ -93,6 +93,10 @@ class TrainConfig(Checked):
   checkpoint_every: int = ranged(100, ">= 0", "0: only at the end")
   keep_checkpoints: int = ranged(3, ">= 1")  # checkpoints kept in workdir/checkpoints
   async_checkpoints: bool = True  # write checkpoints in a background thread
+  # Where checkpoints go instead of workdir/checkpoints, e.g. gs://bucket/run/ckpt (logs and
+  # the run lock stay in the local workdir, which records this location for later readers).
+  checkpoint_dir: str = ranged("", Allowed(lambda v: isinstance(v, str) and v.strip() == v,
+                                           "'' or a directory / gs:// path"))
   seed: int = ranged(0, ">= 0")              # parameter init and the training RNG
   # Alert when a layer's MaxVio stays above the threshold for maxvio_alert_steps steps.
   maxvio_alert_threshold: float = ranged(0.5, ">= 0")

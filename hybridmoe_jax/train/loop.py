@@ -191,7 +191,8 @@ def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
   image_ids = tuple(i for i in (tokenizer.image_start_id, tokenizer.image_end_id,
                                 tokenizer.image_pad_id) if i is not None)
   tx = optim.make_optimizer(t, schedule)
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints)
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints, async_save=t.async_checkpoints,
+                               directory=t.checkpoint_dir or None)
   graphdef, state, signature, restored = _restore_or_init(ckpt, cfg, config, tx, data,
                                                           model_dict, rt)
   start = int(state.step)

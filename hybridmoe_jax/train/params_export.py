@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Any, Callable
 
 from absl import logging
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from hybridmoe_jax.data import storage
 from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.model.stack import layout_hint
 from hybridmoe_jax.config.sharding import path_string
@@ -37,6 +39,35 @@ def _flat_leaves(tree) -> list[tuple[str, Any]]:
   return [(path_string(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _export_remote(path: str, params, biases, model_dict, also) -> str:
+  """export_params to a bucket: a local export, then uploaded (params file last)."""
+  if jax.process_count() > 1:
+    raise ExportWriteError(f"--export_params_to={path}: a multi-process run exports to a "
+                           "local or mounted directory only; copy it to the bucket after")
+  dst = storage.as_path(path)
+  try:
+    if dst.exists():
+      raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")
+  except FileExistsError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
+    raise ExportWriteError(str(storage.storage_error(path, e, "write"))) from None
+  with tempfile.TemporaryDirectory(prefix="export_") as tmp:
+    local = export_params(os.path.join(tmp, "export"), params, biases, model_dict, also)
+    names = sorted((os.path.relpath(os.path.join(d, n), local)
+                    for d, _, files in os.walk(local) for n in files),
+                   key=lambda n: (n == PARAMS_FILE, n))
+    try:
+      fs, root = storage.fsspec_for(path)
+      for name in names:
+        fs.put_file(os.path.join(local, name), f"{root}/{name}")
+      fs.invalidate_cache()
+    except Exception as e:  # pylint: disable=broad-except
+      raise ExportWriteError(f"{storage.storage_error(path, e, 'write')}; the export is "
+                             "incomplete there (no params file): rerun to a new path") from None
+  return path
+
+
 def export_params(path: str, params, biases, model_dict: dict[str, Any],
                   also: Callable[[str], None] | None = None) -> str:
   """Write parameters and (frozen) routing biases only, plus the config.
@@ -49,7 +80,11 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any],
   Everything is written into `path.partial`, renamed to `path` when complete; `also(dir)`
   adds files (the tokenizer) before the rename. A write that fails (disk full, quota, file
   size limit) removes the partial directory and raises ExportWriteError (one line).
+  A gs:// `path` is written locally first, then uploaded file by file with the params file
+  last (each object appears whole), so `is_export` sees it only once it is complete.
   """
+  if storage.is_remote(path):
+    return _export_remote(path, params, biases, model_dict, also)
   path = os.path.abspath(path)
   if os.path.exists(path):
     raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")

@@ -43,6 +43,10 @@ def checked_workdir_path(workdir: str | None) -> str:
   if not workdir or not str(workdir).strip():
     raise InputError(f"--workdir={workdir or ''!s} is empty: give the directory for the "
                      "run's checkpoints and logs, e.g. --workdir=runs/x")
+  if "://" in str(workdir):
+    raise InputError(f"--workdir={workdir}: the workdir (logs, metrics, the run lock) must be "
+                     "a local or mounted directory; put the checkpoints in the bucket with "
+                     f"--config.train.checkpoint_dir={str(workdir).rstrip('/')}/checkpoints")
   return os.path.abspath(workdir)
 
 

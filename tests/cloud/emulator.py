@@ -17,6 +17,7 @@ import sys
 import time
 
 BUCKET = "hm-test"
+# Two shims for TensorStore (orbax's array store), which the emulator was not written for.
 # The emulator's HTTP server handles one connection at a time: a client connection that is
 # open but idle (aiohttp's pool in gcsfs, TensorStore's) then blocks every other one, and
 # orbax's parallel reads wait forever. Serve each connection in its own thread, and run the
@@ -25,6 +26,20 @@ _LAUNCH = (
     "import sys, runpy, threading\n"
     "from http import server\n"
     "server.HTTPServer = server.ThreadingHTTPServer\n"
+    # Downloads carry the object's generation (TensorStore reads it from x-goog-generation
+    # and calls a reply without it a malformed generation); patched before the server
+    # module builds its routing table from these functions.
+    "from gcp_storage_emulator.handlers import objects\n"
+    "plain = objects.download\n"
+    "def download(request, response, storage, *a, **k):\n"
+    "  plain(request, response, storage, *a, **k)\n"
+    "  try:\n"
+    "    o = storage.get_file_obj(request.params['bucket_name'], request.params['object_id'])\n"
+    "    response['x-goog-generation'] = str(o['generation'])\n"
+    "    response['x-goog-metageneration'] = str(o.get('metageneration', '1'))\n"
+    "  except Exception:\n"
+    "    pass\n"
+    "objects.download = download\n"
     "from gcp_storage_emulator import server as emu\n"
     "lock = threading.Lock()\n"
     "def serial(f):\n"

@@ -137,8 +137,8 @@ def _hashes(prefix):
 
 @pytest.fixture
 def fresh_gcs():
-  """An emulator of its own: after the other tests' traffic the emulator (a small test
-  server) has been seen to stall TensorStore's OCDBT commit of a new checkpoint."""
+  """An emulator of its own, so the killed writer's half-written objects and connections
+  cannot touch the other tests' bucket (nor theirs this one)."""
   try:
     with emulator.running() as url:
       yield url
