@@ -83,6 +83,8 @@ class Command:
   def flags(self) -> dict[str, str | None]:
     """--name[=value] (and `--name value` for argparse CLIs) -> value."""
     out, a, i = {}, self.argv, 0
+    if "--" in a:   # what follows a bare `--` is another program's argv (a launch recipe's)
+      a = a[:a.index("--")]
     while i < len(a):
       if a[i].startswith("--"):
         name, eq, value = a[i][2:].partition("=")
@@ -197,7 +199,7 @@ def _produced(commands: list[Command]) -> set[str]:
     f, prog = c.flags(), c.program()
     if prog == "run_train.py" and "dry_run" not in f and "print_config" not in f:
       made.add(f.get("workdir") or "runs/default")
-    for key in ("export_params_to", "to", "to_hf"):
+    for key in ("export_params_to", "to", "to_hf", "output"):
       if f.get(key):
         made.add(f[key])
     if prog == "python -c":
@@ -333,7 +335,7 @@ def _setup(c: Command, scratch) -> None:
     from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
     # A vocabulary the byte tokenizer fits (the stand-in has no tokenizer of its own).
     write_hf_dir(scratch / "Kimi-Linear-48B-A3B-Instruct", tiny_hf_config(vocab_size=320))
-  if "my.jsonl" in (f.get("config.data.paths") or ""):
+  if "my.jsonl" in (f.get("config.data.paths") or "") or f.get("input") == "my.jsonl":
     lines = [f'{{"text": "document {i}: {"the quick brown fox " * 40}"}}' for i in range(40)]
     (scratch / "my.jsonl").write_text("\n".join(lines) + "\n")
 

@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--topology", required=True,
                  help="TPU slice (v5p-64, v6e-16) or GPUs <gpu>:<hosts>x<per host> (h100:2x8)")
   p.add_argument("--name", default="hybridmoe-train", help="workload / job name")
-  p.add_argument("--image", default="", help="container image holding this repository")
+  p.add_argument("--docker_image", default="", help="container image holding this repository")
   p.add_argument("--cluster", default="", help="GKE cluster (xpk)")
   p.add_argument("--project", default="")
   p.add_argument("--zone", default="")
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "tiny.py --workdir=gs://bucket/run)", file=sys.stderr)
     return 1
   launch = recipes.Launch(target=args.target, topology=args.topology, name=args.name,
-                          image=args.image, run_flags=tuple(run_flags), cluster=args.cluster,
+                          image=args.docker_image, run_flags=tuple(run_flags), cluster=args.cluster,
                           project=args.project, zone=args.zone, num_slices=args.num_slices,
                           time=args.time, partition=args.partition)
   try:
