@@ -198,7 +198,7 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
   tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data_cfg.tokenizer)
   tokenizer_lib.check_vocab(tokenizer, vocab_size)
   source = sources_lib.source_from_config(data_cfg)
-  record_sources.check_tokenizer(source, tokenizer, tokenizer_lib.fingerprint)
+  record_sources.check_tokenizer(source, tokenizer, tokenizer_lib.fingerprint, "data.paths")
   train, heldout = sources_lib.split_source(source, data_cfg.heldout_fraction,
                                             data_cfg.heldout_seed)
   logging.info("data: %s source, %d documents: %d train, %d held out", data_cfg.source,

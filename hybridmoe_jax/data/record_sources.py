@@ -315,7 +315,9 @@ def check_tokenizer(source, tokenizer, fingerprint_fn, name: str = "data") -> No
   if want != have:
     def short(fp):
       files = ",".join(f"{k} {v[:12]}" for k, v in sorted(fp.get("files", {}).items()))
-      return f"{fp.get('kind')} vocab {fp.get('vocab_size')}" + (f" ({files})" if files else "")
+      chat = " chat" if fp.get("chat") else ""
+      return (f"{fp.get('kind')}{chat}, {fp.get('vocab_size')} ids"
+              + (f" ({files})" if files else ""))
     raise ValueError(f"{name}: the shards were prepared with another tokenizer ({short(want)}) "
                      f"than data.tokenizer ({short(have)}); rerun data.prepare with "
                      "--tokenizer=<this run's> or set data.tokenizer to the shards' one")
