@@ -85,9 +85,13 @@ def default_tpu_config(*, chunk_size: int, dtype) -> TpuConfig:
 
 
 def default_gpu_config(*, chunk_size: int, k: int, v: int, dtype) -> GpuConfig:
-  block_v = min(v, 64)
-  # The per-program working set (state tile [BV, K], W and score blocks) grows with K * BV.
-  num_warps = 8 if k * block_v >= 128 * 64 else 4
+  # By ptxas's report for sm_90 (benchmarks/kda_gpu_aot.py, BENCHMARKS.md): the fused forward
+  # spills at K = 128 with any tile (its per-chunk solves and the state share one program),
+  # the split forward does not: chunk_prep in XLA, then a states pass with value tiles of 16
+  # (the most programs a sequential pass can have: B x HV x V / 16) and chunk-parallel output
+  # and gradient kernels.
+  del k
+  block_v = min(v, 16)
   precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
-  return GpuConfig(chunk_size=chunk_size, block_v=block_v, num_warps=num_warps,
-                   num_stages=1, precision=precision)
+  return GpuConfig(chunk_size=chunk_size, block_v=block_v, num_warps=4, num_stages=1,
+                   precision=precision, fused=False)

@@ -95,9 +95,10 @@ def _chunk_specs(N, C, K, BV):
   return k_side, v_side, decay, state, states
 
 
-def _parallel_params(cfg: GpuConfig):
-  """The chunk-parallel kernels hold whole [C, K] fp32 tiles: 8 warps keep them in registers."""
-  return plgpu.CompilerParams(num_warps=max(cfg.num_warps, 8), num_stages=cfg.num_stages)
+def _parallel_params(cfg: GpuConfig, warps: int = 8):
+  """The chunk-parallel kernels hold whole [C, K] fp32 tiles: `warps` (at least) spread them
+  over enough threads to stay in registers."""
+  return plgpu.CompilerParams(num_warps=max(cfg.num_warps, warps), num_stages=cfg.num_stages)
 
 
 def _per_chunk_specs(C, K, BV):
@@ -221,11 +222,11 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   da [1, BH, N, C, C], du [BH, N, C, V], ddecay [1, BH, N, 1, K], dS0t [BH, V, K]) (the
   leading 1: value tiles already summed).
 
-  Two kernels: the sequential reverse pass over the state gradient (`_state_grads`), then
-  every chunk's gradients at once from the states entering it (st) and the state gradients
-  leaving it: one program per (head, chunk) walking the value tiles of BV, summing the
-  K-side gradients over them in registers (`chunk_math.backward_chunk`'s products without
-  its carry), so no per-tile partial sums reach HBM."""
+  The sequential reverse pass over the state gradient (`_state_grads`), then every chunk's
+  gradients at once from the states entering it (st) and the state gradients leaving it
+  (`chunk_math.backward_chunk`'s products without its carry), in two kernels of one program
+  per (head, chunk): dw, dq_in, dk_out; and da, du, ddecay. Each walks the value tiles of
+  BV and sums over them in registers, so no per-tile partial sums reach HBM."""
   BH, N, C, K = w.shape
   V, BV = u.shape[-1], cfg.block_v
   NV = V // BV
@@ -236,42 +237,84 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   v_all = pl.BlockSpec((None, None, C, V), lambda i, n: (i, n, 0, 0))
   a_spec = pl.BlockSpec((None, None, C, C), lambda i, n: (i, n, 0, 0))
   states_spec = pl.BlockSpec((None, None, V, K), lambda i, n: (i, n, 0, 0))
+  ins = (w, k_out, a_qk, u, do, st, dst)
+  in_specs = [k_side, k_side, a_spec, v_all, v_all, states_spec, states_spec]
 
   def out(f):
     return pl.BlockSpec((None, None, None, C, f), lambda i, n: (0, i, n, 0, 0))
 
-  def kernel(w_ref, ko_ref, a_ref, u_ref, do_ref, st_ref, dst_ref,
-             dw_ref, dqi_ref, dko_ref, da_ref, du_ref, dd_ref):
-    w_c, ko, a = w_ref[...], ko_ref[...], a_ref[...]
-    dw = dqi = dko = jnp.zeros((C, K), _f32)
-    da = jnp.zeros((C, C), _f32)
-    dd = jnp.zeros((1, K), _f32)
-    for j in range(NV):  # value tiles, unrolled: NV <= 16
-      cols = pl.ds(j * BV, BV)
+  def walk(refs, step, init):
+    """fori_loop over the value tiles (not unrolled: only the accumulators stay live
+    across tiles; W, k_out and A are read again per tile). step(St, dSt, do, v_new, dv_new,
+    cols, acc) -> acc."""
+    w_ref, ko_ref, a_ref, u_ref, do_ref, st_ref, dst_ref = refs
+
+    def tile(j, acc):
+      cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
       St, dSt = st_ref[cols, :], dst_ref[cols, :]
       do = do_ref[:, cols].astype(_f32)
-      v_new = u_ref[:, cols] - mm_nt(w_c, St, prec)
-      dv_new = mm_tn(a, do, prec) + mm_nt(ko, dSt, prec)
-      du_ref[:, cols] = dv_new
-      dw = dw - mm(dv_new, St, prec)
-      dqi = dqi + mm(do, St, prec)
-      dko = dko + mm(v_new, dSt, prec)
-      da = da + mm_nt(do, v_new, prec)
-      dd = dd + jnp.sum(St * dSt, axis=0, keepdims=True)
-    dw_ref[...], dqi_ref[...], dko_ref[...], da_ref[...], dd_ref[...] = dw, dqi, dko, da, dd
+      v_new = u_ref[:, cols] - mm_nt(w_ref[...], St, prec)
+      dv_new = mm_tn(a_ref[...], do, prec) + mm_nt(ko_ref[...], dSt, prec)
+      return step(St, dSt, do, v_new, dv_new, cols, acc)
 
-  out_shape = [jax.ShapeDtypeStruct((1, BH, N, C, f), _f32) for f in (K, K, K, C)]
-  out_shape += [jax.ShapeDtypeStruct((BH, N, C, V), _f32),
-                jax.ShapeDtypeStruct((1, BH, N, 1, K), _f32)]
-  outs = pl.pallas_call(
-      kernel,
-      grid=(BH, N),
-      in_specs=[k_side, k_side, a_spec, v_all, v_all, states_spec, states_spec],
-      out_specs=[out(K), out(K), out(K), out(C), v_all,
-                 pl.BlockSpec((None, None, None, 1, K), lambda i, n: (0, i, n, 0, 0))],
-      out_shape=out_shape,
+    return lax.fori_loop(0, NV, tile, init)
+
+  # Two kernels, so that no program keeps more than three fp32 accumulators of [C, 32]
+  # (ptxas at K = 128: all five of [C, K] in one program spilled 6.6 KB; three of [C, 64],
+  # 4 bytes): dw, dq_in, dk_out per (head, chunk, 32 columns of K); da, du, ddecay per
+  # (head, chunk).
+  KH = min(K, 32)
+  NK = K // KH
+
+  def k_side_kernel(*refs):
+    st_ref, dst_ref = refs[5], refs[6]
+    dw_ref, dqi_ref, dko_ref = refs[7:]
+    half = pl.ds(pl.multiple_of(pl.program_id(2) * KH, KH), KH)   # this program's columns
+
+    def step(St, dSt, do, v_new, dv_new, cols, acc):
+      dw, dqi, dko = acc
+      St_h, dSt_h = st_ref[cols, half], dst_ref[cols, half]
+      return (dw - mm(dv_new, St_h, prec), dqi + mm(do, St_h, prec),
+              dko + mm(v_new, dSt_h, prec))
+
+    zk = jnp.zeros((C, KH), _f32)
+    dw_ref[...], dqi_ref[...], dko_ref[...] = walk(refs[:7], step, (zk, zk, zk))
+
+  def score_kernel(*refs):
+    da_ref, du_ref, dd_ref = refs[7:]
+
+    def step(St, dSt, do, v_new, dv_new, cols, acc):
+      du_ref[:, cols] = dv_new
+      da, dd = acc
+      return da + mm_nt(do, v_new, prec), dd + jnp.sum(St * dSt, axis=0, keepdims=True)
+
+    da_ref[...], dd_ref[...] = walk(refs[:7], step, (jnp.zeros((C, C), _f32),
+                                                     jnp.zeros((1, K), _f32)))
+
+  by_half = [pl.BlockSpec(spec.block_shape, lambda i, n, h, f=spec.index_map: f(i, n))
+             for spec in in_specs]
+  half_out = pl.BlockSpec((None, None, None, C, KH), lambda i, n, h: (0, i, n, 0, h))
+  dw, dq_in, dk_out = pl.pallas_call(
+      k_side_kernel,
+      grid=(BH, N, NK),
+      in_specs=by_half,
+      out_specs=[half_out] * 3,
+      out_shape=[jax.ShapeDtypeStruct((1, BH, N, C, K), _f32)] * 3,
       compiler_params=_parallel_params(cfg),
       interpret=interpret,
       name="kda_bwd_gpu",
-  )(w, k_out, a_qk, u, do, st, dst)
-  return (*outs, ds0)
+  )(*ins)
+  da, du, ddecay = pl.pallas_call(
+      score_kernel,
+      grid=(BH, N),
+      in_specs=in_specs,
+      out_specs=[out(C), v_all,
+                 pl.BlockSpec((None, None, None, 1, K), lambda i, n: (0, i, n, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((1, BH, N, C, C), _f32),
+                 jax.ShapeDtypeStruct((BH, N, C, V), _f32),
+                 jax.ShapeDtypeStruct((1, BH, N, 1, K), _f32)],
+      compiler_params=_parallel_params(cfg),
+      interpret=interpret,
+      name="kda_bwd_scores_gpu",
+  )(*ins)
+  return dw, dq_in, dk_out, da, du, ddecay, ds0
