@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run on an accelerator (written for one H200; works on any GPU/TPU jax sees):
 #   1. the jitted train step of the tiny and small presets (ms/step, tokens/s)
-#   2. the Pallas KDA kernel vs the XLA chunked path, fwd and fwd+bwd, T = 8K and 32K
+#   2. the Pallas KDA kernel (split and fused forward) vs the XLA chunked path and fla's
+#      chunk_kda (GPU, when fla is installed), fwd and fwd+bwd, T = 8K and 32K
 #   3. decode tokens/s and TTFT vs context (hybrid vs all-MLA)
 #   4. MoE cost vs expert count (sparse ragged dispatch vs dense)
 # Writes $OUT/*.jsonl (one JSON line per measurement) and $OUT/benchmarks_rows.md (markdown
@@ -39,8 +40,11 @@ if (( DRY )); then
 else
   part train 150 python benchmarks/accelerator.py train --presets tiny small --batch 8 \
       --seq 2048 --steps 5 --out "$OUT/train_step.jsonl.tmp"
-  part kda 150 python benchmarks/kda_kernels.py --T 8192 32768 --impls pallas chunked \
-      --repeats 5
+  # P2: our kernel (split forward: the GPU default; fused) vs the XLA path and, where
+  # flash-linear-attention is installed (pip install fla-core torch), fla's chunk_kda: the
+  # same shapes as benchmarks/kda_gpu_aot.py's compiler reports (BENCHMARKS.md).
+  part kda 150 python benchmarks/kda_kernels.py --T 8192 32768 \
+      --impls pallas-split pallas chunked fla --repeats 5
   part decode 90 python benchmarks/decode.py --contexts 1024,8192,32768 --decode_steps 32 \
       --budget_s 40
   part moe 60 python benchmarks/moe_dispatch.py --experts 16 64 256 --tokens 16384 --d 1024 \
