@@ -22,6 +22,7 @@ why when it cannot run. All figures are COMPILER REPORTS: no GPU ran anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import json
@@ -36,18 +37,13 @@ from hybridmoe_jax.tools import gpu_kernel_report as gkr  # noqa: E402  (jax-fre
 _DUMP = tempfile.mkdtemp(prefix="kda_gpu_aot_")
 # Before jax starts: a CPU host describing GPUs, ptxas's report logged, thunks dumped.
 os.environ["JAX_PLATFORMS"] = "cpu"
-_CUDA = gkr.install_ptxas_wrapper(_DUMP)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {gkr.compiler_flags(_DUMP)}"
+os.environ.update(gkr.LOG_ENV)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-from jax._src import lib as jax_lib  # noqa: E402  pylint: disable=g-direct-jax-src-import
-
-# jax passes its own CUDA directory to every compile (compiler.py: xla_gpu_cuda_data_dir =
-# lib.cuda_path), over XLA_FLAGS: point it at the wrapper's, whose ptxas reports (-v).
-jax_lib.cuda_path = _CUDA
 
 from hybridmoe_jax.parallel.topology import gpu_topology_devices  # noqa: E402
 from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
@@ -55,6 +51,21 @@ from pallas_kernels.kda import kda_pallas  # noqa: E402
 from pallas_kernels.kda.config import default_gpu_config  # noqa: E402
 
 LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
+
+
+@contextlib.contextmanager
+def stderr_to(path: str):
+  """fd 2 (where XLA's C++ logging writes) into `path` for the block."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(path, "w") as f:
+    os.dup2(f.fileno(), 2)
+  try:
+    yield
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
 
 
 def arg_specs(T: int, packed: bool):
@@ -89,10 +100,8 @@ def compile_gpu(mesh: Mesh, mode: str, T: int, packed: bool, config) -> tuple[di
   name = f"kda_{mode}_{packing}_{T}"
   specs = arg_specs(T, packed)
   rep = NamedSharding(mesh, PartitionSpec())
-  log = os.path.join(_DUMP, gkr.PTXAS_LOG)
-  if os.path.exists(log):
-    os.remove(log)   # this program's kernels only
-  with stopwatch() as sw, jax.set_mesh(mesh):
+  log = os.path.join(_DUMP, f"{name}.log")
+  with stopwatch() as sw, stderr_to(log), jax.set_mesh(mesh):
     fn = jax.jit(program(mode, config, name), in_shardings=(rep,) * len(specs))
     compiled = fn.lower(*specs).compile()
   thunks = "".join(open(p).read() for p in
@@ -151,6 +160,27 @@ def emit(row: dict, out) -> None:
       f.write(line + "\n")
 
 
+def markdown(rows: list[dict]) -> str:
+  """The JSON lines of a run as two BENCHMARKS.md tables: per kernel, then per program."""
+  ker = ["| T | packing | mode | kernel | registers | spill st/ld B | shared KiB | grid | "
+         "programs | per SM | resident/SM |", "|" + "---|" * 11]
+  prog = ["| T | packing | mode | temp MiB | TPU temp MiB | GPU/TPU | KDA kernels | XLA kernels "
+          "| compile s |", "|" + "---|" * 9]
+  mib = lambda b: "-" if b is None else f"{b / 2 ** 20:,.1f}"  # noqa: E731
+  for r in rows:
+    if "kernel" in r:
+      ker.append(f"| {r['T']:,} | {r['packing']} | {r['mode']} | `{r['kernel']}` | "
+                 f"{r['registers']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} | "
+                 f"{r['shared_bytes'] / 1024:.0f} | {r['grid']} | {r['programs']:,} | "
+                 f"{r['programs_per_sm']} | {r['resident_per_sm']} |")
+    elif "program" in r:
+      ratio = r.get("temp_gpu_over_tpu")
+      prog.append(f"| {r['T']:,} | {r['packing']} | {r['mode']} | {mib(r['temp_bytes'])} | "
+                  f"{mib(r.get('tpu_temp_bytes'))} | {'-' if ratio is None else ratio} | "
+                  f"{r['kda_kernels']} | {r['xla_kernels']} | {r['compile_s']} |")
+  return "\n".join(ker + [""] + prog)
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -161,7 +191,13 @@ def main(argv=None) -> None:
                  choices=["unpacked", "packed"])
   p.add_argument("--config", default="", help="GpuConfig fields, e.g. block_v=32,num_warps=4")
   p.add_argument("--out", default=None)
+  p.add_argument("--table", default=None, help="print a JSONL file of a run as markdown, "
+                 "compile nothing")
   a = p.parse_args(argv)
+  if a.table:
+    with open(a.table) as f:
+      print(markdown([json.loads(line) for line in f if line.strip()]))
+    return
   config = parse_config(a.config)
   mesh = Mesh(np.array(gpu_topology_devices(f"{a.gpu}:1")), ("x",))
   print(f"# {mesh.devices.flat[0].device_kind} (deviceless), jax {jax.__version__}, "
