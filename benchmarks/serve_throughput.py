@@ -27,7 +27,7 @@ each server's seconds from launch to ready, the 1-minute load average before and
 
   python benchmarks/serve_throughput.py [--requests 32] [--concurrency 1,4,16,32]
       [--slots 16] [--max_tokens 64] [--min_prompt 5] [--max_prompt 400] [--prefill_chunk 64]
-      [--decode_steps 16] [--prefix_bytes 2048] [--prefix_requests 16]
+      [--decode_steps 16] [--prefill_rows 16] [--prefix_bytes 2048] [--prefix_requests 16]
       [--prefix_max_tokens 16] [--repeats 5]
 Prints one JSON line per row, a table, then the acceptance JSON line.
 """
@@ -200,6 +200,7 @@ def main() -> None:
   ap.add_argument("--max_prompt", type=int, default=400)
   ap.add_argument("--prefill_chunk", type=int, default=64)
   ap.add_argument("--decode_steps", type=int, default=16)
+  ap.add_argument("--prefill_rows", type=int, default=16)
   ap.add_argument("--prefix_bytes", type=int, default=2048)
   ap.add_argument("--prefix_requests", type=int, default=16)
   ap.add_argument("--prefix_max_tokens", type=int, default=16)
@@ -216,7 +217,7 @@ def main() -> None:
                 max(len(p) + args.prefix_max_tokens for p in shared))
   max_len = -(-(longest + 1) // 64) * 64
   flags = dict(slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk,
-               decode_steps=args.decode_steps)
+               decode_steps=args.decode_steps, prefill_rows=args.prefill_rows)
   with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
     path = _export(os.path.join(tmp, "tiny"))
     lm = load(path, max_len=max_len, prefill_chunk=args.prefill_chunk)
@@ -236,7 +237,8 @@ def main() -> None:
       client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
       rows.append(_shared(client, prefix, shared, want_shared, args, "shared prefix, cache off"))
   common = dict(machine=MACHINE, slots=args.slots, max_len=max_len,
-                prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps)
+                prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
+                prefill_rows=args.prefill_rows)
   for row in rows:
     row.pop("texts")
     row.update(ratio=row["tok_per_s"] / ref["tok_per_s"], **common)

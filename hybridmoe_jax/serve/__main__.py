@@ -47,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                  "scheduler iteration (between two decode steps of the running requests)")
   p.add_argument("--decode_steps", type=int, default=16, help="most decode steps per "
                  "scheduler call (tokens streamed per chunk) while no request waits to join")
-  p.add_argument("--prefill_rows", type=int, default=4, help="most prompts fed a chunk in "
-                 "one call")
+  p.add_argument("--prefill_rows", type=int, default=16, help="most prompts fed a chunk "
+                 "in one call (up to prefill_rows x prefill_chunk tokens per iteration; "
+                 "buckets 1, 2, 4, ... compiled up to min(it, slots))")
   p.add_argument("--prefix_cache_mb", type=int, default=256, help="memory for prompt-prefix "
                  "snapshots (KDA states + MLA latents of one cache row each; 0: off)")
   p.add_argument("--shutdown_timeout", type=float, default=30.0, help="seconds running "

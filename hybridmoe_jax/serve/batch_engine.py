@@ -162,7 +162,7 @@ class BatchEngine:
   """
 
   def __init__(self, engine: Engine, *, slots: int, decode_steps: int = 16,
-               prefill_rows: int = 4):
+               prefill_rows: int = 16):
     self.engine, self.slots, self.steps = engine, int(slots), int(decode_steps)
     self.scratch = self.slots
     self.decode_buckets = buckets(self.slots)

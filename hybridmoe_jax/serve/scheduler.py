@@ -105,14 +105,15 @@ class Scheduler:
     slots: S, rows decoded together at most.
     vocab_limit: ids >= vocab_limit are never drawn (the tokenizer's vocabulary size).
     decode_steps: K, most decode steps per call (>= 1).
-    prefill_rows: most prompts fed a chunk in one call (>= 1).
+    prefill_rows: most prompts fed a chunk in one call (>= 1; at most prefill_rows * P
+      prompt tokens per iteration, while the running requests wait one decode step).
     prefix_cache_bytes: memory for prefix snapshots (each one cache row,
       `batch.row_bytes()`); 0, or less than one row: no prefix cache (said in the log).
     progress: called with each warm-up line (default: the log).
   """
 
   def __init__(self, engine: Engine, *, slots: int = 8, vocab_limit: int = 0,
-               decode_steps: int = 16, prefill_rows: int = 4, prefix_cache_bytes: int = 0,
+               decode_steps: int = 16, prefill_rows: int = 16, prefix_cache_bytes: int = 0,
                progress: Callable[[str], None] | None = None):
     for name, v, low in (("slots", slots, 1), ("decode_steps", decode_steps, 1),
                          ("prefill_rows", prefill_rows, 1),
