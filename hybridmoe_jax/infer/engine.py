@@ -439,10 +439,11 @@ class Engine:
 
     What compiles: one prefill chunk and one decode loop per batch bucket (B rounded up to
     a power of two: 1, 2, 4, 8, ...; the extra rows are padding that changes nothing and is
-    cut off; a batch with images compiles for its own B), and nothing per max_new_tokens (the loop's output buffer is max_len wide, its
-    trip count a traced value); prompt lengths never compile (chunks of P). Sampling
-    settings, seeds and stop ids are traced values too. A first call per bucket compiles
-    (seconds); later calls of any max_new_tokens and any B in that bucket do not.
+    cut off; a batch with images compiles for its own B), and nothing per max_new_tokens
+    (the loop's output buffer is max_len wide, its trip count a traced value); prompt
+    lengths never compile (chunks of P). Sampling settings, seeds and stop ids are traced
+    values too. A first call per bucket compiles (seconds); later calls of any
+    max_new_tokens and any B in that bucket do not.
 
     prompt_lengths: optional [B] ints in [1, T] for ragged prompts padded on the right (see
       prefill's `lengths`); each row then continues from its own last prompt token.
@@ -474,6 +475,8 @@ class Engine:
         jnp.asarray(np.arange(rows) < b), kv_block=self.kv_block,
         max_new=self.max_len if bucket else int(max_new_tokens))
     out = np.asarray(out)[:b, :max_new_tokens]
+    if out.shape[1] < max_new_tokens:   # more asked than the cache holds: pad_id after it
+      out = np.pad(out, ((0, 0), (0, max_new_tokens - out.shape[1])), constant_values=pad_id)
     if rows > b:
       cache = jax.tree.map(lambda x: x[:b], cache)
     return GenerateOutput(out, np.asarray(lengths)[:b], cache)

@@ -43,6 +43,18 @@ def test_bucketed_equals_the_exact_shape_path(engine, sampling):
   np.testing.assert_array_equal(np.asarray(got.cache.length), np.asarray(want.cache.length))
 
 
+def test_more_new_tokens_than_the_cache_holds_keeps_the_asked_width(engine):
+  """max_new_tokens past max_len: [B, max_new_tokens] as before, pad_id after the cache's
+  room, the same as the exact-shape path."""
+  tokens, lengths = _ragged(3, 2)
+  got = engine.generate(tokens, max_new_tokens=40, prompt_lengths=lengths, pad_id=3)
+  want = engine.generate(tokens, max_new_tokens=40, prompt_lengths=lengths, pad_id=3,
+                         bucket=False)
+  assert got.tokens.shape == (2, 40)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
 def test_no_trace_for_a_new_max_new_tokens_or_batch_in_a_bucket(engine):
   tokens, lengths = _ragged(1, 4)
   engine.generate(tokens[:3], max_new_tokens=5, prompt_lengths=lengths[:3])   # bucket 4
