@@ -30,8 +30,8 @@ from hybridmoe_jax.train.state import abstract_train_state, split_model
 
 def check_model_dir(path: str, what: str) -> None:
   """ValueError (one line naming `what` and `path`) unless `path` is an existing directory
-  holding a model config (a run or an export); called before anything else is read, so a mistyped path is reported as such (not as a
-  missing config or tokenizer)."""
+  holding a model config (a run or an export); called before anything else is read, so a
+  mistyped path is reported as such (not as a missing config or tokenizer)."""
   if not os.path.exists(path):
     raise ValueError(f"{what} {path} does not exist (a training run directory or a params "
                      "export)")
