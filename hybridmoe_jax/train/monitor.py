@@ -4,9 +4,10 @@ Every step's (host) metrics go through `Monitor.step`, which keeps the alert sta
 streaks per MoE layer, loss spikes against a running mean and spread: SPIKE_* below); every
 `log_every` steps it prints one progress line and writes TensorBoard scalars / histograms
 (`train/`, `moe/<layer>/`, the layer named by its MoE module path, e.g. "layers/1/ffn") and
-one JSON line to `workdir/metrics.jsonl`. Every `heatmap_every` steps the expert load summed since the last
-heatmap goes to `expert_load.png`, `heatmaps/expert_load_<step>.png` and TensorBoard
-(`moe/expert_load`, an image next to the scalars), drawn by `hybridmoe_jax.plots`.
+one JSON line to `workdir/metrics.jsonl`. Every `heatmap_every` steps the expert load
+summed since the last heatmap goes to `expert_load.png`, `heatmaps/expert_load_<step>.png`
+and TensorBoard (`moe/expert_load`, an image next to the scalars), drawn by
+`hybridmoe_jax.plots`.
 
 tokens/s is measured between log steps (wall time once each step's metrics reached the host),
 from the end of the run's first step, so compilation is not counted; the log right after that
