@@ -13,7 +13,7 @@ from hybridmoe_jax.data import storage  # noqa: E402
 from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402
 from hybridmoe_jax.train.run_errors import InputError, checked_workdir_path  # noqa: E402
 from hybridmoe_jax.config.run import run_config_from_dict  # noqa: E402
-from tests.cloud import emulator  # noqa: E402
+from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
 from tests.conftest import one_device  # noqa: E402
 from tests.train.train_fakes import tiny_run_config, train_losses  # noqa: E402
 
