@@ -45,12 +45,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+from benchmarks.kda_tpu_aot import B, C, H, K, LB, V, arg_specs  # noqa: E402,F401
 from hybridmoe_jax.parallel.topology import gpu_topology_devices  # noqa: E402
 from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
 from pallas_kernels.kda import kda_pallas  # noqa: E402
 from pallas_kernels.kda.config import default_gpu_config  # noqa: E402
-
-LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1
 
 
 @contextlib.contextmanager
@@ -66,17 +65,6 @@ def stderr_to(path: str):
     sys.stderr.flush()
     os.dup2(saved, 2)
     os.close(saved)
-
-
-def arg_specs(T: int, packed: bool):
-  bf16 = jnp.bfloat16
-  specs = [jax.ShapeDtypeStruct((B, T, H, K), bf16), jax.ShapeDtypeStruct((B, T, H, K), bf16),
-           jax.ShapeDtypeStruct((B, T, H, V), bf16),
-           jax.ShapeDtypeStruct((B, T, H, K), jnp.float32),
-           jax.ShapeDtypeStruct((B, T, H), bf16)]
-  if packed:
-    specs.append(jax.ShapeDtypeStruct((B, T), jnp.int32))
-  return specs
 
 
 def program(mode: str, config, name: str):

@@ -67,7 +67,8 @@ def _quiet_libtpu(chip_gen: str) -> None:
 
 
 def topology_devices(name: str) -> list:
-  """The abstract TPU devices of topology / slice `name` ('v5p:2x2x1', 'v5p-256', ...).
+  """The abstract TPU devices of topology / slice `name` ('v5p:2x2x1', 'v5p-256', ...), or
+  the GPUs of a GPU node name ('h100:8': `gpu_topology_devices`).
 
   Raises:
     ConfigError: a name `parse_topology` or libtpu rejects (one line, naming the field).
@@ -80,18 +81,26 @@ def topology_devices(name: str) -> list:
     raise TopologyUnavailable(f"hardware.topology={name!r} needs the TPU compiler (libtpu), "
                               f"not installed: {install_hint()}")
   _quiet_libtpu(libtpu_name.split(":")[0])
+  return _described(name, "libtpu", libtpu_name, chips, chip, platform="tpu",
+                    topology_name=libtpu_name)
+
+
+def _described(name: str, compiler: str, compiler_name: str, chips: int, chip: str,
+               **desc_kwargs) -> list:
+  """The devices of get_topology_desc(**desc_kwargs); the compiler's rejection, or a device
+  count other than `chips`, as a one-line ConfigError naming `hardware.topology`."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
   try:
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=libtpu_name)
-  except Exception as e:  # JaxRuntimeError: libtpu's INVALID_ARGUMENT, one line of it
+    desc = topologies.get_topology_desc(**desc_kwargs)
+  except Exception as e:  # JaxRuntimeError: the compiler's INVALID_ARGUMENT, one line of it
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ConfigError(f"config field `hardware.topology` = {name!r} is invalid: libtpu "
-                      f"rejects {libtpu_name!r} ({first})") from None
+    raise ConfigError(f"config field `hardware.topology` = {name!r} is invalid: {compiler} "
+                      f"rejects {compiler_name!r} ({first})") from None
   devices = list(desc.devices)
   if len(devices) != chips:
-    raise ConfigError(f"config field `hardware.topology` = {name!r}: libtpu describes "
-                      f"{len(devices)} devices for {libtpu_name!r}, expected {chips} ({chip})")
+    raise ConfigError(f"config field `hardware.topology` = {name!r}: {compiler} describes "
+                      f"{len(devices)} devices for {compiler_name!r}, expected {chips} ({chip})")
   return devices
 
 
@@ -130,18 +139,5 @@ def gpu_topology_devices(name: str) -> list:
     raise TopologyUnavailable(f"hardware.topology={name!r}: compiling for GPUs without one needs "
                               "JAX_PLATFORMS=cpu set before jax starts (got "
                               f"{platforms or 'unset'!r})")
-  text = gpu_target_config(chip)
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-
-  try:
-    desc = topologies.get_topology_desc(platform="cuda", target_config=text,
-                                        topology=jax_topology)
-  except Exception as e:  # JaxRuntimeError: the plugin's INVALID_ARGUMENT, one line of it
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ConfigError(f"config field `hardware.topology` = {name!r} is invalid: the CUDA "
-                      f"plugin rejects {jax_topology!r} ({first})") from None
-  devices = list(desc.devices)
-  if len(devices) != chips:
-    raise ConfigError(f"config field `hardware.topology` = {name!r}: the CUDA plugin describes "
-                      f"{len(devices)} devices for {jax_topology!r}, expected {chips} ({chip})")
-  return devices
+  return _described(name, "the CUDA plugin", jax_topology, chips, chip, platform="cuda",
+                    target_config=gpu_target_config(chip), topology=jax_topology)

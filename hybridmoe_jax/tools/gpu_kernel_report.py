@@ -1,11 +1,11 @@
 """What XLA:GPU's compiler says about each kernel it built, read from its own reports.
 
 A deviceless GPU compile (`parallel.topology.gpu_topology_devices`) runs ptxas on this host.
-With `XLA_FLAGS` from `compiler_flags(dump_dir)` (after `install_ptxas_wrapper(dump_dir)`):
-  * XLA runs ptxas as a subprocess (not the library) from a CUDA directory of ours whose
-    `ptxas` is a wrapper: it adds `-v`, appends ptxas's report to `<dump_dir>/ptxas.log` and
-    keeps each PTX file it is given (XLA itself logs the report only when ptxas warns):
-    per kernel, registers, stack frame and spill bytes (`parse_ptxas`);
+With `XLA_FLAGS` from `compiler_flags(dump_dir)` and the environment `LOG_ENV` (both set
+before jax starts):
+  * XLA runs ptxas as a subprocess with `-v` and logs its report to stderr
+    (subprocess_compilation.cc, verbosity 2): per kernel, registers, stack frame and spill
+    bytes (`parse_ptxas`);
   * the dump directory gets each module's thunk sequence: per kernel launch, the grid, threads
     per program and dynamic shared memory (`parse_thunks`).
 `kernel_rows` joins the two per kernel and adds the occupancy an H100 / H200 SM allows
@@ -15,11 +15,8 @@ With `XLA_FLAGS` from `compiler_flags(dump_dir)` (after `install_ptxas_wrapper(d
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
 import re
-import shlex
 
 # The SM of an H100 / H200 (XLA's target configs, configs/gpu_targets/): 132 SMs, 65,536
 # 32-bit registers, 2,048 threads, 228 KiB shared memory (233,472 bytes) per SM, at most
@@ -28,60 +25,15 @@ SM_COUNT, SM_REGISTERS, SM_THREADS, SM_SHARED, SM_BLOCKS = 132, 65536, 2048, 233
 REGISTER_ALLOC_UNIT = 8      # registers are allocated per thread in multiples of 8 ...
 WARP_REGISTER_GRANULE = 256  # ... and per warp in units of 256
 
-PTXAS_LOG = "ptxas.log"
-
-
-def real_ptxas() -> tuple[str, str]:
-  """-> (ptxas, the CUDA nvcc directory holding it and nvvm/libdevice) from the
-  nvidia-cuda-nvcc-cu12 wheel the CUDA plugin brings. Raises FileNotFoundError without it."""
-  spec = importlib.util.find_spec("nvidia")
-  for root in (spec.submodule_search_locations or []) if spec else []:
-    nvcc = os.path.join(root, "cuda_nvcc")
-    if os.path.isfile(os.path.join(nvcc, "bin", "ptxas")):
-      return os.path.join(nvcc, "bin", "ptxas"), nvcc
-  raise FileNotFoundError("ptxas not found: pip install \"jax[cuda12]\" brings it "
-                          "(nvidia-cuda-nvcc-cu12)")
-
-
-def install_ptxas_wrapper(dump_dir: str) -> str:
-  """Make `<dump_dir>/cuda` a CUDA directory for XLA (--xla_gpu_cuda_data_dir): nvvm linked
-  to the real one (libdevice), bin/ptxas a wrapper that runs the real ptxas with -v, appends
-  its report to <dump_dir>/ptxas.log and copies the PTX it compiles into dump_dir. -> the
-  CUDA directory."""
-  ptxas, nvcc = real_ptxas()
-  cuda = os.path.join(dump_dir, "cuda")
-  os.makedirs(os.path.join(cuda, "bin"), exist_ok=True)
-  if not os.path.exists(os.path.join(cuda, "nvvm")):
-    os.symlink(os.path.join(nvcc, "nvvm"), os.path.join(cuda, "nvvm"))
-  log, d = shlex.quote(os.path.join(dump_dir, PTXAS_LOG)), shlex.quote(dump_dir)
-  # Only a compile (a .ptx argument) gets -v: XLA also asks `ptxas --version`.
-  script = f"""#!/bin/sh
-ptx=""
-for a in "$@"; do case "$a" in *.ptx) ptx="$a";; esac; done
-[ -z "$ptx" ] && exec {shlex.quote(ptxas)} "$@"
-cp "$ptx" {d}/ 2>/dev/null
-err=$(mktemp)
-{shlex.quote(ptxas)} "$@" -v 2>"$err"
-rc=$?
-cat "$err" >> {log}
-cat "$err" >&2
-rm -f "$err"
-exit $rc
-"""
-  path = os.path.join(cuda, "bin", "ptxas")
-  with open(path, "w") as f:
-    f.write(script)
-  os.chmod(path, 0o755)
-  return cuda
+LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "subprocess_compilation=2"}
 
 
 def compiler_flags(dump_dir: str) -> str:
-  """XLA_FLAGS for a compile whose kernels `kernel_rows` can report (call
-  `install_ptxas_wrapper(dump_dir)` first): the thunk sequence dumped, ptxas run as a
-  subprocess from the wrapper's CUDA directory. jax overrides the CUDA directory with its
-  own (`jax._src.lib.cuda_path`): the caller sets that to the wrapper's too."""
-  return (f"--xla_dump_to={dump_dir} --xla_gpu_enable_libnvptxcompiler=false "
-          f"--xla_gpu_cuda_data_dir={os.path.join(dump_dir, 'cuda')}")
+  """XLA_FLAGS for a compile whose kernels `kernel_rows` can report: the thunk sequence
+  dumped; ptxas run as a subprocess (neither nvJitLink nor the ptxas library, whose reports
+  XLA does not log) with -v."""
+  return (f"--xla_dump_to={dump_dir} --xla_gpu_enable_libnvjitlink=false "
+          "--xla_gpu_enable_libnvptxcompiler=false --xla_gpu_ptx_compiler_extra_flags=-v")
 
 
 @dataclasses.dataclass
