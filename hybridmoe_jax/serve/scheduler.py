@@ -121,6 +121,9 @@ class Scheduler:
       if not is_int(v) or v < low:
         raise ValueError(f"{name}={v!r} is invalid: allowed an integer >= {low}")
     self.engine, self.slots = engine, int(slots)
+    # Steps per decode call when no request is joining: may be lowered at run time (it is a
+    # traced argument, at most the compiled K), e.g. by a test that needs long requests.
+    self.decode_steps = int(decode_steps)
     self.batch = BatchEngine(engine, slots=self.slots, decode_steps=decode_steps,
                              prefill_rows=prefill_rows)
     self._progress = progress or log.info
@@ -347,7 +350,8 @@ class Scheduler:
     if decoding:
       joining = any(j is not None and j.fed < len(j.prompt) for j in self._rows) or (
           self._waiting and any(j is None for j in self._rows))
-      self._decode(decoding, 1 if joining else self.batch.steps, bool(self._waiting))
+      steps = 1 if joining else min(self.decode_steps, self.batch.steps)
+      self._decode(decoding, steps, bool(self._waiting))
 
   def _sampling(self, jobs: list[Job]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (np.array([j.temperature for j in jobs], np.float32),

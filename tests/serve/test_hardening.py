@@ -85,6 +85,9 @@ def served(lm):
     served = Served(app, url)
     # The scheduler compiles every shape before it serves: nothing is timed before that.
     served.scheduler.wait_ready(600)
+    # One decode step per host round trip: a long request ("hi", 954 tokens) then runs for
+    # seconds, long after a client is gone; at 16 steps per call it could end first.
+    served.scheduler.decode_steps = 1
     served.client.completions.create(model=NAME, prompt="warm up", max_tokens=2)
     yield served
 
