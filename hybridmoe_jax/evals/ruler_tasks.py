@@ -1,7 +1,8 @@
 """RULER-style prompts (Hsieh et al. 2024, arXiv:2404.06654), written from the paper's task
 definitions: needle retrieval (single, multi-key with distractor needles of the same shape,
 multi-value, multi-query), multi-hop tracing (variable tracking) and aggregation (common- and
-frequent-words extraction). The wording is this project's own.
+frequent-words extraction). The wording is this project's own. Two diagnostics, "passkey" and
+"passkey_multikey", keep the retrieval recipe's training wording on the held-out haystack.
 
 Every prompt is token ids of exactly the requested length for the given tokenizer: BOS, a
 header, the context, the question with its answer prefix. Each piece (sentence, needle,
@@ -22,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data.tokenizer import Tokenizer
 from hybridmoe_jax.evals import ruler_text
 
@@ -35,8 +37,8 @@ _HEX = np.array(list("0123456789abcdef"))
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """One task. family: niah / vt / cwe / fwe; the rest are that family's sizes."""
-  family: str
+  """One task: its family and that family's sizes."""
+  family: str               # niah / vt / cwe / fwe, or passkey (the recipe's own wording)
   keys: str = "words"        # niah: the kind of key (KEY_KINDS)
   values: str = "digits"     # niah: the kind of value (KEY_KINDS)
   needles: int = 1           # niah: distinct keys written (1 queried, the rest distract)
@@ -61,6 +63,9 @@ TASKS = {
     "vt": Spec("vt"),
     "cwe": Spec("cwe"),
     "fwe": Spec("fwe", common=3),
+    # Diagnostics in the training wording (not RULER's), on the held-out haystack:
+    "passkey": Spec("passkey"),
+    "passkey_multikey": Spec("passkey", needles=4),
 }
 
 
@@ -177,15 +182,41 @@ def _niah(task, s: Spec, rng, length, tok, pieces, split) -> Example:
                 f"The special {vname}s for {_join(asked)} are ")
   items = [pieces(f"One special {vname} for {k} is {v}. ") for k, v in needles]
   order = rng.permutation(len(items))
+  return _in_haystack(task, rng, length, tok, pieces, split, header, question,
+                      [items[j] for j in order], None, [v for _, v in needles], answers)
+
+
+def _in_haystack(task, rng, length, tok, pieces, split, header, question, items, depths,
+                 values, answers):
+  """BOS, header, the held-out haystack with `items` at `depths` (None: uniform random),
+  question: exactly `length`. None (draw again) when a value occurs in the haystack."""
   fixed = [pieces(header), pieces(question)]
   budget = length - 1 - sum(map(len, fixed)) - sum(map(len, items))
   if budget < 0:
     raise _too_short(task, length, length - budget)
   hay, cuts, text = _haystack(rng, pieces, split, budget)
-  if any(v in text for _, v in needles):
+  if any(v in text for v in values):
     return None
-  body = _insert(hay, cuts, rng.uniform(0, 1, len(items)), [items[j] for j in order])
+  depths = rng.uniform(0, 1, len(items)) if depths is None else depths
+  body = _insert(hay, cuts, depths, items)
   return Example(task, _assemble(tok, length, task, [fixed[0], body, fixed[1]]), answers)
+
+
+def _passkey(task, s: Spec, rng, length, tok, pieces, split) -> Example:
+  """The retrieval recipe's own wording (`data.retrieval`: "The pass key is 48213. Remember
+  it." / named needles with distractors) on the held-out haystack, keys from its evaluation
+  key space: separates "retrieves on text it never saw" from "follows a new wording"."""
+  if s.needles == 1:
+    keys = [retrieval.draw_key(rng, "eval")]
+    items, question = [retrieval.needle_text(keys[0])], retrieval.QUESTION
+  else:
+    names = [retrieval.NAMES[j] for j in rng.choice(len(retrieval.NAMES), s.needles,
+                                                    replace=False)]
+    keys = _distinct(lambda: retrieval.draw_key(rng, "eval"), s.needles)
+    items = [retrieval.named_needle(nm, k) for nm, k in zip(names, keys)]
+    question = retrieval.named_question(names[0])
+  return _in_haystack(task, rng, length, tok, pieces, split, "", question,
+                      [pieces(t) for t in items], None, keys, (keys[0],))
 
 
 def _vt(task, s: Spec, rng, length, tok, pieces, split) -> Example:
@@ -202,15 +233,8 @@ def _vt(task, s: Spec, rng, length, tok, pieces, split) -> Example:
   header = "Remember the variable assignments in the text below; a question follows.\n"
   question = (f"\nWhich variables are assigned the value {values[0]} in the text above? "
               f"The variables assigned the value {values[0]} are ")
-  fixed = [pieces(header), pieces(question)]
-  budget = length - 1 - sum(map(len, fixed)) - sum(map(len, items))
-  if budget < 0:
-    raise _too_short(task, length, length - budget)
-  hay, cuts, text = _haystack(rng, pieces, split, budget)
-  if any(v in text for v in values):
-    return None
-  body = _insert(hay, cuts, depths, items)
-  return Example(task, _assemble(tok, length, task, [fixed[0], body, fixed[1]]), answers)
+  return _in_haystack(task, rng, length, tok, pieces, split, header, question, items,
+                      depths, values, answers)
 
 
 def _fill(task, rng, length, tok, pieces, split, header, question, items):
@@ -292,7 +316,7 @@ def _fwe(task, s: Spec, rng, length, tok, pieces, split) -> Example:
   return Example(task, prompt, tuple(w for w, _ in top[:s.common]))
 
 
-_BUILD = {"niah": _niah, "vt": _vt, "cwe": _cwe, "fwe": _fwe}
+_BUILD = {"niah": _niah, "vt": _vt, "cwe": _cwe, "fwe": _fwe, "passkey": _passkey}
 
 
 def make_example(task: str, rng: np.random.Generator, length: int, tok: Tokenizer,

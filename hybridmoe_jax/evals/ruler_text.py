@@ -36,7 +36,7 @@ FILES = {
 # shell's usage text), idlelib/README.txt and extend.txt (menu listings and code).
 MAX_FILE_BYTES = 1 << 20     # the files are ~3-80 KB; anything far larger is not them
 MIN_SPLIT_CHARS = 20_000     # below this a 64K haystack would be mostly repeats
-_WORD = re.compile(r"[a-z]{4,12}")
+_WORD = re.compile(r"\b[a-z]{4,12}\b")   # whole words only (not a long word's prefix)
 _RULE = re.compile(r"([=\-*~#_+])\1{3,}")
 
 

@@ -13,7 +13,7 @@ from matplotlib import image as mpimg
 
 from hybridmoe_jax.convert import convert
 from hybridmoe_jax.data.tokenizer import ByteTokenizer, tokenizer_from_dir
-from hybridmoe_jax.evals import EvalOptions, report, run_evals, ruler, ruler_tasks
+from hybridmoe_jax.evals import EvalOptions, report, run_evals, ruler, ruler_tasks, ruler_text
 from hybridmoe_jax.evals.cli import main
 from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
 from tests.conftest import ROOT
@@ -192,3 +192,25 @@ def test_cli_rejects_bad_ruler_flags_before_loading(tmp_path):
   with pytest.raises(ValueError, match=r"--ruler_lengths must hold lengths >= 64"):
     main(task="ruler", workdir=None, params=str(tmp_path / "missing"), output_dir=None,
          config=None, option_values=_cli_values(ruler_lengths=["10"]))
+
+
+@pytest.mark.parametrize("task, needles", [("passkey", 1), ("passkey_multikey", 4)])
+def test_passkey_diagnostics_use_the_training_wording_on_heldout_text(task, needles):
+  ex = ruler_tasks.make_example(task, np.random.default_rng(6), 4096, BYTES)
+  text = _text(BYTES, ex)
+  found = re.findall(r"The pass key (?:of the [a-z ]+ )?is (\d{5})\. ", text)
+  assert len(found) == needles and ex.answers[0] in found
+  if needles > 1:                                  # the asked name's own key
+    name = re.search(r"What is the pass key of the ([a-z ]+)\?", text).group(1)
+    assert re.search(rf"The pass key of the {name} is {ex.answers[0]}\. ", text)
+  assert text.endswith("The pass key is " if needles == 1 else " is ")
+  assert text.count(ex.answers[0]) == 1
+
+
+def test_vocabulary_is_whole_words():
+  for split in ("validation", "test"):
+    text = " ".join(t for _, t in ruler_text.documents(split)).lower()
+    vocab = ruler_text.vocabulary(split)
+    assert len(vocab) > 1000
+    for w in vocab[::97]:
+      assert re.search(rf"\b{w}\b", text), w
