@@ -429,6 +429,12 @@ def train_programs_model_only(run: RunConfig, devices, plan,
   return out
 
 
+def _ms(secs: float) -> str:
+  """Milliseconds, 2 decimals; below 0.01 ms (a tiny model's roofline) 3 significant digits."""
+  ms = secs * 1e3
+  return f"{ms:,.2f}" if ms >= 0.01 else f"{ms:.3g}"
+
+
 def _gib(b: float) -> str:
   return f"{b / GiB:,.2f}"
 
@@ -469,7 +475,7 @@ def report(result: dict) -> str:
     rows.append([p.name, size(p.memory["arguments"]), size(p.memory["outputs"]),
                  size(p.memory["temporaries"]), size(p.memory["total"]),
                  f"{100 * p.memory['total'] / (spec.memory_gib * GiB):.0f}%", fits, model,
-                 ratio, f"{p.compile_s:.0f}", "-" if not secs else f"{secs * 1e3:,.2f} ({how})",
+                 ratio, f"{p.compile_s:.0f}", "-" if not secs else f"{_ms(secs)} ({how})",
                  tps, mfu])
   header = ["program", f"args {unit}", f"out {unit}", f"temp {unit}", f"total {unit}",
             "of HBM", f"fits {_gib(usable)} GiB usable", f"model {unit}", "model/XLA",
