@@ -318,7 +318,11 @@ def _skip_reason(c: Command) -> str | None:
     return "a server (tests/serve drives it with the openai client)"
   if prog == "hybridmoe_jax.serve.lm_eval_adapter" and importlib.util.find_spec("lm_eval") is None:
     return "the lm-eval extra is not installed"
-  if f.get("config.hardware.topology") and importlib.util.find_spec("libtpu") is None:
+  topology = f.get("config.hardware.topology") or ""
+  if topology.split(":")[0] in ("h100", "h200"):
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+      return "the GPU AOT compile needs jax's CUDA plugin (.[gpu])"
+  elif topology and importlib.util.find_spec("libtpu") is None:
     return "the TPU AOT compile needs libtpu (.[tpu])"
   if "curriculum" in (f.get("config") or "") and "dry_run" not in f:
     return ("a staged curriculum to 64K tokens (stages are not flag-sized; "
