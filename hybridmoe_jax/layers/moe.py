@@ -163,6 +163,7 @@ class MoE(nnx.Module):
                compute: ComputeConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.impl = compute.moe_impl
+    self.weight_cast = compute.moe_weight_cast
     self.dtype = jnp.dtype(compute.dtype)
     e, i_dim = cfg.num_experts, cfg.expert_intermediate
     n_in = cfg.latent_dim or d_model
@@ -245,6 +246,10 @@ class MoE(nnx.Module):
 
     weights = (self.router[...], self.bias[...])
     experts = (self.w_gate[...], self.w_up[...], self.w_down[...])
+    if self.weight_cast == "sharded":  # compute.moe_weight_cast: cast where the shard lives
+      # Outside the dispatch's shard_map, an elementwise cast takes its operand's (the
+      # parameter's) sharding, so the gather that feeds the shard_map moves dtype bytes.
+      experts = tuple(w.astype(dtype) for w in experts)
     y, stats, chosen = run_experts(route, run, xf, h, valid, replay, weights, experts,
                                    cfg=cfg, impl=self.impl, glu=glu, dtype=dtype, rows=b)
     # Back to [B, T, ...] before the rest: there the token-wise matmuls see one layout
