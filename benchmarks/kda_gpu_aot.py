@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from benchmarks.kda_tpu_aot import B, C, H, K, LB, V, arg_specs  # noqa: E402,F401
+from benchmarks.kda_tpu_aot import B, C, H, K, LB, V, arg_specs, emit  # noqa: E402,F401
 from hybridmoe_jax.parallel.topology import gpu_topology_devices  # noqa: E402
 from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
 from pallas_kernels.kda import kda_pallas  # noqa: E402
@@ -138,14 +138,6 @@ def parse_config(text: str):
 
 _PTXAS_FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_bytes",
                  "resident_per_sm")
-
-
-def emit(row: dict, out) -> None:
-  line = json.dumps(row)
-  print("JSON " + line, flush=True)
-  if out:
-    with open(out, "a") as f:
-      f.write(line + "\n")
 
 
 def markdown(rows: list[dict]) -> str:
