@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any
 
+import jax
 import optax
 from flax import nnx
 
@@ -91,7 +92,12 @@ def load_from_workdir(workdir: str, expected: ModelConfig | None = None
   def target(meta):
     graphdef, abstract = _abstract_train_state(meta)
     graphdefs.append(graphdef)
-    return abstract
+    # Onto this process's default device, whatever mesh saved it (a run trained on 8
+    # devices is evaluated, served and chatted with on one): without a sharding per leaf
+    # orbax would restore onto the saving devices and refuse a different device set.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                        abstract)
 
   try:
     restored = ckpt.restore_latest(target, saved)
