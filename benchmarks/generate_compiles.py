@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -33,6 +32,7 @@ from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.data.tokenizer import ByteTokenizer
 from hybridmoe_jax.infer import Engine, trace_counts
 from hybridmoe_jax.model import HybridLM
+from hybridmoe_jax.tools.timing import Stopwatch
 
 
 def _model(workdir: str | None):
@@ -49,7 +49,7 @@ def _session(model, tok, batches, new_tokens, bucket: bool) -> dict:
   engine = Engine(model, max_len=256, prefill_chunk=64, kv_block=64)
   rng = np.random.default_rng(0)
   before, outs, first = trace_counts(), [], None
-  t0 = time.perf_counter()
+  watch = Stopwatch()
   for b in batches:
     for n in new_tokens:
       rows = [tok.encode("".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(5, 41))),
@@ -60,9 +60,10 @@ def _session(model, tok, batches, new_tokens, bucket: bool) -> dict:
         tokens[i, :len(r)] = r
       out = engine.generate(tokens, max_new_tokens=n, prompt_lengths=lengths,
                             pad_id=tok.pad_id, bucket=bucket)
-      first = time.perf_counter() - t0 if first is None else first
+      first = watch.seconds if first is None else first
       outs.append(out.tokens)
-  wall = time.perf_counter() - t0
+  watch.stop()
+  wall = watch.seconds
   after = trace_counts()
   traces = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
   return {"bucket": bucket, "calls": len(batches) * len(new_tokens), "traces": traces,
