@@ -6,6 +6,7 @@ the tiny model's three programs takes minutes on a loaded 2-core box: marked slo
 """
 
 import importlib.util
+import re
 
 import jax
 import pytest
@@ -270,3 +271,34 @@ def test_accumulated_step_costs_what_one_big_batch_costs():
   one, four = (aot.compile_run(_tiny_accum(g), serve=False)["programs"][0] for g in (1, 4))
   assert 0.75 <= four.cost["flops"] / one.cost["flops"] <= 1.25, (four.cost, one.cost)
   assert 0.75 <= four.cost["bytes accessed"] / one.cost["bytes accessed"] <= 1.5
+
+
+def _expert_collective_dtypes(hlo: str, experts: int, widths: set[int]) -> set[str]:
+  """Dtypes of the all-gathers / all-reduces / reduce-scatters of routed-expert-shaped
+  arrays ([E, n, I] or [E, I, n]: the weights or their gradients)."""
+  out = set()
+  for m in re.finditer(r"= (\w+)\[(\d+),(\d+),(\d+)\][^ ]* (all-gather|all-reduce|reduce-scatter)\(",
+                       hlo):
+    if int(m.group(2)) == experts and {int(m.group(3)), int(m.group(4))} == widths:
+      out.add(m.group(1))
+  return out
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_expert_weights_gathered_in_the_compute_dtype_when_cast_on_their_shards():
+  """compute.moe_weight_cast: "sharded" moves the routed experts and their gradients in bf16
+  only; "gathered" moves them in fp32 too (the comparison this knob exists for)."""
+  from hybridmoe_jax.tools import aot
+
+  seen = {}
+  for cast in ("sharded", "gathered"):
+    config = _tiny()
+    config.compute.update(dtype="bfloat16", moe_weight_cast=cast)
+    config.mesh.update(fsdp=4, expert=1)
+    m = config.model.moe
+    train, = aot.compile_run(run_config_from_dict(config), serve=False, cost=False)["programs"]
+    seen[cast] = _expert_collective_dtypes(train.hlo, m.num_experts,
+                                           {m.latent_dim, m.expert_intermediate})
+  assert seen["sharded"] == {"bf16"}, seen
+  assert "f32" in seen["gathered"], seen
