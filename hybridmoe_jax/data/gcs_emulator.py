@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 BUCKET = "hm-test"
@@ -82,9 +83,12 @@ def running(timeout_s: float = 30.0):
     RuntimeError: it did not answer within timeout_s (the caller skips with the reason).
   """
   port = free_port()
+  # Its log goes to a file, never a pipe: an unread pipe fills (64 KiB of request lines) and
+  # the emulator then blocks mid-reply, hanging every client (seen under pytest -n 2).
+  log = tempfile.TemporaryFile(mode="w+")
   proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, "start", "--host=127.0.0.1",
                            f"--port={port}", "--in-memory", f"--default-bucket={BUCKET}"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.DEVNULL, stderr=log, text=True)
   url = f"http://127.0.0.1:{port}"
   saved = {k: os.environ.get(k) for k in env_for(url)}
   try:
@@ -95,8 +99,9 @@ def running(timeout_s: float = 30.0):
         break
       except OSError:
         if proc.poll() is not None or time.time() > deadline:
+          log.seek(0)
           raise RuntimeError("gcp-storage-emulator did not start: "
-                             f"{(proc.stderr.read() if proc.poll() is not None else 'timeout')[-300:]}")
+                             f"{(log.read() if proc.poll() is not None else 'timeout')[-300:]}")
         time.sleep(0.1)
     os.environ.update(env_for(url))
     _reset_clients()
@@ -109,6 +114,7 @@ def running(timeout_s: float = 30.0):
       proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
       proc.kill()
+    log.close()
     for k, v in saved.items():
       if v is None:
         os.environ.pop(k, None)
