@@ -52,6 +52,12 @@ if (os.environ.get("HYBRIDMOE_TESTS_JAX_CACHE") != "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
+# CPU only, for this process and the CLIs it starts: with jax's CUDA plugin installed (the
+# GPU AOT tests' optional extra) and no GPU, every jax start would print the plugin's cuInit
+# traceback, which the CLI tests rightly refuse on stderr. Deviceless TPU / GPU topologies
+# compile under JAX_PLATFORMS=cpu.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 # XLA reads the device count when the backend starts, lazily at the first computation; the
 # autouse fixture below removes it from the environment (for subprocesses), so start the
 # backend now, with 8 devices, whichever test happens to compute first.

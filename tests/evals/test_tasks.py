@@ -118,5 +118,5 @@ def test_niah_key_nll_is_the_teacher_forced_score_and_greedy_is_generate():
   want = engine.generate(prompts, max_new_tokens=5).tokens
   np.testing.assert_array_equal(greedy, want)
   assert int(jax.device_get(cache.length)[0]) == 128   # the prompt's cache was not consumed
-  r = niah.evaluate_niah(engine, [128], [0.5], samples=2, tokenizer=ByteTokenizer())
+  r = niah.evaluate_niah(engine, [128], [0.5], samples=2, tokenizer=ByteTokenizer(chat=True))
   assert np.shape(r["key_nll_gain"]) == (1, 1) and r["key_nll"][0][0] > 0
