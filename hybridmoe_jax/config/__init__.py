@@ -195,11 +195,7 @@ class ComputeConfig(Checked):
   # expert shard receives at most ceil(c * m k) rows per step, the excess dropped, counted.
   moe_capacity_factor: float = ranged(
       0.0, ">= 0", "0: dropless; else receive-buffer rows / local assignments")
-  # Where the routed experts' fp32 weights become the compute dtype: "sharded" (on each
-  # device's shard, before any gather: the gathers move compute-dtype bytes and the weight
-  # gradients are reduce-scattered in the compute dtype, as their matmuls produce them) or
-  # "gathered" (after the gather: fp32 gathers and fp32 gradient reductions, 2x the bytes
-  # and a whole fp32 gradient of a layer's experts per device). Same forward either way.
+  # Experts to compute dtype "sharded" (before gathers: dtype gathers/grad reductions) or after.
   moe_weight_cast: str = ranged("sharded", ("sharded", "gathered"))
   # MLA training attention: "dense" holds [B, H, T, T] scores; "blockwise" holds one
   # [B, H, mla_block, mla_block] block at a time (forward and backward); the kernels "cudnn"
