@@ -51,7 +51,7 @@ def model_rate(config, stage, steps: int) -> float:
   """Tokens/s of the jitted train step at the stage's shape (after compilation)."""
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.train import optim
-  from hybridmoe_jax.train import plan as plan_lib
+  from hybridmoe_jax.train import stage_plan as plan_lib
   from hybridmoe_jax.train import step as step_lib
   from hybridmoe_jax.train.state import create_train_state
   cfg, t = config.model, config.train
@@ -77,7 +77,7 @@ def main(argv):
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.config.run import run_config_from_dict
   from hybridmoe_jax.config.flags import load_config_file
-  from hybridmoe_jax.train import plan as plan_lib
+  from hybridmoe_jax.train import stage_plan as plan_lib
   from hybridmoe_jax.train.run_inputs import build_data
   config = run_config_from_dict(load_config_file(_CONFIG.value))
   data = build_data(config, plan_lib.build_plan(config))

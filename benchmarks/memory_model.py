@@ -28,7 +28,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridmoe_jax.config.run import run_config_from_dict  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.train import dry_run, optim
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.train.state import abstract_train_state
 from hybridmoe_jax.train.step import make_train_step

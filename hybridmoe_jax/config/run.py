@@ -255,7 +255,7 @@ class SourceConfig(Checked):
 
 @dataclasses.dataclass(frozen=True)
 class StageConfig(Checked):
-  """One curriculum stage as written (resolved by `train/plan.py: build_plan`).
+  """One curriculum stage as written (resolved by `train/stage_plan.py: build_plan`).
 
   seq_len: tokens per row (a multiple of compute.kda_chunk_size); steps | tokens: the stage
   length in optimizer steps or in tokens (exactly one); weights: {source name: weight};
@@ -313,7 +313,7 @@ class StageConfig(Checked):
 
 @dataclasses.dataclass(frozen=True)
 class CurriculumConfig(Checked):
-  """`curriculum`: the staged context curriculum (no stages: a plain run, see train/plan.py)."""
+  """`curriculum`: the staged context curriculum (no stages: a plain run, see train/stage_plan.py)."""
 
   PATH = "curriculum"
   # global tokens per optimizer step (a stage may raise it); >= 2 with stages

@@ -1,6 +1,6 @@
 """The data of a staged context curriculum: per-stage sources and pipelines, held-out set.
 
-The stages come resolved from the plan (`train/plan.py`: global batch, length, mixing
+The stages come resolved from the plan (`train/stage_plan.py`: global batch, length, mixing
 weights per stage); here every named source of `curriculum.sources` is indexed and split
 into train / held-out documents (`data.heldout_fraction` / `data.heldout_seed`), each stage
 becomes a `stages.StageData` (retrieval documents join as one more component) and the
@@ -37,7 +37,7 @@ from hybridmoe_jax.config.run import CurriculumConfig, DataConfig
 
 
 class Stage(Protocol):
-  """What the data needs of one resolved stage (`train/plan.py: StagePlan` has it)."""
+  """What the data needs of one resolved stage (`train/stage_plan.py: StagePlan` has it)."""
 
   index: int
   seq_len: int

@@ -65,7 +65,7 @@ class StageNiah:
                max_factor=c.niah_max_factor)
 
   def __call__(self, step: int, stage, model) -> dict[str, Any]:
-    """stage: the `train.plan.StagePlan` that just ended; model: a `HybridLM`."""
+    """stage: the `train.stage_plan.StagePlan` that just ended; model: a `HybridLM`."""
     lengths = self.lengths_after(stage.seq_len)
     engine = Engine(model, max_len=max(lengths) + self.num_digits,
                     prefill_chunk=self.prefill_chunk, kv_block=self.kv_block)

@@ -53,7 +53,7 @@ from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.config.sharding import TOKEN_AXES
 from hybridmoe_jax.train import dry_run as dry_lib
 from hybridmoe_jax.train import optim
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train.state import abstract_train_state
 from hybridmoe_jax.train.step import make_train_step
 

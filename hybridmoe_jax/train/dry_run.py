@@ -30,7 +30,7 @@ from hybridmoe_jax.config.run import MeshConfig, RunConfig
 from hybridmoe_jax.config.sharding import MESH_AXES, path_string, spec_for
 from hybridmoe_jax.parallel import rules
 from hybridmoe_jax.train import memory_model, optim
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 
 GiB = 1024 ** 3
 

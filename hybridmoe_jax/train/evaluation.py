@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.monitor import Monitor
 

@@ -31,7 +31,7 @@ from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim, params_export
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train import workdir_lock

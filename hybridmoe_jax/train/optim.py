@@ -1,6 +1,6 @@
 """The learning-rate schedule and the optimizer (global-norm clipping, then AdamW or Muon).
 
-One scheduler for every run: the plan (train/plan.py) gives one `LRPiece` per stage (a run
+One scheduler for every run: the plan (train/stage_plan.py) gives one `LRPiece` per stage (a run
 without a curriculum is one stage) and `make_schedule` is their piecewise function of the
 global step.
 """

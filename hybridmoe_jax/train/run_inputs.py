@@ -35,7 +35,7 @@ from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train.run_errors import InputError
 
 FILE = "inputs.json"

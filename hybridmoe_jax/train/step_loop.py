@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from hybridmoe_jax.config import ModelConfig
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train import workdir_lock
 from hybridmoe_jax.train.evaluation import eval_info, evaluate, stage_end, stage_info

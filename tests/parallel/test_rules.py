@@ -13,7 +13,7 @@ from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel import rules
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train import dry_run, optim
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.config.sharding import path_string, spec_for
 from jax.sharding import PartitionSpec as P
 from tests.conftest import ROOT, load_config

@@ -25,7 +25,7 @@ from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train.loop import train_and_evaluate
-from hybridmoe_jax.train.plan import build_plan
+from hybridmoe_jax.train.stage_plan import build_plan
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 from hybridmoe_jax.train.step import make_train_step
 from tests._support import mini_model_config, rel_rms

@@ -15,7 +15,7 @@ import pytest
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train import dry_run, optim
-from hybridmoe_jax.train import plan as plan_lib
+from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import load_config

@@ -15,7 +15,7 @@ from hybridmoe_jax.ops import cross_entropy
 from hybridmoe_jax.train import optim, step as step_lib
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config.run import default_config
-from hybridmoe_jax.train.plan import build_plan
+from hybridmoe_jax.train.stage_plan import build_plan
 from hybridmoe_jax.train.state import create_train_state
 from tests._support import mini_model_config
 from tests.train.train_fakes import FakeIterator
