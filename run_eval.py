@@ -108,7 +108,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)   # orbax logs dozens of INFO lines per restore
   # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.train import terminal
+  from hybridmoe_jax.cli import terminal
   terminal.skip_absent_tpu()   # before any backend starts: no libtpu probe without a TPU
   terminal.install(bar=False)  # clean "warning: ..." lines instead of absl's prefix
   from hybridmoe_jax.evals import cli

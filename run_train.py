@@ -90,7 +90,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.train import terminal
+  from hybridmoe_jax.cli import terminal
   terminal.skip_absent_tpu()  # before any backend starts: no libtpu probe on a CPU machine
   if not _ABSL_LOGS.value:
     terminal.install()
@@ -102,7 +102,8 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   from hybridmoe_jax.config.run import run_config_from_dict
-  from hybridmoe_jax.train import checkpoint, dry_run, io_noise, loop, run_errors
+  from hybridmoe_jax.cli import errors, io_noise
+  from hybridmoe_jax.train import checkpoint, dry_run, loop
   try:
     config = _CONFIG.value
     config.keys()  # a lazy proxy: raises here if the file failed to load
@@ -143,9 +144,9 @@ def main(argv):
         on_stage_end = StageNiah.from_run(run, _WORKDIR.value)
       summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value,
                                         on_stage_end=on_stage_end)
-  except (ConfigError, run_errors.InputError, run_errors.TrainingDiverged,
+  except (ConfigError, errors.InputError, errors.TrainingDiverged,
           checkpoint.NonFiniteState, checkpoint.CheckpointWriteError,
-          run_errors.OutOfMemory) as e:
+          errors.OutOfMemory) as e:
     sys.exit(f"error: {e}")
   except OSError as e:  # a full disk hit a log write (metrics, TensorBoard) before a save did
     if e.errno not in io_noise.FULL_ERRNOS:
@@ -164,7 +165,7 @@ def _print_end(summary, workdir: str) -> None:
   """After pre-training: a sample of the model, where the outputs are, what to run next."""
   # pylint: disable=g-import-not-at-top
   import jax
-  from hybridmoe_jax.train.terminal import end_lines
+  from hybridmoe_jax.cli.terminal import end_lines
   if jax.process_index() != 0:
     return
   n = _SAMPLE_TOKENS.value

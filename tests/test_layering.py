@@ -3,6 +3,8 @@
 Ranks (a module may import modules of its own group or of a lower rank only):
   0 config (the typed config tree: model, run, rl, hardware, sharding axes, the CLIs' --config
     flag), plots (figures: numpy + matplotlib only), io (file formats: numpy + json)
+  0.5 cli (command-line plumbing: terminal output, one-line errors, signals, the workdir
+    lock; every CLI and the train, evals, convert and rl runs use it, it imports config only)
   1 ops, pallas_kernels (external, importable with jax alone; pallas_kernels builds on the
     ops' XLA helpers, e.g. ops.kda.chunked)
   1.5 ops_api: an op's entry point and dispatch table that may run a Pallas kernel
@@ -30,8 +32,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hybridmoe_jax", "pallas_kernels")
 OPS_API = ("hybridmoe_jax.ops.kda", "hybridmoe_jax.ops.kda.api")
-RANKS = {"config": 0, "plots": 0, "io": 0, "ops": 1, "pallas_kernels": 1, "ops_api": 1.5,
-         "layers": 2,
+RANKS = {"config": 0, "plots": 0, "io": 0, "cli": 0.5, "ops": 1, "pallas_kernels": 1,
+         "ops_api": 1.5, "layers": 2,
          "model": 3, "parallel": 4, "train": 5, "infer": 5, "evals": 6, "convert": 6, "rl": 6,
          "tools": 7, "api": 7, "launch": 7, "serve": 8}
 TOOLS_RANK = 7

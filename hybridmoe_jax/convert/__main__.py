@@ -17,7 +17,7 @@ from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.convert import convert
 from hybridmoe_jax.convert.hf_weights import TensorMismatch
 from hybridmoe_jax.io.safetensors import SafetensorsError
-from hybridmoe_jax.train import io_noise
+from hybridmoe_jax.cli import io_noise
 
 
 def peak_rss_bytes() -> int:

@@ -26,7 +26,7 @@ from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.evals import mqar, niah, ppl, ruler, vqa
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.train import io_noise
+from hybridmoe_jax.cli import io_noise
 
 TEXT_TASKS = ("ppl", "niah", "mqar", "generate")
 TASKS = TEXT_TASKS + ("vqa", "ruler")

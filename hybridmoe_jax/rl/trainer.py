@@ -42,6 +42,8 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from hybridmoe_jax.cli import errors, workdir_lock
+from hybridmoe_jax.cli.signals import StopFlag
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
 from hybridmoe_jax.infer.engine import Engine
@@ -56,10 +58,9 @@ from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
-from hybridmoe_jax.train import optim, run_errors, workdir_lock
+from hybridmoe_jax.train import optim
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.run_inputs import run_tokenizer
-from hybridmoe_jax.train.step_loop import StopFlag
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
 def _tokenizer(config: RunConfig):
@@ -113,13 +114,13 @@ def train_rl(config: RunConfig, workdir: str) -> dict[str, Any]:
     raise ConfigError("config field `rl.envs` is empty: not an RL run")
   check_rl_config(config)
   tokenizer = _tokenizer(config)
-  workdir = run_errors.checked_workdir_path(workdir)
-  run_errors.make_writable_workdir(workdir)   # one line for a file, an unwritable directory
+  workdir = errors.checked_workdir_path(workdir)
+  errors.make_writable_workdir(workdir)   # one line for a file, an unwritable directory
   try:
     with workdir_lock.WorkdirLock(workdir, stale_after_s=config.train.lock_stale_s):
       return _train_locked(config, workdir, tokenizer)
   except workdir_lock.WorkdirBusy as e:   # another run holds it: one line, as pre-training
-    raise run_errors.InputError(str(e)) from None
+    raise errors.InputError(str(e)) from None
 
 
 def _check_init_config(src: str, model_dict) -> None:

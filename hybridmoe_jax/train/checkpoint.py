@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
 from hybridmoe_jax.data import storage
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
-from hybridmoe_jax.train import io_noise
+from hybridmoe_jax.cli import io_noise
 
 CONFIG_FILE = "model_config.json"
 LOCATION_FILE = "checkpoints.url"   # in the workdir: where its checkpoints live (gs://...)

@@ -23,6 +23,11 @@ from flax import nnx
 import jax
 import numpy as np
 
+from hybridmoe_jax.cli import workdir_lock
+from hybridmoe_jax.cli.errors import (InputError, OutOfMemory, checked_workdir_path,
+                                      is_out_of_memory, make_writable_workdir, oom_message)
+from hybridmoe_jax.cli.signals import dump_stacks_on_sigusr1
+from hybridmoe_jax.cli.terminal import fmt_duration
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import tokenizer as tokenizer_lib
@@ -34,17 +39,12 @@ from hybridmoe_jax.train import optim, params_export
 from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train import step as step_lib
-from hybridmoe_jax.train import workdir_lock
 from hybridmoe_jax.train.evaluation import eval_info, evaluate, run_stage_hook
 from hybridmoe_jax.train.monitor import Monitor, fmt_rate, hardware
-from hybridmoe_jax.train.terminal import fmt_duration
 from hybridmoe_jax.train.profile import StepProfiler
 from hybridmoe_jax.train.run_inputs import build_data, run_tokenizer
-from hybridmoe_jax.train.run_errors import (InputError, OutOfMemory, checked_workdir_path,
-                                            is_out_of_memory, make_writable_workdir,
-                                            oom_message)
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
-from hybridmoe_jax.train.step_loop import dump_stacks_on_sigusr1, run_steps
+from hybridmoe_jax.train.step_loop import run_steps
 
 
 def _log_sizes(state) -> None:

@@ -32,8 +32,8 @@ import numpy as np
 import tensorboardX
 
 from hybridmoe_jax import plots
-from hybridmoe_jax.train import terminal
-from hybridmoe_jax.train.terminal import fmt_duration
+from hybridmoe_jax.cli import terminal
+from hybridmoe_jax.cli.terminal import fmt_duration
 
 
 def fmt_rate(x: float) -> str:

@@ -25,7 +25,7 @@ from hybridmoe_jax.data import storage
 from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.model.stack import layout_hint
 from hybridmoe_jax.config.sharding import path_string
-from hybridmoe_jax.train import io_noise
+from hybridmoe_jax.cli import io_noise
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, CheckpointWriteError
 
 PARAMS_FILE = "params.safetensors"

@@ -36,7 +36,7 @@ from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import stage_plan as plan_lib
-from hybridmoe_jax.train.run_errors import InputError
+from hybridmoe_jax.cli.errors import InputError
 
 FILE = "inputs.json"
 _EDGE = 64 * 1024      # bytes hashed at each end of a data file

@@ -10,7 +10,7 @@ import types
 from absl import logging as absl_logging
 import pytest
 
-from hybridmoe_jax.train import terminal
+from hybridmoe_jax.cli import terminal
 from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.monitor import Monitor
 from tests.train.test_monitor import monitor_metrics, run_monitor

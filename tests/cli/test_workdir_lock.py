@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from hybridmoe_jax.train import workdir_lock
-from hybridmoe_jax.train.workdir_lock import LOCK_FILE, WorkdirBusy, WorkdirLock
+from hybridmoe_jax.cli import workdir_lock
+from hybridmoe_jax.cli.workdir_lock import LOCK_FILE, WorkdirBusy, WorkdirLock
 
 
 def _write_lock(workdir, **record):

@@ -11,7 +11,7 @@ pytest.importorskip("gcp_storage_emulator",
 
 from hybridmoe_jax.data import storage  # noqa: E402
 from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402
-from hybridmoe_jax.train.run_errors import InputError, checked_workdir_path  # noqa: E402
+from hybridmoe_jax.cli.errors import InputError, checked_workdir_path  # noqa: E402
 from hybridmoe_jax.config.run import run_config_from_dict  # noqa: E402
 from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
 from tests.conftest import one_device  # noqa: E402

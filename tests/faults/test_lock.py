@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hybridmoe_jax.train import workdir_lock
+from hybridmoe_jax.cli import workdir_lock
 from tests.faults import helpers
 
 

@@ -11,7 +11,8 @@ from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import run_state, trainer
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import loop, workdir_lock
+from hybridmoe_jax.cli import workdir_lock
+from hybridmoe_jax.train import loop
 from tests.faults import helpers
 from tests.rl.test_trainer import tiny_rl_config
 
