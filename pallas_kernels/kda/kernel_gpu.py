@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .chunk_math import SUB, forward_chunk, mm, mm_nt, mm_tn, states_chunk
+from .chunk_math import SUB, forward_chunk, mm, mm_nt, mm_tn
 from .config import GpuConfig, lax_precision
 
 _f32 = jnp.float32
@@ -85,16 +85,6 @@ def forward(q, k, v, g, beta, h0t, seg=None, *, cfg: GpuConfig, scale: float,
   )(q, k, v, g, beta, h0t, *extra)
 
 
-def _chunk_specs(N, C, K, BV):
-  """Block specs over the chunk layout [BH, N, C, F] for grid (BH, NV)."""
-  k_side = pl.BlockSpec((None, N, C, K), lambda i, j: (i, 0, 0, 0))
-  v_side = pl.BlockSpec((None, N, C, BV), lambda i, j: (i, 0, 0, j))
-  decay = pl.BlockSpec((None, N, 1, K), lambda i, j: (i, 0, 0, 0))
-  state = pl.BlockSpec((None, BV, K), lambda i, j: (i, j, 0))
-  states = pl.BlockSpec((None, N, BV, K), lambda i, j: (i, 0, j, 0))
-  return k_side, v_side, decay, state, states
-
-
 def _parallel_params(cfg: GpuConfig, warps: int = 8):
   """The chunk-parallel kernels hold whole [C, K] fp32 tiles: `warps` (at least) spread them
   over enough threads to stay in registers."""
@@ -112,25 +102,50 @@ def _per_chunk_specs(C, K, BV):
   return k_side, v_side, a_spec, decay, state
 
 
+# The value tile of the two sequential passes (states forward, state gradients backward).
+# Value columns of the state recur independently (Vn = U - W S contracts K, not V), so these
+# passes split V as finely as a dot allows: 8 columns, in the layout S [K, 8], make every
+# product an m64n8 / m128n8 tile (N = 8 is a native tensor-core width; an M of 8 is not: the
+# transposed layout St [8, K] spilled 3.3 KB). At B=1, H=16, V=128 that is 256 programs for
+# 132 SMs, where tiles of 16 gave 128 (ptxas for sm_90: 126 / 162 registers, no spills).
+STATE_BV = 8
+
+
+def _sequential_specs(N, C, K, V):
+  """Block specs of the sequential passes over the chunk layout [BH, N, C, F], grid
+  (BH, V // bv), bv = min(STATE_BV, V): K-side and value-side chunks, the decay as a
+  column [N, K, 1] (it scales the rows of S [K, bv]), and states in the transposed layout
+  [.., V, K] of the other kernels."""
+  bv = min(STATE_BV, V)
+  k_side = pl.BlockSpec((None, N, C, K), lambda i, j: (i, 0, 0, 0))
+  v_side = pl.BlockSpec((None, N, C, bv), lambda i, j: (i, 0, 0, j))
+  decay = pl.BlockSpec((None, N, K, 1), lambda i, j: (i, 0, 0, 0))
+  state = pl.BlockSpec((None, bv, K), lambda i, j: (i, j, 0))
+  states = pl.BlockSpec((None, N, bv, K), lambda i, j: (i, 0, j, 0))
+  return bv, k_side, v_side, decay, state, states
+
+
 def _states_and_final(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
   """The sequential pass: the state entering each chunk, St [BH, N, V, K] f32, and the final
-  state [BH, V, K] f32. Per chunk two [C, K] x [K, BV] products: the light part of the
-  recurrence (chunk_prep did the 16 x 16 solves, chunk-parallel, in XLA)."""
+  state [BH, V, K] f32. Per chunk two [C, K] x [K, 8] products: the light part of the
+  recurrence (chunk_prep did the 16 x 16 solves, chunk-parallel, in XLA). The carry is
+  S = St^T [K, 8] (see STATE_BV); states are stored transposed."""
   BH, N, C, K = w.shape
-  V, BV = u.shape[-1], cfg.block_v
+  V = u.shape[-1]
   prec = lax_precision(cfg.precision)
-  k_side, v_side, decay_spec, state, states_spec = _chunk_specs(N, C, K, BV)
+  bv, k_side, v_side, decay_spec, state, states_spec = _sequential_specs(N, C, K, V)
 
   def kernel(w_ref, u_ref, ko_ref, d_ref, s0_ref, st_ref, ht_ref):
-    def body(n, St):
-      st_ref[n] = St
-      return states_chunk(w_ref[n], u_ref[n], ko_ref[n], d_ref[n], St, prec)
+    def body(n, S):
+      st_ref[n] = S.T
+      v_new = u_ref[n] - mm(w_ref[n], S, prec)
+      return S * d_ref[n] + mm_tn(ko_ref[n], v_new, prec)
 
-    ht_ref[...] = lax.fori_loop(0, N, body, s0_ref[...])
+    ht_ref[...] = lax.fori_loop(0, N, body, s0_ref[...].T).T
 
   return pl.pallas_call(
       kernel,
-      grid=(BH, V // BV),
+      grid=(BH, V // bv),
       in_specs=[k_side, v_side, k_side, decay_spec, state],
       out_specs=[states_spec, state],
       out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
@@ -138,7 +153,7 @@ def _states_and_final(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: boo
       compiler_params=_params(cfg),
       interpret=interpret,
       name="kda_states_gpu",
-  )(w, u, k_out, decay, s0t)
+  )(w, u, k_out, decay.reshape(BH, N, K, 1), s0t)
 
 
 def states(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
@@ -186,26 +201,27 @@ def recurrent_forward(w, u, q_in, k_out, a_qk, decay, s0t, *, out_dtype, cfg: Gp
 def _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, *, cfg: GpuConfig, interpret: bool):
   """The reverse pass: the gradient w.r.t. the state leaving each chunk, dSt [BH, N, V, K]
   f32, and w.r.t. the initial state [BH, V, K]. It needs no forward state:
-  dS_in = do^T q_in + decay dS - dVn^T W with dVn = A^T do + k_out dS^T."""
+  dS_in = q_in^T do + decay dS - W^T dVn with dVn = A^T do + k_out dS. The carry is
+  dS [K, 8] (STATE_BV); the gradients are stored transposed."""
   BH, N, C, K = w.shape
-  V, BV = do.shape[-1], cfg.block_v
+  V = do.shape[-1]
   prec = lax_precision(cfg.precision)
-  k_side, v_side, decay_spec, state, states_spec = _chunk_specs(N, C, K, BV)
+  bv, k_side, v_side, decay_spec, state, states_spec = _sequential_specs(N, C, K, V)
   a_spec = pl.BlockSpec((None, N, C, C), lambda i, j: (i, 0, 0, 0))
 
   def kernel(w_ref, qi_ref, ko_ref, a_ref, do_ref, d_ref, dht_ref, dst_ref, ds0_ref):
-    def body(i, dSt):
+    def body(i, dS):
       n = N - 1 - i
-      dst_ref[n] = dSt
+      dst_ref[n] = dS.T
       do = do_ref[n].astype(_f32)
-      dv_new = mm_tn(a_ref[n], do, prec) + mm_nt(ko_ref[n], dSt, prec)
-      return mm_tn(do, qi_ref[n], prec) + dSt * d_ref[n] - mm_tn(dv_new, w_ref[n], prec)
+      dv_new = mm_tn(a_ref[n], do, prec) + mm(ko_ref[n], dS, prec)
+      return mm_tn(qi_ref[n], do, prec) + dS * d_ref[n] - mm_tn(w_ref[n], dv_new, prec)
 
-    ds0_ref[...] = lax.fori_loop(0, N, body, dht_ref[...])
+    ds0_ref[...] = lax.fori_loop(0, N, body, dht_ref[...].T).T
 
   return pl.pallas_call(
       kernel,
-      grid=(BH, V // BV),
+      grid=(BH, V // bv),
       in_specs=[k_side, k_side, k_side, a_spec, v_side, decay_spec, state],
       out_specs=[states_spec, state],
       out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
@@ -213,7 +229,7 @@ def _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, *, cfg: GpuConfig, inte
       compiler_params=_params(cfg),
       interpret=interpret,
       name="kda_dstates_gpu",
-  )(w, q_in, k_out, a_qk, do, decay, dht_t)
+  )(w, q_in, k_out, a_qk, do, decay.reshape(BH, N, K, 1), dht_t)
 
 
 def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
