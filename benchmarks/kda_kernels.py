@@ -84,8 +84,9 @@ def pallas_config(split, chunk, K, V, dtype):
 def jax_fn(impl, mode, chunk, interpret, K, V, segment_ids):
   if impl.startswith("pallas"):
     cfg = pallas_config(impl == "pallas-split", chunk, K, V, jnp.bfloat16)
-    run = functools.partial(kda_pallas, chunk_size=chunk, lower_bound=LB,
-                            interpret=interpret, config=cfg)
+    run = functools.partial(kda_pallas, chunk_size=chunk, lower_bound=LB, interpret=interpret,
+                            backend="tpu" if jax.default_backend() == "tpu" else "gpu",
+                            config=cfg)
   else:
     run = functools.partial(kda, impl="chunked", chunk_size=chunk, lower_bound=LB)
 

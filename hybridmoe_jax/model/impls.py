@@ -13,7 +13,6 @@ from absl import logging
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers import moe
 from hybridmoe_jax.ops import attention_backends, grouped_ffn, latent_attention
-from hybridmoe_jax.ops.kda import PALLAS_BACKENDS
 from hybridmoe_jax.ops.kda import choose as kda_choose
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan
 
@@ -55,14 +54,13 @@ def _report(cfg: ModelConfig, compute: ComputeConfig, plan: ExecutionPlan,
   kda_layers = [i for i, k in enumerate(kinds) if k == "kda"]
   if kda_layers:
     k = cfg.kda
-    name, why = kda_choose(compute.kda_impl, head_dim=k.head_dim, v_head_dim=k.v_head_dim,
-                           chunk_size=compute.kda_chunk_size,
-                           lower_bound=k.lower_bound if k.gate == "bounded" else None,
-                           tokens=2, continues=False, plan=plan, backend=given)
-    fallback = compute.kda_impl == "auto" and backend in PALLAS_BACKENDS and name == "chunked"
-    lines.append((f"{_layer_list(kda_layers)} (kda): {name} (chunk {compute.kda_chunk_size}; "
-                  f"compute.kda_impl={compute.kda_impl!r}: {why}); one-token decode: "
-                  "recurrent", fallback))
+    c = kda_choose(compute.kda_impl, head_dim=k.head_dim, v_head_dim=k.v_head_dim,
+                   chunk_size=compute.kda_chunk_size,
+                   lower_bound=k.lower_bound if k.gate == "bounded" else None,
+                   tokens=2, continues=False, plan=plan, backend=given)
+    lines.append((f"{_layer_list(kda_layers)} (kda): {c.name} (chunk {compute.kda_chunk_size}; "
+                  f"compute.kda_impl={compute.kda_impl!r}: {c.reason}); one-token decode: "
+                  "recurrent", c.fallback))
   mla_layers = [i for i, k in enumerate(kinds) if k == "mla"]
   if mla_layers:
     lines.append(_mla_line(cfg, compute, plan, backend, capability, mla_layers))

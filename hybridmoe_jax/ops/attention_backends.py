@@ -31,13 +31,12 @@ import jax.numpy as jnp
 from hybridmoe_jax.config import MLA_IMPLS
 from hybridmoe_jax.ops.attention import causal_attention
 from hybridmoe_jax.ops.blockwise_attention import blockwise_attention, check_inputs
-from hybridmoe_jax.ops.platform import on_row_shards, target_platform
+from hybridmoe_jax.ops.platform import GPU_PLATFORMS, on_row_shards, target_platform
 
 XLA_CORES = ("dense", "blockwise")
 KERNELS = ("cudnn", "triton", "splash")
-GPU_BACKENDS = ("gpu", "cuda", "rocm")
 # Where each kernel runs (interpret mode aside): cuDNN is NVIDIA's, Triton any JAX GPU.
-KERNEL_BACKENDS = {"cudnn": ("gpu", "cuda"), "triton": GPU_BACKENDS, "splash": ("tpu",)}
+KERNEL_BACKENDS = {"cudnn": ("gpu", "cuda"), "triton": GPU_PLATFORMS, "splash": ("tpu",)}
 # "auto" tries these in order; the first whose constraints hold wins, else blockwise.
 AUTO_ORDER = {"tpu": ("splash",), "gpu": ("cudnn", "triton"), "cuda": ("cudnn", "triton"),
               "rocm": ("triton",)}
@@ -185,7 +184,7 @@ def current_backend() -> tuple[str, str | None]:
   None). A target other than the host's backend (an ahead-of-time compile for a TPU
   topology) has no local device to ask: (platform, None)."""
   backend, _ = target_platform()
-  if backend not in GPU_BACKENDS or backend != jax.default_backend():
+  if backend not in GPU_PLATFORMS or backend != jax.default_backend():
     return backend, None
   device = jax.devices()[0]
   if "rocm" in str(getattr(device.client, "platform_version", "")).lower():

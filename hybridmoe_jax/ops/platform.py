@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from hybridmoe_jax.config.sharding import BATCH_AXES
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # jax platform names of a GPU target
+
 
 def _mesh_platform() -> str | None:
   """The platform of the active mesh's devices (abstract mesh inside a trace, else the mesh

@@ -1,92 +1,227 @@
-"""Public entry point of the KDA Pallas kernels: `kda_pallas`.
+"""The KDA Pallas kernels' entry point `kda_pallas` and its custom_vjp: layouts, forward
+kernel, recompute-based backward.
 
-Conventions (DESIGN s1): q, k [B, T, H, K] L2-normalised; v [B, T, HV, V]; g [B, T, HV, K]
-log decay in [lower_bound, 0]; beta [B, T, HV]; state [B, HV, K, V] float32.
-Domain errors raise NotImplementedError (so `kda(impl="auto")` falls back to XLA); invalid
-arguments raise ValueError.
+This library runs the backend it is given and does not choose: the op
+(hybridmoe_jax/ops/kda/api.py) picks the backend, checks the inputs once and asks
+`config.check_domain_dims` first. Conventions (DESIGN s1): q, k [B, T, H, K] L2-normalised;
+v [B, T, HV, V]; g [B, T, HV, K] log decay in [lower_bound, 0]; beta [B, T, HV];
+state [B, HV, K, V] float32.
+
+Forward: one fused Pallas kernel (kernel_tpu / kernel_gpu .forward), or with
+cfg.fused=False XLA chunk_prep + the Pallas recurrence (.recurrent_forward). Residuals are
+the inputs only. Packed sequences arrive as `seg` [B, Tp] float32 (segments.py), or None
+for the unpacked fast path; they change only the per-chunk math (the fused kernel's masks,
+chunk_prep's), never the recurrences over chunks. Backward (README.md):
+  1. XLA:    prep, prep_vjp = jax.vjp(prep.chunk_prep, q, k, v, g, beta)
+  2. Pallas: the states entering every chunk (forward state recurrence on prep)
+  3. Pallas: the reverse recurrence over chunks -> d(prep), dS0
+  4. XLA:    dq, dk, dv, dg, dbeta = prep_vjp(d(prep))
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops.decay import check_lower_bound
-from hybridmoe_jax.ops.kda.recurrent import check_kda_inputs
-from hybridmoe_jax.ops.platform import target_platform
-
-from .config import (
-    SUPPORTED_CHUNKS,
-    SUPPORTED_DIMS,
-    GpuConfig,
-    TpuConfig,
-    default_gpu_config,
-    default_tpu_config,
-)
+from . import cost, kernel_gpu, kernel_tpu
+from .config import GpuConfig, TpuConfig, default_gpu_config, default_tpu_config
+from .prep import ChunkPrep, chunk_prep, to_chunks
 from .segments import chunk_local_segments
-from .wrapper import Static, kda_core, padded_length
 
-Backend = Literal["auto", "tpu", "gpu"]
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_f32 = jnp.float32
 
 
-def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
-  # The platform the program is compiled for (the active mesh's devices, else the host's),
-  # so an ahead-of-time compile for a TPU topology on a CPU host gets the Mosaic kernel.
-  platform, _ = target_platform()
-  if backend not in ("auto", "tpu", "gpu"):
-    raise ValueError(f"backend must be 'auto', 'tpu' or 'gpu', got {backend!r}")
-  if interpret is None:
-    interpret = platform not in ("tpu", *_GPU_PLATFORMS)
-  if backend == "auto":
-    backend = "tpu" if platform == "tpu" else "gpu"
-  native = {"tpu": ("tpu",), "gpu": _GPU_PLATFORMS}[backend]
-  if not interpret and platform not in native:
-    raise NotImplementedError(
-        f"the {backend} KDA kernel cannot run natively on platform {platform!r}; "
-        "pass interpret=True to interpret it"
-    )
-  return backend, bool(interpret)
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Hashable non-array arguments of the custom_vjp."""
+
+  backend: Literal["tpu", "gpu"]
+  cfg: TpuConfig | GpuConfig
+  scale: float
+  lower_bound: float
+  interpret: bool
+
+  @property
+  def kernels(self):
+    return kernel_tpu if self.backend == "tpu" else kernel_gpu
 
 
-def check_domain(q, v, *, lower_bound, chunk_size) -> None:
-  """Raises NotImplementedError for inputs the kernels do not cover (valid arguments
-  that another implementation handles)."""
-  check_domain_dims(q.shape[-1], v.shape[-1], lower_bound=lower_bound, chunk_size=chunk_size)
+def _head_major(x: jax.Array, tp: int, dtype=None) -> jax.Array:
+  """[B, T, H, F] -> [B, H, Tp, F], zero-padded along T (optionally cast)."""
+  x = x if dtype is None else x.astype(dtype)
+  x = jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, 0)))
+  return jnp.swapaxes(x, 1, 2)
 
 
-# Compiled for v5p by libtpu 0.0.42.1 (deviceless AOT, C=64, packed, fwd and fwd+bwd): K or
-# V = 256 fails with CompileTimeScopedVmemOom (K, V in {64, 128, 256} x 256 tried), 128 x 128
-# compiles. So on TPU the kernel's domain stops at 128.
-TPU_MAX_DIM = 128
+def _prep(q, k, v, g, beta, seg, st: Static) -> ChunkPrep:
+  return chunk_prep(q, k, v, g, beta, seg, scale=st.scale, lower_bound=st.lower_bound,
+                    chunk_size=st.cfg.chunk_size)
 
 
-def check_domain_dims(K: int, V: int, *, lower_bound, chunk_size,
-                      backend: str | None = None) -> None:
-  """`check_domain` from the static properties alone (head dims K, V; no arrays), so a
-  caller can say which implementation a layer will run before tracing it. `backend`
-  ("tpu"): also the limits of compiling for that platform (the chooser passes it)."""
-  if lower_bound is None:
-    raise NotImplementedError(
-        "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
-        "16-token diagonal blocks are one matmul with factors up to e^(7.5 |lb|), which "
-        "unbounded gates overflow; use impl='chunked' for unbounded gates"
-    )
-  if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-    raise NotImplementedError(
-        f"the KDA Pallas kernel supports head dims K, V in {SUPPORTED_DIMS} (powers of "
-        f"two: Triton tensor shapes; >= 16: dot tiles), got K={K}, V={V}"
-    )
-  if backend == "tpu" and max(K, V) > TPU_MAX_DIM:
-    raise NotImplementedError(
-        f"the TPU KDA kernel's blocks exceed the scoped VMEM for head dims > {TPU_MAX_DIM} "
-        f"(libtpu: CompileTimeScopedVmemOom), got K={K}, V={V}")
-  if chunk_size not in SUPPORTED_CHUNKS:
-    raise NotImplementedError(
-        f"the KDA Pallas kernel supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}"
-    )
+def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
+  """XLA chunk_prep (chunk-parallel) + the Pallas recurrence over chunks."""
+  B, T, _, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  tp = padded_length(T, st.backend, st.cfg)  # seg's length
+  prep = _prep(*(_pad_t(x, tp) for x in (q, k, v, g, beta)), seg, st)
+  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
+  o, ht_t = st.kernels.recurrent_forward(
+      prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, s0_t,
+      out_dtype=v.dtype, cfg=st.cfg, interpret=st.interpret)
+  o = jnp.swapaxes(o.reshape(B, HV, -1, V), 1, 2)[:, :T]
+  return o, jnp.swapaxes(ht_t.reshape(B, HV, V, K), -1, -2)
+
+
+def padded_length(T: int, backend: str, cfg: TpuConfig | GpuConfig) -> int:
+  """T rounded up to whole kernel blocks: chunks (GPU) or groups of cfg.state_stride chunks
+  (TPU: the backward's grid step and the spacing of the saved states). Sequences shorter
+  than one group use a stride of one chunk."""
+  C = cfg.chunk_size
+  n = -(-T // C)
+  return n * C if backend == "gpu" else -(-n // tpu_stride(n, cfg)) * tpu_stride(n, cfg) * C
+
+
+def tpu_stride(n_chunks: int, cfg: TpuConfig) -> int:
+  return cfg.state_stride if n_chunks >= cfg.state_stride else 1
+
+
+def _tpu_layout(q, v, st: Static) -> kernel_tpu.Layout:
+  B, T, H, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  return kernel_tpu.Layout(B=B, tp=padded_length(T, "tpu", st.cfg), H=H, HV=HV, K=K, V=V,
+                           stride=tpu_stride(-(-T // st.cfg.chunk_size), st.cfg))
+
+
+def _pad_t(x: jax.Array, tp: int) -> jax.Array:
+  """Zero-pads axis 1 (tokens) to tp: padded tokens are no-ops (q = k = v = g = beta = 0)."""
+  pad = [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+  return x if tp == x.shape[1] else jnp.pad(x, pad)
+
+
+def _tpu_forward(q, k, v, g, beta, h0, seg, st: Static, save_states: bool):
+  lay = _tpu_layout(q, v, st)
+  T = q.shape[1]
+  outs = kernel_tpu.forward(
+      *(_pad_t(x, lay.tp) for x in (q, k, v, g, beta)), jnp.swapaxes(h0.astype(_f32), -1, -2),
+      None if seg is None else seg[..., None], lay=lay, cfg=st.cfg, scale=st.scale,
+      lower_bound=st.lower_bound, interpret=st.interpret, save_states=save_states,
+      cost=cost.forward_estimate(lay, st.cfg, q.dtype, v.dtype, g.dtype, beta.dtype,
+                                 packed=seg is not None, save_states=save_states))
+  out = (outs[0][:, :T], jnp.swapaxes(outs[1], -1, -2))
+  return out, (outs[2] if save_states else None)
+
+
+def _tpu_backward(res, cts, st: Static):
+  q, k, v, g, beta, h0, seg, states = res
+  do, dht = cts
+  lay = _tpu_layout(q, v, st)
+  T, rep = q.shape[1], lay.HV // lay.H
+  dq, dk, dv, dg, dbeta, ds0 = kernel_tpu.backward(
+      *(_pad_t(x, lay.tp) for x in (q, k, v, g, beta)),
+      None if seg is None else seg[..., None], _pad_t(do.astype(v.dtype), lay.tp), states,
+      jnp.swapaxes(dht.astype(_f32), -1, -2), lay=lay, cfg=st.cfg, scale=st.scale,
+      lower_bound=st.lower_bound, interpret=st.interpret,
+      cost=cost.backward_estimate(lay, st.cfg, q.dtype, v.dtype, g.dtype, beta.dtype,
+                                  packed=seg is not None))
+
+  def per_q_head(x):  # [B, Tp, HV, K] per value head -> [B, T, H, K]: sum over the group
+    x = x[:, :T]
+    return x if rep == 1 else x.reshape(*x.shape[:2], lay.H, rep, -1).sum(3)
+
+  dbeta = jnp.moveaxis(dbeta, 1, 2).reshape(lay.B, lay.tp, lay.HV)[:, :T]  # [B, T, HV]
+  return (per_q_head(dq), per_q_head(dk), dv[:, :T], dg[:, :T], dbeta,
+          jnp.swapaxes(ds0, -1, -2))
+
+
+def _forward(q, k, v, g, beta, h0, seg, st: Static):
+  if not st.cfg.fused:
+    return _forward_split(q, k, v, g, beta, h0, seg, st)
+  if st.backend == "tpu":
+    return _tpu_forward(q, k, v, g, beta, h0, seg, st, save_states=False)[0]
+  T, C = q.shape[1], st.cfg.chunk_size
+  tp = -(-T // C) * C
+  o, ht_t = st.kernels.forward(
+      _head_major(q, tp), _head_major(k, tp), _head_major(v, tp),
+      _head_major(g, tp, _f32), _head_major(beta[..., None], tp, _f32),
+      jnp.swapaxes(h0.astype(_f32), -1, -2),
+      None if seg is None else seg[..., None],
+      cfg=st.cfg, scale=st.scale, lower_bound=st.lower_bound, interpret=st.interpret,
+  )
+  return jnp.swapaxes(o, 1, 2)[:, :T], jnp.swapaxes(ht_t, -1, -2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def kda_core(q, k, v, g, beta, h0, seg, st: Static):
+  """(o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] f32); h0 is required;
+  seg [B, Tp] float32 (segments.chunk_local_segments, Tp = padded_length) or None."""
+  return _forward(q, k, v, g, beta, h0, seg, st)
+
+
+def _split_states(q, k, v, g, beta, h0, seg, st: Static):
+  """The states the TPU backward needs, [B, HV, N / stride, V, K], for the split forward
+  (which does not produce them): XLA chunk_prep + the Pallas state recurrence."""
+  B, HV, V, K = v.shape[0], v.shape[2], v.shape[3], q.shape[3]
+  lay = _tpu_layout(q, v, st)
+  tp = lay.tp
+  pad = lambda x: _pad_t(x, tp)  # noqa: E731
+  prep = _prep(pad(q), pad(k), pad(v), pad(g), pad(beta), seg, st)
+  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
+  states = kernel_tpu.states(prep.w, prep.u, prep.k_out, prep.decay, s0_t, cfg=st.cfg,
+                             interpret=st.interpret)
+  return states[:, ::lay.stride].reshape(B, HV, -1, V, K)
+
+
+def _fwd(q, k, v, g, beta, h0, seg, st):
+  if st.backend != "tpu":
+    return _forward(q, k, v, g, beta, h0, seg, st), (q, k, v, g, beta, h0, seg, None)
+  if st.cfg.fused:
+    out, states = _tpu_forward(q, k, v, g, beta, h0, seg, st, save_states=True)
+  else:
+    out = _forward_split(q, k, v, g, beta, h0, seg, st)
+    states = _split_states(q, k, v, g, beta, h0, seg, st)
+  return out, (q, k, v, g, beta, h0, seg, states)
+
+
+def _bwd(st: Static, res, cts):
+  q, k, v, g, beta, h0, seg, _ = res
+  if st.backend == "tpu":
+    grads = _tpu_backward(res, cts, st)
+  else:
+    grads = _gpu_backward(res, cts, st)
+  grads = tuple(d.astype(x.dtype) for d, x in zip(grads, res))
+  return grads + (None if seg is None else jnp.zeros_like(seg),)
+
+
+def _gpu_backward(res, cts, st: Static):
+  """Steps 1-4 of the module docstring (GPU: Triton has no value slicing, so the in-kernel
+  vjp of the TPU backward is not available)."""
+  q, k, v, g, beta, h0, seg, _ = res
+  do, dht = cts
+  B, _, _, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  C = st.cfg.chunk_size
+  prep, prep_vjp = jax.vjp(functools.partial(_prep, seg=seg, st=st), q, k, v, g, beta)
+  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
+  kern = st.kernels
+  states = kern.states(prep.w, prep.u, prep.k_out, prep.decay, s0_t, cfg=st.cfg,
+                       interpret=st.interpret)
+  dht_t = jnp.swapaxes(dht.astype(_f32), -1, -2).reshape(B * HV, V, K)
+  dw, dq_in, dk_out, da, du, ddecay, ds0_t = kern.backward(
+      prep.w, prep.q_in, prep.k_out, prep.a_qk, prep.u, to_chunks(do, C), prep.decay,
+      states, dht_t, cfg=st.cfg, interpret=st.interpret,
+  )
+  d_prep = ChunkPrep(w=dw.sum(0), u=du, q_in=dq_in.sum(0), k_out=dk_out.sum(0),
+                     a_qk=da.sum(0), decay=ddecay.sum(0))
+  dq, dk, dv, dg, dbeta = prep_vjp(d_prep)
+  dh0 = jnp.swapaxes(ds0_t.reshape(B, HV, V, K), -1, -2)
+  return dq, dk, dv, dg, dbeta, dh0
+
+
+kda_core.defvjp(_fwd, _bwd)
 
 
 def kda_pallas(
@@ -96,52 +231,48 @@ def kda_pallas(
     g: jax.Array,
     beta: jax.Array,
     *,
+    backend: Literal["tpu", "gpu"],
+    lower_bound: float,
+    interpret: bool = False,
     scale: float | None = None,
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
     segment_ids: jax.Array | None = None,
     chunk_size: int = 64,
-    lower_bound: float | None = None,
-    backend: Backend = "auto",
-    interpret: bool | None = None,
     config: TpuConfig | GpuConfig | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention (arXiv:2510.26692) with bounded gates, as a Pallas kernel.
 
   Per token: S <- diag(e^g) S; S <- S + beta k (v - k^T S)^T; o = scale q^T S, computed
   chunkwise (DESIGN s1.1-1.2); differentiable (custom_vjp) in q, k, v, g, beta and the
-  initial state.
+  initial state. The caller has checked the shapes and the domain (module docstring).
 
   Args:
     q, k: [B, T, H, K] L2-normalised queries/keys (float32 / bfloat16 / float16).
     v: [B, T, HV, V] values, HV a multiple of H.
     g: [B, T, HV, K] log decay in [lower_bound, 0] (float32 recommended).
     beta: [B, T, HV] write strength.
+    backend: "tpu" (Mosaic) or "gpu" (Triton).
+    lower_bound: the bounded gate's lb in [-5, 0).
+    interpret: run the kernels with interpret=True (on a CPU).
     scale: query scale; defaults to K ** -0.5.
     initial_state: optional [B, HV, K, V] state (float32).
     output_final_state: also return the final state.
     segment_ids: optional [B, T] integer ids of packed documents: the state resets where
       the id changes (token 0 keeps initial_state) and documents never interact. None
       compiles the unpacked kernels, with no segment masks.
-    chunk_size: C in (16, 32, 64).
-    lower_bound: the bounded gate's lb in [-5, 0); required.
-    backend: "tpu" (Mosaic), "gpu" (Triton) or "auto" (from jax.default_backend(); the
-      GPU kernel when interpreting on CPU).
-    interpret: run the kernels with interpret=True; default: on CPU only.
-    config: block sizes (TpuConfig / GpuConfig for the chosen backend); default heuristic.
+    chunk_size: C in config.SUPPORTED_CHUNKS.
+    config: block sizes (TpuConfig / GpuConfig for the backend); default heuristic.
 
   Returns:
     (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] float32 or None).
 
   Raises:
-    ValueError: bad shapes, lower_bound, backend or config.
-    NotImplementedError: unbounded gates (lower_bound None), unsupported head dims or
-      chunk size, or a backend that cannot run on this platform.
+    ValueError: a backend other than "tpu" / "gpu", or a config of another backend or
+      chunk size.
   """
-  check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
-  check_domain(q, v, lower_bound=lower_bound, chunk_size=chunk_size)
-  check_lower_bound(lower_bound)
-  backend, interpret = _resolve_backend(backend, interpret)
+  if backend not in ("tpu", "gpu"):
+    raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
   if config is None:
@@ -154,7 +285,7 @@ def kda_pallas(
   if isinstance(config, GpuConfig) and V % config.block_v:
     raise ValueError(f"block_v={config.block_v} must divide V={V}")
   st = Static(backend=backend, cfg=config, scale=float(K**-0.5 if scale is None else scale),
-              lower_bound=float(lower_bound), interpret=interpret)
+              lower_bound=float(lower_bound), interpret=bool(interpret))
   h0 = jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None else initial_state
   seg = None
   if segment_ids is not None:  # padding tokens continue the last segment (segments.py)

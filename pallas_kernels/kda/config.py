@@ -95,3 +95,36 @@ def default_gpu_config(*, chunk_size: int, k: int, v: int, dtype) -> GpuConfig:
   precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
   return GpuConfig(chunk_size=chunk_size, block_v=block_v, num_warps=4, num_stages=1,
                    precision=precision, fused=False)
+
+
+# Compiled for v5p by libtpu 0.0.42.1 (deviceless AOT, C=64, packed, fwd and fwd+bwd): K or
+# V = 256 fails with CompileTimeScopedVmemOom (K, V in {64, 128, 256} x 256 tried), 128 x 128
+# compiles. So on TPU the kernel's domain stops at 128.
+TPU_MAX_DIM = 128
+
+
+def check_domain_dims(K: int, V: int, *, lower_bound: float | None, chunk_size: int,
+                      backend: str) -> None:
+  """Raises NotImplementedError for valid inputs the kernels do not cover (another
+  implementation handles them), from the static properties alone (head dims K, V; no
+  arrays), so a caller can say which implementation a layer runs before tracing it.
+  backend: "tpu" or "gpu", the kernel asked about."""
+  if lower_bound is None:
+    raise NotImplementedError(
+        "the KDA Pallas kernel needs the bounded gate (lower_bound in [-5, 0)): its "
+        "16-token diagonal blocks are one matmul with factors up to e^(7.5 |lb|), which "
+        "unbounded gates overflow; use impl='chunked' for unbounded gates"
+    )
+  if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+    raise NotImplementedError(
+        f"the KDA Pallas kernel supports head dims K, V in {SUPPORTED_DIMS} (powers of "
+        f"two: Triton tensor shapes; >= 16: dot tiles), got K={K}, V={V}"
+    )
+  if backend == "tpu" and max(K, V) > TPU_MAX_DIM:
+    raise NotImplementedError(
+        f"the TPU KDA kernel's blocks exceed the scoped VMEM for head dims > {TPU_MAX_DIM} "
+        f"(libtpu: CompileTimeScopedVmemOom), got K={K}, V={V}")
+  if chunk_size not in SUPPORTED_CHUNKS:
+    raise NotImplementedError(
+        f"the KDA Pallas kernel supports chunk_size in {SUPPORTED_CHUNKS}, got {chunk_size}"
+    )

@@ -1,10 +1,9 @@
-"""XLA references of the KDA kernels: the whole op, and the per-chunk quantities.
+"""The kernels' XLA part: the chunk-parallel quantities of the chunked form.
 
 Conventions: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
 state [B, HV, K, V] float32. Chunk layout [B*HV, N, C, F] float32 (N chunks of C tokens).
 
-`kda_reference` is the exact chunked XLA path (ops/kda/chunked.py, equal to the token
-recurrence to fp32 rounding). `chunk_prep` computes, in XLA, the chunk-parallel quantities
+`chunk_prep` computes, in XLA, the chunk-parallel quantities
 of the chunked form (W, U, q e^G, k e^(G_C - G), A_qk, e^G_C) with the kernels' anchoring and
 refined 16 x 16 inverses: the split forward feeds them to the Pallas recurrence, and the
 backward takes jax.vjp of it for the intra-chunk gradients (README.md). The fused forward
@@ -18,24 +17,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops.kda.blocks import invert_unit_lower
-from hybridmoe_jax.ops.kda.chunked import (  # the chunked path's own building blocks
-    chunk_cumsum,
-    intra_chunk_scores,
-    split_chunks,
-    kda_chunked,
-)
+from .chunk_xla import chunk_cumsum, intra_chunk_scores, invert_unit_lower, split_chunks
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _SUB = 16
-
-
-def kda_reference(q, k, v, g, beta, *, scale=None, initial_state=None,
-                  output_final_state=False, chunk_size=64, lower_bound=None):
-  """KDA by the chunked XLA path; same signature and results as kda_pallas."""
-  return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, chunk_size=chunk_size,
-                     lower_bound=lower_bound)
 
 
 class ChunkPrep(NamedTuple):
@@ -100,9 +85,9 @@ def chunk_prep(q, k, v, g, beta, seg=None, *, scale: float, lower_bound: float,
   kc = to_chunks(jnp.repeat(k, rep, axis=2), c)
   vc, gc = to_chunks(v, c), to_chunks(g, c)
   bc = to_chunks(beta, c)[..., None]
-  G = chunk_cumsum(gc, None)
+  G = chunk_cumsum(gc)
   sc = None if seg is None else jnp.repeat(seg.reshape(seg.shape[0], -1, c), HV, axis=0)
-  a_qk, a_kk = intra_chunk_scores(qc, kc, gc, G, sc, lower_bound)
+  a_qk, a_kk = intra_chunk_scores(qc, kc, gc, sc, lower_bound)
   strict = jnp.tril(jnp.ones((c, c), bool), -1)
   lower = jnp.where(strict, bc * a_kk, 0.0)
   # Every exponent below is <= 0 (sums of gates), so masking the product is NaN-free.

@@ -14,7 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops.kda.recurrent import segment_starts
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] bool: True where a token's segment id differs from the previous token's.
+
+  Token 0 is never a start: the initial state belongs to the first token's segment.
+  """
+  seg = jnp.asarray(segment_ids)
+  first = jnp.zeros_like(seg[:, :1], dtype=bool)
+  return jnp.concatenate([first, seg[:, 1:] != seg[:, :-1]], axis=1)
 
 
 def chunk_local_segments(segment_ids: jax.Array, chunk_size: int) -> jax.Array:

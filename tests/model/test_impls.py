@@ -14,20 +14,20 @@ def _kda_line(cfg, compute, backend):
 def test_auto_resolves_by_backend_and_domain():
   cfg = ModelConfig(kda=KDAConfig(head_dim=32, v_head_dim=32))
   assert choose("auto", head_dim=32, v_head_dim=32, chunk_size=64, lower_bound=-5.0,
-                      backend="gpu") == ("pallas", "Pallas kernel on gpu")
-  name, why = choose("auto", head_dim=32, v_head_dim=32, chunk_size=64,
+                      backend="gpu")[:2] == ("pallas", "Pallas kernel on gpu")
+  name, why, *_ = choose("auto", head_dim=32, v_head_dim=32, chunk_size=64,
                            lower_bound=-5.0, backend="cpu")
   assert name == "chunked" and "'cpu'" in why
   # Out of the kernels' domain on an accelerator: the reason is the domain error.
-  name, why = choose("auto", head_dim=24, v_head_dim=32, chunk_size=64,
+  name, why, *_ = choose("auto", head_dim=24, v_head_dim=32, chunk_size=64,
                            lower_bound=-5.0, backend="tpu")
   assert name == "chunked" and "K=24" in why
-  name, why = choose("auto", head_dim=32, v_head_dim=32, chunk_size=64,
+  name, why, *_ = choose("auto", head_dim=32, v_head_dim=32, chunk_size=64,
                            lower_bound=None, backend="gpu")
   assert name == "chunked" and "bounded gate" in why
   # TPU: head dims > 128 exceed the kernel's scoped VMEM (libtpu refuses them; measured),
   # e.g. the context runner's state-map pass with values [0 | v] of width K + V.
-  name, why = choose("auto", head_dim=128, v_head_dim=256, chunk_size=64, lower_bound=-5.0,
+  name, why, *_ = choose("auto", head_dim=128, v_head_dim=256, chunk_size=64, lower_bound=-5.0,
                      backend="tpu")
   assert name == "chunked" and "VMEM" in why and "V=256" in why
   assert choose("auto", head_dim=128, v_head_dim=128, chunk_size=64, lower_bound=-5.0,
@@ -35,7 +35,7 @@ def test_auto_resolves_by_backend_and_domain():
   assert choose("auto", head_dim=128, v_head_dim=256, chunk_size=64, lower_bound=-5.0,
                 backend="gpu")[0] == "pallas"
   assert choose("recurrent", head_dim=24, v_head_dim=8, chunk_size=16,
-                      lower_bound=None) == ("recurrent", "requested")
+                      lower_bound=None)[:2] == ("recurrent", "requested")
   with pytest.raises(ValueError, match="impl must be one of"):
     choose("flash", head_dim=32, v_head_dim=32, chunk_size=64, lower_bound=-5.0)
   # The model report names the layers and carries the reason.

@@ -1,4 +1,5 @@
-"""Tests for the KDA op: recurrent reference, chunked XLA form, dispatcher (DESIGN s1)."""
+"""Tests for the KDA op: recurrent reference, chunked XLA form, dispatcher (DESIGN s1). Every
+implementation against the token recurrence: test_kda_contract.py."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.ops.kda.blocks import diag_block_pairwise
-from hybridmoe_jax.ops.kda.chunked import intra_chunk_scores, kda_chunked
+from hybridmoe_jax.ops.kda.chunked import kda_chunked
 from hybridmoe_jax.ops.kda.recurrent import kda_recurrent
+from pallas_kernels.kda.chunk_xla import diag_block_pairwise, intra_chunk_scores
 from tests._support import assert_close, rel_rms
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "data" / "kda_reference.npz"
@@ -68,46 +69,6 @@ def fwd_bwd(impl, use_h0, **kw):
 def jit_kda(**static):
   """kda jitted with its static keyword arguments bound (compiles once per shape)."""
   return jax.jit(functools.partial(kda, **static))
-
-
-def random_segments(seed, B, T, p=0.04):
-  rng = np.random.default_rng(seed)
-  return np.cumsum(rng.random((B, T)) < p, axis=1).astype(np.int32)
-
-
-# (T, chunk, H, HV, initial state, lower_bound, segments): every listed T, chunk size, head
-# layout and gate path appears, without the full cartesian product; most T span several
-# scan steps (kda_chunked runs max(64 tokens, 2 chunks) per step). The slow ones repeat a
-# default case's path at another size: 64/16 bounded with h0 (15/32 and 500/32), 500/64
-# bounded (500/32 bounded, 200/64 unbounded), 600/16 segments over 10 scan steps (200/16
-# segments over 4 steps).
-CASES = [
-    (1, 16, 2, 2, False, None, False),
-    (15, 32, 1, 2, True, -5.0, False),
-    (63, 32, 2, 4, True, None, False),
-    (64, 64, 2, 2, False, None, False),
-    pytest.param(64, 16, 1, 2, True, -5.0, False, marks=pytest.mark.slow),
-    (200, 64, 2, 4, False, None, False),
-    (200, 16, 1, 2, True, None, True),
-    pytest.param(500, 64, 1, 2, True, -3.0, False, marks=pytest.mark.slow),
-    (500, 32, 2, 4, False, -5.0, True),
-    pytest.param(600, 16, 1, 2, True, None, True, marks=pytest.mark.slow),
-]
-
-
-@pytest.mark.parametrize("T,chunk,H,HV,use_h0,lb,segs", CASES)
-def test_chunked_matches_recurrent(T, chunk, H, HV, use_h0, lb, segs):
-  gate = "unbounded" if lb is None else "bounded"
-  q, k, v, g, beta, h0, do, dht = make_inputs(T + H + HV, 2, T, H, HV, 16, 32, gate, lb or -5.0)
-  seg = random_segments(T, 2, T) if segs else None
-  ref = fwd_bwd(kda_recurrent, use_h0)(q, k, v, g, beta, h0, do, dht, seg)
-  out = fwd_bwd(kda_chunked, use_h0, chunk_size=chunk, lower_bound=lb)(
-      q, k, v, g, beta, h0, do, dht, seg
-  )
-  assert rel_rms(out[0], ref[0]) < 1e-5, "o"
-  assert rel_rms(out[1], ref[1]) < 1e-5, "final state"
-  for name, d, d_ref in zip(GRAD_NAMES, out[2], ref[2]):
-    assert rel_rms(d, d_ref) < 1e-5, name
 
 
 @pytest.mark.parametrize("strength", [10.0, 25.0])
@@ -260,16 +221,16 @@ def test_anchored_block_overflows_unbounded_but_not_bounded():
   16-blocks) against float64; the anchored path needs the bound, the pairwise one not."""
   a, b, _, g = block_inputs(0, "unbounded", n=48)
   assert g.min() < -20.0
-  anchored = np.asarray(intra_chunk_scores(a, b, g, None, None, -5.0)[0])
+  anchored = np.asarray(intra_chunk_scores(a, b, g, None, -5.0)[0])
   assert not np.isfinite(anchored).all()  # e^(+-anchored exponent) overflows fp32
-  pairwise = np.asarray(intra_chunk_scores(a, b, g, None, None, None)[0])
+  pairwise = np.asarray(intra_chunk_scores(a, b, g, None, None)[0])
   assert np.isfinite(pairwise).all()
   assert rel_rms(pairwise, scores_f64(a, b, g)) < 1e-5
 
   a, b, _, g = block_inputs(1, "bounded", n=48)
   ref = scores_f64(a, b, g)
   for lb in (-5.0, None):
-    a_qk, a_kk = (np.asarray(x) for x in intra_chunk_scores(a, b, g, None, None, lb))
+    a_qk, a_kk = (np.asarray(x) for x in intra_chunk_scores(a, b, g, None, lb))
     assert np.isfinite(a_qk).all()
     assert rel_rms(a_qk, ref) < 1e-5, lb
     assert rel_rms(a_kk, scores_f64(b, b, g)) < 1e-5, lb
@@ -289,7 +250,7 @@ def test_anchor_is_causal(m):
   a, b, _, g = block_inputs(3, "bounded", n=48)
   g2 = g.copy()
   g2[:, m] = -4.9
-  A1, A2 = (np.asarray(intra_chunk_scores(a, b, x, None, None, -5.0)[0]) for x in (g, g2))
+  A1, A2 = (np.asarray(intra_chunk_scores(a, b, x, None, -5.0)[0]) for x in (g, g2))
   np.testing.assert_array_equal(A1[:, :m], A2[:, :m])
   assert not np.array_equal(A1[:, m:], A2[:, m:])
 

@@ -28,7 +28,7 @@ from pallas_kernels.kda.config import (
     default_gpu_config,
     default_tpu_config,
 )
-from pallas_kernels.kda.wrapper import Static, kda_core
+from pallas_kernels.kda.api import Static, kda_core
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _sd = jax.ShapeDtypeStruct

@@ -1,5 +1,5 @@
-"""KDA: the op (`api.kda`, its dispatch table `api.choose`) over its implementations."""
+"""KDA: the op (`api.kda`) over its implementations (`api.TABLE`, picked by `api.choose`)."""
 
-from .api import PALLAS_BACKENDS, Impl, choose, kda
+from .api import TABLE, Choice, Impl, choose, kda
 
-__all__ = ["PALLAS_BACKENDS", "Impl", "choose", "kda"]
+__all__ = ["TABLE", "Choice", "Impl", "choose", "kda"]

@@ -1,8 +1,8 @@
 """Kimi Delta Attention (KDA): one entry point, one dispatch table (`choose`).
 
-Implementations: "recurrent" (`recurrent.py`, the token scan: the exact reference),
-"chunked" (`chunked.py` over `blocks.py`, XLA), "pallas" (pallas_kernels/kda), and under an
-execution plan with a context runner (`ops.plan`) "context" (a whole sequence shard by shard)
+Implementations (`TABLE`): "recurrent" (`recurrent.py`, the token scan: the exact
+reference), "chunked" (`chunked.py`, XLA), "pallas" (pallas_kernels/kda: its TPU or GPU
+kernel, interpreted without either), and under an execution plan with a context runner (`ops.plan`) "context" (a whole sequence shard by shard)
 and "context_continue" (a prompt continuing a context-sharded decode cache).
 
 Conventions (DESIGN s1): B batch, T tokens, H q/k heads, HV value heads (a multiple of H),
@@ -17,41 +17,80 @@ The contract is flash-linear-attention's naive_recurrent_kda (plus segment_ids).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Callable, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda import check_domain_dims, kda_pallas
+
 from ..decay import check_lower_bound
 from ..plan import ExecutionPlan, current_plan, run_local
-from ..platform import on_row_shards, target_platform
+from ..platform import GPU_PLATFORMS, on_row_shards, target_platform
 from .chunked import check_chunk_size, kda_chunked
 from .recurrent import check_kda_inputs, kda_recurrent
 
 Impl = Literal["auto", "recurrent", "chunked", "pallas"]
 
 
-def _kda_pallas(q, k, v, g, beta, **kwargs):
-  """The Pallas kernels (pallas_kernels/kda; interpreted on CPU), packed sequences
-  (segment_ids) included. Inputs outside their domain (unbounded gate, head dims, chunk
-  size) raise NotImplementedError before any work; "auto" never sends them here
-  (`choose` checks the same domain first). Under a mesh: on each device's rows
-  (`ops.platform.on_row_shards`; XLA cannot partition a Mosaic call)."""
-  # Imported at use: pallas_kernels builds on `chunked` / `blocks`, whose package is this one.
-  from pallas_kernels.kda import kda_pallas
+def _pallas(kernel: str):
+  """The Pallas kernel `kernel` ("tpu" / "gpu"), packed sequences included; under a mesh on
+  each device's rows (`ops.platform.on_row_shards`: XLA cannot partition a kernel call)."""
 
-  initial_state, segment_ids = kwargs.pop("initial_state"), kwargs.pop("segment_ids")
-  body = lambda q, k, v, g, beta, s0, seg: kda_pallas(q, k, v, g, beta, initial_state=s0,
-                                                      segment_ids=seg, **kwargs)
-  return on_row_shards(body, q, k, v, g, beta, initial_state, segment_ids)
+  def run(q, k, v, g, beta, *, initial_state, segment_ids, interpret, **kwargs):
+    body = lambda q, k, v, g, beta, s0, seg: kda_pallas(  # noqa: E731
+        q, k, v, g, beta, backend=kernel, interpret=interpret, initial_state=s0,
+        segment_ids=seg, **kwargs)
+    return on_row_shards(body, q, k, v, g, beta, initial_state, segment_ids)
+
+  return run
 
 
-PALLAS_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+def _recurrent(q, k, v, g, beta, *, chunk_size, lower_bound, interpret, **kwargs):
+  del chunk_size, lower_bound, interpret  # the token scan needs neither
+  return kda_recurrent(q, k, v, g, beta, **kwargs)
+
+
+def _chunked(q, k, v, g, beta, *, interpret, **kwargs):
+  del interpret
+  return kda_chunked(q, k, v, g, beta, **kwargs)
+
+
+class Row(NamedTuple):
+  """One implementation: run(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+  segment_ids, chunk_size, lower_bound, interpret) -> (o, final state or None)."""
+
+  run: Callable
+  platforms: tuple[str, ...]  # where it compiles natively; () = every platform (XLA)
+  picked: str  # when `choose` picks it
+
+
+# The implementation table: the only one for KDA (`choose` picks a row).
+TABLE = {
+    "recurrent": Row(_recurrent, (), "requested: the token scan, the exact reference"),
+    "chunked": Row(_chunked, (), "auto on CPU, and for inputs outside the kernels' domain"),
+    "pallas_tpu": Row(_pallas("tpu"), ("tpu",),
+                      "auto on TPU inside the kernel's domain (config.check_domain_dims)"),
+    "pallas_gpu": Row(_pallas("gpu"), GPU_PLATFORMS,
+                      "auto on GPU inside the kernel's domain (config.check_domain_dims)"),
+}
+
+
+class Choice(NamedTuple):
+  """`choose`'s answer: name in ("context", "context_continue", "recurrent", "chunked",
+  "pallas") and why; for "pallas" the TABLE row and whether it runs interpreted (no GPU/TPU
+  target); fallback: "auto" on a GPU/TPU target got XLA (the kernel refused the input)."""
+
+  name: str
+  reason: str
+  row: str | None = None
+  interpret: bool = False
+  fallback: bool = False
 
 
 def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
            lower_bound: float | None, tokens: int = 1, continues: bool = False,
-           plan: ExecutionPlan | None = None, backend: str | None = None) -> tuple[str, str]:
+           plan: ExecutionPlan | None = None, backend: str | None = None) -> Choice:
   """Which implementation `kda(..., impl=impl)` runs, and why: in order the plan (a context
   runner), the explicit impl, the target platform, the Pallas kernels' static domain.
 
@@ -61,33 +100,32 @@ def choose(impl: Impl, *, head_dim: int, v_head_dim: int, chunk_size: int,
     plan: default the current one; backend: a jax platform name, default the one the
       program is compiled for (`ops.platform.target_platform`).
   Returns:
-    (name, reason): name in ("context", "context_continue", "recurrent", "chunked",
-    "pallas"); reason a short sentence (for "auto" falling back to "chunked": the Pallas
-    domain error).
+    Choice (for "auto" falling back to "chunked", the reason is the Pallas domain error).
   """
   if impl not in get_args(Impl):
     raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
   plan = current_plan() if plan is None else plan
   if plan.context is not None and not continues:
-    return "context", f"sequence shards of {type(plan.context).__name__} (plan)"
+    return Choice("context", f"sequence shards of {type(plan.context).__name__} (plan)")
   if plan.shards_cache and continues and tokens > 1:
-    return "context_continue", "a prompt sharded over the context axis (plan)"
-  if impl != "auto":
-    return impl, "requested"
+    return Choice("context_continue", "a prompt sharded over the context axis (plan)")
   where = ""
   if backend is None:
     backend, source = target_platform()
     where = f" ({source})"
-  if backend not in PALLAS_BACKENDS:
-    return "chunked", f"the Pallas kernels target GPU/TPU, the target is {backend!r}{where}"
-  from pallas_kernels.kda import check_domain_dims  # imported at use, as in _kda_pallas
-
+  row = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
+  interpret = backend not in TABLE[row].platforms
+  if impl != "auto":
+    return Choice(impl, "requested", *((row, interpret) if impl == "pallas" else ()))
+  if interpret:
+    return Choice("chunked", f"the Pallas kernels target GPU/TPU, the target is {backend!r}"
+                  f"{where}")
   try:
     check_domain_dims(head_dim, v_head_dim, lower_bound=lower_bound, chunk_size=chunk_size,
-                      backend=backend)
+                      backend=row[len("pallas_"):])
   except NotImplementedError as e:
-    return "chunked", str(e)
-  return "pallas", f"Pallas kernel on {backend}{where}"
+    return Choice("chunked", str(e), fallback=True)
+  return Choice("pallas", f"Pallas kernel on {backend}{where}", row)
 
 
 def _check_gate_range(g: jax.Array, lower_bound: float) -> None:
@@ -140,9 +178,9 @@ def kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
   """
   check_kda_inputs(q, k, v, g, beta, initial_state, segment_ids)
   plan = current_plan()
-  resolved, _ = choose(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
-                       chunk_size=chunk_size, lower_bound=lower_bound, tokens=q.shape[1],
-                       continues=initial_state is not None or output_final_state, plan=plan)
+  choice = choose(impl, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                  chunk_size=chunk_size, lower_bound=lower_bound, tokens=q.shape[1],
+                  continues=initial_state is not None or output_final_state, plan=plan)
   check_chunk_size(chunk_size)
   if lower_bound is not None:
     check_lower_bound(lower_bound)
@@ -150,13 +188,14 @@ def kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
   opts = dict(scale=scale, chunk_size=chunk_size, lower_bound=lower_bound)
   state = dict(initial_state=initial_state, output_final_state=output_final_state,
                segment_ids=segment_ids)
-  if resolved == "context":
+  if choice.name == "pallas":  # explicit impl="pallas" outside the domain: refused, not run
+    check_domain_dims(q.shape[-1], v.shape[-1], lower_bound=lower_bound,
+                      chunk_size=chunk_size, backend=choice.row[len("pallas_"):])
+  if choice.name == "context":
     return run_local(plan.context.kda, q, k, v, g, beta, segment_ids=segment_ids, impl=impl,
                      **opts), None
-  if resolved == "context_continue":
+  if choice.name == "context_continue":
     return run_local(plan.context.kda_continue, q, k, v, g, beta,
                      initial_state=initial_state, impl=impl, **opts)
-  if resolved == "recurrent":
-    return kda_recurrent(q, k, v, g, beta, scale=scale, **state)
-  return (_kda_pallas if resolved == "pallas" else kda_chunked)(q, k, v, g, beta, **opts,
-                                                                **state)
+  row = TABLE[choice.row or choice.name]
+  return row.run(q, k, v, g, beta, **opts, **state, interpret=choice.interpret)

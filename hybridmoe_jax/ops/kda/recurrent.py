@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kda.segments import segment_starts
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -47,16 +49,6 @@ def check_kda_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None) -> 
     if not jnp.issubdtype(dtype, jnp.integer):
       raise ValueError(f"segment_ids must be an integer array, got dtype {dtype} "
                        f"(shape {np.shape(segment_ids)})")
-
-
-def segment_starts(segment_ids: jax.Array) -> jax.Array:
-  """[B, T] bool: True where a token's segment id differs from the previous token's.
-
-  Token 0 is never a start: the initial state belongs to the first token's segment.
-  """
-  seg = jnp.asarray(segment_ids)
-  first = jnp.zeros_like(seg[:, :1], dtype=bool)
-  return jnp.concatenate([first, seg[:, 1:] != seg[:, :-1]], axis=1)
 
 
 def kda_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
