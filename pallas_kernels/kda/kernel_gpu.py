@@ -235,8 +235,9 @@ def _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, *, cfg: GpuConfig, inte
 def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
              interpret: bool):
   """Reverse chunk recurrence. Returns (dw, dq_in, dk_out [1, BH, N, C, K],
-  da [1, BH, N, C, C], du [BH, N, C, V], ddecay [1, BH, N, 1, K], dS0t [BH, V, K]) (the
-  leading 1: value tiles already summed).
+  da [G, BH, N, C, C], du [BH, N, C, V], ddecay [G, BH, N, 1, K], dS0t [BH, V, K]) (the
+  leading axes: partial sums over groups of value tiles, summed by the caller; G = 2 when
+  there are two or more value tiles, so the score kernel has 2 x BH x N programs).
 
   The sequential reverse pass over the state gradient (`_state_grads`), then every chunk's
   gradients at once from the states entering it (st) and the state gradients leaving it
@@ -246,6 +247,7 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   BH, N, C, K = w.shape
   V, BV = u.shape[-1], cfg.block_v
   NV = V // BV
+  NG = 2 if NV % 2 == 0 else 1   # value-tile groups of the score kernel
   prec = lax_precision(cfg.precision)
   dst, ds0 = _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, cfg=cfg,
                           interpret=interpret)
@@ -256,13 +258,10 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   ins = (w, k_out, a_qk, u, do, st, dst)
   in_specs = [k_side, k_side, a_spec, v_all, v_all, states_spec, states_spec]
 
-  def out(f):
-    return pl.BlockSpec((None, None, None, C, f), lambda i, n: (0, i, n, 0, 0))
-
-  def walk(refs, step, init):
-    """fori_loop over the value tiles (not unrolled: only the accumulators stay live
-    across tiles; W, k_out and A are read again per tile). step(St, dSt, do, v_new, dv_new,
-    cols, acc) -> acc."""
+  def walk(refs, step, init, first=0, count=NV):
+    """fori_loop over value tiles first .. first + count - 1 (not unrolled: only the
+    accumulators stay live across tiles; W, k_out and A are read again per tile).
+    step(St, dSt, do, v_new, dv_new, cols, acc) -> acc."""
     w_ref, ko_ref, a_ref, u_ref, do_ref, st_ref, dst_ref = refs
 
     def tile(j, acc):
@@ -273,7 +272,7 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
       dv_new = mm_tn(a_ref[...], do, prec) + mm_nt(ko_ref[...], dSt, prec)
       return step(St, dSt, do, v_new, dv_new, cols, acc)
 
-    return lax.fori_loop(0, NV, tile, init)
+    return lax.fori_loop(first, first + count, tile, init)
 
   # Two kernels, so that no program keeps more than three fp32 accumulators of [C, 32]
   # (ptxas at K = 128: all five of [C, K] in one program spilled 6.6 KB; three of [C, 64],
@@ -304,8 +303,10 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
       da, dd = acc
       return da + mm_nt(do, v_new, prec), dd + jnp.sum(St * dSt, axis=0, keepdims=True)
 
+    per = NV // NG   # this program's group of value tiles (du: its columns only)
     da_ref[...], dd_ref[...] = walk(refs[:7], step, (jnp.zeros((C, C), _f32),
-                                                     jnp.zeros((1, K), _f32)))
+                                                     jnp.zeros((1, K), _f32)),
+                                    first=pl.program_id(2) * per, count=per)
 
   by_half = [pl.BlockSpec(spec.block_shape, lambda i, n, h, f=spec.index_map: f(i, n))
              for spec in in_specs]
@@ -322,15 +323,153 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   )(*ins)
   da, du, ddecay = pl.pallas_call(
       score_kernel,
-      grid=(BH, N),
-      in_specs=in_specs,
-      out_specs=[out(C), v_all,
-                 pl.BlockSpec((None, None, None, 1, K), lambda i, n: (0, i, n, 0, 0))],
-      out_shape=[jax.ShapeDtypeStruct((1, BH, N, C, C), _f32),
+      grid=(BH, N, NG),
+      in_specs=by_half,
+      out_specs=[pl.BlockSpec((None, None, None, C, C), lambda i, n, h: (h, i, n, 0, 0)),
+                 pl.BlockSpec(v_all.block_shape, lambda i, n, h: (i, n, 0, 0)),
+                 pl.BlockSpec((None, None, None, 1, K), lambda i, n, h: (h, i, n, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((NG, BH, N, C, C), _f32),
                  jax.ShapeDtypeStruct((BH, N, C, V), _f32),
-                 jax.ShapeDtypeStruct((1, BH, N, 1, K), _f32)],
+                 jax.ShapeDtypeStruct((NG, BH, N, 1, K), _f32)],
       compiler_params=_parallel_params(cfg),
       interpret=interpret,
       name="kda_bwd_scores_gpu",
   )(*ins)
   return dw, dq_in, dk_out, da, du, ddecay, ds0
+
+
+# Chunks per slice of the split path. The chunk-parallel XLA glue (chunk_prep, its vjp) and
+# the per-chunk states live one slice at a time: a loop over slices carries the state, so
+# the temporaries are one slice's, whatever T. Compiled for an H100 at B1 T8K H16 K=V=128
+# bf16, fwd+bwd temporaries: the whole sequence at once 1,843 MiB; slices of 16 chunks
+# 303 MiB; of 8 chunks (512 tokens) 164 MiB, the TPU kernel's 111 MiB x 1.5. Eight chunks
+# still give every launch >= 2 x B x HV x 8 programs (256 at B1 H16).
+SLICE_CHUNKS = 8
+
+
+def slice_plan(n_chunks: int) -> tuple[int, int]:
+  """(slices, chunks per slice) covering n_chunks with the fewest padded chunks."""
+  slices = -(-n_chunks // SLICE_CHUNKS)
+  return slices, -(-n_chunks // slices)
+
+
+def _padded_slicer(T: int, C: int):
+  """(slices, slice length L, pad, take, put) for arrays [B, T, ...] along axis 1.
+
+  pad: x -> x zero-padded to slices * L tokens, folded to [B, slices, L * ...] (rows of one
+  slice contiguous, a layout no transposition applies to: sliced unfolded, XLA:GPU gave
+  the loops transposed whole-sequence copies of q, k, v and of their gradients);
+  take(x, s) -> slice s unfolded, [B, L, ...]; put(acc, s, y) writes y [B, L, ...] as slice s
+  of a folded buffer; unfold(x) -> [B, T, ...]."""
+  slices, per = slice_plan(-(-T // C))
+  L = per * C
+
+  def pad(x):
+    extra = slices * L - x.shape[1]
+    if extra:
+      x = jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(x.shape[0], slices, -1)
+
+  def take(x, s, tail):
+    return lax.dynamic_index_in_dim(x, s, axis=1, keepdims=False).reshape(
+        x.shape[0], L, *tail)
+
+  def put(acc, s, y):
+    return lax.dynamic_update_index_in_dim(acc, y.reshape(acc.shape[0], -1).astype(acc.dtype),
+                                           s, axis=1)
+
+  def unfold(x, tail):
+    return x.reshape(x.shape[0], slices * L, *tail)[:, :T]
+
+  return slices, L, pad, take, put, unfold
+
+
+def _value_chunks(x, C):
+  """[B, L, HV, V] -> [B*HV, L / C, C, V] in x's dtype (the kernels cast)."""
+  B, L, HV, V = x.shape
+  return jnp.swapaxes(x, 1, 2).reshape(B * HV, L // C, C, V)
+
+
+def sliced_forward(q, k, v, g, beta, seg, s0t, *, prep_fn, cfg: GpuConfig, interpret: bool):
+  """The split forward one slice of SLICE_CHUNKS chunks at a time.
+
+  Args: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; seg None or
+    [B, T] float32 chunk-local segments (T a multiple of the chunk); s0t [B*HV, V, K] f32
+    (the transposed initial state); prep_fn(q, k, v, g, beta, seg) -> ChunkPrep of those
+    tokens (layout [B*HV, N, C, F]).
+  Returns: (o [B, T, HV, V] in v's dtype, the final state transposed [B*HV, V, K] f32).
+  Padding tokens (zeros) are no-ops, so the state passes them unchanged."""
+  B, T = q.shape[:2]
+  HV, V = v.shape[2], v.shape[3]
+  slices, L, pad, take, put, unfold = _padded_slicer(T, cfg.chunk_size)
+  ins = (q, k, v, g, beta)
+  xs = [pad(x) for x in ins]
+  segp = None if seg is None else pad(seg)
+
+  def body(s, carry):
+    o_all, St = carry
+    prep = prep_fn(*(take(x, s, a.shape[2:]) for x, a in zip(xs, ins)),
+                   None if segp is None else take(segp, s, ()))
+    o, St = recurrent_forward(prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay,
+                              St, out_dtype=v.dtype, cfg=cfg, interpret=interpret)
+    return put(o_all, s, jnp.swapaxes(o.reshape(B, HV, L, V), 1, 2)), St
+
+  o, St = lax.fori_loop(0, slices, body,
+                        (jnp.zeros((B, slices, L * HV * V), v.dtype), s0t.astype(_f32)))
+  return unfold(o, (HV, V)), St
+
+
+def sliced_backward(q, k, v, g, beta, seg, s0t, do, dht_t, *, prep_fn, cfg: GpuConfig,
+                    interpret: bool):
+  """The split path's backward one slice at a time (arguments as sliced_forward's, with
+  do [B, T, HV, V] and dht_t [B*HV, V, K] f32, the transposed final-state gradient).
+
+  Two loops: forward over slices, keeping only the state entering each slice
+  ([slices, B*HV, V, K] f32); then backward over slices: chunk_prep and its vjp, the states
+  entering the slice's chunks (states pass from the saved slice state), the reverse pass and
+  the gradient kernels (`backward`), the slice's input gradients written into whole-sequence
+  buffers. Returns ((dq, dk, dv, dg, dbeta) shaped and typed as the inputs, dS0t [B*HV, V, K]
+  f32)."""
+  T, C = q.shape[1], cfg.chunk_size
+  slices, L, pad, take, put, unfold = _padded_slicer(T, C)
+  ins = (q, k, v, g, beta)
+  xs = [pad(x) for x in ins]
+  segp = None if seg is None else pad(seg)
+  dop = pad(do)
+
+  def inputs_of(s):
+    return [take(x, s, a.shape[2:]) for x, a in zip(xs, ins)]
+
+  def seg_of(s):
+    return None if segp is None else take(segp, s, ())
+
+  def forward(s, carry):
+    St, entering = carry
+    entering = lax.dynamic_update_index_in_dim(entering, St, s, axis=0)
+    prep = prep_fn(*inputs_of(s), seg_of(s))
+    _, St = _states_and_final(prep.w, prep.u, prep.k_out, prep.decay, St, cfg=cfg,
+                              interpret=interpret)
+    return St, entering
+
+  s0t = s0t.astype(_f32)
+  _, entering = lax.fori_loop(0, slices, forward,
+                              (s0t, jnp.zeros((slices, *s0t.shape), _f32)))
+
+  def reverse(i, carry):
+    s = slices - 1 - i
+    dSt, grads = carry
+    prep, prep_vjp = jax.vjp(lambda *a: prep_fn(*a, seg_of(s)), *inputs_of(s))
+    st = states(prep.w, prep.u, prep.k_out, prep.decay,
+                lax.dynamic_index_in_dim(entering, s, axis=0, keepdims=False), cfg=cfg,
+                interpret=interpret)
+    dw, dq_in, dk_out, da, du, ddecay, dSt = backward(
+        prep.w, prep.q_in, prep.k_out, prep.a_qk, prep.u,
+        _value_chunks(take(dop, s, do.shape[2:]), C), prep.decay, st, dSt, cfg=cfg,
+        interpret=interpret)
+    d = prep_vjp(type(prep)(w=dw.sum(0), u=du, q_in=dq_in.sum(0), k_out=dk_out.sum(0),
+                            a_qk=da.sum(0), decay=ddecay.sum(0)))
+    return dSt, [put(acc, s, dx) for acc, dx in zip(grads, d)]
+
+  dS0t, grads = lax.fori_loop(0, slices, reverse,
+                              (dht_t.astype(_f32), [jnp.zeros_like(x) for x in xs]))
+  return tuple(unfold(d, a.shape[2:]) for d, a in zip(grads, ins)), dS0t
