@@ -5,7 +5,7 @@ nope/rope-slot/value head dims, N cache capacity. The rope slot is a shared key 
 never rotated.
 
 Training runs over whole (packed) sequences, decoding continues from an `MLACache` (per
-token only the latent c and the rope key k_r): both call `ops.latent_attention`, whose
+token only the latent c and the rope key k_r): both call `ops.attention.api`, whose
 dispatch tables pick the core (XLA / kernels, the absorbed form, a context-parallel plan).
 
 `cfg.rope_theta > 0` (an ablation of the NoPE design) rotates the rope slot, q_rope_h and k_r,
@@ -23,7 +23,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.linear import linear
 from hybridmoe_jax.layers.norms import RMSNorm
-from hybridmoe_jax.ops.latent_attention import cached_latent_attention, latent_attention
+from hybridmoe_jax.ops.attention.api import cached_latent_attention, latent_attention
 from hybridmoe_jax.ops.plan import current_plan
 
 _F32 = jnp.float32

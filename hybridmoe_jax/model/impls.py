@@ -1,6 +1,6 @@
 """Which implementation each layer of a model resolves to, and why: one report at startup.
 
-Each line is the op's own dispatch table (`ops.kda.choose`, `ops.latent_attention.choose`,
+Each line is the op's own dispatch table (`ops.kda.choose`, `ops.attention.api.choose`,
 `layers.moe.choose`) asked under the run's execution plan (`ops.plan`): a run's log should
 say which implementation it got instead of leaving a silent fallback to be discovered in a
 profile (`log_impls` warns).
@@ -12,7 +12,8 @@ from absl import logging
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.layers import moe
-from hybridmoe_jax.ops import attention_backends, grouped_ffn, latent_attention
+from hybridmoe_jax.ops import grouped_ffn
+from hybridmoe_jax.ops.attention import api as attention
 from hybridmoe_jax.ops.kda import choose as kda_choose
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan
 
@@ -48,7 +49,7 @@ def _report(cfg: ModelConfig, compute: ComputeConfig, plan: ExecutionPlan,
   """(line, fell back from an accelerator kernel to XLA) per layer kind."""
   capability, given = None, backend
   if backend is None:  # the platform the program is compiled for (the mesh's devices)
-    backend, capability = attention_backends.current_backend()
+    backend, capability = attention.current_backend()
   kinds = cfg.layer_kinds
   lines = []
   kda_layers = [i for i, k in enumerate(kinds) if k == "kda"]
@@ -89,7 +90,7 @@ def _mla_line(cfg: ModelConfig, compute: ComputeConfig, plan: ExecutionPlan, bac
   m, block = cfg.mla, compute.mla_block
   facts = dict(backend=backend, block=block, head_dim=m.qk_head_dim, v_head_dim=m.v_head_dim,
                dtype=compute.dtype, has_segments=True, compute_capability=capability)
-  choose = lambda t: latent_attention.choose(compute.mla_impl, plan=plan, seq_len=t, **facts)
+  choose = lambda t: attention.choose(compute.mla_impl, plan=plan, seq_len=t, **facts)
   short, (name, why) = choose(4 * block), choose(4 * block + 1)
   if short[0] == name:
     core = _MLA_CORES[name].format(b=block)
@@ -98,8 +99,8 @@ def _mla_line(cfg: ModelConfig, compute: ComputeConfig, plan: ExecutionPlan, bac
     core = (f"{_MLA_CORES[short[0]]} up to T = {4 * block}, "
             f"{_MLA_CORES[name].format(b=block)} beyond")
   # A fallback: a kernel was asked for (explicitly, or by "auto" on an accelerator), XLA runs.
-  fallback = (name in attention_backends.XLA_CORES
-              and compute.mla_impl not in attention_backends.XLA_CORES
-              and (compute.mla_impl != "auto" or backend in attention_backends.AUTO_ORDER))
+  fallback = (name in attention.XLA_CORES
+              and compute.mla_impl not in attention.XLA_CORES
+              and (compute.mla_impl != "auto" or backend in attention.AUTO_ORDER))
   return (f"{_layer_list(layers)} (mla): {core} ({why}); cached decode: "
-          f"{latent_attention.choose_cached(plan)[1]}", fallback)
+          f"{attention.choose_cached(plan)[1]}", fallback)

@@ -3,7 +3,7 @@
 Importable with jax alone (no flax, grain or ml_collections).
 """
 
-from .attention import causal_attention
+from .attention.dense import causal_attention
 from .decay import bounded_log_decay
 from .decay import unbounded_log_decay
 from .glu import situ_glu

@@ -4,7 +4,7 @@ A step traced under `jax.set_mesh(mesh)` targets the mesh's devices, which need 
 host's: an ahead-of-time compile for a TPU topology (`jax.experimental.topologies`) runs on a
 CPU-only machine, and must still pick the TPU kernels (Pallas KDA through Mosaic, splash
 attention, the native ragged all-to-all). So the choosers (`ops.kda.choose`,
-`ops.attention_backends.resolve_impl` via `current_backend`, `parallel.exchange.resolve_impl`,
+`ops.attention.api.resolve_impl` via `current_backend`, `parallel.exchange.resolve_impl`,
 `model.impls`) ask `target_platform()` instead of `jax.default_backend()`.
 
 `on_row_shards` runs a kernel (a Pallas Mosaic / Triton call, which XLA cannot partition)

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from hybridmoe_jax.ops.conv import short_conv
-from hybridmoe_jax.ops.blockwise_attention import blockwise_attention
+from hybridmoe_jax.ops.attention.blockwise import blockwise_attention
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.config.sharding import DATA_AXES, batch_axes
 

@@ -38,7 +38,8 @@ from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.stack import layer_split
 from hybridmoe_jax.model.impls import describe_impls
-from hybridmoe_jax.ops import attention_backends, latent_attention
+from hybridmoe_jax.ops.attention import api as attention_backends
+from hybridmoe_jax.ops.attention import api as latent_attention
 from hybridmoe_jax.ops.kda import choose as kda_choose
 from hybridmoe_jax.ops.kda.chunked import forward_flops
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan, execution_plan

@@ -23,7 +23,7 @@ import jax
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, param_pieces
 from hybridmoe_jax.ops.cross_entropy import VOCAB_BLOCK
 from hybridmoe_jax.ops.kda.chunked import scan_steps
-from hybridmoe_jax.ops.attention_backends import memory_core
+from hybridmoe_jax.ops.attention.api import memory_core
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
 from hybridmoe_jax.config.run import MeshConfig, RunConfig

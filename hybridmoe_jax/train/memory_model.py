@@ -33,7 +33,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, ModelConfig
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.ops.attention_backends import memory_core
+from hybridmoe_jax.ops.attention.api import memory_core
 
 EXACT_MAX_T = 4096
 

@@ -14,7 +14,7 @@ from hybridmoe_jax.config import ComputeConfig, KDAConfig, MLAConfig
 from hybridmoe_jax.layers.conv import ShortConv
 from hybridmoe_jax.layers.kda import KDACache, KDALayer
 from hybridmoe_jax.layers.mla import MLACache, MLALayer
-from hybridmoe_jax.ops.latent_attention import absorb, latent_attention_partial, unabsorb
+from hybridmoe_jax.ops.attention.absorbed import absorb, latent_attention_partial, unabsorb
 from tests._support import rel_rms
 
 D = 32

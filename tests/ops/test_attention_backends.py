@@ -10,8 +10,9 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MLAConfig, ModelConfig
 from hybridmoe_jax.layers.mla import MLALayer
 from hybridmoe_jax.model.impls import describe_impls, log_impls
-from hybridmoe_jax.ops import attention_backends as ab
-from hybridmoe_jax.ops.blockwise_attention import attention_reference
+from hybridmoe_jax.ops.attention import api as ab
+from hybridmoe_jax.ops.attention import triton as triton_core
+from hybridmoe_jax.ops.attention.reference import attention_reference
 from hybridmoe_jax.train import dry_run
 from tests._support import rel_err
 from tests.ops.attention_helpers import (attention_inputs, packed_segments,
@@ -94,8 +95,8 @@ def test_wrappers_reject_bad_input():
 
 
 def test_tiles():
-  assert ab._triton_tile(128, 45) == 64 and ab._triton_tile(24, 1000) == 16
-  assert ab._triton_tile(8, 5) == 16 and ab._triton_tile(128, 4096) == 128
+  assert triton_core._triton_tile(128, 45) == 64 and triton_core._triton_tile(24, 1000) == 16
+  assert triton_core._triton_tile(8, 5) == 16 and triton_core._triton_tile(128, 4096) == 128
   assert ab.cudnn_head_dim(192, 128) == 192 and ab.cudnn_head_dim(12, 6) == 16
   assert ab.current_backend() == ("cpu", None)
 

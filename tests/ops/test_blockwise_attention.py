@@ -8,9 +8,10 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig, MLAConfig
 from hybridmoe_jax.layers.mla import MLALayer
-from hybridmoe_jax.ops.attention import causal_attention
-from hybridmoe_jax.ops.attention_backends import resolve_impl
-from hybridmoe_jax.ops.blockwise_attention import attention_reference, blockwise_attention
+from hybridmoe_jax.ops.attention.api import resolve_impl
+from hybridmoe_jax.ops.attention.blockwise import blockwise_attention
+from hybridmoe_jax.ops.attention.dense import causal_attention
+from hybridmoe_jax.ops.attention.reference import attention_reference
 from tests._support import rel_err, rel_rms
 from tests.ops.attention_helpers import (attention_inputs, packed_segments,
                                         value_and_grads)
@@ -35,7 +36,7 @@ def test_matches_dense_reference_fp32(b, t, h, hk, d, dv, bq, bk, packed):
 
 
 def test_reference_equals_the_dense_mla_core():
-  """The reference's semantics are those of ops.attention.causal_attention (same heads)."""
+  """The reference's semantics are those of ops.attention.dense.causal_attention (same heads)."""
   q, k, v, _ = attention_inputs(0, 2, 29, 29, 2, 2, 8, 8)
   seg = packed_segments(1, 2, 29)
   np.testing.assert_allclose(

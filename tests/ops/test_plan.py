@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from hybridmoe_jax.layers import moe
-from hybridmoe_jax.ops import latent_attention
+from hybridmoe_jax.ops.attention import api as attention
 from hybridmoe_jax.ops.conv import short_conv
 from hybridmoe_jax.ops.kda import choose
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan, current_plan, execution_plan
@@ -64,12 +64,12 @@ def test_kda_choose_falls_back_from_pallas_with_the_domain_error():
 
 def test_latent_attention_choose_per_plan():
   ctx = ExecutionPlan(context=_Runner())
-  assert latent_attention.choose("auto", plan=LOCAL, seq_len=8, **MLA)[0] == "dense"
-  name, why = latent_attention.choose("auto", plan=ctx, seq_len=8, **MLA)
+  assert attention.choose("auto", plan=LOCAL, seq_len=8, **MLA)[0] == "dense"
+  name, why = attention.choose("auto", plan=ctx, seq_len=8, **MLA)
   assert name == "context" and "_Runner" in why
-  assert latent_attention.choose_cached(LOCAL)[0] == "absorbed"
-  assert latent_attention.choose_cached(ctx)[0] == "absorbed"
-  assert latent_attention.choose_cached(
+  assert attention.choose_cached(LOCAL)[0] == "absorbed"
+  assert attention.choose_cached(ctx)[0] == "absorbed"
+  assert attention.choose_cached(
       ExecutionPlan(context=_Runner(shards_cache=True)))[0] == "context_cache"
 
 

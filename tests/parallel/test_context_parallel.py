@@ -18,7 +18,7 @@ from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.ops.conv import short_conv
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.ops.blockwise_attention import attention_reference
+from hybridmoe_jax.ops.attention.reference import attention_reference
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, kda_shard,

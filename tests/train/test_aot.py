@@ -56,7 +56,7 @@ def test_without_libtpu_the_error_says_how_to_install(monkeypatch):
 def test_libtpu_rejection_is_one_line_and_choosers_see_the_target():
   """A name libtpu rejects is a one-line ConfigError; under a mesh of TPU devices every
   chooser picks the TPU implementation although this host is a CPU."""
-  from hybridmoe_jax.ops import attention_backends
+  from hybridmoe_jax.ops.attention import api as attention_backends
   from hybridmoe_jax.ops.kda import choose
   from hybridmoe_jax.parallel import exchange, topology
   from hybridmoe_jax.parallel.mesh import build_mesh

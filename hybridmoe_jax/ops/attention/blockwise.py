@@ -1,6 +1,6 @@
 """Causal softmax attention in blocks, O(T x block) memory forward and backward (pure XLA).
 
-The MLA training core at long context: the dense form (`ops.attention.causal_attention`)
+The MLA training core at long context: the dense form (`dense.causal_attention`)
 holds a [B, H, T, T] score matrix (256 GiB at 8K tokens for the 1M preset's heads), this one
 holds [B, H, block_q, block_kv] at a time. Forward: an online softmax over key blocks
 (fp32 running max and sum), saving the output and the log-sum-exp per query. Backward
@@ -28,6 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .reference import check_inputs
+
 _F32 = jnp.float32
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf
 
@@ -40,55 +42,6 @@ class _Spec(NamedTuple):
   block_kv: int
   tq: int          # real (unpadded) lengths
   tk: int
-
-
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                        q_segment_ids: jax.Array | None = None,
-                        kv_segment_ids: jax.Array | None = None, q_offset: int = 0,
-                        scale: float | None = None) -> jax.Array:
-  """The dense form of `blockwise_attention` (same arguments but the block sizes): the exact
-  reference its tests compare with. Holds [B, H, Tq, Tk] scores."""
-  check_inputs(q, k, v, q_segment_ids, kv_segment_ids, q_offset)
-  b, tq, h, d = q.shape
-  hk = k.shape[2]
-  scale = d ** -0.5 if scale is None else scale
-  qg = q.reshape(b, tq, hk, h // hk, d)
-  s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=_F32) * scale
-  qpos = q_offset + jnp.arange(tq)
-  visible = jnp.arange(k.shape[1])[None, :] <= qpos[:, None]              # [Tq, Tk]
-  visible = visible[None]
-  if q_segment_ids is not None:
-    visible = visible & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-  visible = visible[:, None, None]                                       # [B,1,1,Tq,Tk]
-  s = jnp.where(visible, s, _NEG)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(visible, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
-  o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=_F32)
-  return o.reshape(b, tq, h, v.shape[-1]).astype(v.dtype)
-
-
-def check_inputs(q, k, v, q_seg, kv_seg, q_offset) -> None:
-  """Raises ValueError for q, k, v, segment ids or q_offset that do not fit together."""
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [B, T, H, D]; got {q.shape}, {k.shape}, {v.shape}")
-  b, tq, h, d = q.shape
-  if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[-1] != d:
-    raise ValueError(f"k [B, Tk, Hk, D] and v [B, Tk, Hk, Dv] must match q [B, Tq, H, D]: "
-                     f"q {q.shape}, k {k.shape}, v {v.shape}")
-  if h % k.shape[2]:
-    raise ValueError(f"query heads {h} must be a multiple of key/value heads {k.shape[2]}")
-  if (q_seg is None) != (kv_seg is None):
-    raise ValueError("give both q_segment_ids and kv_segment_ids, or neither")
-  if q_seg is not None and (q_seg.shape != (b, tq) or kv_seg.shape != (b, k.shape[1])):
-    raise ValueError(f"segment ids must be [B, Tq] and [B, Tk]: got {q_seg.shape}, "
-                     f"{kv_seg.shape} for Tq={tq}, Tk={k.shape[1]}")
-  if isinstance(q_offset, jax.core.Tracer):  # a shard's offset inside shard_map: unchecked
-    return
-  if not 0 <= q_offset or q_offset + tq > k.shape[1]:
-    raise ValueError(f"q_offset={q_offset}: queries [q_offset, q_offset + Tq) = "
-                     f"[{q_offset}, {q_offset + tq}) must lie within the {k.shape[1]} keys")
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,

@@ -1,13 +1,10 @@
-"""MLA's latent attention (DESIGN s2): one dispatch table for training, one for decoding.
+"""MLA's absorbed form (DESIGN s2): one shared KV head [c ; k_r] of width d_c + Dr, query
+[W_uk_h q_nope_h ; q_rope_h] (`absorb`), output W_uv_h^T sum_j softmax(s)_j c_j (`unabsorb`),
+attended blockwise with an online softmax (`latent_attention_partial`): the cached decode's
+core, and the context runner's per-shard pass.
 
 B batch, T tokens, H heads, d_c latent, Dn/Dr/Dv the nope/rope-slot/value head dims, N cache
-capacity; up projections W_uk [d_c, H, Dn], W_uv [d_c, H, Dv]. Absorbed form: one shared KV
-head [c ; k_r] of width d_c + Dr, query [W_uk_h q_nope_h ; q_rope_h] (`absorb`), output
-W_uv_h^T sum_j softmax(s)_j c_j (`unabsorb`), attended blockwise with an online softmax.
-`latent_attention` (training; `choose`): "context" (plan: absorbed over the sequence
-shards), else the XLA / kernel core of `attention_backends.resolve_impl` over the expanded
-heads. `cached_latent_attention` (decode; `choose_cached`): "context_cache" (plan: the
-cache split along N), else "absorbed" here, over the filled part of the cache.
+capacity; up projections W_uk [d_c, H, Dn], W_uv [d_c, H, Dv].
 """
 
 from __future__ import annotations
@@ -15,10 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import attention_backends as backends
-from .plan import ExecutionPlan, current_plan, run_local
-
 _F32 = jnp.float32
+
+
 NEG_INF = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
 
 
@@ -113,66 +109,3 @@ def latent_attention_partial(q: jax.Array, c: jax.Array, k_r: jax.Array, q_pos: 
 
   m, l, acc = jax.vmap(row)(q, c, k_r, q_pos, total)
   return m.reshape(b, t, h), l.reshape(b, t, h), acc.reshape(b, t, h, d_c)
-
-
-def choose(impl: str, *, plan: ExecutionPlan | None = None, **facts) -> tuple[str, str]:
-  """The training forward's dispatch table: (name, reason). "context" under a plan with a
-  context runner, else `attention_backends.resolve_impl(impl, **facts)`."""
-  plan = current_plan() if plan is None else plan
-  if plan.context is not None:
-    return "context", f"absorbed over the sequence shards of {type(plan.context).__name__}"
-  return backends.resolve_impl(impl, **facts)
-
-
-def choose_cached(plan: ExecutionPlan | None = None) -> tuple[str, str]:
-  """The cached forward's dispatch table: (name, reason)."""
-  plan = current_plan() if plan is None else plan
-  if plan.shards_cache:
-    return "context_cache", "the cache is sharded over the context axis (plan)"
-  return "absorbed", "blockwise online softmax over the filled cache"
-
-
-def latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, w_uk: jax.Array,
-                     w_uv: jax.Array, *, segment_ids: jax.Array | None, scale: float,
-                     impl: str, block: int, interpret: bool = False) -> jax.Array:
-  """Causal attention of whole (packed) sequences over their latents (training): q [B, T,
-  H, Dn + Dr], c [B, T, d_c], k_r [B, T, Dr], w_uk / w_uv in the compute dtype, segment_ids
-  [B, T] int32 or None -> [B, T, H, Dv] (float32 or the core's dtype). impl, block,
-  interpret: `compute.mla_impl`, `compute.mla_block`, the Pallas interpreter (tests)."""
-  b, t, h, _ = q.shape
-  backend, capability = backends.current_backend()
-  name, _ = choose(impl, backend=backend, seq_len=t, block=block, head_dim=q.shape[-1],
-                   v_head_dim=w_uv.shape[-1], dtype=jnp.dtype(q.dtype).name,
-                   has_segments=segment_ids is not None, compute_capability=capability,
-                   interpret=interpret)
-  if name == "context":
-    o_c = run_local(current_plan().context.latent_attention, absorb(q, w_uk), c, k_r,
-                    segment_ids=segment_ids, scale=scale)
-    return unabsorb(o_c, w_uv, q.dtype)
-  k = jnp.einsum("btc,chn->bthn", c, w_uk)
-  k = jnp.concatenate([k, jnp.broadcast_to(k_r[:, :, None, :], (b, t, h, k_r.shape[-1]))
-                       .astype(k.dtype)], axis=-1)
-  v = jnp.einsum("btc,chv->bthv", c, w_uv)
-  return backends.attend(name, q, k, v, segment_ids=segment_ids, scale=scale, block=block,
-                         interpret=interpret)
-
-
-def cached_latent_attention(q: jax.Array, c: jax.Array, k_r: jax.Array, cache,
-                            length: jax.Array, n_valid: jax.Array, w_uk: jax.Array,
-                            w_uv: jax.Array, *, scale: float, kv_block: int):
-  """Writes a chunk's latents (c [B, T, d_c], k_r [B, T, Dr]) into the cache (fields c
-  [B, N, d_c], k_r [B, N, Dr]: `layers.mla.MLACache` or the plan's sharded one) and attends
-  with q [B, T, H, Dn + Dr]: row b's token i sits at position length[b] + i (length, n_valid
-  [B] int32: tokens cached before, real tokens of the chunk, a prefix of each row).
-  Returns (o [B, T, H, Dv] float32, the updated cache)."""
-  q_abs = absorb(q, w_uk)
-  if choose_cached()[0] == "context_cache":
-    o_c, cache = run_local(current_plan().context.cached_latent_attention, q_abs, c, k_r,
-                           cache, n_valid, scale=scale, kv_block=kv_block)
-    return unabsorb(o_c, w_uv, q.dtype), cache
-  cache = cache._replace(c=write_cache(cache.c, c, length, n_valid),
-                         k_r=write_cache(cache.k_r, k_r, length, n_valid))
-  q_pos = length[:, None] + jnp.arange(q.shape[1])[None, :]
-  _, l, acc = latent_attention_partial(q_abs, cache.c, cache.k_r, q_pos, length + n_valid,
-                                       scale, kv_block)
-  return unabsorb(acc / jnp.maximum(l, 1e-30)[..., None], w_uv, q.dtype), cache
