@@ -7,7 +7,7 @@ the result g: [..., HV, K] float32 with g <= 0 (the log of the per-channel decay
     bounded:   g = lb * sigmoid(exp(a_log) * (x + dt_bias))    range (lb, 0), lb in [-5, 0)
 
 The bounded gate keeps |g| <= 5 per token, which is what lets the chunked kernels turn
-every 16-token diagonal block into one dense matmul (see ops/kda/blocks.py).
+every 16-token diagonal block into one dense matmul (see pallas_kernels/kda/chunk_xla.py).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def invert_unit_lower16(L, eye):
   """(I + L)^-1 of a strictly lower 16 x 16 block, always at HIGHEST precision.
 
   Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (exact: L^16 = 0; the formula of
-  ops/kda/blocks.invert_unit_lower), then one Newton step T <- T + T (I - (I + L) T): a
+  chunk_xla.invert_unit_lower), then one Newton step T <- T + T (I - (I + L) T): a
   no-op in exact arithmetic that squares the rounding residual. It matters when keys are
   nearly identical and decays ~1: then L ~ strict ones, L^8 has entries up to C(14, 7) =
   3432 and the product alone loses ~4e-4 absolute (NUMERICS.md).

@@ -188,27 +188,6 @@ def unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
   return jnp.concatenate(xs, axis=-2)
 
 
-# The per-chunk interface of the kernels' XLA prep (prep.py): chunk layout [B*HV, N, C, F];
-# segments as a per-token index whose equal values may interact.
-
-
-def split_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
-  """[B, T, HV, ...] -> [B*HV, N, C, ...] float32, zero-padded along T."""
-  pad = [(0, 0), (0, n * c - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-  x = jnp.pad(x.astype(_f32), pad)
-  x = jnp.moveaxis(x.reshape(x.shape[0], n, c, *x.shape[2:]), 3, 1)
-  return x.reshape(-1, *x.shape[2:])
-
-
-def chunk_cumsum(g: jax.Array) -> jax.Array:
-  """Inclusive cumsum G of chunks g [..., C, K], from 16-block cumsums (segments are masked
-  by the callers, not here)."""
-  nb = g.shape[-2] // SUB
-  Gl = mm(causal_mask(SUB).astype(_f32), sub_blocks(g))
-  before = jnp.tril(jnp.ones((nb, nb), _f32), -1)
-  return (mm(before, Gl[..., -1, :])[..., None, :] + Gl).reshape(g.shape)
-
-
 def intra_chunk_scores(q, k, g, sidx, lower_bound):
   """A_qk, A_kk [..., C, C], zero above the diagonal, of chunks q, k, g [..., C, K].
 

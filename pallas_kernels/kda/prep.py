@@ -1,11 +1,10 @@
-"""The kernels' XLA part: the chunk-parallel quantities of the chunked form.
+"""The kernels' XLA part: `chunk_prep`, the chunk-parallel quantities of the chunked form
+(W, U, q e^G, k e^(G_C - G), A_qk, e^G_C) with the kernels' anchoring and refined 16 x 16
+inverses.
 
 Conventions: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
 state [B, HV, K, V] float32. Chunk layout [B*HV, N, C, F] float32 (N chunks of C tokens).
-
-`chunk_prep` computes, in XLA, the chunk-parallel quantities
-of the chunked form (W, U, q e^G, k e^(G_C - G), A_qk, e^G_C) with the kernels' anchoring and
-refined 16 x 16 inverses: the split forward feeds them to the Pallas recurrence, and the
+The chunk-parallel quantities: the split forward feeds them to the Pallas recurrence, and the
 backward takes jax.vjp of it for the intra-chunk gradients (README.md). The fused forward
 kernel computes the same math in-kernel, solving for Vn = U - W S directly.
 """
@@ -17,10 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .chunk_xla import chunk_cumsum, intra_chunk_scores, invert_unit_lower, split_chunks
+from .chunk_xla import SUB, causal_mask, intra_chunk_scores, invert_unit_lower, mm, sub_blocks
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_SUB = 16
+_f32 = jnp.float32
 
 
 class ChunkPrep(NamedTuple):
@@ -34,10 +33,21 @@ class ChunkPrep(NamedTuple):
   decay: jax.Array  # [.., 1, K]  e^G_C
 
 
-def to_chunks(x: jax.Array, chunk_size: int) -> jax.Array:
-  """[B, T, HV, ...] -> [B*HV, N, C, ...] float32, zero-padded along T."""
-  n = -(-x.shape[1] // chunk_size)
-  return split_chunks(x, n, chunk_size)
+def to_chunks(x: jax.Array, c: int) -> jax.Array:
+  """[B, T, HV, ...] -> [B*HV, N, C, ...] float32 (chunks of c tokens), zero-padded along T."""
+  n = -(-x.shape[1] // c)
+  x = jnp.pad(x.astype(_f32), [(0, 0), (0, n * c - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  x = jnp.moveaxis(x.reshape(x.shape[0], n, c, *x.shape[2:]), 3, 1)
+  return x.reshape(-1, *x.shape[2:])
+
+
+def chunk_cumsum(g: jax.Array) -> jax.Array:
+  """Inclusive cumsum G of chunks g [..., C, K], from 16-block cumsums (segments are masked
+  by the callers, not here)."""
+  nb = g.shape[-2] // SUB
+  Gl = mm(causal_mask(SUB).astype(_f32), sub_blocks(g))
+  before = jnp.tril(jnp.ones((nb, nb), _f32), -1)
+  return (mm(before, Gl[..., -1, :])[..., None, :] + Gl).reshape(g.shape)
 
 
 def _refined_inverse(L: jax.Array) -> jax.Array:
@@ -53,12 +63,12 @@ def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
   """X = (I + L)^-1 rhs for strictly lower L [..., C, C]: 16-row block substitution
   X_r = D_r (rhs_r - L_r,<r X_<r) with refined diagonal inverses D_r."""
   xs = []
-  for r in range(L.shape[-1] // _SUB):
-    rows = slice(r * _SUB, (r + 1) * _SUB)
+  for r in range(L.shape[-1] // SUB):
+    rows = slice(r * SUB, (r + 1) * SUB)
     acc = rhs[..., rows, :]
     if r:
       done = jnp.concatenate(xs, axis=-2)
-      acc = acc - jnp.matmul(L[..., rows, : r * _SUB], done, precision=_HIGHEST)
+      acc = acc - jnp.matmul(L[..., rows, : r * SUB], done, precision=_HIGHEST)
     xs.append(jnp.matmul(_refined_inverse(L[..., rows, rows]), acc, precision=_HIGHEST))
   return jnp.concatenate(xs, axis=-2)
 

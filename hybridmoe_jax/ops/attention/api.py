@@ -1,17 +1,11 @@
-"""MLA attention (DESIGN s2): one entry for training (`latent_attention`, table `choose`), one
-for decoding (`cached_latent_attention`, table `choose_cached`).
+"""MLA attention (DESIGN s2): `latent_attention` (training; table `choose`: "context" under a
+plan, else `resolve_impl`) and `cached_latent_attention` (decode; `choose_cached`).
 
-Training cores, all computing `reference.attention_reference` for self-attention (Tq == Tk
-== T, q_offset 0): causal softmax attention within packed segments,
-    q: [B, T, H, D]   k: [B, T, Hk, D]   v: [B, T, Hk, Dv]   (H a multiple of Hk)
-    segment_ids: [B, T] int32 or None;  out: [B, T, H, Dv]
-"dense" (dense.py) and "blockwise" (blockwise.py) in XLA; the kernels "cudnn" (cudnn.py),
-"triton" (triton.py) and "splash" (splash.py); or "context" (plan: absorbed over the
-sequence shards). `resolve_impl` picks the core, a pure function of (impl, backend, shapes,
-dtype, has_segments) so that every branch can be checked on any machine; `attend` runs it.
-Decoding: "context_cache" (plan: the cache split along N), else "absorbed" (absorbed.py)
-over the filled part of the cache. This module needs jax alone (the kernel modules import
-Pallas at use).
+Training cores compute `reference.attention_reference` for self-attention: q [B, T, H, D],
+k [B, T, Hk, D], v [B, T, Hk, Dv] (H a multiple of Hk), segment_ids [B, T] int32 or None
+-> [B, T, H, Dv]. "dense", "blockwise" (XLA), "cudnn", "triton", "splash" (kernels), one
+file each; `resolve_impl` is a pure function of (impl, backend, shapes, dtype,
+has_segments), so every branch is checked on any machine; `attend` runs the pick.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Implementations (`TABLE`): "recurrent" (`recurrent.py`, the token scan: the exact
 reference), "chunked" (`chunked.py`, XLA), "pallas" (pallas_kernels/kda: its TPU or GPU
-kernel, interpreted without either), and under an execution plan with a context runner (`ops.plan`) "context" (a whole sequence shard by shard)
-and "context_continue" (a prompt continuing a context-sharded decode cache).
+kernel, interpreted without either), and under an execution plan with a context runner
+(`ops.plan`) "context" (a whole sequence shard by shard) and "context_continue" (a prompt
+continuing a context-sharded decode cache).
 
 Conventions (DESIGN s1): B batch, T tokens, H q/k heads, HV value heads (a multiple of H),
 K key dim, V value dim, C chunk length.
@@ -46,16 +47,6 @@ def _pallas(kernel: str):
   return run
 
 
-def _recurrent(q, k, v, g, beta, *, chunk_size, lower_bound, interpret, **kwargs):
-  del chunk_size, lower_bound, interpret  # the token scan needs neither
-  return kda_recurrent(q, k, v, g, beta, **kwargs)
-
-
-def _chunked(q, k, v, g, beta, *, interpret, **kwargs):
-  del interpret
-  return kda_chunked(q, k, v, g, beta, **kwargs)
-
-
 class Row(NamedTuple):
   """One implementation: run(q, k, v, g, beta, *, scale, initial_state, output_final_state,
   segment_ids, chunk_size, lower_bound, interpret) -> (o, final state or None)."""
@@ -67,8 +58,10 @@ class Row(NamedTuple):
 
 # The implementation table: the only one for KDA (`choose` picks a row).
 TABLE = {
-    "recurrent": Row(_recurrent, (), "requested: the token scan, the exact reference"),
-    "chunked": Row(_chunked, (), "auto on CPU, and for inputs outside the kernels' domain"),
+    "recurrent": Row(lambda *x, chunk_size, lower_bound, interpret, **kw: kda_recurrent(*x, **kw),
+                     (), "requested: the token scan, the exact reference"),
+    "chunked": Row(lambda *x, interpret, **kw: kda_chunked(*x, **kw), (),
+                   "auto on CPU, and for inputs outside the kernels' domain"),
     "pallas_tpu": Row(_pallas("tpu"), ("tpu",),
                       "auto on TPU inside the kernel's domain (config.check_domain_dims)"),
     "pallas_gpu": Row(_pallas("gpu"), GPU_PLATFORMS,
