@@ -3,7 +3,7 @@ ahead of time on a CPU-only machine (deviceless XLA:GPU from jax's CUDA plugin, 
 
 Usage:  nice -n 19 python benchmarks/kda_gpu_aot.py [--T 8192 32768 131072]
             [--packing unpacked packed] [--modes fwd fwdbwd] [--gpu h100] [--tpu v5p:2x2x1]
-            [--config block_v=32,num_warps=4] [--out kda_gpu_aot.jsonl]
+            [--config block_v=32,num_warps=4] [--out kda_gpu_aot.jsonl] [--fla PYTHON]
 Needs the CUDA plugin (`pip install -e ".[gpu]"`); the TPU reference needs libtpu (`--tpu ''`
 leaves it out). Shapes: B=1, H=HV=16, K=V=128, q/k/v/beta bf16, gates fp32 bounded by lb=-5,
 chunk 64 (benchmarks/kda_tpu_aot.py's). Packed: segment_ids [B, T] int32 are an argument.
@@ -14,9 +14,12 @@ programs per SM (programs / 132) and programs resident per SM by occupancy
 (hybridmoe_jax/tools/gpu_kernel_report.py), then one line for the program: the compiler's
 temporaries (memory_analysis), XLA's own kernels launched besides the KDA kernels (the glue),
 and, for fwdbwd, the TPU kernel's temporaries from libtpu at the same shapes with the ratio
-gpu / tpu. The fla anchor (`--fla`): flash-linear-attention's Triton chunk_kda compiled by
-Triton for sm_90 (benchmarks/kda_fla_aot.py, its own venv: it needs torch); a line saying
-why when it cannot run. All figures are COMPILER REPORTS: no GPU ran anything.
+gpu / tpu. The fla anchor (`--fla PYTHON`, default $FLA_PYTHON or ../venv-fla/bin/python
+beside this checkout; '' leaves it out): flash-linear-attention's Triton chunk_kda compiled
+by Triton itself for sm_90 at the same shapes (benchmarks/fla_anchor_gpu_aot.py, run by that
+venv's python: fla needs torch, this project does not), its rows (impl "fla") beside ours
+in the same run; one line saying why when that venv or fla is absent. All figures are
+COMPILER REPORTS: no GPU ran anything.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import dataclasses
 import glob
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -121,6 +125,44 @@ def tpu_temp_bytes(topology: str, T: int, packed: bool) -> int | None:
   return row["temp_bytes"]
 
 
+def default_fla_python() -> str:
+  return os.environ.get("FLA_PYTHON") or os.path.join(os.path.dirname(_ROOT), "venv-fla",
+                                                       "bin", "python")
+
+
+def start_fla(python: str, a) -> subprocess.Popen | None:
+  """fla_anchor_gpu_aot.py under `python` (its own venv), started now, read by finish_fla;
+  None (and one line saying why) when that python is absent."""
+  if not python:
+    return None
+  if not os.path.exists(python):
+    print(f"# fla anchor skipped: {python} not found (make the venv: "
+          "benchmarks/fla_anchor_gpu_aot.py's docstring)", file=sys.stderr)
+    return None
+  script = os.path.join(_ROOT, "benchmarks", "fla_anchor_gpu_aot.py")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  # Files, not pipes: a full pipe would stall it until our compiles end.
+  logs = [open(os.path.join(_DUMP, f"fla.{n}"), "w+") for n in ("out", "err")]
+  proc = subprocess.Popen([python, script, "--T", *map(str, a.T), "--packing", *a.packing,
+                           "--modes", *a.modes], stdout=logs[0], stderr=logs[1], env=env)
+  proc.logs = logs
+  return proc
+
+
+def finish_fla(proc: subprocess.Popen | None, out) -> None:
+  """Waits for the fla run; emits its rows, or one line saying why there are none."""
+  if proc is None:
+    return
+  proc.wait()
+  stdout, stderr = [(f.seek(0), f.read(), f.close())[1] for f in proc.logs]
+  rows = [json.loads(line[5:]) for line in stdout.splitlines() if line.startswith("JSON ")]
+  for row in rows:
+    emit(row, out)
+  if proc.returncode or not rows:
+    why = (stderr.strip().splitlines() or ["no output"])[-1]
+    print(f"# fla anchor: no rows (exit {proc.returncode}): {why}", file=sys.stderr)
+
+
 def parse_config(text: str):
   """'block_v=32,num_warps=4' -> the default GpuConfig for K=V=128 bf16 with those fields."""
   cfg = default_gpu_config(chunk_size=C, k=K, v=V, dtype=jnp.bfloat16)
@@ -141,15 +183,20 @@ _PTXAS_FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_by
 
 
 def markdown(rows: list[dict]) -> str:
-  """The JSON lines of a run as two BENCHMARKS.md tables: per kernel, then per program."""
-  ker = ["| T | packing | mode | kernel | registers | spill st/ld B | shared KiB | grid | "
-         "programs | per SM | resident/SM |", "|" + "---|" * 11]
+  """The JSON lines of a run as three BENCHMARKS.md tables: per kernel (ours and fla's), per
+  program (ours: temporaries vs the TPU kernel's), and ours beside fla's per (T, packing,
+  mode): kernels, spill bytes summed, the fewest programs of any launch."""
+  ker = ["| impl | T | packing | mode | kernel | registers | spill st/ld B | shared KiB | grid "
+         "| programs | per SM | resident/SM |", "|" + "---|" * 12]
   prog = ["| T | packing | mode | temp MiB | TPU temp MiB | GPU/TPU | KDA kernels | XLA kernels "
           "| compile s |", "|" + "---|" * 9]
   mib = lambda b: "-" if b is None else f"{b / 2 ** 20:,.1f}"  # noqa: E731
+  groups: dict[tuple, list[dict]] = {}
   for r in rows:
     if "kernel" in r:
-      ker.append(f"| {r['T']:,} | {r['packing']} | {r['mode']} | `{r['kernel']}` | "
+      impl = r.get("impl", "ours")
+      groups.setdefault((r["T"], r["packing"], r["mode"], impl), []).append(r)
+      ker.append(f"| {impl} | {r['T']:,} | {r['packing']} | {r['mode']} | `{r['kernel']}` | "
                  f"{r['registers']} | {r['spill_store_bytes']}/{r['spill_load_bytes']} | "
                  f"{r['shared_bytes'] / 1024:.0f} | {r['grid']} | {r['programs']:,} | "
                  f"{r['programs_per_sm']} | {r['resident_per_sm']} |")
@@ -158,7 +205,15 @@ def markdown(rows: list[dict]) -> str:
       prog.append(f"| {r['T']:,} | {r['packing']} | {r['mode']} | {mib(r['temp_bytes'])} | "
                   f"{mib(r.get('tpu_temp_bytes'))} | {'-' if ratio is None else ratio} | "
                   f"{r['kda_kernels']} | {r['xla_kernels']} | {r['compile_s']} |")
-  return "\n".join(ker + [""] + prog)
+  side = ["| T | packing | mode | impl | kernel launches | spill bytes (st+ld, all) | fewest "
+          "programs | max registers | fla saved MiB |", "|" + "---|" * 9]
+  for (T, packing, mode, impl), ks in sorted(groups.items()):
+    spills = sum((k["spill_store_bytes"] or 0) + (k["spill_load_bytes"] or 0) for k in ks)
+    saved = ks[0].get("saved_bytes") if mode == "fwdbwd" else None
+    side.append(f"| {T:,} | {packing} | {mode} | {impl} | {len(ks)} | {spills:,} | "
+                f"{min(k['programs'] for k in ks):,} | "
+                f"{max(k['registers'] or 0 for k in ks)} | {mib(saved)} |")
+  return "\n".join(ker + [""] + prog + [""] + side)
 
 
 def main(argv=None) -> None:
@@ -171,6 +226,8 @@ def main(argv=None) -> None:
                  choices=["unpacked", "packed"])
   p.add_argument("--config", default="", help="GpuConfig fields, e.g. block_v=32,num_warps=4")
   p.add_argument("--out", default=None)
+  p.add_argument("--fla", default=default_fla_python(),
+                 help="python of the fla venv ('' : no fla anchor)")
   p.add_argument("--table", default=None, help="print a JSONL file of a run as markdown, "
                  "compile nothing")
   a = p.parse_args(argv)
@@ -182,6 +239,7 @@ def main(argv=None) -> None:
   mesh = Mesh(np.array(gpu_topology_devices(f"{a.gpu}:1")), ("x",))
   print(f"# {mesh.devices.flat[0].device_kind} (deviceless), jax {jax.__version__}, "
         f"{config}; dumps in {_DUMP}", file=sys.stderr)
+  fla = start_fla(a.fla, a)   # runs beside our compiles; its rows come after ours
   seen = {}   # (kernel, T, packing) -> its row with ptxas's report
   for T in a.T:
     for packing in a.packing:
@@ -199,6 +257,7 @@ def main(argv=None) -> None:
           row.update(tpu_temp_bytes=tpu, tpu_topology=a.tpu or None,
                      temp_gpu_over_tpu=None if not tpu else round(row["temp_bytes"] / tpu, 3))
         emit(row, a.out)
+  finish_fla(fla, a.out)
 
 
 if __name__ == "__main__":

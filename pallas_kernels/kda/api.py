@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from . import cost, kernel_gpu, kernel_tpu
 from .config import GpuConfig, TpuConfig, default_gpu_config, default_tpu_config
-from .prep import ChunkPrep, chunk_prep, to_chunks
+from .prep import ChunkPrep, chunk_prep
 from .segments import chunk_local_segments
 
 _f32 = jnp.float32
@@ -66,9 +66,14 @@ def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
   """XLA chunk_prep (chunk-parallel) + the Pallas recurrence over chunks."""
   B, T, _, K = q.shape
   HV, V = v.shape[2], v.shape[3]
+  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
+  if st.backend == "gpu":  # one slice of chunks at a time (kernel_gpu.SLICE_CHUNKS)
+    o, ht_t = kernel_gpu.sliced_forward(q, k, v, g, beta, seg, s0_t,
+                                        prep_fn=functools.partial(_prep, st=st), cfg=st.cfg,
+                                        interpret=st.interpret)
+    return o, jnp.swapaxes(ht_t.reshape(B, HV, V, K), -1, -2)
   tp = padded_length(T, st.backend, st.cfg)  # seg's length
   prep = _prep(*(_pad_t(x, tp) for x in (q, k, v, g, beta)), seg, st)
-  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
   o, ht_t = st.kernels.recurrent_forward(
       prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, s0_t,
       out_dtype=v.dtype, cfg=st.cfg, interpret=st.interpret)
@@ -197,28 +202,19 @@ def _bwd(st: Static, res, cts):
 
 
 def _gpu_backward(res, cts, st: Static):
-  """Steps 1-4 of the module docstring (GPU: Triton has no value slicing, so the in-kernel
-  vjp of the TPU backward is not available)."""
+  """Steps 1-4 of the module docstring, one slice of chunks at a time
+  (kernel_gpu.sliced_backward; GPU: Triton has no value slicing, so the in-kernel vjp of
+  the TPU backward is not available)."""
   q, k, v, g, beta, h0, seg, _ = res
   do, dht = cts
   B, _, _, K = q.shape
   HV, V = v.shape[2], v.shape[3]
-  C = st.cfg.chunk_size
-  prep, prep_vjp = jax.vjp(functools.partial(_prep, seg=seg, st=st), q, k, v, g, beta)
   s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
-  kern = st.kernels
-  states = kern.states(prep.w, prep.u, prep.k_out, prep.decay, s0_t, cfg=st.cfg,
-                       interpret=st.interpret)
   dht_t = jnp.swapaxes(dht.astype(_f32), -1, -2).reshape(B * HV, V, K)
-  dw, dq_in, dk_out, da, du, ddecay, ds0_t = kern.backward(
-      prep.w, prep.q_in, prep.k_out, prep.a_qk, prep.u, to_chunks(do, C), prep.decay,
-      states, dht_t, cfg=st.cfg, interpret=st.interpret,
-  )
-  d_prep = ChunkPrep(w=dw.sum(0), u=du, q_in=dq_in.sum(0), k_out=dk_out.sum(0),
-                     a_qk=da.sum(0), decay=ddecay.sum(0))
-  dq, dk, dv, dg, dbeta = prep_vjp(d_prep)
-  dh0 = jnp.swapaxes(ds0_t.reshape(B, HV, V, K), -1, -2)
-  return dq, dk, dv, dg, dbeta, dh0
+  grads, ds0_t = kernel_gpu.sliced_backward(
+      q, k, v, g, beta, seg, s0_t, do, dht_t, prep_fn=functools.partial(_prep, st=st),
+      cfg=st.cfg, interpret=st.interpret)
+  return (*grads, jnp.swapaxes(ds0_t.reshape(B, HV, V, K), -1, -2))
 
 
 kda_core.defvjp(_fwd, _bwd)

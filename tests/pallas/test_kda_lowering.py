@@ -102,10 +102,11 @@ def lower(backend: str, C: int, K: int, V: int, dt, packed: bool, fused: bool = 
 def _check(text: str, backend: str, packed: bool, fused: bool):
   target = "tpu_custom_call" if backend == "tpu" else "xla.gpu.triton"
   # GPU: the forward (fused: one kernel; split: states + chunk-parallel output), then the
-  # backward's states, reverse state-gradient and two chunk-parallel gradient kernels. TPU:
-  # the fused forward saves the states for the one-kernel backward; the split forward needs
-  # the states kernel.
-  expected = ((5 if fused else 6) if backend == "gpu"
+  # backward's two slice loops (kernel_gpu.sliced_backward): the states pass (the state
+  # entering each slice), then per slice the states pass again, the reverse state-gradient
+  # and two chunk-parallel gradient kernels. TPU: the fused forward saves the states for the
+  # one-kernel backward; the split forward needs the states kernel.
+  expected = ((6 if fused else 7) if backend == "gpu"
               else (2 if fused else 3))
   assert text.count(target) == expected
   # The unpacked fast path compiles no segment masks: separate forward (and TPU backward)
