@@ -29,7 +29,7 @@ sys.path.insert(0, _ROOT)
 from hybridmoe_jax import api
 from hybridmoe_jax.config import model_config_from_dict
 from hybridmoe_jax.config.flags import load_config_file
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, trace_counts
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.tools.timing import Stopwatch

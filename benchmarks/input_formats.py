@@ -65,7 +65,7 @@ def build(source: str, paths, tokenizer: str, docs_per_call: int):
   left out so that the interleaved timing compares the formats fairly."""
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.data import record_sources, sources
-  from hybridmoe_jax.data.tokenizer import fingerprint, make_tokenizer
+  from hybridmoe_jax.data.tokenizers.load import fingerprint, make_tokenizer
   tok = make_tokenizer(tokenizer)
   with stopwatch() as sw:
     src = sources.make_source(source, list(paths))
@@ -97,7 +97,7 @@ def pipeline_rate(source: str, paths, tokenizer: str) -> float:
   cold: from building it to --batches batches (so grain's read-ahead is paid for)."""
   # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.data.pipeline import build_train_and_eval
-  from hybridmoe_jax.data.tokenizer import make_tokenizer
+  from hybridmoe_jax.data.tokenizers.load import make_tokenizer
   from hybridmoe_jax.config.run import DataConfig
   tok = make_tokenizer(tokenizer)
   cfg = DataConfig(source=source, paths=tuple(paths), tokenizer=tokenizer)

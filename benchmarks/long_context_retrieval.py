@@ -81,12 +81,12 @@ def kv_recall(workdir: str, max_len: int) -> dict:
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       return json.load(f)
-  from hybridmoe_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir  # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.evals import mqar  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.evals.loading import load_model  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.loading import load_model  # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.infer import Engine  # pylint: disable=g-import-not-at-top
   model, _ = load_model(workdir=workdir)
-  tok = tokenizer_lib.tokenizer_from_dir(os.path.join(workdir, tokenizer_lib.TOKENIZER_DIR))
+  tok = tokenizer_from_dir(os.path.join(workdir, TOKENIZER_DIR))
   engine = Engine(model, max_len=max_len + 8, prefill_chunk=1024, kv_block=1024)
   result = mqar.evaluate_kv_recall(engine, [max_len], KV_PAIRS, samples=4, tokenizer=tok)
   with open(path, "w", encoding="utf-8") as f:

@@ -35,7 +35,7 @@ from flax import nnx
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-import-not-at-top
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script

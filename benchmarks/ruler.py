@@ -25,9 +25,9 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
 # pylint: disable=wrong-import-position
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.evals import ruler
-from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.tools.timing import stopwatch
 
@@ -51,7 +51,7 @@ def _models(spec: str) -> list[tuple[str, str]]:
 def evaluate(path: str, args) -> dict:
   is_run = os.path.isdir(os.path.join(path, "checkpoints"))
   model, info = load_model(workdir=path if is_run else None, params=None if is_run else path)
-  tok = tokenizer_lib.tokenizer_from_dir(os.path.join(path, tokenizer_lib.TOKENIZER_DIR))
+  tok = tokenizer_from_dir(os.path.join(path, TOKENIZER_DIR))
   cap = 1 << (max(args.lengths) + 255).bit_length()
   engine = Engine(model, max_len=cap, prefill_chunk=args.prefill_chunk,
                   kv_block=args.kv_block)

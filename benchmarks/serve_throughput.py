@@ -55,7 +55,8 @@ sys.path.insert(0, _ROOT)
 from hybridmoe_jax.api import LoadedModel, load  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.config import model_config_from_dict
 from hybridmoe_jax.config.flags import load_config_file
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, save_tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.load import save_tokenizer
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.tools.timing import Stopwatch, stopwatch

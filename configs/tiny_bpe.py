@@ -16,7 +16,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 
 def get_config():
   config = load_config_file(_HERE / "tiny.py")
-  # data/train_bpe.py --vocab_size 1024 on the train split (13 role tokens, 256 bytes, merges).
+  # data/tokenizers/train_bpe.py --vocab_size 1024 on the train split (13 role tokens, 256 bytes, merges).
   config.data.tokenizer = str(_HERE / "tokenizers" / "bundled_bpe1024")
   config.model.vocab_size = 1024
   return config

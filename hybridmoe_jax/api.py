@@ -1,14 +1,12 @@
 """A Python API for notebooks: `load(path)` -> a `LoadedModel` with generate, chat, score,
 forward.
 
-`load` reads any of three layouts, recognised from the files in `path`:
-  training workdir   model_config.json + checkpoints/   the newest good checkpoint, read-only
-                                                        (`evals.loading.load_from_workdir`)
-  params export      model_config.json + params/        (`evals.loading.load_from_params`)
-  Hugging Face dir   config.json + *.safetensors        (`hybridmoe_jax.convert.load_hf_model`)
-and returns a `LoadedModel` (`infer.loaded_model`): the HybridLM, its ModelConfig, the
-tokenizer and the loader's info, with text-in / text-out calls on top of `infer.Engine`
-(chunked prefill, cached decode, one compilation per shape bucket). `LoadedModel.chat`
+`load` reads any of the three layouts the model loader knows (`hybridmoe_jax.loading`: a
+training workdir's newest good checkpoint, read-only; a params export; a converted Hugging
+Face dir), recognised from the files in `path`, with the tokenizer stored beside, and
+returns a `LoadedModel` (`infer.loaded_model`): the HybridLM, its ModelConfig, the tokenizer
+and the loader's info, with text-in / text-out calls on top of `infer.Engine` (chunked
+prefill, cached decode, one compilation per shape bucket). `LoadedModel.chat`
 (defined here: the chat format lives in `rl.chat_format`, above `infer`) answers a
 conversation in the same format as the server's /v1/chat/completions.
 
@@ -23,7 +21,6 @@ mesh must be one process's devices.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from typing import Mapping, Sequence
 
@@ -31,10 +28,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from hybridmoe_jax.config import DTYPES, ModelConfig
-from hybridmoe_jax.convert import load_hf_model
-from hybridmoe_jax.data.tokenizer import TOKENIZER_DIR, check_vocab, tokenizer_from_dir
-from hybridmoe_jax.evals.loading import load_from_params, load_from_workdir
+from hybridmoe_jax import loading
+from hybridmoe_jax.config import DTYPES
 from hybridmoe_jax.infer.engine import require_count
 from hybridmoe_jax.infer import loaded_model
 from hybridmoe_jax.infer.streaming import stream_text
@@ -45,12 +40,6 @@ from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import Answer
 from hybridmoe_jax.config.sharding import MESH_AXES
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE
-from hybridmoe_jax.train.params_export import PARAMS_FILE, is_export
-
-_LAYOUTS = (f"a training workdir ({CONFIG_FILE} + checkpoints/), a params export "
-            f"({CONFIG_FILE} + {PARAMS_FILE}, or params/ from older versions) or a Hugging "
-            "Face dir (config.json + *.safetensors)")
 
 
 # ------------------------------------------------------------------------------------ chat
@@ -132,44 +121,6 @@ class LoadedModel(loaded_model.LoadedModel):
 
 
 # --------------------------------------------------------------------------------- loading
-def detect_layout(path: str) -> str:
-  """"workdir", "params" or "hf", from the files in `path`.
-
-  Raises:
-    FileNotFoundError: `path` does not exist. ValueError: it is none of the three layouts
-      (the message lists what each needs).
-  """
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"load: path {path} does not exist (expected {_LAYOUTS})")
-  if not os.path.isdir(path):
-    raise ValueError(f"load: path {path} is a file, not a directory (expected {_LAYOUTS})")
-  has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
-  if has(CONFIG_FILE) and is_export(path):
-    return "params"
-  if has(CONFIG_FILE) and os.path.isdir(os.path.join(path, "checkpoints")):
-    return "workdir"
-  if has("config.json") and glob.glob(os.path.join(path, "*.safetensors")):
-    return "hf"
-  present = sorted(os.listdir(path))[:8]
-  raise ValueError(f"load: {path} holds none of the known layouts: expected {_LAYOUTS}; "
-                   f"found {present or 'an empty directory'}")
-
-
-def _tokenizer_for(path: str, kind: str, cfg: ModelConfig):
-  """The tokenizer stored with the model: `<path>/tokenizer/` of a run or export, the top of
-  an HF dir; the byte tokenizer when there is none (with the image ids when the model has a
-  vision tower).
-
-  Raises:
-    TokenizerError: a stored tokenizer file cannot be read. ValueError: its ids do not fit
-      the model's embedding.
-  """
-  where = path if kind == "hf" else os.path.join(path, TOKENIZER_DIR)
-  tokenizer = tokenizer_from_dir(where, vision=cfg.vision.enabled)
-  check_vocab(tokenizer, cfg.vocab_size)
-  return tokenizer
-
-
 def _resolve_mesh(mesh) -> Mesh | None:
   """None, "auto", {axis: size} or a Mesh -> a Mesh over MESH_AXES (None: one device)."""
   if mesh is None:
@@ -241,18 +192,12 @@ def load(path: str, *, mesh=None, dtype: str | None = None, max_len: int = 2048,
   for name, v in (("max_len", max_len), ("prefill_chunk", prefill_chunk),
                   ("kv_block", kv_block)):
     require_count(v, name, "load: ")
-  layout = detect_layout(path)
+  loading.detect_layout(path)      # a bad path is reported before a bad mesh
   mesh = _resolve_mesh(mesh)
-  if layout == "workdir":
-    model, info = load_from_workdir(path)
-  elif layout == "params":
-    model, info = load_from_params(path)
-  else:
-    model, info = load_hf_model(path)
-  tokenizer = _tokenizer_for(path, layout, model.cfg)
+  model, tokenizer, info = loading.load(path)
   if dtype is not None and dtype != model.compute.dtype:
     model = _with_dtype(model, dtype)
   if mesh is not None:
     model = _place(model, mesh)
-  return LoadedModel(model, tokenizer, dict(info, layout=layout), mesh=mesh, max_len=max_len,
+  return LoadedModel(model, tokenizer, info, mesh=mesh, max_len=max_len,
                      prefill_chunk=prefill_chunk, kv_block=kv_block)

@@ -1,12 +1,17 @@
-"""Shared test support: error measures and closeness checks; the tiny model configs.
+"""Shared test support: error measures and closeness checks; the tiny models and runs (the
+one place they are defined: `tiny_model_config` / `tiny_model` for the configs/tiny.py
+hybrid, `mini_model_config` / `set_tiny_model` / `tiny_run_config` for the 2-layer MLA-only
+model the training tests run).
 
 Every measure takes (got, want): the value under test first, the reference second. The
 reference is the denominator, so the order matters.
 """
 
+import functools
+
 import numpy as np
 
-from hybridmoe_jax.config import (KDAConfig, MLAConfig, ModelConfig, MoEConfig,
+from hybridmoe_jax.config import (ComputeConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                                   model_config_from_dict)
 
 
@@ -55,3 +60,55 @@ def mini_model_config(vocab_size: int = 64, **moe) -> ModelConfig:
   """The 2-layer MLA-only model (MINI_*) as a ModelConfig; `moe` overrides MoEConfig fields."""
   return ModelConfig(vocab_size=vocab_size, **MINI_MODEL, kda=KDAConfig(**MINI_KDA),
                      mla=MLAConfig(**MINI_MLA), moe=MoEConfig(**{**MINI_MOE, **moe}))
+
+
+# tiny_model(layer_kinds=TWO_LAYERS): the tiny hybrid cut to one layer of each kind.
+TWO_LAYERS = ("kda", "mla")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int = 0, *, layer_kinds: tuple[str, ...] | None = None,
+               compute: ComputeConfig | None = None):
+  """The tiny hybrid (3 KDA + 1 MLA, AttnRes, MoE), fp32, built once per argument set (tests
+  must not change it). layer_kinds: a cut of it, e.g. ("kda", "mla"): one KDA layer (dense
+  FFN) and one MLA layer (MoE), every kind of layer at half the compile and init time, for
+  tests whose claim does not depend on the depth. compute: None for the default."""
+  # pylint: disable=g-import-not-at-top (flax loads only for the tests that build a model)
+  from flax import nnx
+  from hybridmoe_jax.model import HybridLM
+  cfg = tiny_model_config(**({} if layer_kinds is None else
+                             dict(num_layers=len(layer_kinds), layer_kinds=layer_kinds)))
+  extra = {} if compute is None else dict(compute=compute)
+  return HybridLM(cfg, rngs=nnx.Rngs(seed), **extra)
+
+
+def set_tiny_model(config) -> None:
+  """Write the 2-layer MLA-only model (MINI_*) into a root ConfigDict's `model` section (for
+  the loop tests); the vocabulary stays the caller's."""
+  m = config.model
+  m.update(MINI_MODEL)
+  m.kda.update(MINI_KDA)
+  m.mla.update(MINI_MLA)
+  m.moe.update(MINI_MOE)
+  config.compute.kda_chunk_size = 16
+
+
+# The fault trials' checkpoints: every 2 steps, none rotated away, no evals or heatmaps.
+TRIAL_CHECKPOINTS = dict(checkpoint_every=2, keep_checkpoints=1000, heatmap_every=0,
+                         eval_every=0)
+
+
+def tiny_run_config(*, trial: bool = False, **train):
+  """The default run config on the 2-layer model: 8 short steps that log, evaluate,
+  checkpoint and export often; trial=True: TRIAL_CHECKPOINTS (the fault trials' run);
+  `train` overrides config.train fields."""
+  from hybridmoe_jax.config.run import default_config  # pylint: disable=g-import-not-at-top
+  config = default_config()
+  set_tiny_model(config)
+  config.model.vocab_size = 64
+  config.train.update({**dict(steps=8, batch_size=4, seq_len=16, lr=3e-2, warmup=2,
+                              log_every=1, eval_every=4, eval_batches=2, checkpoint_every=3,
+                              keep_checkpoints=5, heatmap_every=4, maxvio_alert_steps=3,
+                              maxvio_alert_threshold=0.0, async_checkpoints=True),
+                       **(TRIAL_CHECKPOINTS if trial else {}), **train})
+  return config

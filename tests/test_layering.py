@@ -9,7 +9,8 @@ Ranks (a module may import modules of its own group or of a lower rank only):
     hybridmoe_jax; the ops call it and may use its XLA math, e.g. ops.kda.chunked)
   1 ops
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
-    (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format)
+    (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format), loading
+    (loading.py, the one model loader: a run, an export or an HF dir -> model + tokenizer)
   7 tools (tools/: describe, aot, agent_eval, timing), api.py (`load`) and launch/ (the
     cluster recipes); they may import everything, and no package module may import them.
   8 serve: apps built on the `load` API (the OpenAI server, the chat REPL, the lm-eval
@@ -33,6 +34,7 @@ PACKAGES = ("hybridmoe_jax", "pallas_kernels")
 RANKS = {"config": 0, "plots": 0, "io": 0, "cli": 0.5, "pallas_kernels": 0.5, "ops": 1,
          "layers": 2,
          "model": 3, "parallel": 4, "train": 5, "infer": 5, "evals": 6, "convert": 6, "rl": 6,
+         "loading": 6,
          "tools": 7, "api": 7, "launch": 7, "serve": 8}
 TOOLS_RANK = 7
 DATA_IMPORTS = {"config", "data"}
@@ -202,12 +204,12 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
   for src_mod, dst in [("hybridmoe_jax.layers.moe", "hybridmoe_jax.parallel.ep_moe"),
                        ("hybridmoe_jax.train.step", "hybridmoe_jax.infer.engine"),
                        ("hybridmoe_jax.data.pipeline", "hybridmoe_jax.ops.glu"),
-                       ("hybridmoe_jax.model.decoder", "hybridmoe_jax.data.tokenizer"),
+                       ("hybridmoe_jax.model.decoder", "hybridmoe_jax.data.tokenizers.load"),
                        ("hybridmoe_jax.ops.kda", "hybridmoe_jax.tools.describe"),
                        ("hybridmoe_jax", "hybridmoe_jax.config")]:
     assert _violation(src_mod, dst), (src_mod, dst)
-  assert not _violation("hybridmoe_jax.train.step", "hybridmoe_jax.data.tokenizer")
-  assert not _violation("hybridmoe_jax.evals.loading", "hybridmoe_jax.train.state")
+  assert not _violation("hybridmoe_jax.train.step", "hybridmoe_jax.data.tokenizers.load")
+  assert not _violation("hybridmoe_jax.loading", "hybridmoe_jax.train.state")
   assert not _violation("hybridmoe_jax.ops.kda", "pallas_kernels.kda")
   assert _violation("pallas_kernels.kda.prep", "hybridmoe_jax.ops.kda.chunked")
   assert _violation("pallas_kernels.kda.api", "hybridmoe_jax.ops.kda.api")
@@ -279,12 +281,11 @@ def test_models_and_graphdefs_are_built_in_few_places():
   """One graph per model: HybridLM is constructed, and split into a graphdef, in model/,
   train/ and these named loaders only (a second graph of the same model, e.g. for rollouts,
   is what the execution plan replaced)."""
-  built = {"api.py", "convert/loading.py", "evals/loading.py", "rl/evaluate.py",
-           "tools/aot.py"}
+  built = {"api.py", "loading.py", "rl/evaluate.py", "tools/aot.py"}
   assert not _callers({"HybridLM"}, ("model", "train"), built)
   assert _calls(ROOT / "hybridmoe_jax/train/state.py", {"HybridLM"})  # the check sees them
-  split = {"api.py", "convert/loading.py", "convert/convert.py", "evals/loading.py",
-           "infer/engine.py", "rl/trainer.py", "tools/aot.py"}
+  split = {"api.py", "loading.py", "convert/convert.py", "infer/engine.py", "rl/trainer.py",
+           "tools/aot.py"}
   assert not _callers({"nnx.split", "split_model"}, ("model", "train"), split)
 
 

@@ -190,7 +190,7 @@ class DataConfig(Checked):
   bad_records: str = ranged("skip", BAD_RECORD_MODES)
   # "byte" (UTF-8 bytes, 259 ids; 262 with vision), or a path to a Hugging Face
   # tokenizer.json, a tiktoken BPE file (Kimi's tiktoken.model) or a directory holding one;
-  # the run copies it to <workdir>/tokenizer/ (data/tokenizer.py, data/hf_tokenizers.py).
+  # the run copies it to <workdir>/tokenizer/ (data/tokenizers/load.py).
   # The file itself is read (and checked) when the run builds its data: a saved config
   # must stay valid where the file is gone.
   tokenizer: str = ranged("byte", Allowed(
@@ -313,7 +313,7 @@ class StageConfig(Checked):
 
 @dataclasses.dataclass(frozen=True)
 class CurriculumConfig(Checked):
-  """`curriculum`: the staged context curriculum (no stages: a plain run, see train/stage_plan.py)."""
+  """`curriculum`: the staged context curriculum (no stages: a plain run, train/stage_plan.py)."""
 
   PATH = "curriculum"
   # global tokens per optimizer step (a stage may raise it); >= 2 with stages

@@ -1,12 +1,4 @@
 """Hugging Face Kimi-Linear interop: config and weight mapping, streaming conversion both
-ways (`python -m hybridmoe_jax.convert`), and `load_hf_model` (an HF dir -> HybridLM).
-
-The converter itself (`convert`, `hf_config`, `hf_weights`) imports numpy only; loading a
-model (`load_hf_model`) imports jax and flax when first used.
+ways (`python -m hybridmoe_jax.convert`). It imports numpy only; loading an HF dir as a
+model is `hybridmoe_jax.loading.load_hf_model`.
 """
-
-
-def load_hf_model(path, compute=None):
-  """A Kimi-Linear HF dir -> (HybridLM, info dict); see `convert.loading.load_hf_model`."""
-  from hybridmoe_jax.convert.loading import load_hf_model as load  # pylint: disable=import-outside-toplevel
-  return load(path, compute)

@@ -2,7 +2,7 @@
         python -m hybridmoe_jax.convert --to_hf OUT --from SRC [--dtype bfloat16]
 
 --from_hf writes our params export (loadable by `run_eval.py --params=OUT` and
-`hybridmoe_jax.evals.loading.load_from_params`); --to_hf writes a Kimi-Linear HF dir from
+`hybridmoe_jax.loading.load`); --to_hf writes a Kimi-Linear HF dir from
 one of our params exports or a training workdir. Prints a JSON summary and the peak host
 memory of this process (`peak_rss_bytes`) on stdout; errors are one line on stderr with
 exit status 2.

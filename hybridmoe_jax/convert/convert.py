@@ -4,7 +4,7 @@ HF directory: config.json, model.safetensors or shards + model.safetensors.index
 tokenizer files. Our params export (`train/checkpoint.py`): params.safetensors (leaf names,
 dtypes as stored), model_config.json, and here also hf_config.json (the imported config.json,
 whole: exported back unchanged while it describes the model, `hf_config.export_config`) plus
-the tokenizer files in tokenizer/ (where runs keep theirs: `data.tokenizer.TOKENIZER_DIR`).
+the tokenizer files in tokenizer/ (where runs keep theirs: `data.tokenizers.load.TOKENIZER_DIR`).
 
 Both directions check the whole source against the config first (`hf_weights.check_source`:
 one error naming every unknown / missing / mis-shaped tensor), then write tensor by tensor,
@@ -12,7 +12,7 @@ each streamed in chunks (`hf_weights.produce`): host memory stays near one input
 never the model. Outputs are written into `<out>.partial` and renamed when complete; an
 existing output path is refused. Only the numpy side is imported here: the source of
 `to_hf` may also be a training workdir or an old orbax export, loaded (whole, as training
-holds it) through `evals.loading` on demand.
+holds it) through `hybridmoe_jax.loading` on demand.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import numpy as np
 
 from hybridmoe_jax.config import migrate_legacy, model_config_from_dict
 from hybridmoe_jax.convert import hf_config, hf_weights
-from hybridmoe_jax.data.tokenizer import TOKENIZER_DIR
+from hybridmoe_jax.convert.hf_config import CONFIG_JSON, read_hf_config
+from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR
 from hybridmoe_jax.io.safetensors import (DTYPES, CheckpointReader, SafetensorsFile,
                                           ShardedWriter, SafetensorsWriter, Spec, dtype_code)
 
-CONFIG_JSON = "config.json"
 MODEL_CONFIG = "model_config.json"     # = train.checkpoint.CONFIG_FILE
 PARAMS_FILE = "params.safetensors"     # = train.params_export.PARAMS_FILE
 HF_EXTRA = "hf_config.json"
@@ -70,17 +70,6 @@ def _refuse_existing(path: str) -> None:
     which = path if os.path.exists(path) else path + ".partial"
     raise FileExistsError(f"output {which} exists; refusing to overwrite it (choose a new "
                           "path, or remove a .partial left by an interrupted conversion)")
-
-
-def read_hf_config(hf_dir: str) -> dict[str, Any]:
-  path = os.path.join(hf_dir, CONFIG_JSON)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{hf_dir} has no {CONFIG_JSON}: not a Hugging Face model dir")
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except ValueError as e:
-      raise ValueError(f"{path} is not JSON ({e})") from None
 
 
 def _cast(chunks: Iterator[np.ndarray], dtype: np.dtype) -> Iterator[np.ndarray]:
@@ -126,7 +115,7 @@ def _copy_tokenizer(src_dir: str, dst_dir: str) -> list[str]:
   """Copies the tokenizer files of `src_dir` into `dst_dir` (made when there is one).
 
   HF dirs hold them at the top; our runs and exports in TOKENIZER_DIR, where the evals and
-  `hybridmoe_jax.load` read them (`data.tokenizer.tokenizer_from_dir`)."""
+  `hybridmoe_jax.load` read them (`data.tokenizers.load.tokenizer_from_dir`)."""
   copied = []
   for name in TOKENIZER_FILES:
     path = os.path.join(src_dir, name)
@@ -193,12 +182,12 @@ def _our_source(src_dir: str):
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from hybridmoe_jax.evals import loading  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax import loading  # pylint: disable=import-outside-toplevel
   from hybridmoe_jax.config.sharding import path_string  # pylint: disable=import-outside-toplevel
   from hybridmoe_jax.train.state import split_model  # pylint: disable=import-outside-toplevel
 
   is_run = os.path.isdir(os.path.join(src_dir, "checkpoints"))
-  model, _ = (loading.load_from_workdir if is_run else loading.load_from_params)(src_dir)
+  model, _ = loading.load_model(**{"workdir" if is_run else "params": src_dir})
   _, params, biases, _ = split_model(model)
   tensors = {}
   for prefix, tree in ((hf_weights.P, params), (hf_weights.B, biases)):
@@ -246,14 +235,3 @@ def to_hf(src_dir: str, out_dir: str, *, dtype: str | None = None, sparse: bool 
     os.replace(tmp, out_dir)
   return _summary(specs, out_dir, copied)
 
-
-def iter_our_tensors(hf_dir: str) -> Iterator[tuple[str, np.ndarray]]:
-  """(our export name, array as stored) for every tensor of an HF dir, one at a time."""
-  cfg = hf_config.model_config_from_hf(read_hf_config(hf_dir))
-  rules = hf_weights.weight_rules(cfg)
-  with CheckpointReader(hf_dir) as reader:
-    specs = hf_weights.check_source(rules, reader, reader.tensors, to="ours", where=hf_dir)
-    shapes = {s.name: s.shape for s in specs}
-    for rule, name in hf_weights.outputs(rules, to="ours"):
-      parts = [c.reshape(-1) for c in hf_weights.produce(rule, name, reader, to="ours")]
-      yield name, np.concatenate(parts).reshape(shapes[name])

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, Mapping
 
 from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConfig, MoEConfig,
                                   ModelConfig)
 
+CONFIG_JSON = "config.json"
 MODEL_TYPE = "kimi_linear"
 ARCHITECTURES = ["KimiLinearForCausalLM"]
 LINEAR_ATTN_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers",
@@ -47,6 +49,19 @@ MAPPED = {"model_type", "vocab_size", "hidden_size", "num_hidden_layers", "rms_n
           "use_grouped_topk", "num_expert_group", "topk_group", "intermediate_size",
           "tie_word_embeddings", "hidden_act", "quantization_config", "architectures",
           "num_key_value_heads"}
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+  """An HF dir's config.json. FileNotFoundError / ValueError (one line) when absent / not
+  JSON."""
+  path = os.path.join(hf_dir, CONFIG_JSON)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{hf_dir} has no {CONFIG_JSON}: not a Hugging Face model dir")
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{path} is not JSON ({e})") from None
 
 
 class UnsupportedConfig(ConfigError):

@@ -2,7 +2,8 @@
 and grain pipelines.
 
 Nothing is imported eagerly: import the submodule you need (`from hybridmoe_jax.data import
-pipeline`); the names below also resolve lazily from the package.
+pipeline`); the names below also resolve lazily from the package. Tokenizers are imported
+from their modules (`data.tokenizers.load` builds and reads them back).
 """
 
 import importlib
@@ -18,10 +19,6 @@ _PUBLIC = {
     "TextFileSource": "sources", "split_source": "sources", "make_source": "sources",
     "source_from_config": "sources",
     "StageData": "stages", "StagedIterator": "stages", "make_stage_dataset": "stages",
-    "BOS_ID": "tokenizer", "EOS_ID": "tokenizer", "PAD_ID": "tokenizer",
-    "ByteTokenizer": "tokenizer", "check_vocab": "tokenizer", "Tokenizer": "tokenizer",
-    "make_tokenizer": "tokenizer", "tokenizer_from_dir": "tokenizer",
-    "save_tokenizer": "tokenizer", "CHAT_ROLES": "tokenizer",
 }
 __all__ = sorted(_PUBLIC)
 

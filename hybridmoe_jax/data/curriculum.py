@@ -31,7 +31,8 @@ from hybridmoe_jax.data import record_sources
 from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.load import check_vocab, fingerprint, make_tokenizer
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.config.run import CurriculumConfig, DataConfig
 
@@ -76,7 +77,7 @@ class CurriculumData:
 
   train: stages_lib.StagedIterator
   eval_batches: list  # held-out int32 [B_eval, T_eval] batches
-  tokenizer: tokenizer_lib.Tokenizer
+  tokenizer: Tokenizer
   eval_at: frozenset  # global steps at which a stage ends (held-out eval there)
   # Held-out text batches at each stage's own length {seq_len: batches} (the same documents
   # packed per length), evaluated when that stage ends.
@@ -154,7 +155,7 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
                           data: DataConfig, *, vocab_size: int, seed: int, eval_batches: int,
                           vision: VisionConfig | None = None, shard_index: int | None = None,
                           shard_count: int | None = None,
-                          tokenizer: tokenizer_lib.Tokenizer | None = None) -> CurriculumData:
+                          tokenizer: Tokenizer | None = None) -> CurriculumData:
   """Indexes every source the stages use (all bad input fails here), builds the iterator.
 
   Args:
@@ -178,14 +179,14 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
   if with_images and shard_count > 1:
     raise NotImplementedError("a curriculum with images on several hosts: the image-text "
                               "pipeline has no host shard")
-  tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data.tokenizer, vision=with_images)
+  tokenizer = tokenizer or make_tokenizer(data.tokenizer, vision=with_images)
   proc = (vlm_pipeline.processor_from_config(data, vision, vocab_size, tokenizer)
           if with_images else None)
-  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  check_vocab(tokenizer, vocab_size)
   used = sorted({n for s in stages for n in s.weights})
   train_sources, heldout = _split_sources(used, curriculum, data, shard_count)
   for name, src in train_sources.items():
-    record_sources.check_tokenizer(src, tokenizer, tokenizer_lib.fingerprint,
+    record_sources.check_tokenizer(src, tokenizer, fingerprint,
                                    f"curriculum source {name!r}")
   datas = stage_data(stages, train_sources, seed=seed, shard_count=shard_count)
   eval_len = curriculum.eval_seq_len or stages[-1].seq_len

@@ -31,7 +31,8 @@ import numpy as np
 
 from hybridmoe_jax.config import ConfigError, VisionConfig
 from hybridmoe_jax.data import images as images_lib
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer, IMAGE_END_ID, IMAGE_START_ID
 from hybridmoe_jax.config.run import VisionDataConfig
 
 IMAGE_MARKER = images_lib.IMAGE_MARKER
@@ -50,7 +51,7 @@ class Document:
   grids: list           # (h / p, w / p) each
   weights: np.ndarray | None = None  # float32 [n]; None = 1.0 everywhere
   # (image_start, image_end) ids of the tokenizer that made `tokens`.
-  image_delims: tuple[int, int] = (tokenizer_lib.IMAGE_START_ID, tokenizer_lib.IMAGE_END_ID)
+  image_delims: tuple[int, int] = (IMAGE_START_ID, IMAGE_END_ID)
 
   def __post_init__(self):
     if self.weights is None:
@@ -87,12 +88,12 @@ class Processor:
 
   def __init__(self, vision: VisionConfig, *, pad_images: bool = False,
                prompt_loss_weight: float = 1.0, answer_loss_weight: float = 1.0,
-               tokenizer: tokenizer_lib.Tokenizer | None = None):
+               tokenizer: Tokenizer | None = None):
     if not vision.enabled:
       raise ConfigError("the image-text processor needs model.vision.enabled = True")
     VisionDataConfig(prompt_loss_weight=prompt_loss_weight,  # their ranges: data.vision's
                      answer_loss_weight=answer_loss_weight)
-    tokenizer = tokenizer or tokenizer_lib.ByteTokenizer(vision=True)
+    tokenizer = tokenizer or ByteTokenizer(vision=True)
     if None in (tokenizer.image_start_id, tokenizer.image_end_id, tokenizer.image_pad_id):
       raise ConfigError(f"tokenizer {getattr(tokenizer, 'name', tokenizer)} has no image "
                         "tokens: build it with vision=True (make_tokenizer(spec, vision=True))")

@@ -23,14 +23,15 @@ from hybridmoe_jax.data import documents
 from hybridmoe_jax.data import record_sources
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.load import check_vocab, fingerprint, make_tokenizer
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import DataConfig
 
 Batch = dict[str, np.ndarray]
 
 
-def make_pipeline(source, *, tokenizer: tokenizer_lib.Tokenizer, seq_len: int,
+def make_pipeline(source, *, tokenizer: Tokenizer, seq_len: int,
                   batch_size: int, seed: int, weights: Sequence[float] | None = None,
                   shuffle: bool = True, num_epochs: int | None = None, shard_index: int = 0,
                   shard_count: int = 1, num_packing_bins: int = 16,
@@ -96,7 +97,7 @@ def _pad_rows(batch: Batch, batch_size: int, pad_id: int) -> Batch:
           for k, v in batch.items()}
 
 
-def eval_batches(source, tokenizer: tokenizer_lib.Tokenizer, seq_len: int, batch_size: int,
+def eval_batches(source, tokenizer: Tokenizer, seq_len: int, batch_size: int,
                  max_batches: int) -> list[Batch]:
   """One unshuffled pass over `source`, packed: the same list on every call.
 
@@ -169,7 +170,7 @@ class TrainEvalData:
 
   train: grain.DatasetIterator  # batches int32 [B, T], forever
   eval_batches: list[Batch]  # held-out batches int32 [B_eval, T]
-  tokenizer: tokenizer_lib.Tokenizer
+  tokenizer: Tokenizer
   train_source: sources_lib.SubsetSource
   heldout_source: sources_lib.SubsetSource
 
@@ -178,7 +179,7 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
                          batch_size: int, seed: int, eval_batch_size: int | None = None,
                          max_eval_batches: int = 16, shard_index: int = 0,
                          shard_count: int = 1,
-                         tokenizer: tokenizer_lib.Tokenizer | None = None) -> TrainEvalData:
+                         tokenizer: Tokenizer | None = None) -> TrainEvalData:
   """Validates everything that can fail, then builds the train iterator and eval batches.
 
   Args:
@@ -195,10 +196,10 @@ def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,
     ConfigError / ValueError / FileNotFoundError: bad config, missing path, no usable text,
       tokenizer ids beyond `vocab_size`; each names the offending field, path or value.
   """
-  tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data_cfg.tokenizer)
-  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  tokenizer = tokenizer or make_tokenizer(data_cfg.tokenizer)
+  check_vocab(tokenizer, vocab_size)
   source = sources_lib.source_from_config(data_cfg)
-  record_sources.check_tokenizer(source, tokenizer, tokenizer_lib.fingerprint, "data.paths")
+  record_sources.check_tokenizer(source, tokenizer, fingerprint, "data.paths")
   train, heldout = sources_lib.split_source(source, data_cfg.heldout_fraction,
                                             data_cfg.heldout_seed)
   logging.info("data: %s source, %d documents: %d train, %d held out", data_cfg.source,

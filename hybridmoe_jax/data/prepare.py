@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from hybridmoe_jax.data import record_sources
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import storage
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.load import fingerprint, make_tokenizer
 
 SETTINGS = "prepare.json"
 _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".txt": "text", ".md": "text", ".parquet": "parquet",
@@ -98,7 +98,7 @@ def prepare(inputs: Sequence[str], output: str, tokenizer_spec: str, *, kind: st
   kind = infer_kind(inputs) if kind == "auto" else kind
   if kind not in ("jsonl", "text", "parquet", "arrayrecord"):
     raise ValueError(f"--kind={kind!r} is invalid: allowed jsonl, text, parquet, arrayrecord")
-  tok = tokenizer_lib.make_tokenizer(tokenizer_spec)
+  tok = make_tokenizer(tokenizer_spec)
   source = sources_lib.make_source(kind, list(inputs), field, bad_records)
   if record_sources.prepared_fingerprint(source) is not None:
     raise ValueError(f"--input {list(inputs)} already holds prepared token shards")
@@ -110,7 +110,7 @@ def prepare(inputs: Sequence[str], output: str, tokenizer_spec: str, *, kind: st
   settings = {"format": record_sources.TOKENS_FORMAT, "kind": kind, "field": field,
               "bad_records": bad_records, "inputs": list(getattr(source, "files", inputs)),
               "documents": len(source), "docs_per_shard": docs_per_shard,
-              "tokenizer": tokenizer_lib.fingerprint(tok)}
+              "tokenizer": fingerprint(tok)}
   saved = _read_json(out / SETTINGS)
   if saved is not None and saved != settings:
     diff = sorted(k for k in settings if saved.get(k) != settings[k])

@@ -30,7 +30,7 @@ import numpy as np
 from hybridmoe_jax.data import packing
 from hybridmoe_jax.data import documents
 from hybridmoe_jax.data import sources as sources_lib
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
 
 Batch = dict[str, np.ndarray]
 
@@ -131,7 +131,7 @@ def _component_dataset(comp: Component, *, tokenizer, loss_weights: bool = False
   return documents.tokenize_documents(component_docs(comp, **kwargs), tokenizer, loss_weights)
 
 
-def make_stage_dataset(stage: StageData, *, tokenizer: tokenizer_lib.Tokenizer,
+def make_stage_dataset(stage: StageData, *, tokenizer: Tokenizer,
                        shard_index: int = 0, shard_count: int = 1, num_packing_bins: int = 16,
                        num_workers: int = 0, prefetch_batches: int = 2,
                        num_epochs: int | None = None, shuffle: bool = True,

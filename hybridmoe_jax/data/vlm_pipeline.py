@@ -18,7 +18,8 @@ from hybridmoe_jax.config import VisionConfig
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.load import check_vocab, make_tokenizer
 from hybridmoe_jax.data.image_text_source import ImageJsonlSource
 from hybridmoe_jax.data.multimodal import Processor, VLMPackedIterator
 from hybridmoe_jax.config.run import DataConfig
@@ -30,7 +31,7 @@ class VLMData:
 
   train: VLMPackedIterator
   eval_batches: list
-  tokenizer: tokenizer_lib.Tokenizer
+  tokenizer: Tokenizer
   train_source: Any
   heldout_source: Any
 
@@ -106,15 +107,15 @@ def image_text_sources(data_cfg: DataConfig, vision: VisionConfig):
 
 
 def processor_from_config(data_cfg: DataConfig, vision: VisionConfig, vocab_size: int,
-                          tokenizer: tokenizer_lib.Tokenizer | None = None) -> Processor:
+                          tokenizer: Tokenizer | None = None) -> Processor:
   """Checks `data.vision` against the tower and the vocabulary; the processor it configures.
 
   tokenizer: one with image roles; default `make_tokenizer(data.tokenizer, vision=True)`.
   """
   vc = data_cfg.vision
   vc.check_against(vision)
-  tokenizer = tokenizer or tokenizer_lib.make_tokenizer(data_cfg.tokenizer, vision=True)
-  tokenizer_lib.check_vocab(tokenizer, vocab_size)
+  tokenizer = tokenizer or make_tokenizer(data_cfg.tokenizer, vision=True)
+  check_vocab(tokenizer, vocab_size)
   return Processor(vision, tokenizer=tokenizer, pad_images=vc.pad_images,
                    prompt_loss_weight=float(vc.prompt_loss_weight),
                    answer_loss_weight=float(vc.answer_loss_weight))
@@ -124,7 +125,7 @@ def build_vlm_train_and_eval(data_cfg: DataConfig, vision: VisionConfig, *,
                              vocab_size: int, seq_len: int, batch_size: int, seed: int,
                              eval_batch_size: int | None = None,
                              max_eval_batches: int = 8,
-                             tokenizer: tokenizer_lib.Tokenizer | None = None) -> VLMData:
+                             tokenizer: Tokenizer | None = None) -> VLMData:
   """Image-text documents mixed with text at `data.vision.share`, packed into VLM batches.
 
   tokenizer: one with image roles (default from `data.tokenizer`). Raises ConfigError /

@@ -8,9 +8,9 @@ from typing import Any
 
 
 from hybridmoe_jax.config import ModelConfig, model_config_from_dict
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.evals import niah, report, ruler
-from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.evals.runner import (EvalOptions, default_output_dir, resolve_tasks,
                                         run_evals)
 from hybridmoe_jax.model.impls import describe_impls
@@ -87,8 +87,8 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
     tasks.append("vqa")
   data = info.pop("data_config", None)
   # The run's own tokenizer (copied there by the train loop); bytes when there is none.
-  tok = tokenizer_lib.tokenizer_from_dir(
-      os.path.join(workdir or params, tokenizer_lib.TOKENIZER_DIR),
+  tok = tokenizer_from_dir(
+      os.path.join(workdir or params, TOKENIZER_DIR),
       vision=model.cfg.vision.enabled)
   output_dir = output_dir or default_output_dir(workdir, params)
   where = f"step {info['step']} of {workdir}" if "step" in info else params

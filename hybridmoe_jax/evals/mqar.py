@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from hybridmoe_jax.data import retrieval
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from hybridmoe_jax import plots
 from hybridmoe_jax.data import retrieval
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine
 
 QUESTION = retrieval.QUESTION

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.config.run import DataConfig
 from hybridmoe_jax.infer import Engine
 

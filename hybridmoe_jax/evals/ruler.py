@@ -22,7 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from hybridmoe_jax import plots
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, Tokenizer
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.evals import ruler_tasks, ruler_text
 from hybridmoe_jax.infer import Engine, SamplingConfig
 

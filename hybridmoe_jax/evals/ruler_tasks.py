@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from hybridmoe_jax.data import retrieval
-from hybridmoe_jax.data.tokenizer import Tokenizer
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
 from hybridmoe_jax.evals import ruler_text
 
 VALUE_DIGITS = 7          # RULER's numbers are 7 digits

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.evals import mqar, niah, ppl, ruler, vqa
@@ -85,12 +86,12 @@ def resolve_tasks(task: str) -> list[str]:
   return [task]
 
 
-def default_tokenizer(model: HybridLM) -> tokenizer_lib.Tokenizer:
+def default_tokenizer(model: HybridLM) -> Tokenizer:
   """The byte tokenizer (with image ids for a vision model): runs without a saved one."""
-  return tokenizer_lib.ByteTokenizer(vision=model.cfg.vision.enabled)
+  return ByteTokenizer(vision=model.cfg.vision.enabled)
 
 
-def check_model_tokenizer(model: HybridLM, tok: tokenizer_lib.Tokenizer) -> None:
+def check_model_tokenizer(model: HybridLM, tok: Tokenizer) -> None:
   """ValueError (one line, both sizes) when the model cannot embed every tokenizer id."""
   if model.cfg.vocab_size < tok.vocab_size:
     raise ValueError(f"the evals' tokenizer ({getattr(tok, 'name', 'byte')}) has "
@@ -106,7 +107,7 @@ def _engine(model, opts: EvalOptions, max_len: int) -> Engine:
 
 
 def run_generate(model: HybridLM, opts: EvalOptions,
-                 tok: tokenizer_lib.Tokenizer | None = None) -> dict[str, Any]:
+                 tok: Tokenizer | None = None) -> dict[str, Any]:
   if not opts.prompt:
     raise ValueError("--prompt is empty: give some text to continue")
   tok = tok or default_tokenizer(model)
@@ -168,7 +169,7 @@ def compile_timer():
 
 
 def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None,
-            tok: tokenizer_lib.Tokenizer | None = None) -> dict[str, Any]:
+            tok: Tokenizer | None = None) -> dict[str, Any]:
   """VQA on held-out generated scenes; sides and seed from the run's data.vision section."""
   vis = data_cfg.vision if data_cfg is not None else None
   sides = tuple(vis.sides) if vis is not None else tuple(model.cfg.vision.image_buckets)
@@ -184,7 +185,7 @@ def run_vqa(model: HybridLM, opts: EvalOptions, data_cfg=None,
 
 
 def run_task(task: str, model: HybridLM, opts: EvalOptions, output_dir: str,
-             data_cfg=None, tokenizer: tokenizer_lib.Tokenizer | None = None
+             data_cfg=None, tokenizer: Tokenizer | None = None
              ) -> dict[str, Any]:
   """One task; tokenizer: the run's (default: bytes)."""
   tok = tokenizer or default_tokenizer(model)
@@ -268,7 +269,7 @@ def write_result(path: str, obj: dict[str, Any]) -> None:
 
 def run_evals(model: HybridLM, tasks: Sequence[str], opts: EvalOptions, output_dir: str, *,
               info: dict[str, Any] | None = None, data_cfg=None, echo=print,
-              tokenizer: tokenizer_lib.Tokenizer | None = None) -> dict[str, Any]:
+              tokenizer: Tokenizer | None = None) -> dict[str, Any]:
   """Run `tasks`, write <output_dir>/<task>.json (and results.json), echo a table each.
 
   tokenizer: the run's (`tokenizer_from_dir`); default the byte tokenizer.

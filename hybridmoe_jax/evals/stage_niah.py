@@ -17,7 +17,7 @@ import jax
 
 from hybridmoe_jax import plots
 from hybridmoe_jax.config import require
-from hybridmoe_jax.data.tokenizer import Tokenizer
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
 from hybridmoe_jax.evals import niah
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.config.run import RunConfig

@@ -23,7 +23,7 @@ import numpy as np
 
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
-from hybridmoe_jax.data.tokenizer import Tokenizer
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
 from hybridmoe_jax.infer import Engine
 
 CHANCE = {"count": 1 / 4, "where": 1 / 10, "colour": 1 / len(images_lib.COLOURS)}

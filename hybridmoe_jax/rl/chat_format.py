@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridmoe_jax.data.token_roles import CHAT_ROLES, TokenizerError
+from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES, TokenizerError
 from hybridmoe_jax.rl.envs.base import Action, Answer, Malformed, Observation, ToolCall
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool_result")

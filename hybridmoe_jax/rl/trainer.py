@@ -45,8 +45,9 @@ from flax import nnx
 from hybridmoe_jax.cli import errors, workdir_lock
 from hybridmoe_jax.cli.signals import StopFlag
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, save_tokenizer
 from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax import loading
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.rl import batch as batch_lib
@@ -145,9 +146,9 @@ def _load_init(rl, graphdef, state, model_dict):
   directory is `check_rl_config`'s check)."""
   src = rl.init_from
   _check_init_config(src, model_dict)
-  if params_export.is_export(src):
+  if loading.is_export(src):
     params, biases = state.params, state.biases
-    params_export.load_into(src, params, biases)
+    loading.load_into(src, params, biases)
   else:
     reader = ckpt_lib.Checkpointer(src, read_only=True)
     try:
@@ -203,7 +204,7 @@ class _Run:
       if rl.init_from:
         state = self._placed(_load_init(rl, self.graphdef, state, self.model_dict))
     ckpt_lib.write_workdir_config(workdir, self.model_dict)
-    tokenizer_lib.save_tokenizer(tokenizer, os.path.join(workdir, tokenizer_lib.TOKENIZER_DIR))
+    save_tokenizer(tokenizer, os.path.join(workdir, TOKENIZER_DIR))
     self.state = state
     self.curriculum = run_state.make_curriculum(rl, self.host.curriculum)
     self.meta = {"model_config": self.model_dict, "signature": self.signature,

@@ -52,7 +52,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
-from hybridmoe_jax.data.token_roles import TokenizerError
+from hybridmoe_jax.data.tokenizers.base import TokenizerError
 from hybridmoe_jax.infer.streaming import TextStream
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message

@@ -23,7 +23,7 @@ from typing import TextIO
 import numpy as np
 
 from hybridmoe_jax.api import load
-from hybridmoe_jax.data.token_roles import TokenizerError
+from hybridmoe_jax.data.tokenizers.base import TokenizerError
 from hybridmoe_jax.infer import SamplingConfig
 from hybridmoe_jax.infer.streaming import TextStream
 from hybridmoe_jax.rl import chat_format

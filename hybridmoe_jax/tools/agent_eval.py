@@ -1,11 +1,11 @@
 """`run_eval.py --task=agent`: load a run, evaluate its agent per policy, write the results.
 
-A top-level tool (it joins evals' loading and rl's evaluation, which must not import each
-other): `run_agent_eval(workdir=... or params=..., output_dir=..., options=AgentOptions())`
-loads the newest checkpoint (or a params export) with `evals.loading`, takes the run's own
-tokenizer (it must have the chat roles: a run trained with data.tokenizer = "byte_chat" or
-a file tokenizer), runs `rl.evaluate.evaluate_agent` for each policy on the same held-out
-tasks, prints a table env x level x policy and writes
+A top-level tool (it joins the model loader and rl's evaluation): `run_agent_eval(workdir=...
+or params=..., output_dir=..., options=AgentOptions())` loads the newest checkpoint (or a
+params export) with `hybridmoe_jax.loading`, takes the run's own tokenizer (it must have
+the chat roles: a run trained with data.tokenizer = "byte_chat" or a file tokenizer), runs
+`rl.evaluate.evaluate_agent` for each policy on the same held-out tasks, prints a table
+env x level x policy and writes
     <output_dir>/agent.json          {"task": "agent", "model", "options", "envs",
                                       "results": {policy: evaluate_agent's result}}
     <output_dir>/agent_success.png   success per level, one bar colour per policy.
@@ -24,10 +24,10 @@ import time
 from typing import Any, Callable, Mapping
 
 from hybridmoe_jax import plots
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
-from hybridmoe_jax.data.token_roles import CHAT_ROLES
+from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
+from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES
 from hybridmoe_jax.evals.cli import load_model_config
-from hybridmoe_jax.evals.loading import check_model_dir, load_model
+from hybridmoe_jax.loading import check_model_dir, load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.rl.envs import env_names
 from hybridmoe_jax.rl.evaluate import POLICIES, evaluate_agent, format_agent_table
@@ -150,7 +150,7 @@ def saved_run_config(workdir: str, step: int) -> dict | None:
 
 
 def _chat_tokenizer(source: str, vision: bool):
-  tok = tokenizer_lib.tokenizer_from_dir(os.path.join(source, tokenizer_lib.TOKENIZER_DIR),
+  tok = tokenizer_from_dir(os.path.join(source, TOKENIZER_DIR),
                                          vision=vision)
   missing = [r for r in CHAT_ROLES if r not in tok.special_ids]
   if missing:

@@ -10,7 +10,7 @@ import math
 import jax
 import numpy as np
 
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.monitor import Monitor
@@ -24,7 +24,7 @@ def evaluate(eval_step, state, batches, token_bytes: np.ndarray | None = None
   the byte tokenizer's): the bytes of the held-out text are the sum over its targets.
   """
   if token_bytes is None:
-    token_bytes = tokenizer_lib.ByteTokenizer(vision=True).token_bytes()
+    token_bytes = ByteTokenizer(vision=True).token_bytes()
   token_bytes = np.asarray(token_bytes)
   nll = count = nbytes = 0.0
   for b in batches:

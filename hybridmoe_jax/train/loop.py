@@ -30,7 +30,8 @@ from hybridmoe_jax.cli.signals import dump_stacks_on_sigusr1
 from hybridmoe_jax.cli.terminal import fmt_duration
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, save_tokenizer
 from hybridmoe_jax.model.impls import log_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.config.run import RunConfig
@@ -130,7 +131,7 @@ def _save_tokenizer(tokenizer, directory: str) -> None:
   if jax.process_index() != 0:
     return
   try:
-    tokenizer_lib.save_tokenizer(tokenizer, os.path.join(directory, tokenizer_lib.TOKENIZER_DIR))
+    save_tokenizer(tokenizer, os.path.join(directory, TOKENIZER_DIR))
   except ValueError as e:
     raise InputError(str(e)) from None
 
@@ -174,7 +175,7 @@ def _already_finished(workdir: str, step: int, state, ckpt, export_params_to: st
 
 def _train_locked(config: RunConfig, workdir: str, plan: plan_lib.Plan,
                   export_params_to: str | None, data, wall0: float,
-                  tokenizer: tokenizer_lib.Tokenizer, on_stage_end=None) -> dict[str, Any]:
+                  tokenizer: Tokenizer, on_stage_end=None) -> dict[str, Any]:
   """train_and_evaluate's body, run while holding the workdir lock."""
   cfg, t = config.model, config.train
   model_dict = dataclasses.asdict(cfg)

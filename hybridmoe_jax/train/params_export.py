@@ -1,8 +1,8 @@
 """Params exports: parameters and routing biases only, plus the model config.
 
 `export_params` writes `path/params.safetensors` (leaf by leaf) and `path/model_config.json`
-(+ the tokenizer, through `also`), atomically via `path.partial`; `load_exported_params`
-reads it back (or an older / multi-process export's orbax `params/`), checked leaf by leaf
+(+ the tokenizer, through `also`), atomically via `path.partial`; the reader is
+`hybridmoe_jax.loading` (`load_exported_params`, `load_into`), which checks it leaf by leaf
 against the trees its config builds. The run's full checkpoints are `checkpoint`'s.
 """
 
@@ -17,13 +17,11 @@ from typing import Any, Callable
 from absl import logging
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from hybridmoe_jax.data import storage
 from hybridmoe_jax.io import safetensors
-from hybridmoe_jax.model.stack import layout_hint
 from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.cli import io_noise
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE, CheckpointWriteError
@@ -33,10 +31,6 @@ PARAMS_FILE = "params.safetensors"
 
 class ExportWriteError(CheckpointWriteError):
   """A params export could not be written; nothing is left at its path."""
-
-
-def _flat_leaves(tree) -> list[tuple[str, Any]]:
-  return [(path_string(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _export_remote(path: str, params, biases, model_dict, also) -> str:
@@ -76,12 +70,12 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any],
   "routing_biases/<leaf path>" tensors (leaf paths as `sharding.path_string` writes them),
   written leaf by leaf, and `path/model_config.json`; the layout `hybridmoe_jax.convert`
   maps to Hugging Face. A multi-process run (arrays spread over hosts) keeps the orbax
-  format `path/params/` (one collective save), which `load_exported_params` reads too.
+  format `path/params/` (one collective save), which `loading.load_exported_params` reads too.
   Everything is written into `path.partial`, renamed to `path` when complete; `also(dir)`
   adds files (the tokenizer) before the rename. A write that fails (disk full, quota, file
   size limit) removes the partial directory and raises ExportWriteError (one line).
   A gs:// `path` is written locally first, then uploaded file by file with the params file
-  last (each object appears whole), so `is_export` sees it only once it is complete.
+  last (each object appears whole), so `loading.is_export` sees it only once it is complete.
   """
   if storage.is_remote(path):
     return _export_remote(path, params, biases, model_dict, also)
@@ -120,7 +114,7 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any],
 
 
 def _write_params_file(file: str, tree) -> None:
-  leaves = _flat_leaves(tree)
+  leaves = [(path_string(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
   specs = [safetensors.Spec(name, safetensors.dtype_code(x.dtype), tuple(x.shape))
            for name, x in leaves]
   writer = safetensors.SafetensorsWriter(file, specs, sparse=False,
@@ -132,84 +126,3 @@ def _write_params_file(file: str, tree) -> None:
   except BaseException:
     writer.abort()
     raise
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-  """{"a/b/c": x} -> {"a": {"b": {"c": x}}}: leaf names (`sharding.path_string`) back into
-  the nested plain dicts `nnx.replace_by_pure_dict` takes (keys stay strings)."""
-  tree: dict[str, Any] = {}
-  for name, x in flat.items():
-    *parents, leaf = name.split("/")
-    node = tree
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = x
-  return tree
-
-
-def _read_safetensors_export(file: str, expected: dict[str, Any] | None) -> dict[str, Any]:
-  """params.safetensors -> nested plain dicts of numpy arrays (string keys, as orbax gave);
-  with `expected`, each leaf is cast to the expected leaf's dtype (a converted checkpoint
-  may store bfloat16)."""
-  want = {f"{name}/{k}": x for name, sub in (expected or {}).items()
-          for k, x in _flat_leaves(sub)}
-  flat: dict[str, Any] = {}
-  with safetensors.SafetensorsFile(file) as f:
-    for name in f.tensors:
-      x = f.read(name)
-      flat[name] = x.astype(want[name].dtype, copy=False) if name in want else x
-  return nest(flat)
-
-
-def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
-  """{"layers/0/mixer/...": shape}; orbax turns integer keys into strings, so compare as str."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {path_string(p): tuple(np.shape(x)) for p, x in leaves}
-
-
-def tree_mismatch(want, got) -> list[str]:
-  """Every leaf missing from `got`, unexpected in it, or of another shape than in `want`."""
-  want, got = _leaf_shapes(want), _leaf_shapes(got)
-  out = [f"{k}: missing" for k in sorted(set(want) - set(got))]
-  out += [f"{k}: unexpected" for k in sorted(set(got) - set(want))]
-  out += [f"{k}: shape {got[k]} stored vs {want[k]} from the config"
-          for k in sorted(set(want) & set(got)) if want[k] != got[k]]
-  return out
-
-
-def is_export(path: str) -> bool:
-  """Whether directory `path` holds an export's arrays (params.safetensors, or params/)."""
-  return (os.path.isfile(os.path.join(path, PARAMS_FILE))
-          or os.path.isdir(os.path.join(path, "params")))
-
-
-def load_into(path: str, params: nnx.State, biases: nnx.State) -> None:
-  """The export at `path` read into `params` and `biases` (nnx States, replaced in place),
-  every leaf checked against theirs (`load_exported_params`' ValueError)."""
-  tree = load_exported_params(path, expected={
-      "params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)})
-  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, tree["params"]))
-  nnx.replace_by_pure_dict(biases, jax.tree.map(jnp.asarray, tree["routing_biases"]))
-
-
-def load_exported_params(path: str, expected: dict[str, Any] | None = None):
-  """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays, from
-  params.safetensors (or an older export's orbax `params/`).
-
-  expected: the same two trees (arrays or jax.ShapeDtypeStruct) built from the export's
-    config; ValueError listing every missing, unexpected or mis-shaped leaf.
-  """
-  path = os.path.abspath(path)
-  file = os.path.join(path, PARAMS_FILE)
-  if os.path.isfile(file):
-    tree = _read_safetensors_export(file, expected)
-  else:  # an export written before params.safetensors (or by a multi-process run)
-    with ocp.StandardCheckpointer() as ckptr:
-      tree = ckptr.restore(os.path.join(path, "params"))
-  for name, want in (expected or {}).items():
-    bad = tree_mismatch(want, tree.get(name, {}))
-    if bad:
-      raise ValueError(f"params export {path}: the stored {name} do not match its "
-                       f"{CONFIG_FILE}: " + "; ".join(bad[:6]) + (" ..." if len(bad) > 6 else "")
-                       + layout_hint(want, tree.get(name, {})))
-  return tree

@@ -31,7 +31,9 @@ import numpy as np
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import pipeline as data_pipeline
-from hybridmoe_jax.data import tokenizer as tokenizer_lib
+from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.data.tokenizers import load as tokenizers_load
+from hybridmoe_jax.data.tokenizers.load import fingerprint, make_tokenizer
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -48,7 +50,7 @@ class TokenizerChanged(ConfigError):
 
 
 # One definition, in the data layer (prepared token shards record it too).
-tokenizer_fingerprint = tokenizer_lib.fingerprint
+tokenizer_fingerprint = fingerprint
 
 
 def _data_files(paths) -> list[str]:
@@ -192,13 +194,13 @@ def warn_changed_settings(saved_json: str | None, run: RunConfig, step: int) -> 
                     step, "; ".join(diffs), step)
 
 
-def run_tokenizer(run: RunConfig, *, check_vocab: bool = True) -> tokenizer_lib.Tokenizer:
+def run_tokenizer(run: RunConfig, *, check_vocab: bool = True) -> Tokenizer:
   """The tokenizer of `data.tokenizer` (image roles for a vision model), checked against
   model.vocab_size. Raises InputError (one line naming the file / field) before any compute."""
   try:
-    tok = tokenizer_lib.make_tokenizer(run.data.tokenizer, vision=run.model.vision.enabled)
+    tok = make_tokenizer(run.data.tokenizer, vision=run.model.vision.enabled)
     if check_vocab:
-      tokenizer_lib.check_vocab(tok, run.model.vocab_size)
+      tokenizers_load.check_vocab(tok, run.model.vocab_size)
   except ValueError as e:
     raise InputError(f"data.tokenizer: {e}" if not str(e).startswith("data.tokenizer")
                      else str(e)) from None
@@ -206,7 +208,7 @@ def run_tokenizer(run: RunConfig, *, check_vocab: bool = True) -> tokenizer_lib.
 
 
 def build_data(run: RunConfig, plan: plan_lib.Plan,
-               tokenizer: tokenizer_lib.Tokenizer | None = None):
+               tokenizer: Tokenizer | None = None):
   """Train iterator + held-out batches: the curriculum's stages, image-text + text for a
   vision model, else the `data` section's text (`hybridmoe_jax.data.pipeline`).
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import sharding
 from hybridmoe_jax.config import ModelConfig
-from hybridmoe_jax.data.tokenizer import IMAGE_IDS
+from hybridmoe_jax.data.tokenizers.byte import IMAGE_IDS
 from hybridmoe_jax.layers.balancing import update_routing_biases
 from hybridmoe_jax.model.stack import unstacked_name
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan

@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 
 import hybridmoe_jax
-from hybridmoe_jax import api
-from hybridmoe_jax.data.token_roles import TokenizerError
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax import api, loading
+from hybridmoe_jax.data.tokenizers.base import TokenizerError
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, cache_bytes, init_cache
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.parallel.mesh import build_mesh
@@ -28,7 +28,7 @@ from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
 from tests._support import tiny_model_config
 from tests.infer.helpers import full_logits
-from tests.train.train_fakes import set_tiny_model
+from tests._support import set_tiny_model
 
 PROMPTS = ["The ", "A longer prompt here", "Hi"]
 
@@ -219,7 +219,7 @@ def test_one_line_errors_before_compute(run, lm, tmp_path):
   hf.mkdir()
   (hf / "config.json").write_text("{}")
   (hf / "model.safetensors").write_bytes(b"")
-  assert api.detect_layout(str(hf)) == "hf"
+  assert loading.detect_layout(str(hf)) == "hf"
   fails(ValueError, "model_type. = None .*kimi_linear", api.load, str(hf))  # not Kimi-Linear
   fails(ValueError, "mesh='all'", api.load, run[1], mesh="all")
   fails(ValueError, "dtype='fp8'", api.load, run[1], dtype="fp8")
@@ -242,8 +242,8 @@ def test_hugging_face_dir_loads_with_its_tiktoken_tokenizer(tmp_path):
   """A Kimi-Linear HF dir (weights + Kimi-format tiktoken files) loads through `load`: the
   model is the converter's, the tokenizer the dir's own, and text goes in and out."""
   pytest.importorskip("tiktoken", reason="the `tokenizers` extra is not installed")
-  from hybridmoe_jax.convert import load_hf_model
-  from hybridmoe_jax.data.tokenizer import make_tokenizer
+  from hybridmoe_jax.loading import load_hf_model
+  from hybridmoe_jax.data.tokenizers.load import make_tokenizer
   from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
   from tests.data.test_file_tokenizers import tiktoken_dir
   hf = write_hf_dir(tmp_path / "hf", tiny_hf_config(vocab_size=300), shards=1)

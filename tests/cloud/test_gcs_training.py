@@ -15,7 +15,8 @@ from hybridmoe_jax.cli.errors import InputError, checked_workdir_path  # noqa: E
 from hybridmoe_jax.config.run import run_config_from_dict  # noqa: E402
 from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
 from tests.conftest import one_device  # noqa: E402
-from tests.train.train_fakes import tiny_run_config, train_losses  # noqa: E402
+from tests._support import tiny_run_config  # noqa: E402
+from tests.train.train_fakes import train_losses  # noqa: E402
 
 B = f"gs://{emulator.BUCKET}"
 

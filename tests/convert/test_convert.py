@@ -16,8 +16,8 @@ from flax import nnx
 
 from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConfig, MoEConfig,
                                   ModelConfig, model_config_from_dict)
-from hybridmoe_jax.convert import convert, hf_config, hf_weights, load_hf_model
-from hybridmoe_jax.evals.loading import load_from_params
+from hybridmoe_jax.convert import convert, hf_config, hf_weights
+from hybridmoe_jax.loading import load_from_params, load_hf_model
 from hybridmoe_jax.infer.functional import generate
 from hybridmoe_jax.io.safetensors import CheckpointReader
 from hybridmoe_jax.model import HybridLM

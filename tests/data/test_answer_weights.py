@@ -11,7 +11,7 @@ import pytest
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import default_config, run_config_from_dict
 from hybridmoe_jax.data import curriculum, documents, packing, pipeline, retrieval, sources, stages
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.train import stage_plan as plan_lib
 
 TOK = ByteTokenizer()

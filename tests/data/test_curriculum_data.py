@@ -11,10 +11,9 @@ import logging
 import numpy as np
 import pytest
 
-from hybridmoe_jax.data import ByteTokenizer
 from hybridmoe_jax.data import long_docs, retrieval, stages
 from hybridmoe_jax.data.sources import JsonlSource, TextFileSource
-from hybridmoe_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from hybridmoe_jax.data.tokenizers.byte import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
 KEYS = ("tokens", "segment_ids", "positions")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.data import hf_tokenizers
-from hybridmoe_jax.data.tokenizer import (CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError,
-                                          check_vocab, make_tokenizer, save_tokenizer,
-                                          tokenizer_from_dir)
+from hybridmoe_jax.data.tokenizers import hf
+from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError
+from hybridmoe_jax.data.tokenizers.load import (check_vocab, make_tokenizer, save_tokenizer,
+                                                tokenizer_from_dir)
 from hybridmoe_jax.config.run import DataConfig
 from tests.conftest import ROOT
 
@@ -214,7 +214,7 @@ def test_missing_package_names_the_extra(files, monkeypatch):
 
 
 def test_tokenizer_libraries_load_lazily():
-  code = ("import sys, hybridmoe_jax.ops, hybridmoe_jax.data.tokenizer as t; "
+  code = ("import sys, hybridmoe_jax.ops, hybridmoe_jax.data.tokenizers.load as t; "
           "t.make_tokenizer('byte'); "
           "assert not {'tokenizers', 'tiktoken'} & set(sys.modules), sys.modules.keys()")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -250,7 +250,7 @@ def test_bundled_bpe_example():
   """The committed BPE: 1024 ids, roles first, exact round trip and bytes on held-out text."""
   path = str(ROOT / "configs" / "tokenizers" / "bundled_bpe1024")
   tok = make_tokenizer(path, vision=True)
-  assert tok.vocab_size == 1024 and isinstance(tok, hf_tokenizers.HFTokenizer)
+  assert tok.vocab_size == 1024 and isinstance(tok, hf.HFTokenizer)
   assert [tok.special_ids[r] for r in TEXT_ROLES + CHAT_ROLES + IMAGE_ROLES] == list(range(13))
   text = "Return the value of x. héllo ✓\n\n    for i in range(10):"
   ids = tok.encode(text)
@@ -259,7 +259,7 @@ def test_bundled_bpe_example():
 
 
 def test_train_bpe_script(tmp_path, capsys):
-  from hybridmoe_jax.data import train_bpe
+  from hybridmoe_jax.data.tokenizers import train_bpe
   docs = tmp_path / "docs"
   docs.mkdir()
   for i in range(4):

@@ -15,7 +15,7 @@ from hybridmoe_jax.data import prepare as prepare_lib  # noqa: E402
 from hybridmoe_jax.data import record_sources  # noqa: E402
 from hybridmoe_jax.data import sources as sources_lib  # noqa: E402
 from hybridmoe_jax.data.pipeline import build_train_and_eval, make_pipeline  # noqa: E402
-from hybridmoe_jax.data.tokenizer import ByteTokenizer  # noqa: E402
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer  # noqa: E402
 from hybridmoe_jax.config.run import DataConfig  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 

@@ -17,7 +17,8 @@ from hybridmoe_jax.data import prepare as prepare_lib  # noqa: E402
 from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402
 from hybridmoe_jax.config.run import run_config_from_dict  # noqa: E402
 from tests.conftest import one_device  # noqa: E402
-from tests.train.train_fakes import tiny_run_config, train_losses  # noqa: E402
+from tests._support import tiny_run_config  # noqa: E402
+from tests.train.train_fakes import train_losses  # noqa: E402
 
 DOCS = [f"doc {i}: " + "the quick brown fox " * (1 + i % 5) for i in range(30)]
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.data import retrieval
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, make_tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.load import make_tokenizer
 from hybridmoe_jax.evals import mqar, niah
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

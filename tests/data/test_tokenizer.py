@@ -4,9 +4,10 @@ tokenizer contract (roles, token_bytes, make_tokenizer / tokenizer_from_dir for 
 import numpy as np
 import pytest
 
-from hybridmoe_jax.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, check_vocab
-from hybridmoe_jax.data.tokenizer import (CHAT_ROLES, make_tokenizer, save_tokenizer,
-                                          tokenizer_from_dir)
+from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES
+from hybridmoe_jax.data.tokenizers.byte import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+from hybridmoe_jax.data.tokenizers.load import (check_vocab, make_tokenizer, save_tokenizer,
+                                                tokenizer_from_dir)
 
 
 TEXTS = ["", "hello", "héllo wörld ✓ 日本語 🚀", "a\x00b\n\t", "x" * 1000]

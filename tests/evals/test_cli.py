@@ -16,19 +16,18 @@ from flax import nnx
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.evals.cli import main
-from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train.checkpoint import CONFIG_FILE
 from hybridmoe_jax.train.params_export import export_params
 from tests.conftest import ROOT
-from tests._support import tiny_model_config
-from tests.infer.helpers import two_layer_model
+from tests._support import TWO_LAYERS, tiny_model, tiny_model_config
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-  model = two_layer_model()
+  model = tiny_model(layer_kinds=TWO_LAYERS)
   _, params, biases, _ = nnx.split(model, nnx.Param, RoutingBias, ...)
   path = tmp_path_factory.mktemp("export") / "params"
   return export_params(str(path), params, biases, dataclasses.asdict(model.cfg))
@@ -44,7 +43,7 @@ def _run(*args):
 def test_export_round_trip(export):
   model, info = load_model(params=export)
   assert info == {"source": "params", "path": export}
-  want = nnx.to_pure_dict(nnx.state(two_layer_model()))
+  want = nnx.to_pure_dict(nnx.state(tiny_model(layer_kinds=TWO_LAYERS)))
   got = nnx.to_pure_dict(nnx.state(model))
   jax.tree.map(np.testing.assert_array_equal, want, got)
 

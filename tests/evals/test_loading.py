@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
-from tests.train.train_fakes import set_tiny_model
+from tests._support import set_tiny_model
 
 
 def _config(steps):

@@ -12,12 +12,13 @@ import pytest
 from matplotlib import image as mpimg
 
 from hybridmoe_jax.convert import convert
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, tokenizer_from_dir
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.load import tokenizer_from_dir
 from hybridmoe_jax.evals import EvalOptions, report, run_evals, ruler, ruler_tasks, ruler_text
 from hybridmoe_jax.evals.cli import main
 from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
 from tests.conftest import ROOT
-from tests.infer.helpers import two_layer_model
+from tests._support import TWO_LAYERS, tiny_model
 
 BYTES = ByteTokenizer()
 BPE_DIR = os.path.join(ROOT, "configs", "tokenizers", "bundled_bpe1024")
@@ -151,7 +152,8 @@ FAST = EvalOptions(prefill_chunk=128, kv_block=128, ruler_tasks=("niah_single",)
 def test_ruler_task_in_memory_writes_json_heatmap_and_report(tmp_path):
   lines = []
   out = tmp_path / "eval"
-  r = run_evals(two_layer_model(), ["ruler"], FAST, str(out), echo=lines.append)["ruler"]
+  r = run_evals(tiny_model(layer_kinds=TWO_LAYERS), ["ruler"], FAST, str(out),
+                echo=lines.append)["ruler"]
   assert sorted(os.listdir(out)) == ["results.json", "ruler.json", "ruler_heatmap.png"]
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 5.0}\n')
   page = open(report.write_report(str(tmp_path))).read()      # the run report's section

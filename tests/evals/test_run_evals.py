@@ -9,7 +9,7 @@ import numpy as np
 from hybridmoe_jax.evals import EvalOptions, run_evals
 from hybridmoe_jax.evals.runner import merge_results
 from matplotlib import image as mpimg
-from tests.infer.helpers import two_layer_model
+from tests._support import TWO_LAYERS, tiny_model
 
 # Every engine gets capacity 128 and batch 1, so the tasks share their compilations.
 FAST = EvalOptions(prefill_chunk=32, kv_block=32, ppl_max_len=128, ppl_max_docs=2,
@@ -20,7 +20,7 @@ FAST = EvalOptions(prefill_chunk=32, kv_block=32, ppl_max_len=128, ppl_max_docs=
 
 def test_all_tasks_in_memory(tmp_path):
   lines = []
-  results = run_evals(two_layer_model(), ["ppl", "niah", "mqar", "generate"], FAST,
+  results = run_evals(tiny_model(layer_kinds=TWO_LAYERS), ["ppl", "niah", "mqar", "generate"], FAST,
                       str(tmp_path), info={"source": "memory"}, echo=lines.append)
   assert sorted(os.listdir(tmp_path)) == ["generate.json", "mqar.json", "niah.json",
                                           "niah_heatmap.png", "ppl.json", "results.json"]
@@ -46,7 +46,7 @@ def test_results_json_merges_later_tasks(tmp_path):
   """A later single task replaces its own result in results.json and keeps the others,
   each with the model and options it ran with; an unreadable file is set aside."""
   fast = dataclasses.replace(FAST, max_new_tokens=2)
-  model = two_layer_model()
+  model = tiny_model(layer_kinds=TWO_LAYERS)
   run_evals(model, ["mqar", "generate"], fast, str(tmp_path), info={"step": 10},
             echo=lambda _: None)
   first = json.load(open(tmp_path / "results.json"))
@@ -81,7 +81,7 @@ def test_generate_never_draws_ids_past_the_tokenizer():
   """A model whose embedding is larger than its tokenizer (an HF checkpoint padded to a
   round vocabulary) must not sample an id the tokenizer cannot decode."""
   from flax import nnx
-  from hybridmoe_jax.data.tokenizer import ByteTokenizer
+  from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
   from hybridmoe_jax.evals.runner import run_generate
   from hybridmoe_jax.model.decoder import HybridLM
   from tests._support import tiny_model_config

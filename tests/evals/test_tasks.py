@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.evals import cli, mqar, niah, ppl
 from hybridmoe_jax.evals.runner import resolve_tasks
 

@@ -7,7 +7,7 @@ away (the trials check that every committed checkpoint survives).
 """
 
 from hybridmoe_jax.config.run import default_config
-from tests.train.train_fakes import set_tiny_model
+from tests._support import set_tiny_model
 
 
 def get_config():

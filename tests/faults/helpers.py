@@ -17,15 +17,10 @@ import types
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS, one_device
-from tests.train.train_fakes import FakeIterator, tiny_run_config, train_losses  # noqa: F401
+from tests._support import tiny_run_config
+from tests.train.train_fakes import FakeIterator, train_losses  # noqa: F401
 
 FAULT_CONFIG = ROOT / "tests" / "faults" / "fault_config.py"
-
-
-def tiny_config(**train):
-  """train_fakes.tiny_run_config, checkpoints every 2 steps, none rotated away."""
-  return tiny_run_config(**{**dict(checkpoint_every=2, keep_checkpoints=1000, heatmap_every=0,
-                                   eval_every=0), **train})
 
 
 def fake_data(config, iterator=None):
@@ -40,7 +35,7 @@ def reference_run(workdir) -> dict:
   """The uninterrupted tiny run the trials compare with: workdir, config, summary, losses
   and every committed checkpoint's file hashes (a module fixture: one device forced, as
   module fixtures run before conftest's one-device fixture)."""
-  config = tiny_config()
+  config = tiny_run_config(trial=True)
   with one_device():
     summary = train_and_evaluate(run_config_from_dict(config), str(workdir), data=fake_data(config))
   return dict(workdir=workdir, config=config, summary=summary, losses=train_losses(workdir),

@@ -201,7 +201,7 @@ def test_orbax_wrapped_tensorstore_error_is_described_from_its_cause():
 
 def test_only_checkpoint_truncated_says_truncated(reference, tmp_path):
   """The eval loader on a run whose only step is truncated: one ValueError that says so."""
-  from hybridmoe_jax.evals.loading import load_from_workdir  # pylint: disable=import-outside-toplevel
+  from hybridmoe_jax.loading import load_from_workdir  # pylint: disable=import-outside-toplevel
   workdir = _copy(reference, tmp_path / "run")
   for step in (2, 4, 6):
     shutil.rmtree(workdir / "checkpoints" / str(step))

@@ -18,7 +18,7 @@ from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import pipeline as pipeline_lib
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data.sources import make_source
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.config.run import DataConfig
 from tests.conftest import ROOT
 

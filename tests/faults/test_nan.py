@@ -11,6 +11,7 @@ import pytest
 
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
+from tests._support import tiny_run_config
 from tests.faults import helpers
 from tests.train.train_fakes import FakeIterator
 
@@ -31,7 +32,7 @@ class _NaNWeights(FakeIterator):
 
 
 def test_one_nan_batch_is_skipped_and_training_finishes(tmp_path):
-  config = helpers.tiny_config()
+  config = tiny_run_config(trial=True)
   t = config.train
   with helpers.LogLines() as log:
     s = train_and_evaluate(run_config_from_dict(config), str(tmp_path),

@@ -20,6 +20,7 @@ from hybridmoe_jax.train import loop
 from hybridmoe_jax.train import step as step_lib
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
+from tests._support import tiny_run_config
 from tests.faults import helpers
 
 FULL_AT = 6
@@ -44,7 +45,7 @@ def _fail_save_at(monkeypatch, step: int, code: int):
 def test_file_size_limit_and_quota_during_a_save_are_one_line(tmp_path, monkeypatch, code,
                                                               words):
   """EFBIG (ulimit -f) and EDQUOT were not recognised (only "No space left on device")."""
-  config, workdir = helpers.tiny_config(), tmp_path / "run"
+  config, workdir = tiny_run_config(trial=True), tmp_path / "run"
   _fail_save_at(monkeypatch, FULL_AT, code)
   with pytest.raises(ckpt_lib.CheckpointWriteError) as e:
     train_and_evaluate(run_config_from_dict(config), str(workdir), data=helpers.fake_data(config))
@@ -57,7 +58,7 @@ def test_file_size_limit_and_quota_during_a_save_are_one_line(tmp_path, monkeypa
 def test_export_to_a_full_disk_leaves_nothing_and_the_rerun_exports(tmp_path, monkeypatch):
   """`--export_params_to` on a full disk: one line naming the export (not "the workdir ...
   rerun to resume"); no half export is left, so the rerun is not refused and exports."""
-  config, workdir, export = helpers.tiny_config(), tmp_path / "run", tmp_path / "export"
+  config, workdir, export = tiny_run_config(trial=True), tmp_path / "run", tmp_path / "export"
   real_write = safetensors.SafetensorsWriter.write
 
   def full(self, *a, **k):
@@ -91,7 +92,7 @@ def test_out_of_memory_at_the_first_step_names_the_knobs(tmp_path, monkeypatch):
     return step
 
   monkeypatch.setattr(step_lib, "make_train_step", oom_step)
-  config = helpers.tiny_config()
+  config = tiny_run_config(trial=True)
   with pytest.raises(loop.OutOfMemory) as e:
     train_and_evaluate(run_config_from_dict(config), str(tmp_path / "run"),
                        data=helpers.fake_data(config))
@@ -107,7 +108,7 @@ def test_out_of_memory_at_the_first_step_names_the_knobs(tmp_path, monkeypatch):
 def test_empty_workdir_is_refused(tmp_path, monkeypatch):
   """`--workdir=` trained into the current directory."""
   monkeypatch.chdir(tmp_path)
-  config = helpers.tiny_config()
+  config = tiny_run_config(trial=True)
   with pytest.raises(loop.InputError, match="--workdir= is empty"):
     train_and_evaluate(run_config_from_dict(config), "", data=helpers.fake_data(config))
   assert os.listdir(tmp_path) == []
@@ -116,7 +117,7 @@ def test_empty_workdir_is_refused(tmp_path, monkeypatch):
 def test_a_workdir_that_is_a_file_is_refused(tmp_path):
   path = tmp_path / "file"
   path.write_text("mine")
-  config = helpers.tiny_config()
+  config = tiny_run_config(trial=True)
   with pytest.raises(loop.InputError, match=f"--workdir={path} is a file"):
     train_and_evaluate(run_config_from_dict(config), str(path), data=helpers.fake_data(config))
   assert path.read_text() == "mine"

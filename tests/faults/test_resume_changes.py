@@ -6,10 +6,11 @@ each. Nothing saved is changed by a refused resume."""
 
 import pytest
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.train import run_inputs
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
+from tests._support import tiny_run_config
 from tests.faults import helpers
 
 
@@ -18,7 +19,7 @@ class OtherBytes(ByteTokenizer):
 
 
 def _config(corpus, **train):
-  config = helpers.tiny_config(**train)
+  config = tiny_run_config(trial=True, **train)
   config.data.source = "text"
   config.data.paths = (str(corpus),)
   return config

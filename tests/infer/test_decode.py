@@ -13,7 +13,8 @@ from hybridmoe_jax.infer import Engine, KDACache, MLACache, decode_step, prefill
 from hybridmoe_jax.model import HybridLM
 from tests._support import rel_err, rel_rms
 from tests._support import tiny_model_config
-from tests.infer.helpers import full_logits, random_tokens, tiny_model
+from tests._support import tiny_model
+from tests.infer.helpers import full_logits, random_tokens
 
 T = 48          # sequence length of every test
 PROMPT = 37     # = 2 * 16 + 5: the prefill chunks do not divide the prompt

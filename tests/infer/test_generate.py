@@ -7,7 +7,8 @@ import pytest
 
 from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
 from hybridmoe_jax.infer.sampling import filter_logits, sample
-from tests.infer.helpers import random_tokens, tiny_model
+from tests._support import tiny_model
+from tests.infer.helpers import random_tokens
 
 NEW = 12
 

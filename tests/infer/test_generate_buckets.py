@@ -6,7 +6,8 @@ import pytest
 
 from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
 from hybridmoe_jax.infer.engine import batch_bucket
-from tests.infer.helpers import random_tokens, tiny_model
+from tests._support import tiny_model
+from tests.infer.helpers import random_tokens
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,15 @@ import pytest
 from flax import nnx
 
 from hybridmoe_jax.infer import Engine
-from tests._support import rel_err
-from tests.infer.helpers import random_tokens, two_layer_model
+from tests._support import TWO_LAYERS, rel_err, tiny_model
+from tests.infer.helpers import random_tokens
 
 LENGTHS = np.array([37, 9, 20], np.int32)   # 37 spans 3 chunks of 16; 9 ends in the first
 
 
 @pytest.fixture(scope="module")
 def setup():
-  model = two_layer_model()
+  model = tiny_model(layer_kinds=TWO_LAYERS)
   engine = Engine(model, max_len=52, prefill_chunk=16, kv_block=8)
   tokens = np.asarray(random_tokens(4, 3, int(LENGTHS.max()) + 1))
   padded = np.where(np.arange(tokens.shape[1] - 1)[None] < LENGTHS[:, None], tokens[:, :-1], 0)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
 from hybridmoe_jax.infer.engine import feed_and_draw_fn
 from hybridmoe_jax.infer.sampling import sampling_logits

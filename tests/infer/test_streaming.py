@@ -4,10 +4,11 @@ decode, and Engine.generate_stream against Engine.generate token for token."""
 import numpy as np
 import pytest
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.infer.streaming import TextStream, stream_text
-from tests.infer.helpers import random_tokens, two_layer_model
+from tests._support import TWO_LAYERS, tiny_model
+from tests.infer.helpers import random_tokens
 
 TOK = ByteTokenizer()
 
@@ -40,7 +41,7 @@ def test_stop_strings_cut_across_tokens_and_held_prefixes_are_released():
 
 @pytest.fixture(scope="module")
 def engine():
-  return Engine(two_layer_model(), max_len=40, prefill_chunk=8, kv_block=8)
+  return Engine(tiny_model(layer_kinds=TWO_LAYERS), max_len=40, prefill_chunk=8, kv_block=8)
 
 
 @pytest.mark.parametrize("sampling,seed", [(SamplingConfig(), 0),

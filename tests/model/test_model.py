@@ -8,7 +8,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.model import HybridLM
-from tests._support import rel_rms, tiny_model_config
+from tests._support import rel_rms, tiny_model, tiny_model_config
 
 
 # Model-level tests default to the token-scan KDA: it compiles in a fraction of the chunked
@@ -27,8 +27,8 @@ def _forward(model, tokens, segment_ids=None):
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = tiny_model_config()
-  return cfg, HybridLM(cfg, rngs=nnx.Rngs(0), compute=RECURRENT)
+  model = tiny_model(compute=RECURRENT)
+  return model.cfg, model
 
 
 def test_chunked_kda_in_model_matches_recurrent(tiny):

@@ -22,6 +22,7 @@ from hybridmoe_jax.model.stack import (LayerSplit, find_period, layer_split, sta
                                        unstack_state)
 from hybridmoe_jax.parallel.mesh import build_mesh
 from hybridmoe_jax.parallel.rules import tree_shardings
+from hybridmoe_jax import loading
 from hybridmoe_jax.train import optim, params_export
 from hybridmoe_jax.train.state import split_model, TrainState
 from hybridmoe_jax.train.step import make_train_step
@@ -130,11 +131,11 @@ def test_a_params_export_of_the_other_layout_names_the_conversion(tmp_path):
   expected = {"params": nnx.to_pure_dict(want_params),
               "routing_biases": nnx.to_pure_dict(want_biases)}
   with pytest.raises(ValueError, match=r"compute.scan_layers.*model.stack.unstack_state"):
-    params_export.load_exported_params(path, expected)
-  stored = params_export.load_exported_params(path)
+    loading.load_exported_params(path, expected)
+  stored = loading.load_exported_params(path)
   for name in expected:
     converted = unstack_state(stored[name], cfg)
-    assert not params_export.tree_mismatch(expected[name], converted)
+    assert not loading.tree_mismatch(expected[name], converted)
     _assert_trees_equal(jax.tree.leaves(converted),
                         [np.asarray(x) for x in jax.tree.leaves(expected[name])],
                         what=name)

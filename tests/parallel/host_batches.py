@@ -22,7 +22,7 @@ def main(mode, out, port, nproc, pid, data_file):
                            process_id=pid)
   import jax
   from hybridmoe_jax.data.pipeline import build_train_and_eval
-  from hybridmoe_jax.data.tokenizer import ByteTokenizer
+  from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
   from hybridmoe_jax.config.run import DataConfig
   cfg = DataConfig(source="jsonl", paths=(data_file,), input_shards=2)
   global_batch = 8

@@ -1,4 +1,4 @@
-"""A run trained on 8 devices loads for evaluation / serving on one (evals.loading places
+"""A run trained on 8 devices loads for evaluation / serving on one (hybridmoe_jax.loading places
 every leaf on this process's default device instead of the devices that saved it)."""
 
 import jax
@@ -6,10 +6,10 @@ import numpy as np
 from flax import nnx
 
 from hybridmoe_jax.config.run import run_config_from_dict
-from hybridmoe_jax.evals.loading import load_model
+from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.conftest import load_config
-from tests.train.train_fakes import set_tiny_model
+from tests._support import set_tiny_model
 
 
 def test_a_run_saved_on_a_mesh_of_8_loads_on_one_device(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 
 from hybridmoe_jax.tools import agent_eval
 from hybridmoe_jax.tools.agent_eval import AgentOptions, options_from_flags, resolve_envs
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer
 from hybridmoe_jax.rl.episode import EpisodeSpec, Trajectory
@@ -29,7 +29,8 @@ from hybridmoe_jax.rl.trajectory_log import (decode_with_specials, format_record
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
-from tests.train.train_fakes import FakeIterator, set_tiny_model
+from tests._support import set_tiny_model
+from tests.train.train_fakes import FakeIterator
 
 TOK = ByteTokenizer(chat=True)
 ENVS = ("arithmetic", "retrieval")

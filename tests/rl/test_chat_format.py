@@ -4,8 +4,8 @@ tokens, malformed turns are reported, and oracle demonstrations render solved ep
 import numpy as np
 import pytest
 
-from hybridmoe_jax.data.token_roles import TokenizerError
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.base import TokenizerError
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.rl import chat_format as cf
 from hybridmoe_jax.rl.demos import oracle_conversation, oracle_demos
 from hybridmoe_jax.rl.envs import Answer, Malformed, ToolCall, make_env

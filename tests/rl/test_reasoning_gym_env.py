@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.data.token_roles import TokenizerError
-from hybridmoe_jax.data.tokenizer import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.base import TokenizerError
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
 from hybridmoe_jax.infer.sampling import filter_logits, sampling_logits
 from hybridmoe_jax.model import HybridLM

@@ -8,7 +8,8 @@ import pathlib
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.data.tokenizer import ByteTokenizer, save_tokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
+from hybridmoe_jax.data.tokenizers.load import save_tokenizer
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.train.params_export import export_params

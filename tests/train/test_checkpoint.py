@@ -16,6 +16,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax import loading
 from hybridmoe_jax.train import params_export
 
 _MODEL = dataclasses.asdict(ModelConfig())
@@ -165,12 +166,12 @@ def test_exported_params_are_checked_leaf_by_leaf(tmp_path):
   path = params_export.export_params(str(tmp_path / "export"), nnx.State(params),
                                 nnx.State({"b": jnp.zeros((3,))}), _MODEL)
   want = {"params": params, "routing_biases": {"b": jnp.zeros((3,))}}
-  tree = params_export.load_exported_params(path, expected=want)
+  tree = loading.load_exported_params(path, expected=want)
   jax.tree.map(np.testing.assert_array_equal, tree, want)
   want["params"] = {"embed": jnp.ones((5, 2)), "head": jnp.ones((2,))}
   with pytest.raises(ValueError, match=r"the stored params do not match its model_config.json: "
                      r"head: missing; layers/0/w: unexpected; embed: shape \(4, 2\) stored vs "
                      r"\(5, 2\) from the config"):
-    params_export.load_exported_params(path, expected=want)
+    loading.load_exported_params(path, expected=want)
   with pytest.raises(FileExistsError):
     params_export.export_params(path, nnx.State(params), nnx.State({}), _MODEL)

@@ -21,7 +21,7 @@ import pytest
 from hybridmoe_jax.config import flags as cli_flags
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import run_config_from_dict
-from hybridmoe_jax.train.params_export import load_exported_params
+from hybridmoe_jax.loading import load_exported_params
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config
 

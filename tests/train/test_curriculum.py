@@ -19,7 +19,7 @@ from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.config.run import default_config
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import load_config
-from tests.train.train_fakes import set_tiny_model
+from tests._support import set_tiny_model
 
 
 def _config(steps=(3, 2, 2), lens=(16, 32, 64), tps=512, train_steps=None, **train):

@@ -15,10 +15,11 @@ import pytest
 from hybridmoe_jax.config import ConfigError, migrate_legacy
 from hybridmoe_jax.evals import report
 from hybridmoe_jax.config.run import run_config_from_dict
-from hybridmoe_jax.train import params_export
+from hybridmoe_jax import loading
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from tests.conftest import ROOT, load_config, one_device
-from tests.train.train_fakes import FakeIterator, tiny_run_config, train_losses
+from tests._support import tiny_run_config
+from tests.train.train_fakes import FakeIterator, train_losses
 
 OLD_RUN = ROOT / "tests" / "testdata" / "run_928f724"  # see its README.md
 
@@ -91,7 +92,7 @@ def test_end_to_end_outputs(ref, tmp_path):
   assert re.search(r"backend\s*</td><td[^>]*>cpu<", page) and 'class="note"' not in page
   assert len(train_losses(workdir)) == 8
   assert json.load(open(workdir / "model_config.json"))["d_model"] == 16
-  exported = params_export.load_exported_params(workdir / "export")
+  exported = loading.load_exported_params(workdir / "export")
   emb = exported["params"]["embed"]["embedding"]
   np.testing.assert_array_equal(emb, s["state"].params["embed"]["embedding"][...])
   assert "routing_biases" in exported

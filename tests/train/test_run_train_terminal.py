@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from hybridmoe_jax.train.params_export import load_exported_params
+from hybridmoe_jax.loading import load_exported_params
 from hybridmoe_jax.cli.terminal import end_lines
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict

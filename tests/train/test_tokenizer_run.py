@@ -11,7 +11,7 @@ from hybridmoe_jax.evals import cli
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, load_config, one_device
-from tests.train.train_fakes import set_tiny_model
+from tests._support import set_tiny_model
 
 pytest.importorskip("tokenizers", reason="the `tokenizers` extra is not installed")
 

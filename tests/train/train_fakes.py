@@ -1,5 +1,5 @@
-"""Small pieces for the train tests: the tiny run config (on tests/_support.py's mini model),
-an in-memory packed iterator and the train losses a run logged."""
+"""Small pieces for the train tests: an in-memory packed iterator and the train losses a run
+logged (the tiny run config is tests/_support.py's `tiny_run_config`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import json
 import os
 
 import numpy as np
-
-from hybridmoe_jax.config.run import default_config
-from tests._support import MINI_KDA, MINI_MLA, MINI_MODEL, MINI_MOE
 
 
 class FakeIterator:
@@ -47,30 +44,6 @@ class FakeIterator:
 
   def set_state(self, state):
     self.index = int(state["index"])
-
-
-def set_tiny_model(config) -> None:
-  """Write the 2-layer MLA-only model (tests/_support.py's MINI_*) into a root ConfigDict's
-  `model` section (for the loop tests); the vocabulary stays the caller's."""
-  m = config.model
-  m.update(MINI_MODEL)
-  m.kda.update(MINI_KDA)
-  m.mla.update(MINI_MLA)
-  m.moe.update(MINI_MOE)
-  config.compute.kda_chunk_size = 16
-
-
-def tiny_run_config(**train):
-  """The default run config on the tiny model: 8 short steps that log, evaluate, checkpoint
-  and export often; `train` overrides config.train fields."""
-  config = default_config()
-  set_tiny_model(config)
-  config.model.vocab_size = 64
-  config.train.update({**dict(steps=8, batch_size=4, seq_len=16, lr=3e-2, warmup=2,
-                              log_every=1, eval_every=4, eval_batches=2, checkpoint_every=3,
-                              keep_checkpoints=5, heatmap_every=4, maxvio_alert_steps=3,
-                              maxvio_alert_threshold=0.0, async_checkpoints=True), **train})
-  return config
 
 
 def train_losses(workdir):

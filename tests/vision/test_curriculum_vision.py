@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.data import curriculum as data_curriculum
-from hybridmoe_jax.data.tokenizer import IMAGE_PAD_ID
+from hybridmoe_jax.data.tokenizers.byte import IMAGE_PAD_ID
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train import stage_plan as plan_lib
 from tests.conftest import load_config

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from hybridmoe_jax.evals import vqa
-from hybridmoe_jax.evals.loading import load_from_workdir
+from hybridmoe_jax.loading import load_from_workdir
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device

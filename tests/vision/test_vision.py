@@ -13,7 +13,7 @@ from hybridmoe_jax.config import ConfigError, from_dict
 from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.config.run import VisionDataConfig
-from hybridmoe_jax.data.tokenizer import IMAGE_PAD_ID, ByteTokenizer
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer, IMAGE_PAD_ID
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.layers import vision as V
 from hybridmoe_jax.model import HybridLM

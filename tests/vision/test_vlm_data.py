@@ -12,7 +12,7 @@ from hybridmoe_jax.data import images as images_lib
 from hybridmoe_jax.data import multimodal
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.data.image_text_source import ImageJsonlSource
-from hybridmoe_jax.data.tokenizer import IMAGE_END_ID, IMAGE_PAD_ID, IMAGE_START_ID
+from hybridmoe_jax.data.tokenizers.byte import IMAGE_END_ID, IMAGE_PAD_ID, IMAGE_START_ID
 from hybridmoe_jax.config.run import DataConfig
 from tests.conftest import load_config
 from tests.vision.helpers import P, VIS, rand_img as _rand_img, vlm_cfg as _vlm_cfg

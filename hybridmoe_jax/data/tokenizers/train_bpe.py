@@ -1,6 +1,6 @@
 """Train a small byte-level BPE on a run's training documents, offline, as a tokenizer.json.
 
-    python -m hybridmoe_jax.data.train_bpe --out configs/tokenizers/bundled_bpe1024 \\
+    python -m hybridmoe_jax.data.tokenizers.train_bpe --out configs/tokenizers/bundled_bpe1024 \\
         --vocab_size 1024
 
 The documents are the TRAIN split of the `data` section (default: the bundled corpus with
@@ -18,12 +18,13 @@ import os
 import sys
 from typing import Iterator, Sequence
 
-from hybridmoe_jax.data import hf_tokenizers
 from hybridmoe_jax.data import sources as sources_lib
-from hybridmoe_jax.data.token_roles import CHAT_ROLES, IMAGE_ROLES, TEXT_ROLES, TokenizerError
+from hybridmoe_jax.data.tokenizers.base import (CHAT_ROLES, IMAGE_ROLES, ROLE_TOKENS,
+                                                TEXT_ROLES, TokenizerError, import_optional)
+from hybridmoe_jax.data.tokenizers.hf import HF_FILE
 from hybridmoe_jax.config.run import DataConfig
 
-SPECIAL_TOKENS = tuple(hf_tokenizers.ROLE_TOKENS[r][0]
+SPECIAL_TOKENS = tuple(ROLE_TOKENS[r][0]
                        for r in TEXT_ROLES + CHAT_ROLES + IMAGE_ROLES)
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256
 
@@ -47,7 +48,7 @@ def train_bpe(documents, vocab_size: int, *, min_frequency: int = 2):
   if vocab_size < MIN_VOCAB:
     raise TokenizerError(f"--vocab_size {vocab_size} is too small: allowed >= {MIN_VOCAB} "
                          f"({len(SPECIAL_TOKENS)} special tokens + 256 bytes)")
-  lib = hf_tokenizers.import_optional("tokenizers")
+  lib = import_optional("tokenizers")
   tok = lib.Tokenizer(lib.models.BPE())
   # No prefix space: the tokens of a text are exactly its bytes, so decode(encode(t)) == t.
   tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -68,10 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--source", default="bundled", help="data.source: bundled, text, jsonl")
   parser.add_argument("--paths", nargs="*", default=[], help="data.paths for text / jsonl")
   args = parser.parse_args(argv)
-  out = os.path.join(args.out, hf_tokenizers.HF_FILE)
+  out = os.path.join(args.out, HF_FILE)
   try:
     if os.path.exists(out):
-      raise TokenizerError(f"--out {args.out} already holds {hf_tokenizers.HF_FILE}; "
+      raise TokenizerError(f"--out {args.out} already holds {HF_FILE}; "
                            "choose a new directory (files are never overwritten)")
     data_cfg = DataConfig(source=args.source, paths=tuple(args.paths))
     tok = train_bpe(training_documents(data_cfg), args.vocab_size,

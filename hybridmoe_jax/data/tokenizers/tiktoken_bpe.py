@@ -1,10 +1,10 @@
-"""Kimi's tiktoken BPE files under the one `Tokenizer` contract (see data/tokenizer.py).
+"""Kimi's tiktoken BPE files under the one `Tokenizer` contract (`base.Tokenizer`).
 
 `tiktoken.model`: one `base64(token bytes) rank` per line, ranks 0..n-1, encoded through
 `tiktoken` with Kimi's pre-tokenizer split. As in Kimi, special-token slots follow the ranks:
 ids n .. n + 257, named by the `added_tokens_decoder` of a `tokenizer_config.json` beside the
 file; unnamed slots are reserved. Roles are assigned as for every file tokenizer
-(data/hf_tokenizers.py).
+(`base.FileTokenizer`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import os
 
 import numpy as np
 
-from hybridmoe_jax.data.hf_tokenizers import (CONFIG_FILE, CONFIG_ROLE_FIELDS, RESERVED,
-                                              TIKTOKEN_FILE, FileTokenizer, assign_roles,
-                                              import_optional, read_config, roles_for,
-                                              special_mask, token_name)
-from hybridmoe_jax.data.token_roles import TokenizerError
+from hybridmoe_jax.data.tokenizers.base import (CONFIG_FILE, CONFIG_ROLE_FIELDS, RESERVED,
+                                                FileTokenizer, TokenizerError, assign_roles,
+                                                import_optional, read_config, roles_for,
+                                                special_mask, token_name)
+
+TIKTOKEN_FILE = "tiktoken.model"
 
 # Kimi's pre-tokenizer split: runs of Han characters; words (optionally led by one
 # non-letter, with English contractions); 1-3 digits; punctuation runs; newlines; spaces.
