@@ -1,14 +1,16 @@
 """KDA kernels for GPU: Pallas with the Triton compiler (`plgpu.CompilerParams`).
 
-One program per (batch, value head, value tile of BV); each program walks the chunks in a
-`lax.fori_loop` with its fp32 state tile St = S^T [BV, K] as the loop carry (registers:
-Triton has no scratch memory). Blocks cover the whole (padded) sequence of one head; chunks
-and 16-row sub-blocks are read with `pl.ds` (Triton cannot slice values).
+Fused forward (`forward`, GpuConfig(fused=True)): one program per (batch, value head, value
+tile of BV) walks the chunks in a `lax.fori_loop`, its fp32 state tile St = S^T [BV, K] the
+loop carry (registers: Triton has no scratch memory); chunks and 16-row sub-blocks are read
+with `pl.ds` (Triton cannot slice values). Layouts (prepared by api.py): q, k [B, H, Tp, K];
+v [B, HV, Tp, V]; g [B, HV, Tp, K] f32; beta [B, HV, Tp, 1] f32.
 
-Layouts (prepared by wrapper.py): forward q, k [B, H, Tp, K]; v [B, HV, Tp, V];
-g [B, HV, Tp, K] f32; beta [B, HV, Tp, 1] f32; states transposed [.., V, K] f32.
-Backward kernels read chunk layout [B*HV, N, C, F] (reference.chunk_prep) and return the
-K-side gradients per value tile ([NV, B*HV, ...], summed by the caller).
+Split path (the default): XLA's chunk_prep (prep.py, chunk layout [B*HV, N, C, F]), then
+sequential passes over chunks (states; state gradients, in reverse) carrying S [K, 8]
+(STATE_BV), and chunk-parallel kernels (outputs; two gradient kernels), all run one slice of
+SLICE_CHUNKS chunks at a time (`sliced_forward`, `sliced_backward`) so XLA's temporaries are
+one slice's. States are stored transposed [.., V, K] f32.
 """
 
 from __future__ import annotations
