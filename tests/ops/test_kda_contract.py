@@ -30,7 +30,7 @@ BF16_TOL = dict(o=0.005, ht=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=
                 dh0=0.008)
 
 
-def make_inputs(seed, B, T, H, HV, K, V, lower_bound, dtype):
+def make_inputs(seed, B, T, H, HV, K, V, lower_bound=-5.0, dtype=jnp.float32):
   """q, k (L2-normalised), v, beta in dtype; g float32, bounded in (lb, 0) or unbounded
   (-softplus: mostly slow decays, a tail of fast ones); h0, do, dht float32."""
   rng = np.random.default_rng(seed)

@@ -24,6 +24,7 @@ from hybridmoe_jax.ops.kda.chunked import kda_chunked
 from hybridmoe_jax.ops.kda.recurrent import kda_recurrent
 from pallas_kernels.kda import GpuConfig, TpuConfig, check_domain_dims, kda_pallas
 from tests._support import assert_close
+from tests.ops.test_kda_contract import make_inputs  # bounded gates (lb -5) by default
 
 NATIVE = os.environ.get("KDA_PALLAS_NATIVE", "0") == "1"
 PLATFORM = jax.default_backend()
@@ -31,24 +32,6 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 F32_TOL = dict(o=1e-5, ht=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dg=1e-5, dbeta=1e-5, dh0=1e-5)
 BF16_TOL = dict(o=0.005, ht=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02,
                 dh0=0.008)
-
-
-def make_inputs(seed, B, T, H, HV, K, V, lb=-5.0, dtype=jnp.float32):
-  """Bounded-gate inputs (g in (lb, 0), fp32), q/k/v/beta in dtype; h0, do, dht fp32."""
-  rng = np.random.default_rng(seed)
-
-  def l2(x):
-    return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-  q, k = l2(rng.normal(size=(B, T, H, K))), l2(rng.normal(size=(B, T, H, K)))
-  v = rng.normal(size=(B, T, HV, V))
-  g = lb / (1.0 + np.exp(-2.0 * rng.normal(size=(B, T, HV, K))))
-  beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(B, T, HV))))
-  h0, dht = rng.normal(size=(B, HV, K, V)), rng.normal(size=(B, HV, K, V))
-  do = rng.normal(size=(B, T, HV, V))
-  cast = lambda x, dt: jnp.asarray(x, jnp.float32).astype(dt)  # noqa: E731
-  return (cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, jnp.float32),
-          cast(beta, dtype), cast(h0, jnp.float32), cast(do, dtype), cast(dht, jnp.float32))
 
 
 @functools.lru_cache(maxsize=None)

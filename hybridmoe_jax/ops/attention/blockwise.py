@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .reference import check_inputs
+from .reference import check_inputs, pad_axis
 
 _F32 = jnp.float32
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf
@@ -85,13 +85,6 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 # ------------------------------------------------------------------------------ blocking
-def _pad_to(x: jax.Array, n: int, value=0) -> jax.Array:
-  """Pad axis 1 of x up to n."""
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (0, n - x.shape[1])
-  return jnp.pad(x, pad, constant_values=value)
-
-
 def _slice(x: jax.Array, i, size: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
 
@@ -120,11 +113,11 @@ def _blocked(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset) -> _Blocked:
   hk = k.shape[2]
   bq, bk = spec.block_q, spec.block_kv
   nq, nk = -(-spec.tq // bq), -(-spec.tk // bk)
-  q = _pad_to(q, nq * bq).reshape(b, nq * bq, hk, h // hk, d)
+  q = pad_axis(q, 1, nq * bq).reshape(b, nq * bq, hk, h // hk, d)
   # Padded keys get an id no query holds; padded queries one no key holds.
-  q_seg = _pad_to(q_seg, nq * bq, jnp.iinfo(jnp.int32).min)
-  kv_seg = _pad_to(kv_seg, nk * bk, jnp.iinfo(jnp.int32).max)
-  return _Blocked(q, _pad_to(k, nk * bk), _pad_to(v, nk * bk), q_seg, kv_seg,
+  q_seg = pad_axis(q_seg, 1, nq * bq, jnp.iinfo(jnp.int32).min)
+  kv_seg = pad_axis(kv_seg, 1, nk * bk, jnp.iinfo(jnp.int32).max)
+  return _Blocked(q, pad_axis(k, 1, nk * bk), pad_axis(v, 1, nk * bk), q_seg, kv_seg,
                   _seg_ranges(q_seg, bq), _seg_ranges(kv_seg, bk), q_offset, nq, nk)
 
 
@@ -207,10 +200,10 @@ def _backward(spec: _Spec, res, d_out):
   blk = _blocked(spec, q, k, v, q_seg, kv_seg, q_offset)
   b, tqp, hk, g, d = blk.q.shape
   bq, bk = spec.block_q, spec.block_kv
-  do = _pad_to(d_out, tqp).reshape(b, tqp, hk, g, -1)
+  do = pad_axis(d_out, 1, tqp).reshape(b, tqp, hk, g, -1)
   # delta_i = sum_d dO_i * O_i: the softmax backward's row term, once per query.
   delta = jnp.einsum("bqkgd,bqkgd->bkgq", do.astype(_F32),
-                     _pad_to(out, tqp).reshape(do.shape).astype(_F32))
+                     pad_axis(out, 1, tqp).reshape(do.shape).astype(_F32))
 
   def kv_block(dq, j):
     kj, vj = _slice(blk.k, j, bk), _slice(blk.v, j, bk)
