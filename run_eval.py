@@ -15,7 +15,7 @@ Results go to --output_dir (default <workdir>/eval, or <params>_eval beside a pa
 as <task>.json, niah_heatmap.png (a labelled figure) and results.json (every task's latest
 result: a later single task replaces only its own), with a short table on stdout; generate
 reports its compile and run (prefill + decode) seconds apart. The logic lives in
-`hybridmoe_jax.evals`.
+`hybridmoe_jax.evals` (this file's flags go to `hybridmoe_jax.tools.evaluate.main`).
 --task=agent (not part of "all": it needs a model trained with the chat tokenizer) rolls out
 held-out tool-use episodes per env and level under the policies model / oracle / random and
 writes agent.json and agent_success.png (`hybridmoe_jax.tools.agent_eval`).
@@ -93,13 +93,6 @@ flags.DEFINE_integer("agent_max_turn_tokens", _A.max_turn_tokens,
 flags.DEFINE_integer("agent_batch", _A.batch, "agent: episodes in flight at once.")
 
 
-def _agent(values) -> None:
-  from hybridmoe_jax.tools import agent_eval  # pylint: disable=g-import-not-at-top
-  agent_eval.run_agent_eval(workdir=_WORKDIR.value, params=_PARAMS.value,
-                            output_dir=_OUTPUT.value, config=_CONFIG.value,
-                            options=agent_eval.options_from_flags(values))
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -111,15 +104,12 @@ def main(argv):
   from hybridmoe_jax.cli import terminal
   terminal.skip_absent_tpu()   # before any backend starts: no libtpu probe without a TPU
   terminal.install(bar=False)  # clean "warning: ..." lines instead of absl's prefix
-  from hybridmoe_jax.evals import cli
-  values = {name: flags.FLAGS[name].value for name in flags.FLAGS if name in _D.__dict__}
+  from hybridmoe_jax.tools import evaluate
+  options = {name: flags.FLAGS[name].value for name in flags.FLAGS
+             if name in _D.__dict__ or (_TASK.value == "agent" and name.startswith("agent_"))}
   try:
-    if _TASK.value == "agent":
-      _agent({**values, **{name: flags.FLAGS[name].value for name in flags.FLAGS
-                           if name.startswith("agent_")}})
-      return
-    cli.main(task=_TASK.value, workdir=_WORKDIR.value, params=_PARAMS.value,
-             output_dir=_OUTPUT.value, config=_CONFIG.value, option_values=values)
+    evaluate.main(task=_TASK.value, workdir=_WORKDIR.value, params=_PARAMS.value,
+                  output_dir=_OUTPUT.value, config=_CONFIG.value, option_values=options)
   except (ValueError, OSError) as e:    # ConfigError is a ValueError
     sys.exit(f"error: {e}")
 

@@ -33,6 +33,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from hybridmoe_jax.config import flags as cli_flags
+from hybridmoe_jax.tools import footprint  # the dry run's program and its --aot_* flags
 
 _SAMPLE_DEFAULT = 200
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
@@ -43,6 +44,7 @@ _CONFIG = cli_flags.define_config_flag(
     "any field with --config.<section>.<field>=value, e.g. --config.train.steps=50; "
     "--print_config lists every field.")
 flags.declare_key_flag("config")   # defined in cli_flags: shown by --help all the same
+flags.adopt_module_key_flags(footprint)   # --aot_*: shown by --help too
 _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
                                   "Print the resolved config (after overrides) and exit.")
 _SAMPLE_TOKENS = flags.DEFINE_integer(
@@ -63,19 +65,8 @@ _INIT_FROM = flags.DEFINE_string(
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "Print parameter counts and per-device memory, then exit. With "
                              "--config.hardware.topology=v5p-256 (any TPU topology), also "
-                             "compile the steps for it (libtpu, no TPU needed).")
-_AOT_LAYERS = flags.DEFINE_string(
-    "aot_layers", "", "--dry_run on a topology: compile the model at A and B layers ('A,B') "
-    "and extrapolate linearly per layer to its depth (a flagship at full depth takes long).")
-_AOT_STAGES = flags.DEFINE_string(
-    "aot_stages", "", "--dry_run on a topology: compile only these stages' train steps "
-    "(indices or names, e.g. '0,1m'; default every stage).")
-_AOT_SERVE = flags.DEFINE_bool(
-    "aot_serve", True, "--dry_run on a topology: also compile a prefill chunk and a decode "
-    "step.")
-_AOT_COST = flags.DEFINE_bool(
-    "aot_cost", True, "--dry_run on a topology: also compile the unrolled loops that cost "
-    "the step time and MFU (--noaot_cost: memory only, one compile per train step).")
+                             "compile the steps for it (libtpu, no TPU needed; --aot_* flags: "
+                             "`hybridmoe_jax.tools.footprint`, the same program).")
 # Multi-process (multi-host) runs: see hybridmoe_jax/parallel/distributed.py.
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Start jax.distributed; without --coordinator_address the cluster "
@@ -103,7 +94,7 @@ def main(argv):
     sys.exit(f"error: {e}")
   from hybridmoe_jax.config.run import run_config_from_dict
   from hybridmoe_jax.cli import errors, io_noise
-  from hybridmoe_jax.train import checkpoint, dry_run, loop
+  from hybridmoe_jax.train import checkpoint, loop
   try:
     config = _CONFIG.value
     config.keys()  # a lazy proxy: raises here if the file failed to load
@@ -122,15 +113,7 @@ def main(argv):
       raise ConfigError("--init_from is for RL runs (a config with rl.envs), e.g. "
                         "--config=configs/rl_tiny.py")
     if _DRY_RUN.value:
-      if run.hardware.topology and not os.environ.get("JAX_PLATFORMS"):
-        import jax  # compile for TPU devices that libtpu describes, on this host's CPU
-        jax.config.update("jax_platforms", "cpu")
-      dry_run.dry_run(run)
-      if run.hardware.topology:
-        from hybridmoe_jax.tools import aot
-        aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value),
-                       stages=_AOT_STAGES.value, serve=_AOT_SERVE.value,
-                       cost=_AOT_COST.value)
+      footprint.report(run)
       return
     logging.info("config %s, workdir %s",
                  config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)

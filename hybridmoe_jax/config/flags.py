@@ -19,7 +19,7 @@ import ml_collections
 import yaml
 from ml_collections import config_flags
 
-from hybridmoe_jax.config import ConfigError, MOVED
+from hybridmoe_jax.config import MOVED, ConfigError, ModelConfig, model_config_from_dict
 
 
 def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
@@ -33,6 +33,14 @@ def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
+
+
+def load_model_config(path: str) -> ModelConfig:
+  """The `model` section of a configs/*.py file (its get_config()): what a loaded model must
+  match (run_eval.py's --config). ValueError naming the flag for a missing file."""
+  if not os.path.isfile(path):
+    raise ValueError(f"--config file {path} does not exist")
+  return model_config_from_dict(load_config_file(path).model)
 
 
 def _plain(value):

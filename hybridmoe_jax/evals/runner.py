@@ -69,6 +69,42 @@ class EvalOptions:
   ruler_split: str = "test"     # ruler: "validation" to choose recipes, "test" to report
 
 
+def options_from_flags(values: dict[str, Any]) -> EvalOptions:
+  """Build EvalOptions from flag values (lists -> tuples of the right type); check ranges."""
+  kw = {}
+  for f in dataclasses.fields(EvalOptions):
+    if f.name not in values or values[f.name] is None:
+      continue
+    v = values[f.name]
+    if isinstance(f.default, tuple):
+      cast = (float if f.name == "niah_depths" else
+              str if f.name in ("text_files", "ruler_tasks") else int)
+      try:
+        v = tuple(cast(x) for x in v)
+      except ValueError as e:
+        raise ValueError(f"--{f.name}: {e}") from None
+      if not v and f.name != "text_files":
+        raise ValueError(f"--{f.name} is empty")
+    kw[f.name] = v
+  opts = EvalOptions(**kw)
+  positive = ("prefill_chunk", "kv_block", "ppl_max_len", "ppl_max_docs", "niah_samples",
+              "niah_digits", "mqar_samples", "max_new_tokens", "max_len", "vqa_images")
+  for name in positive:
+    if getattr(opts, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(opts, name)}")
+  for name in ("niah_lengths", "mqar_lengths", "mqar_pairs"):
+    if min(getattr(opts, name)) < 1:
+      raise ValueError(f"--{name} must hold positive integers, got {getattr(opts, name)}")
+  if min(opts.niah_lengths) < niah.min_length(opts.niah_digits):
+    raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
+                     f"and question (needs >= {niah.min_length(opts.niah_digits)})")
+  if not all(0.0 <= d <= 1.0 for d in opts.niah_depths):
+    raise ValueError(f"--niah_depths must lie in [0, 1], got {opts.niah_depths}")
+  ruler.check_options(opts.ruler_tasks, opts.ruler_lengths, opts.ruler_samples,
+                      opts.ruler_batch, opts.ruler_split)
+  return opts
+
+
 def default_output_dir(workdir: str | None, params: str | None) -> str:
   """Where results go without --output_dir: <workdir>/eval for a run; beside a params
   export, <params>_eval (an export stays what the exporter wrote: weights, config,

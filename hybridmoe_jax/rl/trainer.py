@@ -30,11 +30,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -42,27 +41,25 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from hybridmoe_jax.cli import errors, workdir_lock
 from hybridmoe_jax.cli.signals import StopFlag
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, save_tokenizer
 from hybridmoe_jax.infer.engine import Engine
 from hybridmoe_jax import loading
 from hybridmoe_jax.infer.sampling import SamplingConfig
-from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
 from hybridmoe_jax.rl.chat_format import chat_ids
 from hybridmoe_jax.rl.episode import Trajectory
-from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
+from hybridmoe_jax.rl import progress
+from hybridmoe_jax.rl.progress import progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import params_export
-from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import lifecycle
 from hybridmoe_jax.train import step as step_lib
+from hybridmoe_jax.train.monitor import Event
 from hybridmoe_jax.train.run_inputs import run_tokenizer
-from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
 def _tokenizer(config: RunConfig):
   tok = run_tokenizer(config)   # the pre-training checks (file, vocab size)
@@ -108,6 +105,14 @@ def _check_sft_batch(rl, rt) -> None:
 
 def train_rl(config: RunConfig, workdir: str) -> dict[str, Any]:
   """Run (or resume) the RL run of `config` in `workdir`; returns a summary."""
+  with open_rl_run(config, workdir) as run:
+    return _train(run)
+
+
+@contextlib.contextmanager
+def open_rl_run(config: RunConfig, workdir: str) -> Iterator[_Run]:
+  """The RL run of `config` in `workdir` inside the run lifecycle (`train/lifecycle.py`),
+  restored from its newest good checkpoint or initialised (from `rl.init_from`)."""
   if not isinstance(config, RunConfig):
     raise TypeError(f"train_rl takes a RunConfig, got {type(config).__name__}: convert a "
                     "ConfigDict once with config.run.run_config_from_dict")
@@ -115,13 +120,20 @@ def train_rl(config: RunConfig, workdir: str) -> dict[str, Any]:
     raise ConfigError("config field `rl.envs` is empty: not an RL run")
   check_rl_config(config)
   tokenizer = _tokenizer(config)
-  workdir = errors.checked_workdir_path(workdir)
-  errors.make_writable_workdir(workdir)   # one line for a file, an unwritable directory
-  try:
-    with workdir_lock.WorkdirLock(workdir, stale_after_s=config.train.lock_stale_s):
-      return _train_locked(config, workdir, tokenizer)
-  except workdir_lock.WorkdirBusy as e:   # another run holds it: one line, as pre-training
-    raise errors.InputError(str(e)) from None
+  rl, t = config.rl, config.train
+  # SFT steps come first in the optimizer's count (none when starting from init_from).
+  sft_steps = 0 if rl.init_from else rl.sft_steps
+  hosts = {}  # a step whose rl_state/<step>.pkl is unreadable is set aside like a bad one
+
+  def load_host(step, r):
+    hosts[step] = run_state.HostState.restore(os.path.abspath(workdir), step, r.data_state)
+
+  with lifecycle.open_run(
+      config, workdir, tokenizer, schedule=learner.rl_schedule(rl, t.lr, t.warmup, sft_steps),
+      batch_size=rl.group_size * rl.groups_per_iter // rl.minibatches, grad_accum=1,
+      seq_len=-(-rl.max_tokens // 64) * 64, prepare=lambda rt: _check_sft_batch(rl, rt),
+      check=load_host) as run:
+    yield _Run(run, tokenizer, sft_steps, hosts)
 
 
 def _check_init_config(src: str, model_dict) -> None:
@@ -164,52 +176,31 @@ def _load_init(rl, graphdef, state, model_dict):
 class _Run:
   """The live pieces of one RL run (built once, after restore)."""
 
-  def __init__(self, config: RunConfig, workdir: str, tokenizer):
-    self.config, self.rl, self.workdir, self.tokenizer = config, config.rl, workdir, tokenizer
-    cfg, t, rl = config.model, config.train, config.rl
-    self.model_dict = dataclasses.asdict(cfg)
-    # SFT steps come first in the optimizer's count (none when starting from init_from).
-    self.sft_steps = 0 if rl.init_from else rl.sft_steps
-    self.schedule = learner.rl_schedule(rl, t.lr, t.warmup, self.sft_steps)
-    self.tx = optim.make_optimizer(t, self.schedule)
-    # The pre-training runtime: mesh, expert-parallel MoE, sharded init / restore.
-    rows = rl.group_size * rl.groups_per_iter // rl.minibatches
-    self.rt = parallel_runtime.setup(dataclasses.asdict(config.mesh), cfg, config.compute,
-                                     batch_size=rows, grad_accum=1,
-                                     seq_len=-(-rl.max_tokens // 64) * 64)
-    _check_sft_batch(rl, self.rt)
-    # One graph: the train steps trace it under the runtime's plan, the rollouts (the cached
-    # forward) under the local one, over the same (sharded) state.
-    self.graphdef, abstract = abstract_train_state(cfg, config.compute, self.tx, t.seed)
-    self.ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints,
-                                      async_save=t.async_checkpoints)
-    self.signature = ckpt_lib.structure_signature(abstract)
-    ckpt_lib.check_workdir_config(workdir, self.model_dict, repair=True)
-    hosts = {}  # a step whose rl_state/<step>.pkl is unreadable is set aside like a bad one
-
-    def load_host(step, r):
-      hosts[step] = run_state.HostState.restore(workdir, step, r.data_state)
-
-    restored = self.ckpt.restore_latest(self.rt.restore_target(abstract), self.model_dict,
-                                        check=load_host)
-    if restored is not None:
-      self.host = hosts[int(restored.meta["step"])]
-      state = restored.state
-      logging.info("resumed %s at phase %s, iteration %d (checkpoint step %d)", workdir,
-                   self.host.phase, self.host.iteration, restored.meta["step"])
+  def __init__(self, run: lifecycle.Run, tokenizer, sft_steps: int,
+               hosts: dict[int, run_state.HostState]):
+    """run: the lifecycle's run (restored or initialised); hosts: the host states the
+    restore read, by checkpoint step."""
+    config = run.config
+    self.config, self.rl, self.workdir, self.tokenizer = config, config.rl, run.workdir, tokenizer
+    self.model_dict, self.sft_steps, self.schedule, self.tx = (run.model_dict, sft_steps,
+                                                               run.schedule, run.tx)
+    # One graph: the train steps trace it under the runtime's plan (mesh, expert-parallel
+    # MoE), the rollouts (the cached forward) under the local one, over the same state.
+    self.rt, self.graphdef, self.ckpt = run.rt, run.graphdef, run.ckpt
+    self.state = run.state
+    if run.restored is not None:
+      self.host = hosts[int(run.restored.meta["step"])]
+      logging.info("resumed %s at phase %s, iteration %d (checkpoint step %d)", self.workdir,
+                   self.host.phase, self.host.iteration, run.restored.meta["step"])
     else:
-      self.host = run_state.HostState(phase="sft" if self.sft_steps else "rl")
-      state = self.rt.init_state(lambda: create_train_state(
-          cfg, config.compute, self.tx, t.seed)[1], abstract)
-      if rl.init_from:
-        state = self._placed(_load_init(rl, self.graphdef, state, self.model_dict))
-    ckpt_lib.write_workdir_config(workdir, self.model_dict)
-    save_tokenizer(tokenizer, os.path.join(workdir, TOKENIZER_DIR))
-    self.state = state
-    self.curriculum = run_state.make_curriculum(rl, self.host.curriculum)
-    self.meta = {"model_config": self.model_dict, "signature": self.signature,
-                 "config": json.dumps(dataclasses.asdict(config))}
-    self.monitor = RLMonitor(workdir)
+      self.host = run_state.HostState(phase="sft" if sft_steps else "rl")
+      if self.rl.init_from:
+        self.state = self._placed(_load_init(self.rl, self.graphdef, self.state,
+                                             self.model_dict))
+    self.curriculum = run_state.make_curriculum(self.rl, self.host.curriculum)
+    self.monitor = run.begin()
+    self.meta = run.meta
+    rl = self.rl
     self.shaping = batch_lib.Shaping(rl.advantage, rl.dynamic_sampling, rl.overlong_buffer,
                                      rl.overlong_penalty, rl.max_tokens, rl.adv_std_ddof)
 
@@ -243,7 +234,7 @@ class _Run:
       self.state, m = step_fn(self.state, batches.batch_at(step))
       if (step + 1) % self.config.train.log_every == 0 or step + 1 == rl.sft_steps:
         loss = float(m["loss"])
-        self.monitor.record("sft", step + 1, {"loss": loss, "grad_norm": m["grad_norm"],
+        self.monitor.record(Event.SFT, step + 1, {"loss": loss, "grad_norm": m["grad_norm"],
                                               "lr": m["lr"]},
                             line=f"sft step {step + 1}/{rl.sft_steps} loss {loss:.4f} "
                                  f"({time.perf_counter() - t0:.0f}s)")
@@ -344,8 +335,11 @@ class _Run:
                    p["env"], p["to"], p["ema"], p["episodes"])
     host.iteration = i
     n_log = min(rl.log_trajectories, len(res.finished))
-    self.monitor.trajectories([dict(trajectory_log.trajectory_record(t, self.tokenizer),
-                                    iteration=i) for t in res.finished[:n_log]])
+    if n_log:
+      trajectory_log.write_trajectories(
+          os.path.join(self.workdir, "trajectories.jsonl"),
+          [dict(trajectory_log.trajectory_record(t, self.tokenizer), iteration=i)
+           for t in res.finished[:n_log]])
     return m
 
   def _learn(self, ready: list[Trajectory], i: int) -> dict[str, Any]:
@@ -391,43 +385,39 @@ class _Run:
     return out
 
 
-def _train_locked(config: RunConfig, workdir: str, tokenizer) -> dict[str, Any]:
-  rl = config.rl
+def _train(run: _Run) -> dict[str, Any]:
+  """The RL run's own work: SFT steps, then iterations, until done or a signal."""
+  rl = run.rl
   wall0 = time.time()
-  run = _Run(config, workdir, tokenizer)
   stopped = None
   last: dict[str, Any] = {}
-  try:
-    with StopFlag() as stop:
-      if run.host.phase == "sft":
-        run.run_sft(stop)
-      if run.host.phase == "rl" and stop.signum is None:
-        run.build_rollouts()
-        if not run.host.eval_history and rl.eval_every:
-          run.host.eval_history.append({"iteration": 0, "success": run.evaluate()})
-          run.monitor.record("eval", run.ckpt_step(), {"iteration": 0, **{
-              f"success/{c}": v for c, v in run.host.eval_history[-1]["success"].items()}})
-        while run.host.iteration < rl.iterations and stop.signum is None:
-          last = run.iteration()
-          i = run.host.iteration
-          line = progress_line(last, rl.iterations, sft_steps=run.sft_steps)
-          run.monitor.record("rl", run.ckpt_step(), last, line=line)
-          if (rl.eval_every and i % rl.eval_every == 0) or i == rl.iterations:
-            table = run.evaluate()
-            run.host.eval_history.append({"iteration": i, "success": table})
-            run.monitor.record("eval", run.ckpt_step(), {"iteration": i, **{
-                f"success/{c}": v for c, v in table.items()}},
-                line="eval " + " ".join(f"{c} {v:.2f}" for c, v in table.items()))
-            run.monitor.success_figure(run.host.eval_history)
-          if i % rl.save_every == 0 or i == rl.iterations:
-            run.save()
-      stopped = signal.Signals(stop.signum).name if stop.signum else None
-      if stopped:
-        run.save()
-    run.ckpt.wait()
-  finally:
-    run.ckpt.close()
-    run.monitor.close()
+  with StopFlag() as stop:
+    if run.host.phase == "sft":
+      run.run_sft(stop)
+    if run.host.phase == "rl" and stop.signum is None:
+      run.build_rollouts()
+      if not run.host.eval_history and rl.eval_every:
+        run.host.eval_history.append({"iteration": 0, "success": run.evaluate()})
+        run.monitor.record(Event.EVAL, run.ckpt_step(), {"iteration": 0, **{
+            f"success/{c}": v for c, v in run.host.eval_history[-1]["success"].items()}})
+      while run.host.iteration < rl.iterations and stop.signum is None:
+        last = run.iteration()
+        i = run.host.iteration
+        line = progress_line(last, rl.iterations, sft_steps=run.sft_steps)
+        run.monitor.record(Event.RL, run.ckpt_step(), last, line=line)
+        if (rl.eval_every and i % rl.eval_every == 0) or i == rl.iterations:
+          table = run.evaluate()
+          run.host.eval_history.append({"iteration": i, "success": table})
+          run.monitor.record(Event.EVAL, run.ckpt_step(), {"iteration": i, **{
+              f"success/{c}": v for c, v in table.items()}},
+              line="eval " + " ".join(f"{c} {v:.2f}" for c, v in table.items()))
+          progress.success_figure(run.workdir, run.host.eval_history)
+        if i % rl.save_every == 0 or i == rl.iterations:
+          run.save()
+    stopped = signal.Signals(stop.signum).name if stop.signum else None
+    if stopped:
+      run.save()
+  run.ckpt.wait()
   return {"phase": run.host.phase, "iteration": run.host.iteration,
           "eval_history": run.host.eval_history, "last": last, "stopped_by": stopped,
           "wall_s": time.time() - wall0, "state": run.state,

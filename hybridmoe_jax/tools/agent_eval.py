@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 from hybridmoe_jax import plots
 from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES
-from hybridmoe_jax.evals.cli import load_model_config
+from hybridmoe_jax.config.flags import load_model_config
 from hybridmoe_jax.loading import check_model_dir, load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.rl.envs import env_names

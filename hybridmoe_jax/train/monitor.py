@@ -20,6 +20,7 @@ a progress bar is redrawn every step below the log lines.
 from __future__ import annotations
 
 import collections
+import enum
 import json
 import math
 import os
@@ -34,6 +35,17 @@ import tensorboardX
 from hybridmoe_jax import plots
 from hybridmoe_jax.cli import terminal
 from hybridmoe_jax.cli.terminal import fmt_duration
+
+
+class Event(enum.StrEnum):
+  """The kinds of metrics.jsonl records that carry an "event" field: a run's start or resume
+  (with `hardware()`), and the RL run's SFT steps, iterations and held-out evaluations
+  (`Monitor.record`). Pre-training's per-step records carry "split" instead."""
+  START = "start"
+  RESUME = "resume"
+  SFT = "sft"
+  RL = "rl"
+  EVAL = "eval"
 
 
 def fmt_rate(x: float) -> str:
@@ -51,6 +63,11 @@ def _jsonable(x):
     return a.tolist()
   v = a.item()
   return v if not isinstance(v, float) or math.isfinite(v) else str(v)
+
+
+def _float_or_str(x) -> float | str:
+  v = float(np.asarray(x))
+  return v if math.isfinite(v) else str(v)
 
 
 def hardware() -> dict[str, Any]:
@@ -82,10 +99,11 @@ def spike_rule(factor: float) -> str:
 
 
 class Monitor:
-  """Progress line, TensorBoard events, JSONL metrics, alerts and expert-load heatmaps."""
+  """Progress line, TensorBoard events, JSONL metrics, alerts and expert-load heatmaps of
+  pre-training (`step`, `log_eval`) and the RL run's typed event records (`record`)."""
 
-  def __init__(self, workdir: str, t, *, start_step: int, total_steps: int,
-               tokens_seen: Callable[[int], int]):
+  def __init__(self, workdir: str, t, *, start_step: int = 0, total_steps: int = 0,
+               tokens_seen: Callable[[int], int] = lambda step: 0):
     """tokens_seen(step): training tokens in the first `step` steps (`Plan.tokens_seen`;
     a curriculum stage may change the tokens per step)."""
     self.workdir, self.t = workdir, t
@@ -255,6 +273,20 @@ class Monitor:
     for k, v in metrics.items():
       self.writer.add_scalar(f"eval/{k}", float(v), step)
     self.write_jsonl({"step": step, "split": "eval", **metrics, **(info or {})})
+
+  def record(self, event: Event, step: int, metrics: dict[str, Any], *,
+             line: str | None = None) -> None:
+    """One flat {"event", "step", name: number or string} JSON line (numbers as floats, a
+    non-finite one as its string) and TensorBoard scalars `<event>/<name>`; `line` goes to
+    the log."""
+    flat = {k: v if isinstance(v, str) else _float_or_str(v) for k, v in metrics.items()}
+    self.jsonl.write(json.dumps({"event": str(event), "step": int(step), **flat}) + "\n")
+    self.jsonl.flush()
+    for k, v in flat.items():
+      if isinstance(v, float):
+        self.writer.add_scalar(f"{event}/{k}", v, int(step))
+    if line:
+      logging.info("%s", line)
 
   def write_jsonl(self, record: dict[str, Any]) -> None:
     self.jsonl.write(json.dumps(_jsonable(record)) + "\n")

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.evals.cli import main
+from hybridmoe_jax.tools.evaluate import main
 from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.layers.moe import RoutingBias
@@ -66,7 +66,7 @@ def test_config_mismatch_in_process(export, tmp_path):
 
 def test_cli_bad_input(export):
   """run_eval.py as a user runs it: a bad flag value (absl), a flag combination run_eval.py
-  refuses, and a ValueError from evals.cli.main (printed as one `error:` line). The other
+  refuses, and a ValueError from tools.evaluate.main (printed as one `error:` line). The other
   ValueErrors of main take the same path: their messages are checked in process below."""
   assert "task" in _run(f"--params={export}", "--task=bleu")
   assert "exactly one of --workdir or --params" in _run("--task=ppl")
@@ -75,7 +75,7 @@ def test_cli_bad_input(export):
 
 
 def test_bad_input_in_process(export, tmp_path):
-  """evals.cli.main's ValueErrors (run_eval.py prints `error: <message>`), before any task."""
+  """tools.evaluate.main's ValueErrors (run_eval.py prints `error: <message>`), before any task."""
   def error(**kw):
     args = dict(task="generate", workdir=None, params=export, output_dir=str(tmp_path),
                 config=None, option_values={})

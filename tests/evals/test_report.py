@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.config import model_config_from_dict
-from hybridmoe_jax.evals import cli, report, report_data
+from hybridmoe_jax.evals import report, report_data
+from hybridmoe_jax.tools import evaluate
 from tests.conftest import ROOT, load_config
 
 CHROMIUM = "/usr/bin/chromium"
@@ -70,8 +71,8 @@ def run_report(tmp_path_factory):
   _make_run(w)
   before = _snapshot(w)
   lines = []
-  out = cli.main(task="report", workdir=str(w), params=None, output_dir=None, config=None,
-                 option_values={}, echo=lines.append)
+  out = evaluate.main(task="report", workdir=str(w), params=None, output_dir=None, config=None,
+                      option_values={}, echo=lines.append)
   assert _snapshot(w) == before                       # read-only: nothing moved or touched
   assert lines == [f"report: {w / 'report.html'}"]
   return w, pathlib.Path(out["report"]).read_text()
@@ -134,8 +135,8 @@ def test_report_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=why):
       report.write_report(str(workdir))
   with pytest.raises(ValueError, match="needs --workdir"):
-    cli.main(task="report", workdir=None, params=str(tmp_path), output_dir=None, config=None,
-             option_values={})
+    evaluate.main(task="report", workdir=None, params=str(tmp_path), output_dir=None, config=None,
+                  option_values={})
   r = subprocess.run([sys.executable, str(ROOT / "run_eval.py"), f"--workdir={tmp_path}",
                       "--task=report"], capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert r.returncode != 0

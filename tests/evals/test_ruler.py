@@ -15,7 +15,7 @@ from hybridmoe_jax.convert import convert
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.data.tokenizers.load import tokenizer_from_dir
 from hybridmoe_jax.evals import EvalOptions, report, run_evals, ruler, ruler_tasks, ruler_text
-from hybridmoe_jax.evals.cli import main
+from hybridmoe_jax.tools.evaluate import main
 from tests.convert.kimi_tiny import tiny_hf_config, write_hf_dir
 from tests.conftest import ROOT
 from tests._support import TWO_LAYERS, tiny_model

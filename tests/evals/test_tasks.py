@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
-from hybridmoe_jax.evals import cli, mqar, niah, ppl
+from hybridmoe_jax.evals import mqar, niah, ppl, runner
 from hybridmoe_jax.evals.runner import resolve_tasks
 
 
@@ -88,12 +88,12 @@ def test_options_and_tasks():
   assert resolve_tasks("all") == ["ppl", "niah", "mqar", "generate"]
   with pytest.raises(ValueError, match="unknown task"):
     resolve_tasks("bleu")
-  opts = cli.options_from_flags({"niah_lengths": ["96", "128"], "niah_depths": ["0", "0.5"]})
+  opts = runner.options_from_flags({"niah_lengths": ["96", "128"], "niah_depths": ["0", "0.5"]})
   assert opts.niah_lengths == (96, 128) and opts.niah_depths == (0.0, 0.5)
   with pytest.raises(ValueError, match="niah_lengths"):
-    cli.options_from_flags({"niah_lengths": ["x"]})
+    runner.options_from_flags({"niah_lengths": ["x"]})
   with pytest.raises(ValueError, match="max_new_tokens"):
-    cli.options_from_flags({"max_new_tokens": 0})
+    runner.options_from_flags({"max_new_tokens": 0})
 
 
 def test_niah_key_nll_is_the_teacher_forced_score_and_greedy_is_generate():

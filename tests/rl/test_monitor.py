@@ -4,7 +4,9 @@ zero-success notice) and the figures' x axes (RL iterations, not steps)."""
 import json
 
 from hybridmoe_jax import plots
-from hybridmoe_jax.rl.monitor import RLMonitor, progress_line
+from hybridmoe_jax.config.run import TrainConfig
+from hybridmoe_jax.rl.progress import progress_line, success_figure
+from hybridmoe_jax.train.monitor import Event, Monitor
 
 BASE = {"iteration": 3, "episodes": 64, "frontier/arithmetic": 1, "rollout_s": 2.0}
 
@@ -32,11 +34,11 @@ def test_a_zero_reward_iteration_says_so_and_why():
 
 
 def test_success_figure_counts_iterations(tmp_path):
-  mon = RLMonitor(str(tmp_path))
+  mon = Monitor(str(tmp_path), TrainConfig())
   try:
-    mon.record("rl", 101, dict(BASE, success=0.0), line=progress_line(
+    mon.record(Event.RL, 101, dict(BASE, success=0.0), line=progress_line(
         dict(BASE, success=0.0), 8, sft_steps=0))
-    path = mon.success_figure([{"iteration": 0, "success": {"arithmetic/L3": 0.1}},
+    path = success_figure(str(tmp_path), [{"iteration": 0, "success": {"arithmetic/L3": 0.1}},
                                {"iteration": 10, "success": {"arithmetic/L3": 0.3}}])
   finally:
     mon.close()

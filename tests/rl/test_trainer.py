@@ -191,10 +191,10 @@ def test_rollouts_and_the_expert_parallel_learner_share_one_graphdef(tmp_path, m
   c = tiny_rl_config(sft_steps=0, iterations=1, minibatches=1)
   c.mesh.data, c.mesh.expert = 2, 2
   c = run_config_from_dict(c)
-  run = trainer._Run(c, str(tmp_path), trainer._tokenizer(c))
-  assert run.rt.plan.moe_dispatch is not None
-  run.build_rollouts()
-  assert run.engine.graphdef == nnx.split(nnx.merge(run.graphdef, run.state.params,
-                                                    run.state.biases, run.state.rest))[0]
-  assert run.graphdef == abstract_train_state(c.model, c.compute, run.tx, c.train.seed)[0]
-  assert not hasattr(run, "engine_graphdef")
+  with trainer.open_rl_run(c, str(tmp_path)) as run:
+    assert run.rt.plan.moe_dispatch is not None
+    run.build_rollouts()
+    assert run.engine.graphdef == nnx.split(nnx.merge(run.graphdef, run.state.params,
+                                                      run.state.biases, run.state.rest))[0]
+    assert run.graphdef == abstract_train_state(c.model, c.compute, run.tx, c.train.seed)[0]
+    assert not hasattr(run, "engine_graphdef")

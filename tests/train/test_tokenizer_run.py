@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hybridmoe_jax.evals import cli
+from hybridmoe_jax.tools import evaluate
 from hybridmoe_jax.train.loop import InputError, train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import ROOT, load_config, one_device
@@ -56,16 +56,16 @@ def test_evals_read_the_workdir_tokenizer(bpe_run, tmp_path):
   lines = []
   opts = dict(ppl_max_len=64, ppl_max_docs=1, prefill_chunk=32, kv_block=32, max_len=64,
               prompt="The sky is", max_new_tokens=3)
-  out = cli.main(task="ppl", workdir=str(workdir), params=None, output_dir=str(tmp_path),
-                 config=None, option_values=opts, echo=lines.append)
+  out = evaluate.main(task="ppl", workdir=str(workdir), params=None, output_dir=str(tmp_path),
+                      config=None, option_values=opts, echo=lines.append)
   assert any("tokenizer.json (1024 ids)" in ln and str(workdir) in ln for ln in lines)
   ov = out["ppl"]["overall"]
   # 64 BPE tokens cover ~190 bytes (bytes counted by token_bytes, not one per token).
   assert ov["tokens"] == 63 and 2.0 * ov["tokens"] < ov["bytes"] < 5.0 * ov["tokens"]
   assert math.isfinite(ov["bits_per_byte"])
-  gen = cli.main(task="generate", workdir=str(workdir), params=None,
-                 output_dir=str(tmp_path / "g"), config=None, option_values=opts,
-                 echo=lines.append)["generate"]
+  gen = evaluate.main(task="generate", workdir=str(workdir), params=None,
+                      output_dir=str(tmp_path / "g"), config=None, option_values=opts,
+                      echo=lines.append)["generate"]
   assert 1 <= gen["new_tokens"] <= 3 and isinstance(gen["text"], str)
 
 

@@ -1,71 +1,33 @@
-"""What `run_eval.py` does after parsing flags: load, run, report. Bad input -> ValueError."""
+"""run_eval.py's program after its flags: a run's HTML report, the agent evaluation, or load
+a model and run the evaluation tasks on it (`evals.runner`). Bad input -> ValueError."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
-
-from hybridmoe_jax.config import ModelConfig, model_config_from_dict
+from hybridmoe_jax.config.flags import load_model_config
 from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.evals import niah, report, ruler
 from hybridmoe_jax.loading import load_model
-from hybridmoe_jax.evals.runner import (EvalOptions, default_output_dir, resolve_tasks,
+from hybridmoe_jax.evals.runner import (default_output_dir, options_from_flags, resolve_tasks,
                                         run_evals)
 from hybridmoe_jax.model.impls import describe_impls
-from hybridmoe_jax.config.flags import load_config_file
-
-
-def load_model_config(path: str) -> ModelConfig:
-  """The `model` section of a configs/*.py file (its get_config())."""
-  if not os.path.isfile(path):
-    raise ValueError(f"--config file {path} does not exist")
-  return model_config_from_dict(load_config_file(path).model)
-
-
-def options_from_flags(values: dict[str, Any]) -> EvalOptions:
-  """Build EvalOptions from flag values (lists -> tuples of the right type); check ranges."""
-  kw = {}
-  for f in dataclasses.fields(EvalOptions):
-    if f.name not in values or values[f.name] is None:
-      continue
-    v = values[f.name]
-    if isinstance(f.default, tuple):
-      cast = (float if f.name == "niah_depths" else
-              str if f.name in ("text_files", "ruler_tasks") else int)
-      try:
-        v = tuple(cast(x) for x in v)
-      except ValueError as e:
-        raise ValueError(f"--{f.name}: {e}") from None
-      if not v and f.name != "text_files":
-        raise ValueError(f"--{f.name} is empty")
-    kw[f.name] = v
-  opts = EvalOptions(**kw)
-  positive = ("prefill_chunk", "kv_block", "ppl_max_len", "ppl_max_docs", "niah_samples",
-              "niah_digits", "mqar_samples", "max_new_tokens", "max_len", "vqa_images")
-  for name in positive:
-    if getattr(opts, name) < 1:
-      raise ValueError(f"--{name} must be >= 1, got {getattr(opts, name)}")
-  for name in ("niah_lengths", "mqar_lengths", "mqar_pairs"):
-    if min(getattr(opts, name)) < 1:
-      raise ValueError(f"--{name} must hold positive integers, got {getattr(opts, name)}")
-  if min(opts.niah_lengths) < niah.min_length(opts.niah_digits):
-    raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
-                     f"and question (needs >= {niah.min_length(opts.niah_digits)})")
-  if not all(0.0 <= d <= 1.0 for d in opts.niah_depths):
-    raise ValueError(f"--niah_depths must lie in [0, 1], got {opts.niah_depths}")
-  ruler.check_options(opts.ruler_tasks, opts.ruler_lengths, opts.ruler_samples,
-                      opts.ruler_batch, opts.ruler_split)
-  return opts
+from hybridmoe_jax.tools import agent_eval
 
 
 def main(*, task: str, workdir: str | None, params: str | None, output_dir: str | None,
          config: str | None, option_values: dict[str, Any], echo=print) -> dict[str, Any]:
   """Load the model, run `task` ("all" for every task), write results under output_dir.
 
-  task "report" loads no model: it writes <output_dir or workdir>/report.html for a run.
+  task "report" loads no model: it writes <output_dir or workdir>/report.html for a run;
+  task "agent" rolls out tool-use episodes (`tools.agent_eval`, its options from the
+  agent_* values of `option_values`).
   """
+  if task == "agent":
+    return agent_eval.run_agent_eval(workdir=workdir, params=params, output_dir=output_dir,
+                                     config=config,
+                                     options=agent_eval.options_from_flags(option_values))
   if task == "report":
     if not workdir:
       raise ValueError("--task=report needs --workdir (a training run), not --params")
