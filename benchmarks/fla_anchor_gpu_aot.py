@@ -216,6 +216,8 @@ def main(argv=None) -> None:
   p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
   a = p.parse_args(argv)
   os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+  # Compile, never take Triton's disk cache: a cached kernel comes with no ptxas report.
+  os.environ["TRITON_ALWAYS_COMPILE"] = "1"
   try:
     import torch
     import triton
