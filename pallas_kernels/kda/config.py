@@ -87,9 +87,9 @@ def default_tpu_config(*, chunk_size: int, dtype) -> TpuConfig:
 def default_gpu_config(*, chunk_size: int, k: int, v: int, dtype) -> GpuConfig:
   # By ptxas's report for sm_90 (benchmarks/kda_gpu_aot.py, BENCHMARKS.md): the fused forward
   # spills at K = 128 with any tile (its per-chunk solves and the state share one program),
-  # the split forward does not: chunk_prep in XLA, then a states pass with value tiles of 16
-  # (the most programs a sequential pass can have: B x HV x V / 16) and chunk-parallel output
-  # and gradient kernels.
+  # the split forward does not: chunk_prep in XLA, then a states pass (value tiles of
+  # kernel_gpu.STATE_BV = 8, whatever block_v) and chunk-parallel output and gradient kernels
+  # over value tiles of block_v = 16.
   del k
   block_v = min(v, 16)
   precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
