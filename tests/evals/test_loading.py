@@ -84,8 +84,8 @@ def test_one_reader_eval_skips_in_place_training_quarantines_legacy_config_loads
   calls = []
   restore = ckpt_lib.Checkpointer.restore_latest
 
-  def spy(self, target, model_dict):
-    out = restore(self, target, model_dict)
+  def spy(self, target, model_dict, check=None):
+    out = restore(self, target, model_dict, check=check)
     calls.append((self.read_only, out.meta["step"], [s for s, _ in self.skipped]))
     return out
 
