@@ -112,3 +112,14 @@ def tiny_run_config(*, trial: bool = False, **train):
                               maxvio_alert_threshold=0.0, async_checkpoints=True),
                        **(TRIAL_CHECKPOINTS if trial else {}), **train})
   return config
+
+
+def group_specs(env: str, seeds, level: int, group_size: int, *, sample_seed: int = 0,
+                first_group: int = 0, forced: tuple = (), env_kwargs: tuple = ()):
+  """group_size rl EpisodeSpecs per task seed (one group each), with distinct sample seeds:
+  episode j of group g gets sample_seed + g * group_size + j (mod 2**32)."""
+  from hybridmoe_jax.rl.episode import EpisodeSpec  # lazily: only the rl tests need rl
+  return [EpisodeSpec(env, int(seed), int(level), first_group + g,
+                      (sample_seed + (first_group + g) * group_size + j) % 2**32, forced,
+                      env_kwargs)
+          for g, seed in enumerate(seeds) for j in range(group_size)]

@@ -33,27 +33,12 @@ def patchify(images: jax.Array, p: int) -> jax.Array:
   return x.reshape(n, (h // p) * (w // p), p * p * c)
 
 
-def unpatchify(patches: jax.Array, p: int, gh: int, gw: int, c: int) -> jax.Array:
-  """Inverse of patchify: [N, gh*gw, p*p*C] -> [N, gh*p, gw*p, C]."""
-  n = patches.shape[0]
-  x = patches.reshape(n, gh, gw, p, p, c).transpose(0, 1, 3, 2, 4, 5)
-  return x.reshape(n, gh * p, gw * p, c)
-
-
 def merge2x2(x: jax.Array, gh: int, gw: int) -> jax.Array:
   """[N, gh*gw, D] -> [N, (gh/2)*(gw/2), 4D]: each 2x2 block of patches becomes one token,
   features ordered (dy, dx, D)."""
   n, _, d = x.shape
   x = x.reshape(n, gh // 2, 2, gw // 2, 2, d).transpose(0, 1, 3, 2, 4, 5)
   return x.reshape(n, (gh // 2) * (gw // 2), 4 * d)
-
-
-def unmerge2x2(x: jax.Array, gh: int, gw: int) -> jax.Array:
-  """Inverse of merge2x2: [N, (gh/2)*(gw/2), 4D] -> [N, gh*gw, D]."""
-  n, _, d4 = x.shape
-  d = d4 // 4
-  x = x.reshape(n, gh // 2, gw // 2, 2, 2, d).transpose(0, 1, 3, 2, 4, 5)
-  return x.reshape(n, gh * gw, d)
 
 
 def interp_weights(size: jax.Array, out_len: int, native: int) -> jax.Array:

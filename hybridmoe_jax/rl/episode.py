@@ -103,24 +103,6 @@ class EpisodeSpec:
     return make_env(self.env, **dict(self.env_kwargs))
 
 
-def group_specs(env: str, seeds, level: int, group_size: int, *, sample_seed: int = 0,
-                first_group: int = 0, forced: tuple = (), env_kwargs: tuple = ()
-                ) -> list[EpisodeSpec]:
-  """group_size episodes per task seed (one group each), with distinct sample seeds.
-
-  Episode j of group g gets sample_seed = sample_seed + g * group_size + j (mod 2**32).
-  """
-  if not (isinstance(group_size, int) and group_size >= 1):
-    raise ValueError(f"group_size = {group_size!r}: allowed an int >= 1")
-  out = []
-  for g, seed in enumerate(seeds):
-    for j in range(group_size):
-      s = (sample_seed + (first_group + g) * group_size + j) % (_MAX_SAMPLE_SEED + 1)
-      out.append(EpisodeSpec(env, int(seed), int(level), first_group + g, s, forced,
-                             env_kwargs))
-  return out
-
-
 def oracle_script(spec: EpisodeSpec, turns: int | None = None) -> tuple:
   """The first `turns` (all if None) oracle actions of the spec's episode (for `forced`)."""
   env = spec.make_env()

@@ -17,8 +17,8 @@ Forward, per chunk (DESIGN s1.1-1.2), with G the inclusive cumsum of g over the 
 (Vn = U - W S of DESIGN s1.1 with W, U never formed: one solve instead of two.)
 Packed sequences (packed=True) keep the plain chunk cumsum and add 0/1 segment masks only
 (see forward_chunk): every exponent stays a sum of gates, so the bounds above still hold.
-The backward recurrence (state-gradient scan over chunks) is `backward_chunk`; it works on
-whole-chunk [C, F] tensors precomputed in XLA (reference.chunk_prep).
+The split forward's recurrence (`output_chunk`) works on whole-chunk [C, F] tensors
+precomputed in XLA (prep.chunk_prep).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def forward_chunk(
     scale: query scale.
     prec: lax precision of the matmuls (the cumsum and the 16 x 16 inverses are
       always HIGHEST).
-    packed: mask by segment (reference.chunk_prep explains why the plain cumsum stays
+    packed: mask by segment (prep.chunk_prep explains why the plain cumsum stays
       exact): rows with seg > 0 do not see St, only rows in the chunk's last segment write
       the next state, St is dropped if the chunk holds a start, and scores pair tokens of
       one segment only. False compiles none of it.
@@ -222,26 +222,8 @@ def states_chunk(w, u, k_out, decay, St, prec):
 
 def output_chunk(w, u, q_in, k_out, a_qk, decay, St, prec):
   """Outputs [C, BV] and the next state of one chunk from precomputed chunk quantities
-  (the split forward: reference.chunk_prep in XLA, then this recurrence in Pallas)."""
+  (the split forward: prep.chunk_prep in XLA, then this recurrence in Pallas)."""
   v_new = u - mm_nt(w, St, prec)
   o = mm_nt(q_in, St, prec) + mm(a_qk, v_new, prec)
   return o, St * decay + mm_tn(v_new, k_out, prec)
 
-
-def backward_chunk(w, q_in, k_out, a_qk, u, do, decay, St, dSt, prec):
-  """Reverse step of the chunk recurrence Vn = U - W S, O = q_in S + A Vn,
-  S' = diag(decay) S + k_out^T Vn, in the transposed layout St = S^T.
-
-  Args: w, q_in, k_out [C, K]; a_qk [C, C]; u, do [C, BV]; decay [1, K]; St [BV, K] the
-    state entering the chunk; dSt [BV, K] the gradient w.r.t. the state leaving it.
-  Returns: (dw, dq_in, dk_out [C, K], da [C, C], du [C, BV], ddecay [1, K], dSt entering).
-  """
-  v_new = u - mm_nt(w, St, prec)
-  dv_new = mm_tn(a_qk, do, prec) + mm_nt(k_out, dSt, prec)
-  dq_in = mm(do, St, prec)
-  da = mm_nt(do, v_new, prec)
-  dk_out = mm(v_new, dSt, prec)
-  ddecay = jnp.sum(St * dSt, axis=0, keepdims=True)
-  dw = -mm(dv_new, St, prec)
-  dSt_in = mm_tn(do, q_in, prec) + dSt * decay - mm_tn(dv_new, w, prec)
-  return dw, dq_in, dk_out, da, dv_new, ddecay, dSt_in

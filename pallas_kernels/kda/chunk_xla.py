@@ -53,12 +53,12 @@ def diag_block_pairwise(a: jax.Array, b: jax.Array, G: jax.Array) -> jax.Array:
   return jnp.einsum("...ic,...ijc->...ij", a.astype(jnp.float32), weighted, precision=_HIGHEST)
 
 
-def invert_unit_lower(L: jax.Array) -> jax.Array:
+def invert_unit_lower(L: jax.Array, newton_steps: int = 1) -> jax.Array:
   """(I + L)^-1 for strictly lower-triangular L: [..., n, n] float32, n <= 16.
 
   L is nilpotent (L^n = 0), so (I + L)^-1 = sum_p (-L)^p = (I - L)(I + L^2)(I + L^4)(I + L^8)
   exactly: three squarings and three products, all matmuls (no sequential row loop), then
-  one Newton refinement step.
+  `newton_steps` Newton refinement steps (prep.chunk_prep takes 2: NUMERICS.md).
   """
   n = L.shape[-1]
   if n > 16:
@@ -69,10 +69,12 @@ def invert_unit_lower(L: jax.Array) -> jax.Array:
   for _ in range(3):  # L^2, L^4, L^8
     power = jnp.matmul(power, power, precision=_HIGHEST)
     inv = jnp.matmul(inv, eye + power, precision=_HIGHEST)
-  # One Newton step X <- X (2I - (I + L) X): the product form loses ~1e-4 when keys are
-  # nearly parallel with gates ~ 0 and beta ~ 1; the step squares that residual away.
-  residual = eye - jnp.matmul(eye + L, inv, precision=_HIGHEST)
-  return inv + jnp.matmul(inv, residual, precision=_HIGHEST)
+  # Newton steps X <- X (2I - (I + L) X): the product form loses ~1e-4 when keys are
+  # nearly parallel with gates ~ 0 and beta ~ 1; each step squares that residual away.
+  for _ in range(newton_steps):
+    residual = eye - jnp.matmul(eye + L, inv, precision=_HIGHEST)
+    inv = inv + jnp.matmul(inv, residual, precision=_HIGHEST)
+  return inv
 
 
 def mm(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -166,18 +168,19 @@ def scores(q, k, dec: Decays, keep_qk, keep_kk):
   return scores(q, diags[0], keep_qk), scores(k, diags[1], keep_kk)
 
 
-def unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
+def unit_lower_solve(L: jax.Array, rhs: jax.Array, newton_steps: int = 1) -> jax.Array:
   """X = (I + L)^-1 rhs for strictly lower L [..., C, C] and rhs [..., C, F].
 
   Forward substitution over 16-row blocks: X_r = (I + L_rr)^-1 (rhs_r - L_r,<r X_<r), with
-  the 16x16 inverses from the nilpotent product formula. Only matmuls, so it compiles and
-  differentiates quickly (XLA CPU's batched triangular_solve gradient is very slow).
+  the 16x16 inverses from the nilpotent product formula (`invert_unit_lower`). Only
+  matmuls, so it compiles and differentiates quickly (XLA CPU's batched triangular_solve
+  gradient is very slow).
   """
   c = L.shape[-1]
   nb = c // SUB
   diag = jnp.stack([L[..., r * SUB : (r + 1) * SUB, r * SUB : (r + 1) * SUB]
                     for r in range(nb)], axis=-3)  # [..., nb, 16, 16]
-  diag_inv = invert_unit_lower(diag)
+  diag_inv = invert_unit_lower(diag, newton_steps)
   xs = []
   for r in range(nb):
     rows = slice(r * SUB, (r + 1) * SUB)

@@ -243,7 +243,7 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
 
   The sequential reverse pass over the state gradient (`_state_grads`), then every chunk's
   gradients at once from the states entering it (st) and the state gradients leaving it
-  (`chunk_math.backward_chunk`'s products without its carry), in two kernels of one program
+  (the chunk recurrence's reverse products, without its carry), in two kernels of one program
   per (head, chunk): dw, dq_in, dk_out; and da, du, ddecay. Each walks the value tiles of
   BV and sums over them in registers, so no per-tile partial sums reach HBM."""
   BH, N, C, K = w.shape

@@ -16,9 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .chunk_xla import SUB, causal_mask, intra_chunk_scores, invert_unit_lower, mm, sub_blocks
+from .chunk_xla import SUB, causal_mask, intra_chunk_scores, mm, sub_blocks, unit_lower_solve
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 _f32 = jnp.float32
 
 
@@ -48,29 +47,6 @@ def chunk_cumsum(g: jax.Array) -> jax.Array:
   Gl = mm(causal_mask(SUB).astype(_f32), sub_blocks(g))
   before = jnp.tril(jnp.ones((nb, nb), _f32), -1)
   return (mm(before, Gl[..., -1, :])[..., None, :] + Gl).reshape(g.shape)
-
-
-def _refined_inverse(L: jax.Array) -> jax.Array:
-  """(I + L)^-1 of strictly lower [..., 16, 16] blocks: the Neumann product plus one Newton
-  step, as in the kernels (chunk_math.invert_unit_lower16; NUMERICS.md)."""
-  eye = jnp.eye(L.shape[-1], dtype=L.dtype)
-  inv = invert_unit_lower(L)
-  residual = eye - jnp.matmul(eye + L, inv, precision=_HIGHEST)
-  return inv + jnp.matmul(inv, residual, precision=_HIGHEST)
-
-
-def _unit_lower_solve(L: jax.Array, rhs: jax.Array) -> jax.Array:
-  """X = (I + L)^-1 rhs for strictly lower L [..., C, C]: 16-row block substitution
-  X_r = D_r (rhs_r - L_r,<r X_<r) with refined diagonal inverses D_r."""
-  xs = []
-  for r in range(L.shape[-1] // SUB):
-    rows = slice(r * SUB, (r + 1) * SUB)
-    acc = rhs[..., rows, :]
-    if r:
-      done = jnp.concatenate(xs, axis=-2)
-      acc = acc - jnp.matmul(L[..., rows, : r * SUB], done, precision=_HIGHEST)
-    xs.append(jnp.matmul(_refined_inverse(L[..., rows, rows]), acc, precision=_HIGHEST))
-  return jnp.concatenate(xs, axis=-2)
 
 
 def chunk_prep(q, k, v, g, beta, seg=None, *, scale: float, lower_bound: float,
@@ -109,7 +85,9 @@ def chunk_prep(q, k, v, g, beta, seg=None, *, scale: float, lower_bound: float,
     out_decay = jnp.where(sc[..., None] == sc[..., -1:, None], out_decay, 0.0)
     decay = jnp.where(sc[..., -1:, None] == 0, decay, 0.0)
   K = qc.shape[-1]
-  wu = _unit_lower_solve(lower, jnp.concatenate([bc * kc * decay_in, bc * vc], axis=-1))
+  # 16 x 16 inverses refined by two Newton steps (the kernels take one: NUMERICS.md).
+  wu = unit_lower_solve(lower, jnp.concatenate([bc * kc * decay_in, bc * vc], axis=-1),
+                        newton_steps=2)
   return ChunkPrep(
       w=wu[..., :K],
       u=wu[..., K:],

@@ -18,11 +18,10 @@ from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import batch as batch_lib
 from hybridmoe_jax.rl import learner, sft
-from hybridmoe_jax.rl.episode import group_specs
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.rl import RLConfig, RLEnvConfig
 from hybridmoe_jax.train.state import split_model, TrainState
-from tests._support import tiny_model_config
+from tests._support import group_specs, tiny_model_config
 
 TOK = ByteTokenizer(chat=True)
 GROUP = 4

@@ -22,9 +22,9 @@ from hybridmoe_jax.infer.sampling import filter_logits, sampling_logits
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer, Tool, ToolCall, register_tool
-from hybridmoe_jax.rl.episode import (EpisodeSpec, PendingEpisode, group_specs, oracle_script)
+from hybridmoe_jax.rl.episode import EpisodeSpec, PendingEpisode, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from tests._support import tiny_model_config
+from tests._support import group_specs, tiny_model_config
 
 TOK = ByteTokenizer(chat=True)
 MAX_LEN = 1024          # cache capacity = the reference forward's padded width

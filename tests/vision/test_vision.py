@@ -36,7 +36,7 @@ def _tower_fwd(tower, images, grid):
 # ------------------------------------------------------------------------------ tower ops
 
 
-def test_patchify_matches_loops_and_inverts():
+def test_patchify_matches_loops():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(2, 8, 12, 3)).astype(np.float32)
   got = np.asarray(V.patchify(jnp.asarray(x), P))
@@ -46,10 +46,9 @@ def test_patchify_matches_loops_and_inverts():
       for j in range(3):
         ref = x[n, i * P:(i + 1) * P, j * P:(j + 1) * P].reshape(-1)
         np.testing.assert_array_equal(got[n, i * 3 + j], ref)
-  np.testing.assert_array_equal(np.asarray(V.unpatchify(jnp.asarray(got), P, 2, 3, 3)), x)
 
 
-def test_merge_groups_2x2_blocks_and_inverts():
+def test_merge_groups_2x2_blocks():
   gh, gw, d = 4, 6, 5
   x = np.random.default_rng(1).normal(size=(2, gh * gw, d)).astype(np.float32)
   got = np.asarray(V.merge2x2(jnp.asarray(x), gh, gw))
@@ -60,7 +59,6 @@ def test_merge_groups_2x2_blocks_and_inverts():
       ref = np.concatenate([grid[:, 2 * r + dy, 2 * c + dx] for dy in (0, 1) for dx in (0, 1)],
                            -1)
       np.testing.assert_array_equal(got[:, r * (gw // 2) + c], ref)
-  np.testing.assert_array_equal(np.asarray(V.unmerge2x2(jnp.asarray(got), gh, gw)), x)
 
 
 def _bilinear_ref(table, h, w):
