@@ -2,14 +2,10 @@
 
 from hybridmoe_jax.infer.context_engine import ContextParallelEngine
 from hybridmoe_jax.infer.engine import Engine
-from hybridmoe_jax.infer.engine import GenerateOutput
 from hybridmoe_jax.infer.functional import decode_step
-from hybridmoe_jax.infer.functional import generate
 from hybridmoe_jax.infer.functional import prefill
 from hybridmoe_jax.infer.engine import trace_counts
 from hybridmoe_jax.infer.sampling import SamplingConfig
-from hybridmoe_jax.infer.sampling import sample
-from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.model.cache import KDACache
 from hybridmoe_jax.model.cache import MLACache
 from hybridmoe_jax.model.cache import cache_bytes

@@ -3,4 +3,3 @@
 from hybridmoe_jax.model.count import count_params
 from hybridmoe_jax.model.count import param_breakdown
 from hybridmoe_jax.model.decoder import HybridLM
-from hybridmoe_jax.model.decoder import check_routes
