@@ -15,8 +15,8 @@ Topologies are `hardware.topology` names (config/hardware.py): TPU slices 'v5p-6
 'v6e-16', ... (4 chips per VM; v5e / v6e slices of <= 8 chips are one VM), GPUs
 'h100:2x8' (2 nodes of 8).
 
-XPK: the command is checked against the installed xpk's own argument parser when xpk is
-importable (`xpk_parser_check`); written for xpk 0.6 (`workload create` with --cluster,
+XPK: the tests check the command against the installed xpk's own argument parser when
+xpk is importable; written for xpk 0.6 (`workload create` with --cluster,
 --workload, --tpu-type, --num-slices, --docker-image, --command).
 """
 
@@ -127,20 +127,6 @@ def render_xpk(launch: Launch) -> str:
   argv += [f"--project={launch.project}"] if launch.project else []
   argv += [f"--zone={launch.zone}"] if launch.zone else []
   return shlex.join(argv)
-
-
-def xpk_parser_check(command: str):
-  """Parses `command` with the installed xpk's argparse parser; returns the namespace.
-
-  Raises:
-    ImportError: xpk is not installed. SystemExit: xpk's parser rejects the command.
-  """
-  import argparse  # pylint: disable=g-import-not-at-top
-  from xpk.parser.core import set_parser  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(prog="xpk")
-  set_parser(parser)
-  argv = shlex.split(command)
-  return parser.parse_args(argv[1:])
 
 
 def _yaml(value, indent: int = 0) -> str:

@@ -3,6 +3,7 @@ xpk is installed), the JobSet as YAML with its required fields and the coordinat
 process-id environment, the SLURM script by bash and its #SBATCH lines; each carries the run
 flags verbatim. Bad arguments: one line each."""
 
+import argparse
 import shlex
 import subprocess
 import sys
@@ -37,14 +38,20 @@ def test_xpk_command_parses_with_xpk():
   assert argv[:3] == ["xpk", "workload", "create"] and "--tpu-type=v5p-64" in argv
   run = shlex.split(next(a for a in argv if a.startswith("--command="))[len("--command="):])
   assert run == ["python", "run_train.py", "--distributed", *FLAGS]
-  xpk = pytest.importorskip("xpk", reason="xpk not installed: its parser check is skipped "
-                            f"(the command targets xpk {recipes.XPK_VERSION})")
-  del xpk
-  ns = recipes.xpk_parser_check(cmd)
+  pytest.importorskip("xpk", reason="xpk not installed: its parser check is skipped "
+                      f"(the command targets xpk {recipes.XPK_VERSION})")
+  from xpk.parser.core import set_parser  # pylint: disable=g-import-not-at-top
+
+  def xpk_parser_check(command: str):  # xpk's own argparse parser; SystemExit if it refuses
+    parser = argparse.ArgumentParser(prog="xpk")
+    set_parser(parser)
+    return parser.parse_args(shlex.split(command)[1:])
+
+  ns = xpk_parser_check(cmd)
   assert (ns.cluster, ns.workload, ns.tpu_type, ns.num_slices) == ("c1", "hm-run", "v5p-64", 1)
   assert shlex.split(ns.command)[3:] == list(FLAGS)
   with pytest.raises(SystemExit):  # the check has teeth: xpk refuses an unknown flag
-    recipes.xpk_parser_check(cmd + " --no-such-xpk-flag")
+    xpk_parser_check(cmd + " --no-such-xpk-flag")
 
 
 @pytest.mark.parametrize("topology,resource,per,hosts", [
