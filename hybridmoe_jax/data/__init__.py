@@ -9,16 +9,10 @@ from their modules (`data.tokenizers.load` builds and reads them back).
 import importlib
 
 _PUBLIC = {
-    "build_vlm_train_and_eval": "vlm_pipeline",
-    "StdlibLongDocSource": "long_docs",
     "pack_documents": "packing", "unpack_row": "packing",
-    "TrainEvalData": "pipeline", "build_train_and_eval": "pipeline",
-    "eval_batches": "pipeline", "make_pipeline": "pipeline",
-    "RetrievalSource": "retrieval",
-    "BundledTextSource": "sources", "JsonlSource": "sources", "SubsetSource": "sources",
-    "TextFileSource": "sources", "split_source": "sources", "make_source": "sources",
-    "source_from_config": "sources",
-    "StageData": "stages", "StagedIterator": "stages", "make_stage_dataset": "stages",
+    "build_train_and_eval": "pipeline", "eval_batches": "pipeline", "make_pipeline": "pipeline",
+    "BundledTextSource": "sources", "JsonlSource": "sources", "TextFileSource": "sources",
+    "split_source": "sources", "make_source": "sources", "source_from_config": "sources",
 }
 __all__ = sorted(_PUBLIC)
 
