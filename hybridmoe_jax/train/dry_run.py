@@ -21,9 +21,11 @@ import math
 import jax
 
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, param_pieces
+from hybridmoe_jax.model.stack import layer_split
 from hybridmoe_jax.ops.cross_entropy import VOCAB_BLOCK
 from hybridmoe_jax.ops.kda.chunked import scan_steps
 from hybridmoe_jax.ops.attention.api import memory_core
+from hybridmoe_jax.parallel.ep_moe import buffer_rows
 from hybridmoe_jax.parallel.mesh import mesh_shape
 from hybridmoe_jax.config.hardware import parse_topology
 from hybridmoe_jax.config.run import MeshConfig, RunConfig
@@ -59,18 +61,24 @@ def estimate(run: RunConfig, plan: plan_lib.Plan) -> dict:
   counts = param_breakdown(cfg)
   total, active = sum(counts.values()), active_from_breakdown(cfg, counts)
   tx = optim.make_optimizer(run.train, plan.schedule())
-  param_bytes = opt_bytes = dev_param_bytes = dev_opt_bytes = 0
-  for _, params, times in param_pieces(cfg, vision=True):
+  param_bytes = opt_bytes = dev_param_bytes = dev_opt_bytes = dev_scanned_bytes = 0
+  scanned = set(layer_split(cfg).scanned) if run.compute.scan_layers else set()
+  variants = {index: [index, *rest] for index, *rest in cfg.layer_variants().values()}
+  for index, params, times in param_pieces(cfg, vision=True):
     opt = jax.eval_shape(tx.init, params)
+    dev = _device_bytes(params, mesh)
     param_bytes += times * _bytes(params)
     opt_bytes += times * _bytes(opt)
-    dev_param_bytes += times * _device_bytes(params, mesh)
+    dev_param_bytes += times * dev
     dev_opt_bytes += times * _device_bytes(opt, mesh)
+    if index is not None:
+      dev_scanned_bytes += dev * sum(i in scanned for i in variants[index])
   return {
       "total": total, "active": active, "mesh": mesh,
       "devices": math.prod(mesh.values()), "param_bytes": param_bytes,
       "opt_bytes": opt_bytes, "per_device_param_bytes": dev_param_bytes,
       "per_device_opt_bytes": dev_opt_bytes,
+      "per_device_scanned_param_bytes": dev_scanned_bytes,
       "per_param_split": dev_param_bytes / max(param_bytes, 1),
       "optimizer": run.train.optimizer,
   }
@@ -139,6 +147,24 @@ def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
   return float(max(head, experts))
 
 
+def ep_buffer_bytes(cfg, compute, mesh: dict[str, int], tokens: float,
+                    act_bytes: int) -> float:
+  """Bytes one MoE layer's expert-parallel exchange holds beyond the traced (local, balanced)
+  rows: the receive buffer is compiled at R rows (`parallel.ep_moe.buffer_rows`: the worst
+  case G a dropless, ceil(c a) with compute.moe_capacity_factor c), a = tokens x k. Per
+  extra row, forward and gradient: the received input and the returned output [n], the
+  gate and up outputs and the activation [I] each, in the compute dtype. 0 without expert
+  parallelism."""
+  shards = mesh.get("expert", 1)
+  if shards <= 1 or cfg.num_layers <= cfg.moe.first_dense_layers:
+    return 0.0
+  moe = cfg.moe
+  a = max(int(tokens), 1) * moe.experts_per_token
+  rows = buffer_rows(a, shards, compute.moe_capacity_factor)
+  width = moe.latent_dim or cfg.d_model
+  return max(rows - a, 0) * (2 * width + 3 * moe.expert_intermediate) * act_bytes * 2.0
+
+
 def batch_rows(mesh: dict[str, int], batch_size: int, grad_accum: int = 1) -> float:
   """Sequences of one microbatch per batch shard: batch_size / grad_accum rows over data x
   fsdp (below 1: a sequence's share, split over context), and over expert too where the
@@ -161,6 +187,11 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
       gradient_sum: with train.grad_accum > 1, the microbatch loop's fp32 running sum (one
         more gradient set);
       gathered: `gathered_weight_bytes` (ZeRO-3's gathered weight and its gradient);
+      scan_weight_copy: with compute.scan_layers and a 16-bit compute dtype, the
+        compute-dtype copy of every scanned layer's (fp32, sharded) weights: libtpu hoists
+        each layer's cast out of the layer scan and casts the whole stack once, so the copy
+        lives through the step (its `convert` of bf16[R, ...] stacks in the entry
+        computation; an optimization_barrier in the body does not stop it);
       activations: what the forward keeps for the backward, counted by JAX
         (`memory_model.residual_bytes`: projections, conv outputs, gates, KDA scan states,
         MLA latents, router and expert activations) x the microbatch's tokens here;
@@ -174,7 +205,10 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
       attention: the blockwise core's [H, block, block] fp32 workspace in flight (dense:
         already in the activations);
       logits: the loss's fp32 logits of one vocabulary block, their exponentials and
-        gradient ([tokens, block] x 3; `ops.cross_entropy`, never the whole vocabulary).
+        gradient ([tokens, block] x 3; `ops.cross_entropy`, never the whole vocabulary);
+      ep_buffers: with mesh.expert > 1, the expert-parallel receive buffer's rows beyond the
+        balanced ones the traced residuals hold (`ep_buffer_bytes`), for the layer being
+        recomputed (every MoE layer without remat).
     Rows of a microbatch split over data x fsdp x expert where they divide
     (`batch_rows`); each sequence over mesh.context.
     `kda_states` (fp32 [HV, K, V] per chunked-scan step and KDA layer) is reported as a
@@ -189,6 +223,7 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   per_tok = memory_model.residual_bytes(cfg, compute, seq_len)
   act_bytes = 2 if compute.dtype in ("bfloat16", "float16") else 4
   n_kda = sum(k == "kda" for k in cfg.layer_kinds)
+  n_moe = max(cfg.num_layers - cfg.moe.first_dense_layers, 0)
   n_mla = len(cfg.layer_kinds) - n_kda
   k, m = cfg.kda, cfg.mla
   # The chunked scan keeps one fp32 state per step for the backward.
@@ -199,10 +234,13 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
   core = memory_core(compute.mla_impl, seq_len, compute.mla_block)
   attention = (blockwise_workspace_bytes(cfg, compute.mla_block, rows_mb)
                if core == "blockwise" and n_mla else 0.0)
+  ep_extra = ep_buffer_bytes(cfg, compute, mesh, tokens, act_bytes)
   static = {"params": e["per_device_param_bytes"], "gradients": e["per_device_param_bytes"],
             "optimizer": e["per_device_opt_bytes"],
             "gradient_sum": e["per_device_param_bytes"] if run.train.grad_accum > 1 else 0.0,
-            "gathered": gathered_weight_bytes(cfg, mesh, act_bytes)}
+            "gathered": gathered_weight_bytes(cfg, mesh, act_bytes),
+            "scan_weight_copy": e.get("per_device_scanned_param_bytes", 0.0) * act_bytes / 4
+            if act_bytes < 4 and compute.scan_layers else 0.0}
   out = {}
   for p in REMATS:
     kept = n_mla if p == "none" else min(1, n_mla)
@@ -212,7 +250,8 @@ def stage_memory(run: RunConfig, e: dict, seq_len: int, batch_size: int
                   * e["per_param_split"],
                   mla_latents=latent_one * kept,
                   attention=attention,
-                  logits=3.0 * 4 * min(cfg.vocab_size, VOCAB_BLOCK) * tokens)
+                  logits=3.0 * 4 * min(cfg.vocab_size, VOCAB_BLOCK) * tokens,
+                  ep_buffers=ep_extra if p != "none" else ep_extra * n_moe)
     out[p]["kda_states"] = kda_one * (n_kda if p == "none" else min(1, n_kda))
   return out
 
@@ -237,10 +276,12 @@ def format_table(header: list[str], rows: list[list[str]], indent: str = "  ") -
 # Rows of the memory table: (component, label); kda_states is a part of another row.
 _COMPONENTS = (("params", "params (fp32 master)"), ("gradients", "gradients"),
                ("optimizer", "optimizer state"), ("gradient_sum", "gradient sum (grad_accum)"),
-               ("gathered", "gathered weight + grad"), ("activations", "activations (kept)"),
+               ("gathered", "gathered weight + grad"),
+               ("scan_weight_copy", "scanned weights, compute-dtype copy"),
+               ("activations", "activations (kept)"),
                ("recompute", "recompute (1 layer)"), ("weight_copies", "weight copies"),
                ("mla_latents", "MLA latents (gathered)"), ("attention", "attention workspace"),
-               ("logits", "logits + grad"))
+               ("logits", "logits + grad"), ("ep_buffers", "EP receive buffers"))
 
 
 def _kda_parent(remat: str) -> str:
@@ -286,7 +327,8 @@ def _verdict(run: RunConfig, comps: dict[str, dict[str, float]], rows: float,
 
 # The per-device bytes that only more devices shrink (sharded over fsdp / expert): neither
 # grad_accum (a smaller microbatch) nor mesh.context (a shorter sequence piece) changes them.
-STATE_COMPONENTS = ("params", "gradients", "optimizer", "gradient_sum", "weight_copies")
+STATE_COMPONENTS = ("params", "gradients", "optimizer", "gradient_sum", "weight_copies",
+                    "scan_weight_copy")
 
 
 def state_advice(state: float, usable: float, devices: int) -> str:
