@@ -57,6 +57,16 @@ def _head_major(x: jax.Array, tp: int, dtype=None) -> jax.Array:
   return jnp.swapaxes(x, 1, 2)
 
 
+def _flat_t(s: jax.Array) -> jax.Array:
+  """State [B, HV, K, V] -> the kernels' transposed, flattened [B*HV, V, K] float32."""
+  return jnp.swapaxes(s.astype(_f32), -1, -2).reshape(-1, *s.shape[:-3:-1])
+
+
+def _unflat_t(st: jax.Array, B: int) -> jax.Array:
+  """Inverse of _flat_t: [B*HV, V, K] -> [B, HV, K, V]."""
+  return jnp.swapaxes(st.reshape(B, -1, *st.shape[1:]), -1, -2)
+
+
 def _prep(q, k, v, g, beta, seg, st: Static) -> ChunkPrep:
   return chunk_prep(q, k, v, g, beta, seg, scale=st.scale, lower_bound=st.lower_bound,
                     chunk_size=st.cfg.chunk_size)
@@ -64,21 +74,19 @@ def _prep(q, k, v, g, beta, seg, st: Static) -> ChunkPrep:
 
 def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
   """XLA chunk_prep (chunk-parallel) + the Pallas recurrence over chunks."""
-  B, T, _, K = q.shape
+  B, T = q.shape[:2]
   HV, V = v.shape[2], v.shape[3]
-  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
   if st.backend == "gpu":  # one slice of chunks at a time (kernel_gpu.SLICE_CHUNKS)
-    o, ht_t = kernel_gpu.sliced_forward(q, k, v, g, beta, seg, s0_t,
+    o, ht_t = kernel_gpu.sliced_forward(q, k, v, g, beta, seg, _flat_t(h0),
                                         prep_fn=functools.partial(_prep, st=st), cfg=st.cfg,
                                         interpret=st.interpret)
-    return o, jnp.swapaxes(ht_t.reshape(B, HV, V, K), -1, -2)
+    return o, _unflat_t(ht_t, B)
   tp = padded_length(T, st.backend, st.cfg)  # seg's length
   prep = _prep(*(_pad_t(x, tp) for x in (q, k, v, g, beta)), seg, st)
   o, ht_t = st.kernels.recurrent_forward(
-      prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, s0_t,
+      prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, _flat_t(h0),
       out_dtype=v.dtype, cfg=st.cfg, interpret=st.interpret)
-  o = jnp.swapaxes(o.reshape(B, HV, -1, V), 1, 2)[:, :T]
-  return o, jnp.swapaxes(ht_t.reshape(B, HV, V, K), -1, -2)
+  return jnp.swapaxes(o.reshape(B, HV, -1, V), 1, 2)[:, :T], _unflat_t(ht_t, B)
 
 
 def padded_length(T: int, backend: str, cfg: TpuConfig | GpuConfig) -> int:
@@ -171,11 +179,8 @@ def _split_states(q, k, v, g, beta, h0, seg, st: Static):
   (which does not produce them): XLA chunk_prep + the Pallas state recurrence."""
   B, HV, V, K = v.shape[0], v.shape[2], v.shape[3], q.shape[3]
   lay = _tpu_layout(q, v, st)
-  tp = lay.tp
-  pad = lambda x: _pad_t(x, tp)  # noqa: E731
-  prep = _prep(pad(q), pad(k), pad(v), pad(g), pad(beta), seg, st)
-  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
-  states = kernel_tpu.states(prep.w, prep.u, prep.k_out, prep.decay, s0_t, cfg=st.cfg,
+  prep = _prep(*(_pad_t(x, lay.tp) for x in (q, k, v, g, beta)), seg, st)
+  states = kernel_tpu.states(prep.w, prep.u, prep.k_out, prep.decay, _flat_t(h0), cfg=st.cfg,
                              interpret=st.interpret)
   return states[:, ::lay.stride].reshape(B, HV, -1, V, K)
 
@@ -207,14 +212,10 @@ def _gpu_backward(res, cts, st: Static):
   the TPU backward is not available)."""
   q, k, v, g, beta, h0, seg, _ = res
   do, dht = cts
-  B, _, _, K = q.shape
-  HV, V = v.shape[2], v.shape[3]
-  s0_t = jnp.swapaxes(h0.astype(_f32), -1, -2).reshape(B * HV, V, K)
-  dht_t = jnp.swapaxes(dht.astype(_f32), -1, -2).reshape(B * HV, V, K)
   grads, ds0_t = kernel_gpu.sliced_backward(
-      q, k, v, g, beta, seg, s0_t, do, dht_t, prep_fn=functools.partial(_prep, st=st),
-      cfg=st.cfg, interpret=st.interpret)
-  return (*grads, jnp.swapaxes(ds0_t.reshape(B, HV, V, K), -1, -2))
+      q, k, v, g, beta, seg, _flat_t(h0), do, _flat_t(dht),
+      prep_fn=functools.partial(_prep, st=st), cfg=st.cfg, interpret=st.interpret)
+  return (*grads, _unflat_t(ds0_t, q.shape[0]))
 
 
 kda_core.defvjp(_fwd, _bwd)
