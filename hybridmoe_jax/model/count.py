@@ -5,8 +5,8 @@ uses except the input embedding (the LM head counts), i.e. all dense weights plu
 routed experts. The vision tower (DESIGN s5) is counted apart: `count_params` and
 `param_breakdown` describe the text model only, `vision_breakdown` the tower.
 The counts depend on the architecture only: `compute.scan_layers` changes the layout of the
-layers (`model.stack`), not their parameters (`state_breakdown` counts a model's own state
-in either layout).
+layers (`model.stack`), not their parameters (tests/model/test_scan_layers.py counts a
+model's own state in either layout against `param_breakdown`).
 """
 
 import collections
@@ -76,16 +76,6 @@ def param_pieces(cfg: ModelConfig, vision: bool = False
   outer = nnx.state(nnx.eval_shape(lambda: HybridLM(one, rngs=nnx.Rngs(0))), nnx.Param)
   pieces.append((None, nnx.State({k: v for k, v in outer.items() if k != "layers"}), 1))
   return pieces
-
-
-def state_breakdown(cfg: ModelConfig, params: nnx.State) -> dict[str, int]:
-  """Parameters per component (keys: COMPONENTS) of an actual (or abstract) text model's
-  parameter state, per-layer or stacked layout alike: equals `param_breakdown(cfg)`."""
-  counts = collections.Counter({c: 0 for c in COMPONENTS})
-  for path, leaf in nnx.to_flat_state(params):
-    shape = tuple(leaf.shape)
-    counts[_component(cfg, tuple(str(p) for p in path), shape)] += math.prod(shape)
-  return dict(counts)
 
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
