@@ -38,8 +38,7 @@ from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
 from hybridmoe_jax.model.stack import layer_split
 from hybridmoe_jax.model.impls import describe_impls
-from hybridmoe_jax.ops.attention import api as attention_backends
-from hybridmoe_jax.ops.attention import api as latent_attention
+from hybridmoe_jax.ops.attention import api as attention
 from hybridmoe_jax.ops.kda import choose as kda_choose
 from hybridmoe_jax.ops.kda.chunked import forward_flops
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan, execution_plan
@@ -139,8 +138,8 @@ def uncounted_flops(run: RunConfig, plan: ExecutionPlan, seq_len: int, rows: int
   counted as the chunked form's FLOPs). Call under the program's mesh."""
   m, kd, cp, kinds = run.model.mla, run.model.kda, run.compute, run.model.layer_kinds
   remat = float(cp.remat != "none")
-  attn, _ = latent_attention.choose(
-      cp.mla_impl, plan=plan, backend=attention_backends.current_backend()[0],
+  attn, _ = attention.choose(
+      cp.mla_impl, plan=plan, backend=attention.current_backend()[0],
       seq_len=seq_len, block=cp.mla_block, head_dim=m.qk_head_dim, v_head_dim=m.v_head_dim,
       dtype=cp.dtype, has_segments=True)
   dims = (2 * m.kv_lora_rank + m.qk_rope_head_dim if attn == "context"  # absorbed
@@ -430,73 +429,6 @@ def train_programs_model_only(run: RunConfig, devices, plan,
   return out
 
 
-def _ms(secs: float) -> str:
-  """Milliseconds, 2 decimals; below 0.01 ms (a tiny model's roofline) 3 significant digits."""
-  ms = secs * 1e3
-  return f"{ms:,.2f}" if ms >= 0.01 else f"{ms:.3g}"
-
-
-def _gib(b: float) -> str:
-  return f"{b / GiB:,.2f}"
-
-
-def report(result: dict) -> str:
-  """The AOT table: one row per program, every figure per device; compiler estimates."""
-  run, chip = result["run"], result["chip"]
-  spec = CHIPS[chip]
-  usable = run.hardware.usable_bytes
-  mesh = " x ".join(f"{a}={n}" for a, n in result["mesh"].items())
-  layers = result["extrapolated"]
-  gpu = chip in GPU_TARGETS
-  source = ("XLA:GPU from the CUDA plugin: memory analysis only; deviceless GPU executables "
-            "have no cost analysis, so step ms and MFU are OUR ESTIMATE, a roofline of our "
-            "FLOP count and the compiler's argument + output bytes" if gpu
-            else "libtpu: XLA's memory analysis and cost model")
-  head = (f"AOT compile for {run.hardware.topology}: {result['devices']} x {chip} "
-          f"({spec.memory_gib:.0f} GiB HBM, {spec.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 "
-          f"peak), mesh {mesh}. Figures per device are COMPILER ESTIMATES ({source}), not "
-          f"measurements.")
-  if layers:
-    head += (f" Compiled with {layers[0]} and {layers[1]} layers, extrapolated linearly per "
-             f"layer to {run.model.num_layers}; compile time is the two compiles'.")
-  # One unit for the table: GiB, or MiB when every program's total is below 1 GiB.
-  unit, div = (("GiB", GiB) if max(p.memory["total"] for p in result["programs"]) >= GiB
-               else ("MiB", 2 ** 20))
-  size = lambda b: f"{b / div:,.2f}"
-  rows = []
-  for p in result["programs"]:
-    secs, how = step_seconds(p, chip)
-    model = "-" if p.model_bytes is None else size(p.model_bytes)
-    ratio = "-" if p.model_bytes is None else f"{p.model_bytes / p.memory['total']:.2f}"
-    tps = "-" if not secs else f"{p.tokens / secs:,.0f}"
-    mfu = "-" if not secs or p.model_flops is None else \
-        f"{100 * p.model_flops / (secs * spec.peak_bf16_flops):.1f}%"
-    fits = "yes" if p.memory["total"] <= usable else \
-        f"NO, {_gib(p.memory['total'] - usable)} GiB over"
-    rows.append([p.name, size(p.memory["arguments"]), size(p.memory["outputs"]),
-                 size(p.memory["temporaries"]), size(p.memory["total"]),
-                 f"{100 * p.memory['total'] / (spec.memory_gib * GiB):.0f}%", fits, model,
-                 ratio, f"{p.compile_s:.0f}", "-" if not secs else f"{_ms(secs)} ({how})",
-                 tps, mfu])
-  header = ["program", f"args {unit}", f"out {unit}", f"temp {unit}", f"total {unit}",
-            "of HBM", f"fits {_gib(usable)} GiB usable", f"model {unit}", "model/XLA",
-            "compile s",
-            "step ms", "tokens/s", "MFU"]
-  if gpu:
-    head += " Pallas kernels compiled to Triton calls: " + ", ".join(
-        f"{p.name.split(' ')[0]} {p.hlo.count(TRITON_CALL)}" for p in result["programs"]
-        if p.hlo) + "."
-  notes = ("  total = arguments + outputs - donated (aliased) + temporaries + code; model: "
-           "our memory model (train.dry_run) for the train step; step ms: the cost model's "
-           "optimal_seconds, or the roofline of its FLOPs and bytes (grad_accum's loop costed "
-           "from an unrolled compile; + our count: the attention / KDA FLOPs it misses, "
-           "uncounted_flops; GPUs: our roofline, see above); MFU: 6 (train) or 2 "
-           "(serve) x active parameters x tokens over step time x peak.")
-  return "\n".join([head, "implementations (chosen for the target):"]
-                   + [f"  {line}" for line in result["impls"]]
-                   + [dry_lib.format_table(header, rows), notes])
-
-
 def parse_layers(text: str) -> tuple[int, int] | None:
   """--aot_layers 'A,B' -> (A, B) with 1 <= A < B; '' -> None (the model's own depth)."""
   if not text:
@@ -509,13 +441,3 @@ def parse_layers(text: str) -> tuple[int, int] | None:
     raise ConfigError(f"--aot_layers={text!r} is invalid: allowed 'A,B', two layer counts "
                       "1 <= A < B (compiled, then extrapolated per layer)")
   return layers
-
-
-def aot_report(run: RunConfig, **kwargs) -> dict:
-  """Compile (`compile_run`), print the table; -> compile_run's result with "fits": every
-  program's compiler total within the usable memory."""
-  result = compile_run(run, **kwargs)
-  print(report(result), flush=True)
-  usable = result["run"].hardware.usable_bytes
-  result["fits"] = [p.memory["total"] <= usable for p in result["programs"]]
-  return result

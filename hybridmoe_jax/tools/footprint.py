@@ -41,8 +41,8 @@ def report(run: RunConfig) -> None:
   from hybridmoe_jax.train import dry_run
   dry_run.dry_run(run)
   if run.hardware.topology:
-    from hybridmoe_jax.tools import aot
-    aot.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value), stages=_AOT_STAGES.value,
+    from hybridmoe_jax.tools import aot, aot_table
+    aot_table.aot_report(run, layers=aot.parse_layers(_AOT_LAYERS.value), stages=_AOT_STAGES.value,
                    serve=_AOT_SERVE.value, cost=_AOT_COST.value)
 
 

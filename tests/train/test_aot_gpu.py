@@ -83,14 +83,14 @@ _COMPILE_TINY = r"""
 import json, sys
 from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.config.run import run_config_from_dict
-from hybridmoe_jax.tools import aot
+from hybridmoe_jax.tools import aot, aot_table
 
 config = load_config_file("configs/tiny.py")
 config.hardware.topology = sys.argv[1]
 config.mesh.update(data=1, fsdp=2, expert=int(sys.argv[2]))
 config.train.update(batch_size=int(sys.argv[3]), seq_len=256)
 result = aot.compile_run(run_config_from_dict(config), max_len=256, prefill_chunk=128)
-text = aot.report(result)
+text = aot_table.report(result)
 print("RESULT " + json.dumps({
     "report": text, "impls": result["impls"], "devices": result["devices"],
     "programs": [{"name": p.name, "triton": p.hlo.count(aot.TRITON_CALL),
