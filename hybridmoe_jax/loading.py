@@ -32,9 +32,9 @@ from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.stack import layout_hint
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import optim
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE
 from hybridmoe_jax.train.params_export import PARAMS_FILE
 from hybridmoe_jax.train.state import abstract_train_state, split_model
+from hybridmoe_jax.train.workdir_config import CONFIG_FILE, check_model_config, read_model_config
 
 LAYOUTS = (f"a training workdir ({CONFIG_FILE} + checkpoints/), a params export "
            f"({CONFIG_FILE} + {PARAMS_FILE}, or params/ from older versions) or a Hugging "
@@ -107,7 +107,7 @@ def load(path: str) -> tuple[HybridLM, Any, dict[str, Any]]:
 # ----------------------------------------------------------------- runs and exports
 def _read_config(path: str, what: str) -> dict[str, Any]:
   check_model_dir(path, what)
-  saved = ckpt_lib.read_model_config(path)
+  saved = read_model_config(path)
   if saved is None:
     raise ValueError(f"{what} {path}: {CONFIG_FILE} cannot be read")
   return saved
@@ -116,7 +116,7 @@ def _read_config(path: str, what: str) -> dict[str, Any]:
 def _check_expected(path: str, saved: dict, expected: ModelConfig | None) -> None:
   """ConfigError if a user-given config differs from the one stored with the weights."""
   if expected is not None:
-    ckpt_lib.check_model_config(
+    check_model_config(
         saved, dataclasses.asdict(expected), saved_as="stored", current_as="in --config",
         what=f"--config does not match the model stored in {path} ({CONFIG_FILE})")
 

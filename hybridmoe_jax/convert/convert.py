@@ -33,7 +33,7 @@ from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR
 from hybridmoe_jax.io.safetensors import (DTYPES, CheckpointReader, SafetensorsFile,
                                           ShardedWriter, SafetensorsWriter, Spec, dtype_code)
 
-MODEL_CONFIG = "model_config.json"     # = train.checkpoint.CONFIG_FILE
+MODEL_CONFIG = "model_config.json"     # = train.workdir_config.CONFIG_FILE
 PARAMS_FILE = "params.safetensors"     # = train.params_export.PARAMS_FILE
 HF_EXTRA = "hf_config.json"
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json",

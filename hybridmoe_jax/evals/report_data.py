@@ -24,6 +24,7 @@ from hybridmoe_jax.config import model_config_from_dict
 from hybridmoe_jax.evals.runner import TASKS
 from hybridmoe_jax.model import count
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 
 METRICS_FILE = "metrics.jsonl"
 # eval/<name>.json files a report shows: run_eval's tasks and --task=agent (its "results")
@@ -149,10 +150,10 @@ def read_run(workdir: str) -> RunData:
   if not os.path.isdir(workdir):
     raise ValueError(f"--workdir {workdir} does not exist")
   metrics = os.path.join(workdir, METRICS_FILE)
-  config_file = os.path.join(workdir, ckpt_lib.CONFIG_FILE)
+  config_file = os.path.join(workdir, workdir_config.CONFIG_FILE)
   if not os.path.isfile(metrics) and not os.path.isfile(config_file):
     raise ValueError(f"--workdir {workdir} holds no training run (no {METRICS_FILE} and no "
-                     f"{ckpt_lib.CONFIG_FILE})")
+                     f"{workdir_config.CONFIG_FILE})")
   run = RunData(workdir=os.path.abspath(workdir))
   if os.path.isfile(metrics):
     run.records = read_metrics(metrics, run.notes)
@@ -160,13 +161,13 @@ def read_run(workdir: str) -> RunData:
   else:
     run.notes.append(f"no {METRICS_FILE}: no curves, throughput, alerts or expert load")
   try:
-    run.model_config = ckpt_lib.read_model_config(workdir)
+    run.model_config = workdir_config.read_model_config(workdir)
     if run.model_config is None:
-      run.notes.append(f"no {ckpt_lib.CONFIG_FILE}: no model config or parameter counts")
+      run.notes.append(f"no {workdir_config.CONFIG_FILE}: no model config or parameter counts")
     else:
       run.params = _param_counts(run.model_config)
   except (OSError, ValueError, TypeError) as e:    # ConfigError is a ValueError
-    run.notes.append(f"{ckpt_lib.CONFIG_FILE} unreadable ({type(e).__name__}: "
+    run.notes.append(f"{workdir_config.CONFIG_FILE} unreadable ({type(e).__name__}: "
                      f"{str(e)[:200]})")
   _list_checkpoints(run)
   _read_run_config(run)

@@ -55,6 +55,7 @@ from hybridmoe_jax.rl.progress import progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 from hybridmoe_jax.train import params_export
 from hybridmoe_jax.train import lifecycle
 from hybridmoe_jax.train import step as step_lib
@@ -139,7 +140,7 @@ def open_rl_run(config: RunConfig, workdir: str) -> Iterator[_Run]:
 def _check_init_config(src: str, model_dict) -> None:
   """ConfigError naming what differs between `rl.init_from`'s model config and this run's:
   the vocabulary first (another tokenizer), else every differing field."""
-  saved = ckpt_lib.read_model_config(src)
+  saved = workdir_config.read_model_config(src)
   if saved is None:
     return
   if saved.get("vocab_size") != model_dict.get("vocab_size"):
@@ -148,7 +149,7 @@ def _check_init_config(src: str, model_dict) -> None:
         f"{saved.get('vocab_size')} ids, this run's model.vocab_size is "
         f"{model_dict.get('vocab_size')} (another tokenizer?); start from a run trained with this "
         "run's data.tokenizer, or set data.tokenizer and model.vocab_size to that run's")
-  ckpt_lib.check_model_config(saved, model_dict, what=f"config field `rl.init_from` = "
+  workdir_config.check_model_config(saved, model_dict, what=f"config field `rl.init_from` = "
                               f"{src!r} holds another model config",
                               remedy="Use the model config it was trained with.")
 

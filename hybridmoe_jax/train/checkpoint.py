@@ -10,8 +10,8 @@ verifies the fingerprint (per-leaf sums recorded at save time). A step that fail
 to match its fingerprint is reported with the reason and the previous one is tried: a
 training run moves it to `workdir/checkpoints_corrupt/` (never deleted or overwritten); a
 read-only reader (an eval of a possibly live run) leaves it in place.
-`meta` and `workdir/model_config.json` hold the architecture (`ModelConfig`); every field must
-match. Runtime settings (`ComputeConfig`) are not part of it, so a run may resume with others.
+`meta` and `workdir/model_config.json` (train/workdir_config.py) hold the architecture
+(`ModelConfig`); every field must match. Runtime settings (`ComputeConfig`) are not part of it, so a run may resume with others.
 Sharded states are saved collectively (every process calls `save`; orbax writes each shard
 once) and restored onto whatever shardings the abstract target carries, so a run may resume
 on a different mesh (`parallel.runtime.Runtime.restore_target`).
@@ -29,7 +29,6 @@ Storage failures (no such bucket, no credentials, unreachable) are one line each
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -44,12 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hybridmoe_jax.config import ConfigError, migrate_legacy, model_config_from_dict
+from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.data import storage
 from hybridmoe_jax.parallel.distributed import gather_host_states, own_host_state
 from hybridmoe_jax.cli import io_noise
+from hybridmoe_jax.train.workdir_config import check_workdir_config, jsonify, legacy_model_dict
 
-CONFIG_FILE = "model_config.json"
 LOCATION_FILE = "checkpoints.url"   # in the workdir: where its checkpoints live (gs://...)
 _COMMIT_MARKER = "commit_success.txt"  # orbax's "this step is complete" file on GCS
 
@@ -80,114 +79,6 @@ def structure_signature(abstract_state) -> str:
   leaves = [f"{tuple(x.shape)}:{x.dtype}" for x in jax.tree.leaves(abstract_state)]
   text = f"{jax.tree.structure(abstract_state)}|{','.join(leaves)}"
   return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _jsonify(d):
-  return json.loads(json.dumps(d, default=list))
-
-
-# ------------------------------------------------------------------------------- model config
-def _legacy_model_dict(d: dict[str, Any]) -> dict[str, Any]:
-  """A stored model config (JSON dict) in today's layout: without the fields older code kept
-  there that are runtime settings now, and with fields added since it was written at their
-  defaults (a run saved before `vision` existed had no vision tower)."""
-  migrated = migrate_legacy({"model": _jsonify(d)})["model"]
-  # The typed round trip is the one checker: it fills absent fields with their defaults.
-  return _jsonify(dataclasses.asdict(model_config_from_dict(migrated)))
-
-
-def config_diff(saved: dict, current: dict, *, saved_as: str, current_as: str,
-                 prefix: str = "model") -> list[str]:
-  """Human-readable differences between two (nested) config dicts, as stored (no migration)."""
-  out = []
-  for key in sorted(set(saved) | set(current)):
-    a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += config_diff(a, b, saved_as=saved_as, current_as=current_as,
-                          prefix=f"{prefix}.{key}")
-    elif a != b:
-      out.append(f"{prefix}.{key}: {a!r} {saved_as} vs {b!r} {current_as}")
-  return out
-
-
-def check_model_config(saved: dict[str, Any], current: dict[str, Any], *, what: str,
-                       saved_as: str = "in the workdir", current_as: str = "now",
-                       remedy: str = "") -> None:
-  """ConfigError listing every field in which two model configs (dicts) differ (all of them
-  count: the runtime settings live in `ComputeConfig`, outside the model config).
-
-  Both go through the legacy migration, so a config written by older code compares equal to
-  the same architecture written today. `what` opens the message; `remedy` ends it.
-  """
-  diff = config_diff(_legacy_model_dict(saved), _legacy_model_dict(current),
-                      saved_as=saved_as, current_as=current_as)
-  if diff:
-    raise ConfigError(f"{what}: " + "; ".join(diff) + (f". {remedy}" if remedy else ""))
-
-
-class CorruptConfigFile(ConfigError):
-  """A stored model_config.json that cannot be read or parsed."""
-
-
-def read_model_config(path: str) -> dict[str, Any] | None:
-  """The model config stored in directory `path` (a workdir or an export), migrated to
-  today's layout (`_legacy_model_dict`); None if it has no CONFIG_FILE.
-
-  Raises:
-    CorruptConfigFile: the file exists but is truncated, not JSON or not a config (named).
-  """
-  file = os.path.join(path, CONFIG_FILE)
-  if not os.path.isfile(file):
-    return None
-  try:
-    with open(file, encoding="utf-8") as f:
-      stored = json.load(f)
-    if not isinstance(stored, dict):
-      raise ValueError(f"a JSON {type(stored).__name__}, not an object")
-  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-    raise CorruptConfigFile(f"the stored model config {file} is unreadable "
-                            f"({type(e).__name__}: {' '.join(str(e).split())})") from None
-  return _legacy_model_dict(stored)
-
-
-def check_workdir_config(workdir: str, model_dict: dict[str, Any], *, source: str | None = None,
-                         saved: dict | None = None, repair: bool = False) -> None:
-  """Raise ConfigError if the workdir's stored model config (or `saved`, the copy in a
-  checkpoint's meta named by `source`) differs from `model_dict` in any field.
-
-  repair: a training run's call. A corrupt workdir model_config.json (a crash while it was
-    first written, a disk error) is moved aside to `model_config.json.corrupt-<ms>` with a
-    warning instead of stopping the run: every checkpoint's meta holds its own copy of the
-    config, which `restore_latest` checks, and the run writes the file anew.
-  """
-  if saved is None:
-    try:
-      saved = read_model_config(workdir)
-    except CorruptConfigFile as e:
-      if not repair:
-        raise
-      file = os.path.join(workdir, CONFIG_FILE)
-      aside = f"{file}.corrupt-{int(time.time() * 1000)}"
-      os.replace(file, aside)
-      logging.warning("%s; moved it to %s (each checkpoint holds its own copy of the config, "
-                      "which is checked on restore; the file is written anew)", e, aside)
-      return
-    if saved is None:
-      return
-    source = os.path.join(workdir, CONFIG_FILE)
-  check_model_config(saved, model_dict,
-                     what=f"workdir {workdir} holds a run of an incompatible model config "
-                     f"({source})", remedy="Use a fresh --workdir or the original config.")
-
-
-def write_workdir_config(workdir: str, model_dict: dict[str, Any]) -> None:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if os.path.exists(path):
-    return
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(_jsonify(model_dict), f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -332,7 +223,7 @@ class Checkpointer:
     meta = {**meta, "step": step, "fingerprint": sums, "time": time.time()}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(gather_host_states(data_state or {})),
-                              meta=ocp.args.JsonSave(_jsonify(meta)))
+                              meta=ocp.args.JsonSave(jsonify(meta)))
     with self._write_errors():  # the previous (async) save's error surfaces here
       self.manager.save(step, args=args, force=True)
     self._pending = step
@@ -384,7 +275,7 @@ class Checkpointer:
   def read_meta(self, step: int) -> dict[str, Any]:
     """Step `step`'s meta, its model config migrated to today's layout."""
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    return {**meta, "model_config": _legacy_model_dict(meta.get("model_config", {}))}
+    return {**meta, "model_config": legacy_model_dict(meta.get("model_config", {}))}
 
   def restore_latest(self, target: Any | Callable[[dict[str, Any]], Any],
                      model_dict: dict[str, Any],

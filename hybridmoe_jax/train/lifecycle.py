@@ -37,6 +37,7 @@ from hybridmoe_jax.data.tokenizers.load import save_tokenizer as copy_tokenizer
 from hybridmoe_jax.model.impls import log_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 from hybridmoe_jax.train import optim
 from hybridmoe_jax.train.monitor import Monitor
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
@@ -76,7 +77,7 @@ class Run:
             tokens_seen: Callable[[int], int] = lambda step: 0) -> Monitor:
     """The run trains from here: workdir config written, sizes and kernels logged, the
     checkpoint meta and the monitor made."""
-    ckpt_lib.write_workdir_config(self.workdir, self.model_dict)
+    workdir_config.write_workdir_config(self.workdir, self.model_dict)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
     n_bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.biases))
     logging.info("model: %s parameters, %s routing-bias entries", f"{n_params:,}",
@@ -119,7 +120,7 @@ def open_run(config: RunConfig, workdir: str, tokenizer, *, schedule, batch_size
       except workdir_lock.WorkdirBusy as e:
         raise InputError(str(e)) from None
     model_dict = dataclasses.asdict(config.model)
-    ckpt_lib.check_workdir_config(workdir, model_dict, repair=True)
+    workdir_config.check_workdir_config(workdir, model_dict, repair=True)
     save_tokenizer(tokenizer, workdir)  # the run is self-contained: evals read it there
     rt = parallel_runtime.setup(dataclasses.asdict(config.mesh), config.model, config.compute,
                                 batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)

@@ -24,7 +24,8 @@ from hybridmoe_jax.data import storage
 from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.cli import io_noise
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE, CheckpointWriteError
+from hybridmoe_jax.train.checkpoint import CheckpointWriteError
+from hybridmoe_jax.train.workdir_config import CONFIG_FILE
 
 PARAMS_FILE = "params.safetensors"
 

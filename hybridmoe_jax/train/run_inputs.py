@@ -36,7 +36,7 @@ from hybridmoe_jax.data.tokenizers import load as tokenizers_load
 from hybridmoe_jax.data.tokenizers.load import fingerprint, make_tokenizer
 from hybridmoe_jax.data import vlm_pipeline
 from hybridmoe_jax.config.run import RunConfig
-from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.cli.errors import InputError
 
@@ -185,7 +185,7 @@ def warn_changed_settings(saved_json: str | None, run: RunConfig, step: int) -> 
   pick = lambda d, keys: d if keys is None else {k: d.get(k) for k in keys}
   diffs = []
   for section, keys in SETTINGS_THAT_CHANGE_NUMBERS.items():
-    diffs += ckpt_lib.config_diff(pick(saved.get(section, {}), keys),
+    diffs += workdir_config.config_diff(pick(saved.get(section, {}), keys),
                                   pick(now.get(section, {}), keys), saved_as="before",
                                   current_as="now", prefix=section)
   if diffs:

@@ -19,7 +19,7 @@ from hybridmoe_jax.tools.evaluate import main
 from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.evals.runner import default_output_dir
 from hybridmoe_jax.layers.moe import RoutingBias
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE
+from hybridmoe_jax.train.workdir_config import CONFIG_FILE
 from hybridmoe_jax.train.params_export import export_params
 from tests.conftest import ROOT
 from tests._support import TWO_LAYERS, tiny_model, tiny_model_config

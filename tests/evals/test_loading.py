@@ -15,6 +15,7 @@ from flax import nnx
 from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
@@ -72,7 +73,7 @@ def test_one_reader_eval_skips_in_place_training_quarantines_legacy_config_loads
   workdir = tmp_path / "w"
   shutil.copytree(run[0], workdir)
   # Written by older code: runtime fields in the model config, `vision` not yet there.
-  path = workdir / ckpt_lib.CONFIG_FILE
+  path = workdir / workdir_config.CONFIG_FILE
   path.write_text(json.dumps(_legacy(json.loads(path.read_text()))))
   for meta_file in glob.glob(str(workdir / "checkpoints" / "*" / "meta" / "metadata")):
     meta = json.load(open(meta_file))

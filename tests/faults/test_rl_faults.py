@@ -10,7 +10,7 @@ import pytest
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.rl import run_state, trainer
-from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 from hybridmoe_jax.cli import workdir_lock
 from hybridmoe_jax.train import loop
 from tests.faults import helpers
@@ -46,7 +46,7 @@ def test_rl_init_from_a_run_with_another_vocabulary_names_it(tmp_path):
   other.model.vocab_size = 259                       # the byte tokenizer's run
   from hybridmoe_jax.config.run import run_config_from_dict  # pylint: disable=g-import-not-at-top
   import dataclasses  # pylint: disable=g-import-not-at-top
-  ckpt_lib.write_workdir_config(str(src), dataclasses.asdict(run_config_from_dict(other).model))
+  workdir_config.write_workdir_config(str(src), dataclasses.asdict(run_config_from_dict(other).model))
   c = tiny_rl_config()
   c.rl.init_from = str(src)
   with pytest.raises(ConfigError) as e:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from hybridmoe_jax.config import ConfigError, ModelConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
+from hybridmoe_jax.train import workdir_config
 from hybridmoe_jax import loading
 from hybridmoe_jax.train import params_export
 
@@ -147,18 +148,18 @@ def _legacy(model):
 
 def test_legacy_model_config_in_meta_and_workdir_is_accepted(tmp_path):
   _write(tmp_path, model=_legacy(_MODEL))
-  (tmp_path / ckpt_lib.CONFIG_FILE).write_text(json.dumps(_legacy(_MODEL)))
-  ckpt_lib.check_workdir_config(str(tmp_path), _MODEL)
-  assert ckpt_lib.read_model_config(str(tmp_path)) == ckpt_lib._legacy_model_dict(_MODEL)
+  (tmp_path / workdir_config.CONFIG_FILE).write_text(json.dumps(_legacy(_MODEL)))
+  workdir_config.check_workdir_config(str(tmp_path), _MODEL)
+  assert workdir_config.read_model_config(str(tmp_path)) == workdir_config.legacy_model_dict(_MODEL)
   for read_only in (True, False):
     r, _ = _restore(tmp_path, read_only)
     assert r.meta["step"] == 2 and "vision" in r.meta["model_config"]
     assert "capacity_factor" not in r.meta["model_config"]["moe"]
   bad = _legacy(_MODEL)
   bad["d_model"] = 48
-  (tmp_path / ckpt_lib.CONFIG_FILE).write_text(json.dumps(bad))
+  (tmp_path / workdir_config.CONFIG_FILE).write_text(json.dumps(bad))
   with pytest.raises(ConfigError, match="model.d_model: 48 in the workdir vs 64 now"):
-    ckpt_lib.check_workdir_config(str(tmp_path), _MODEL)
+    workdir_config.check_workdir_config(str(tmp_path), _MODEL)
 
 
 def test_exported_params_are_checked_leaf_by_leaf(tmp_path):

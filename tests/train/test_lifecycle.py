@@ -10,7 +10,7 @@ from hybridmoe_jax.cli.workdir_lock import LOCK_FILE
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.train import lifecycle
-from hybridmoe_jax.train.checkpoint import CONFIG_FILE
+from hybridmoe_jax.train.workdir_config import CONFIG_FILE
 from hybridmoe_jax.train.stage_plan import build_plan
 from tests.conftest import load_config
 
