@@ -13,9 +13,9 @@ from hybridmoe_jax.train import dry_run, stage_plan
 from tests.conftest import load_config
 
 
-def _components(scan: bool, **mesh):
+def _components(scan: bool, layers: int = 8, **mesh):
   config = load_config("tiny")
-  config.model.num_layers = 8                # 4 leading layers + 1 repeat of 3 KDA + 1 MLA
+  config.model.num_layers = layers           # 8: 4 leading layers + 1 repeat of 3 KDA + 1 MLA
   config.compute.scan_layers = scan
   config.compute.dtype = "bfloat16"
   config.compute.remat = "full"               # one MoE layer recomputed at a time
@@ -47,7 +47,7 @@ def test_scanned_weight_copy_is_half_the_scanned_layers_fp32_bytes():
 
 
 def test_ep_buffers_count_the_rows_beyond_the_balanced_ones():
-  run, e, comps = _components(False, expert=2)
+  run, e, comps = _components(False, layers=2, expert=2)   # a dense layer, then a MoE one
   cfg, moe = run.model, run.model.moe
   tokens = dry_run.batch_rows(e["mesh"], run.train.batch_size, run.train.grad_accum) \
       * run.train.seq_len
@@ -55,10 +55,8 @@ def test_ep_buffers_count_the_rows_beyond_the_balanced_ones():
   per_row = (2 * (moe.latent_dim or cfg.d_model) + 3 * moe.expert_intermediate) * 2 * 2
   assert comps["ep_buffers"] == pytest.approx((buffer_rows(a, 2, 0.0) - a) * per_row)
   assert buffer_rows(a, 2, 0.0) == 2 * a                          # dropless: G x a
-  bounded = dataclasses.replace(run, compute=dataclasses.replace(run.compute,
-                                                                 moe_capacity_factor=1.25))
-  s = stage_plan.build_plan(bounded).stages[0]
-  rows = dry_run.stage_memory(bounded, e, s.seq_len, s.batch_size)["full"]["ep_buffers"]
+  bounded = dataclasses.replace(run.compute, moe_capacity_factor=1.25)
+  rows = dry_run.ep_buffer_bytes(cfg, bounded, e["mesh"], tokens, 2)
   assert rows == pytest.approx((math.ceil(1.25 * a) - a) * per_row)
   local = dict(e["mesh"], expert=1)
   assert dry_run.ep_buffer_bytes(cfg, run.compute, local, tokens, 2) == 0.0
