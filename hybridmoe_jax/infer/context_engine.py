@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hybridmoe_jax.infer.engine import Engine, _prefill_chunk, _score_chunk
+from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax.infer.steps import _prefill_chunk, _score_chunk
 from hybridmoe_jax.model.cache import DecodeCache, KDACache
 from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS

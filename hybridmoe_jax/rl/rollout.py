@@ -13,7 +13,7 @@ segment id 0, which leaves that row's cache untouched), so rows of one call are 
   - finished and paused slots feed nothing until a queued episode takes them.
 Rows are grouped by the width their pending tokens need (1; feed_width for a short tool
 result; else P), one call per group (three compiled shapes in all), so a row's arithmetic
-never depends on its neighbours. In the same jitted call (infer.engine.feed_and_draw_fn, the
+never depends on its neighbours. In the same jitted call (infer.steps.feed_and_draw_fn, the
 server's sampler too) every row whose pending tokens are all cached draws its next token
 from its last real token's logits with the key fold_in(PRNGKey(sample_seed), position): an
 episode's tokens and log-probs do not depend on its batch neighbours, its slot, or on being
@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax.config import Checked, ranged, require
-from hybridmoe_jax.infer.engine import Engine, clear_row, feed_and_draw_fn
+from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax.infer.steps import clear_row, feed_and_draw_fn
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.rl import chat_format
@@ -54,7 +55,7 @@ _TRACES: collections.Counter = collections.Counter()
 
 def trace_counts() -> dict[str, int]:
   """Compilations so far of the row moves ("put_row", "get_row"); the rollout step is
-  infer.engine's "feed_and_draw" (infer.trace_counts)."""
+  infer.steps' "feed_and_draw" (infer.trace_counts)."""
   return dict(_TRACES)
 
 

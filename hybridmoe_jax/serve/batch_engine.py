@@ -12,7 +12,7 @@ content is never read. The shapes of a call depend only on its bucket, so warm-u
 each bucket once (`BatchEngine.warm_up`) and no request compiles anything afterwards:
 `trace_counts()` counts the traces of every function here, for the test that says so.
 
-Sampling is `infer.engine._feed_and_draw` (split_keys=True), the one sampler of
+Sampling is `infer.steps._feed_and_draw` (split_keys=True), the one sampler of
 `Engine.generate_stream` and the RL rollouts: each row draws from its last real token's
 logits with its own settings and key chain (split once per draw), so a request's tokens are
 those of `Engine.generate(prompt[None], seed=seed)` whatever bucket or neighbours it had.
@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe_jax.infer.engine import Engine, _feed_and_draw
+from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax.infer.steps import _feed_and_draw
 from hybridmoe_jax.model.cache import DecodeCache
 
 MAX_STOP_IDS = 8     # stop ids per request (EOS + a chat format's end-of-turn need 2)

@@ -25,7 +25,7 @@ Each iteration (the vLLM / JetStream / SGLang pattern, written for this cache):
 So a long prompt costs the running requests one chunk call per iteration, never a whole
 prefill, and one request alone pays K-step calls over 1 row, not S.
 
-Sampling is the one sampler (`infer.engine._feed_and_draw`): each row draws from its own
+Sampling is the one sampler (`infer.steps._feed_and_draw`): each row draws from its own
 settings and key chain (PRNGKey(seed), split per draw), so a job's tokens equal
 `Engine.generate(prompt[None], seed=seed)`'s, greedy and sampled alike, whatever it shared.
 

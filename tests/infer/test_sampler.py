@@ -1,4 +1,4 @@
-"""The one sampler (infer.engine.feed_and_draw_fn): the server's scheduler, generate_stream and
+"""The one sampler (infer.steps.feed_and_draw_fn): the server's scheduler, generate_stream and
 the RL rollouts all step through it; its forced tokens and log-probs against a direct
 computation from the prefill logits."""
 
@@ -9,11 +9,11 @@ from flax import nnx
 
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig, trace_counts
-from hybridmoe_jax.infer.engine import feed_and_draw_fn
+from hybridmoe_jax.infer.steps import feed_and_draw_fn
 from hybridmoe_jax.infer.sampling import sampling_logits
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
-from hybridmoe_jax.infer import engine as engine_module
+from hybridmoe_jax.infer import steps
 from hybridmoe_jax.serve import batch_engine
 from tests._support import tiny_model_config
 from tests.infer.helpers import random_tokens
@@ -27,7 +27,7 @@ def test_server_and_rollout_share_the_sampler_and_its_log_probs_are_direct():
   sampling = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
   rollout = Rollout(engine, tok,
                     RolloutConfig(max_tokens=32, max_turn_tokens=4, sampling=sampling), batch=3)
-  assert batch_engine._feed_and_draw is engine_module._feed_and_draw    # the server's calls
+  assert batch_engine._feed_and_draw is steps._feed_and_draw    # the server's calls
   assert rollout._step is feed_and_draw_fn(engine.graphdef, engine.kv_block, split_keys=False)
 
   tokens = np.asarray(random_tokens(5, 3, 8), np.int32)

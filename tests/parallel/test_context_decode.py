@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from hybridmoe_jax.config import ComputeConfig
 from hybridmoe_jax.infer import engine as engine_lib
+from hybridmoe_jax.infer import steps
 from hybridmoe_jax.infer.context_engine import ContextParallelEngine
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.ops.kda import kda
@@ -145,7 +146,7 @@ def test_decode_collectives_do_not_grow_with_the_prompt(model, mesh):
   def hlo(max_len):
     cp = ContextParallelEngine(model, mesh, max_len=max_len, kv_block=KV_BLOCK)
     with cp.placement():
-      return engine_lib._decode_step.lower(cp.graphdef, cp.state, jnp.zeros((2,), jnp.int32),
+      return steps._decode_step.lower(cp.graphdef, cp.state, jnp.zeros((2,), jnp.int32),
                                            cp.init_cache(2), kv_block=KV_BLOCK
                                            ).compile().as_text()
 
