@@ -2,9 +2,10 @@
 or a converted Hugging Face dir -> (HybridLM, tokenizer, info); `detect_layout` tells them
 apart by their files. `load(path)` is what `hybridmoe_jax.load` (and so the server) builds
 on; `load_model(workdir= | params=)` the command lines' form; `load_into` /
-`load_exported_params` read an export's arrays (RL starts from one). Read-only: a checkpoint
-that fails to restore is skipped with a warning and left in place (training, not a reader,
-quarantines it), so evaluating or serving a live run never moves its files.
+`load_exported_params` read an export's arrays (RL starts from one). Each takes gs:// too:
+the run's or export's files are mirrored into the local cache first (`local_dir`). Read-only:
+a checkpoint that fails to restore is skipped with a warning and left in place (training, not
+a reader, quarantines it), so evaluating or serving a live run never moves its files.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from hybridmoe_jax.config import ComputeConfig, ModelConfig, migrate_legacy, mod
 from hybridmoe_jax.config.run import RunConfig, run_config_from_dict
 from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.convert import hf_config, hf_weights
+from hybridmoe_jax.data import storage
 from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, check_vocab, tokenizer_from_dir
 from hybridmoe_jax.io import safetensors
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.stack import layout_hint
 from hybridmoe_jax.train import checkpoint as ckpt_lib
-from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import optim, remote_workdir
 from hybridmoe_jax.train.params_export import PARAMS_FILE
 from hybridmoe_jax.train.state import abstract_train_state, split_model
 from hybridmoe_jax.train.workdir_config import CONFIG_FILE, check_model_config, read_model_config
@@ -42,6 +44,15 @@ LAYOUTS = (f"a training workdir ({CONFIG_FILE} + checkpoints/), a params export 
 
 
 # ---------------------------------------------------------------------------- layouts
+def local_dir(path: str) -> str:
+  """`path`, or for a gs:// run or export its local mirror (`storage.mirror`, in the cache:
+  the export's files, or the run's small files; a run's checkpoints stay in the bucket and
+  are read there through its checkpoints.url)."""
+  if not storage.is_remote(path):
+    return path
+  return storage.mirror(path, skip=remote_workdir.NOT_STAGED, what="run or params export")
+
+
 def detect_layout(path: str) -> str:
   """"workdir", "params" or "hf", from the files in `path`.
 
@@ -56,7 +67,8 @@ def detect_layout(path: str) -> str:
   has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
   if has(CONFIG_FILE) and is_export(path):
     return "params"
-  if has(CONFIG_FILE) and os.path.isdir(os.path.join(path, "checkpoints")):
+  if has(CONFIG_FILE) and (os.path.isdir(os.path.join(path, "checkpoints"))
+                           or has(ckpt_lib.LOCATION_FILE)):   # checkpoints in a bucket
     return "workdir"
   if has(hf_config.CONFIG_JSON) and glob.glob(os.path.join(path, "*.safetensors")):
     return "hf"
@@ -93,6 +105,7 @@ def load(path: str) -> tuple[HybridLM, Any, dict[str, Any]]:
       match the arrays, an unsupported HF config); TokenizerError: a stored tokenizer file
       cannot be read; ValueError: its ids do not fit the model's embedding.
   """
+  path = local_dir(path)
   layout = detect_layout(path)
   if layout == "hf":
     model, info = load_hf_model(path)
@@ -194,8 +207,8 @@ def load_model(*, workdir: str | None = None, params: str | None = None,
   if bool(workdir) == bool(params):
     raise ValueError("give exactly one of --workdir (a training run) or --params (an export)")
   if workdir:
-    return load_from_workdir(workdir, expected)
-  return load_from_params(params, expected)
+    return load_from_workdir(local_dir(workdir), expected)
+  return load_from_params(local_dir(params), expected)
 
 
 # ------------------------------------------------------------------- export readers
@@ -256,7 +269,7 @@ def load_exported_params(path: str, expected: dict[str, Any] | None = None):
   expected: the same two trees (arrays or jax.ShapeDtypeStruct) built from the export's
     config; ValueError listing every missing, unexpected or mis-shaped leaf.
   """
-  path = os.path.abspath(path)
+  path = os.path.abspath(local_dir(path))
   file = os.path.join(path, PARAMS_FILE)
   if os.path.isfile(file):
     tree = _read_safetensors_export(file, expected)

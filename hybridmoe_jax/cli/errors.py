@@ -38,15 +38,17 @@ class TrainingDiverged(RuntimeError):
 
 
 def checked_workdir_path(workdir: str | None) -> str:
-  """`workdir` made absolute; InputError for an empty one (`--workdir=` would train into
-  the current directory)."""
+  """`workdir` made absolute (a gs:// URL without its trailing /); InputError for an empty
+  one (`--workdir=` would train into the current directory) or a bucket without a path."""
   if not workdir or not str(workdir).strip():
     raise InputError(f"--workdir={workdir or ''!s} is empty: give the directory for the "
                      "run's checkpoints and logs, e.g. --workdir=runs/x")
   if "://" in str(workdir):
-    raise InputError(f"--workdir={workdir}: the workdir (logs, metrics, the run lock) must be "
-                     "a local or mounted directory; put the checkpoints in the bucket with "
-                     f"--config.train.checkpoint_dir={str(workdir).rstrip('/')}/checkpoints")
+    scheme, _, rest = str(workdir).rstrip("/").partition("://")
+    if scheme != "gs" or "/" not in rest:
+      raise InputError(f"--workdir={workdir}: a cloud workdir is gs://<bucket>/<path> (a "
+                       "directory inside a bucket)")
+    return f"gs://{rest}"
   return os.path.abspath(workdir)
 
 

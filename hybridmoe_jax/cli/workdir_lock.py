@@ -12,10 +12,14 @@ line naming the holder. A lock left behind by a run that died is stale and is ta
 Taking over renames the stale file aside (its record is kept), then creates a fresh lock; the
 judge-and-replace step runs under flock on `run.lock.guard`, so two runs racing for one stale
 lock cannot both win.
+The file operations are the methods `_guard`, `_try_create`, `_read_holder`, `_age`,
+`_move_aside`, `_touch` and `_remove_own`: a lock kept elsewhere (a gs:// workdir's object,
+`train/remote_workdir.py`) overrides them and keeps these rules.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -103,9 +107,8 @@ class WorkdirLock:
       if holder.get("proc_start") and start and start != holder["proc_start"]:
         return f"PID {pid} now belongs to another process"
       return None
-    try:
-      age = time.time() - os.stat(self.path).st_mtime
-    except FileNotFoundError:
+    age = self._age()
+    if age is None:
       return "it vanished"
     if age > self.stale_after_s:
       return f"no heartbeat for {age:.0f} s (> {self.stale_after_s:.0f} s)"
@@ -113,7 +116,15 @@ class WorkdirLock:
       return "its record is unreadable and it has no recent heartbeat"
     return None
 
-  def acquire(self) -> None:
+  def _age(self) -> float | None:
+    """Seconds since the holder's last heartbeat (the file's mtime); None if it is gone."""
+    try:
+      return time.time() - os.stat(self.path).st_mtime
+    except FileNotFoundError:
+      return None
+
+  @contextlib.contextmanager
+  def _guard(self):
     # Judging a lock stale and replacing it must be one step: else a run could judge the old
     # record, another replace it meanwhile, and the first move the fresh lock aside. flock on
     # a guard file serialises that step between processes of one host (on file systems
@@ -124,9 +135,33 @@ class WorkdirLock:
         fcntl.flock(guard, fcntl.LOCK_EX)
       except OSError:
         pass
-      self._acquire()
+      yield
     finally:
       os.close(guard)  # releases the flock
+
+  def _move_aside(self, aside: str) -> bool:
+    """Move the (stale) lock to `aside`; False if it is gone (another run moved it)."""
+    try:
+      os.rename(self.path, aside)  # one of several racing runs wins this rename
+    except FileNotFoundError:
+      return False
+    return True
+
+  def _touch(self) -> None:
+    os.utime(self.path)
+
+  def _remove_own(self) -> None:
+    """Remove the lock if this process still holds it."""
+    holder = self._read_holder() or {}
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+
+  def acquire(self) -> None:
+    with self._guard():
+      self._acquire()
     self._held = True
     _HELD.add(self.path)
     self._thread = threading.Thread(target=self._heartbeat, name="workdir-lock-heartbeat",
@@ -148,9 +183,7 @@ class WorkdirLock:
             f"{holder.get('started', '?')}; lock file {self.path}). Wait for it, stop it, or "
             "use another --workdir")
       aside = f"{self.path}.stale-{os.getpid()}-{int(time.time() * 1000)}"
-      try:
-        os.rename(self.path, aside)  # one of several racing runs wins this rename
-      except FileNotFoundError:
+      if not self._move_aside(aside):
         continue
       logging.warning("took over the stale lock of a run that is gone (pid %s on host %s: "
                       "%s); its record is kept as %s", holder.get("pid", "?"),
@@ -161,7 +194,7 @@ class WorkdirLock:
   def _heartbeat(self) -> None:
     while not self._stop.wait(self.heartbeat_s):
       try:
-        os.utime(self.path)
+        self._touch()
       except OSError as e:  # lock removed by hand or file system gone: say so once
         logging.warning("cannot refresh the workdir lock %s (%s)", self.path, e)
         return
@@ -175,12 +208,7 @@ class WorkdirLock:
       self._thread.join()
     self._held = False
     _HELD.discard(self.path)
-    holder = self._read_holder() or {}
-    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
+    self._remove_own()
 
   def __enter__(self) -> "WorkdirLock":
     self.acquire()

@@ -19,7 +19,8 @@ import tempfile
 import time
 
 BUCKET = "hm-test"
-# Two shims for TensorStore (orbax's array store), which the emulator was not written for.
+# Three shims: two for TensorStore (orbax's array store), which the emulator was not written
+# for, and GCS preconditions (below).
 # The emulator's HTTP server handles one connection at a time: a client connection that is
 # open but idle (aiohttp's pool in gcsfs, TensorStore's) then blocks every other one, and
 # orbax's parallel reads wait forever. Serve each connection in its own thread, and run the
@@ -42,6 +43,27 @@ _LAUNCH = (
     "  except Exception:\n"
     "    pass\n"
     "objects.download = download\n"
+    # Preconditions (ifGenerationMatch: 0 = only if absent) on uploads, deletes and metadata
+    # patches, which the emulator ignores: the gs:// workdir lock is built on them.
+    "from http import HTTPStatus\n"
+    "def guarded(f):\n"
+    "  def run(request, response, storage, *a, **k):\n"
+    "    want = request.query.get('ifGenerationMatch', [None])[0]\n"
+    "    if want is not None and 'upload_id' not in request.query:\n"
+    "      name = request.params.get('object_id') or request.query.get('name', [None])[0]\n"
+    "      if name is None and isinstance(request.data, dict):\n"
+    "        name = (request.data.get('meta') or request.data).get('name')\n"
+    "      try:\n"
+    "        have = str(storage.get_file_obj(request.params['bucket_name'], name)['generation'])\n"
+    "      except Exception:\n"
+    "        have = '0'\n"
+    "      if have != str(want):\n"
+    "        response.status = HTTPStatus.PRECONDITION_FAILED\n"
+    "        return response.json({'error': {'code': 412, 'message': 'conditionNotMet'}})\n"
+    "    return f(request, response, storage, *a, **k)\n"
+    "  return run\n"
+    "for m in ('insert', 'delete', 'patch'):\n"
+    "  setattr(objects, m, guarded(getattr(objects, m)))\n"
     "from gcp_storage_emulator import server as emu\n"
     "lock = threading.Lock()\n"
     "def serial(f):\n"

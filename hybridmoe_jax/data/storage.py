@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob as glob_lib
 import hashlib
+import json
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -182,6 +183,64 @@ def file_size(path) -> int:
 def cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get(CACHE_ENV) or
                       pathlib.Path.home() / ".cache" / "hybridmoe_jax" / "remote")
+
+
+def mirror(url: str, dst: str | os.PathLike | None = None, *, skip: Sequence[str] = (),
+           what: str = "directory") -> str:
+  """The objects under `url` copied into local directory `dst` (default: the cache, keyed by
+  the URL) -> dst; `url` itself when local.
+
+  The copy is exact: files that are no longer in the bucket are removed from dst. Objects
+  whose generation has not changed since the last mirror (recorded in dst/.mirror.json) are
+  not fetched again. Each file is written beside its name and renamed into place. Names whose
+  first path part is in `skip` (or starts with one + "-"/".") are left out on both sides.
+
+  Raises:
+    FileNotFoundError: nothing is stored under `url` (one line naming it and `what`);
+    PermissionError / ConnectionError / OSError: storage failures (`storage_error`).
+  """
+  if not is_remote(url):
+    return str(url)
+  url = str(url).rstrip("/")
+  local = pathlib.Path(dst) if dst is not None else (
+      cache_dir() / ("mirror-" + hashlib.sha256(url.encode()).hexdigest()[:16]))
+  skipped = lambda rel: any(rel.split("/")[0] == s or rel.startswith((s + ".", s + "-"))
+                            for s in skip)  # noqa: E731
+  try:
+    fs, base = fsspec_for(url)
+    fs.invalidate_cache()  # another machine may have written since this process listed
+    found = {p[len(base):].lstrip("/"): info for p, info in fs.find(base, detail=True).items()}
+  except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
+    raise storage_error(url, e, "list") from None
+  found = {rel: info for rel, info in found.items() if rel and not skipped(rel)}
+  if not found:
+    raise FileNotFoundError(f"{url}: no {what} there (nothing stored under it)")
+  manifest = local / ".mirror.json"
+  try:
+    seen = json.loads(manifest.read_text()) if manifest.is_file() else {}
+  except (OSError, ValueError):
+    seen = {}
+  local.mkdir(parents=True, exist_ok=True)
+  for p in local.rglob("*"):
+    rel = p.relative_to(local).as_posix()
+    if p.is_file() and rel != manifest.name and rel not in found and not skipped(rel):
+      p.unlink()
+  for rel, info in sorted(found.items()):
+    gen = str(info.get("generation") or info.get("md5Hash") or info.get("size"))
+    out = local / rel
+    if seen.get(rel) == gen and out.is_file():
+      continue
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".part{os.getpid()}")
+    try:
+      fs.get_file(f"{base}/{rel}", str(tmp))
+    except Exception as e:  # pylint: disable=broad-except
+      tmp.unlink(missing_ok=True)
+      raise storage_error(f"{url}/{rel}", e) from None
+    os.replace(tmp, out)
+    seen[rel] = gen
+  manifest.write_text(json.dumps({k: v for k, v in seen.items() if k in found}))
+  return str(local)
 
 
 def local_copy(path: str) -> str:

@@ -120,6 +120,10 @@ def open_rl_run(config: RunConfig, workdir: str) -> Iterator[_Run]:
   if not config.rl.enabled:
     raise ConfigError("config field `rl.envs` is empty: not an RL run")
   check_rl_config(config)
+  if "://" in str(workdir):   # rl_state/<step>.pkl is read before a staging dir exists
+    raise ConfigError(f"--workdir={workdir}: an RL run's workdir is a local or mounted "
+                      "directory; put its checkpoints in the bucket with "
+                      "train.checkpoint_dir=gs://...")
   tokenizer = _tokenizer(config)
   rl, t = config.rl, config.train
   # SFT steps come first in the optimizer's count (none when starting from init_from).

@@ -9,7 +9,7 @@ from typing import Any
 from hybridmoe_jax.config.flags import load_model_config
 from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.evals import niah, report, ruler
-from hybridmoe_jax.loading import load_model
+from hybridmoe_jax.loading import load_model, local_dir
 from hybridmoe_jax.evals.runner import (default_output_dir, options_from_flags, resolve_tasks,
                                         run_evals)
 from hybridmoe_jax.model.impls import describe_impls
@@ -24,6 +24,8 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   task "agent" rolls out tool-use episodes (`tools.agent_eval`, its options from the
   agent_* values of `option_values`).
   """
+  # A gs:// run or export is read from its local mirror (results go under it: eval/).
+  workdir, params = (workdir and local_dir(workdir)), (params and local_dir(params))
   if task == "agent":
     return agent_eval.run_agent_eval(workdir=workdir, params=params, output_dir=output_dir,
                                      config=config,

@@ -164,6 +164,7 @@ class Checkpointer:
     self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
     self._pending: int | None = None   # the step of the last save started
     self._failed = False               # a write failed (reported as CheckpointWriteError)
+    self.after_save: list[Callable[[int], None]] = []   # called with the step once it started
     io_noise.install()  # also after a failed write, until the process exits
     if read_only:
       if not _isdir(self.directory):
@@ -227,6 +228,8 @@ class Checkpointer:
     with self._write_errors():  # the previous (async) save's error surfaces here
       self.manager.save(step, args=args, force=True)
     self._pending = step
+    for f in self.after_save:   # a gs:// workdir pushes its files (train/remote_workdir.py)
+      f(step)
     return True
 
   @contextlib.contextmanager

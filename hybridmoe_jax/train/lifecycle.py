@@ -2,7 +2,8 @@
 
 `open_run(...)` is a context manager that sets a run up in this order:
   1. --workdir made absolute, created and checked writable (InputError otherwise); SIGUSR1
-     prints every thread's stack;
+     prints every thread's stack; a gs:// workdir is a local staging dir rebuilt from the
+     bucket and pushed back at each checkpoint and at the end (`remote_workdir`);
   2. the workdir lock (process 0): one run per workdir, another live one -> InputError;
   3. the workdir's stored model config checked against this run's (ConfigError naming the
      fields), the run's tokenizer copied into workdir/tokenizer/ (process 0);
@@ -32,13 +33,14 @@ from hybridmoe_jax.cli import workdir_lock
 from hybridmoe_jax.cli.errors import InputError, checked_workdir_path, make_writable_workdir
 from hybridmoe_jax.cli.signals import dump_stacks_on_sigusr1
 from hybridmoe_jax.config.run import RunConfig
+from hybridmoe_jax.data import storage
 from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR
 from hybridmoe_jax.data.tokenizers.load import save_tokenizer as copy_tokenizer
 from hybridmoe_jax.model.impls import log_impls
 from hybridmoe_jax.parallel import runtime as parallel_runtime
 from hybridmoe_jax.train import checkpoint as ckpt_lib
 from hybridmoe_jax.train import workdir_config
-from hybridmoe_jax.train import optim
+from hybridmoe_jax.train import optim, remote_workdir
 from hybridmoe_jax.train.monitor import Monitor
 from hybridmoe_jax.train.state import abstract_train_state, create_train_state
 
@@ -110,9 +112,13 @@ def open_run(config: RunConfig, workdir: str, tokenizer, *, schedule, batch_size
   t = config.train
   dump_stacks_on_sigusr1()
   workdir = checked_workdir_path(workdir)  # absolute: orbax wants absolute paths
-  make_writable_workdir(workdir)
   with contextlib.ExitStack() as closing:   # exits in reverse: checkpoints, monitor, lock
-    if jax.process_index() == 0:
+    staged = None
+    if storage.is_remote(workdir):   # gs://: its lock, and a local staging dir synced to it
+      staged = remote_workdir.open_staged(workdir, closing, stale_after_s=t.lock_stale_s)
+      workdir = staged.local
+    make_writable_workdir(workdir)
+    if jax.process_index() == 0 and staged is None:
       # One run per workdir, taken before anything in it is read or moved: a second run must
       # not set aside the first one's save in progress as "partial".
       try:
@@ -128,7 +134,10 @@ def open_run(config: RunConfig, workdir: str, tokenizer, *, schedule, batch_size
     tx = optim.make_optimizer(t, schedule)
     ckpt = ckpt_lib.Checkpointer(workdir, keep=t.keep_checkpoints,
                                  async_save=t.async_checkpoints,
-                                 directory=t.checkpoint_dir or None)
+                                 directory=t.checkpoint_dir or (
+                                     staged and f"{staged.url}/checkpoints") or None)
+    if staged is not None:
+      ckpt.after_save.append(staged.push_at_checkpoint)
     run = Run(config, workdir, model_dict, rt, inputs, schedule, tx, ckpt, None, None, "",
               None)
     closing.callback(lambda: run.monitor is not None and run.monitor.close())

@@ -1,7 +1,8 @@
-"""A tiny run whose checkpoints live in a bucket (train.checkpoint_dir = gs://..., the
-emulator on 127.0.0.1): resumed from the bucket it gives the losses of an uninterrupted local
-run, and its params export goes to the bucket byte for byte. Slow: three in-process runs of
-the tiny model (~40 s on the 2-core box). The gs:// workdir refusal is fast."""
+"""Tiny runs against a bucket (the emulator on 127.0.0.1): checkpoints in it
+(train.checkpoint_dir = gs://...) with a local workdir, and a whole gs:// --workdir resumed
+on a fresh machine (its staging dir deleted). Each resumed run gives the losses of an
+uninterrupted local run; params exports go to the bucket and are read back from it. Slow:
+in-process runs of the tiny model (~40 s each test on the 2-core box)."""
 
 import pytest
 
@@ -9,11 +10,19 @@ pytest.importorskip("gcsfs", reason="the cloud extra (gcsfs) is not installed")
 pytest.importorskip("gcp_storage_emulator",
                     reason="the cloud-test extra (gcp-storage-emulator) is not installed")
 
-from hybridmoe_jax.data import storage  # noqa: E402
-from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402
-from hybridmoe_jax.cli.errors import InputError, checked_workdir_path  # noqa: E402
+import shutil  # noqa: E402
+
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hybridmoe_jax import loading  # noqa: E402
 from hybridmoe_jax.config.run import run_config_from_dict  # noqa: E402
 from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
+from hybridmoe_jax.data import storage  # noqa: E402
+from hybridmoe_jax.train import remote_workdir  # noqa: E402
+from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402
+from hybridmoe_jax.train.state import split_model  # noqa: E402
 from tests.conftest import one_device  # noqa: E402
 from tests._support import tiny_run_config  # noqa: E402
 from tests.train.train_fakes import train_losses  # noqa: E402
@@ -21,39 +30,60 @@ from tests.train.train_fakes import train_losses  # noqa: E402
 B = f"gs://{emulator.BUCKET}"
 
 
-def test_gs_workdir_is_refused_in_one_line():
-  with pytest.raises(InputError, match=r"^--workdir=gs://b/run: the workdir .* "
-                     r"--config.train.checkpoint_dir=gs://b/run/checkpoints$"):
-    checked_workdir_path("gs://b/run")
-
-
 def _run(workdir, **train):
   config = tiny_run_config(**{**dict(steps=4, checkpoint_every=2, eval_every=0,
                                      heatmap_every=0, async_checkpoints=False), **train})
   config.model.vocab_size = 272   # the byte tokenizer (with room for its chat roles)
-  export = train.get("checkpoint_dir") and f"{B}/export-{train['steps']}"
+  export = (train.get("checkpoint_dir") or "://" in str(workdir)) and \
+      f"{B}/export-{train['steps']}"
   with one_device():
     train_and_evaluate(run_config_from_dict(config), str(workdir),
                        export_params_to=export or None)
-  return train_losses(workdir)
+  return train_losses(storage.mirror(str(workdir)))
+
+
+@pytest.fixture
+def gcs(tmp_path, monkeypatch):
+  monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+  try:
+    with emulator.running() as url:
+      yield url
+  except RuntimeError as e:
+    pytest.skip(f"the GCS emulator cannot start here: {e}")
 
 
 @pytest.mark.slow
-def test_checkpoints_in_bucket_resume_exactly_and_export(tmp_path):
-  try:
-    ctx = emulator.running()
-    ctx.__enter__()
-  except RuntimeError as e:
-    pytest.skip(f"the GCS emulator cannot start here: {e}")
-  try:
-    local = _run(tmp_path / "local")
-    _run(tmp_path / "gcs", steps=2, checkpoint_dir=f"{B}/run/ckpt")
-    resumed = _run(tmp_path / "gcs", steps=4, checkpoint_dir=f"{B}/run/ckpt")
-    assert resumed == local and len(local) == 4
-    steps = sorted(p.name for p in storage.as_path(f"{B}/run/ckpt").iterdir())
-    assert steps == ["2", "4"]
-    assert not (tmp_path / "gcs" / "checkpoints").exists()
-    names = {p.name for p in storage.as_path(f"{B}/export-4").iterdir()}
-    assert {"params.safetensors", "model_config.json"} <= names
-  finally:
-    ctx.__exit__(None, None, None)
+def test_checkpoints_in_bucket_resume_exactly_and_export(gcs, tmp_path):
+  local = _run(tmp_path / "local")
+  _run(tmp_path / "gcs", steps=2, checkpoint_dir=f"{B}/run/ckpt")
+  resumed = _run(tmp_path / "gcs", steps=4, checkpoint_dir=f"{B}/run/ckpt")
+  assert resumed == local and len(local) == 4
+  steps = sorted(p.name for p in storage.as_path(f"{B}/run/ckpt").iterdir())
+  assert steps == ["2", "4"]
+  assert not (tmp_path / "gcs" / "checkpoints").exists()
+  names = {p.name for p in storage.as_path(f"{B}/export-4").iterdir()}
+  assert {"params.safetensors", "model_config.json"} <= names
+
+
+@pytest.mark.slow
+def test_gs_workdir_resumes_from_the_bucket_alone(gcs, tmp_path):
+  url = f"{B}/wd"
+  local = _run(tmp_path / "local")
+  _run(url, steps=2)
+  staging = remote_workdir.staging_dir(url)
+  assert staging.is_dir()
+  shutil.rmtree(staging)                  # a fresh machine: only the bucket is left
+  resumed = _run(url, steps=4)            # metrics read back from the bucket
+  assert resumed == local and len(local) == 4
+  names = {p.name for p in storage.as_path(url).iterdir()}
+  assert {"checkpoints", "model_config.json", "metrics.jsonl", "checkpoints.url",
+          "inputs.json", "tensorboard"} <= names and "run.lock" not in names
+  events = [p.name for p in storage.as_path(f"{url}/tensorboard").iterdir()]
+  assert len(events) == 2 and all(n.startswith("events.out.tfevents") for n in events)
+  assert sorted(p.name for p in storage.as_path(f"{url}/checkpoints").iterdir()) == ["2", "4"]
+  model, tok, info = loading.load(url)    # what api.load and run_eval.py read
+  assert info["layout"] == "workdir" and info["step"] == 4
+  exported = loading.load_exported_params(f"{B}/export-4")
+  params = nnx.to_pure_dict(split_model(model)[1])   # the bucket's step 4 = its export
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
