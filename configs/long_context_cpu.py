@@ -31,7 +31,10 @@ the longest NIAH prompt after a stage (F x its length, default 8, at most 64K),
 ",text=1" the later stages' retrieval documents also from real text (issue 50: `textkey`,
 `textchain` in `data.retrieval`: pydoc sentences with their own numbers as hay, 2-6 facts of
 one of several phrasings with same-shape distractors, multi-value and multi-query questions,
-assignment chains). Costs: the same tokens per step and steps, so the same model compute; the
+assignment chains), ",mix=1" half of every stage's retrieval documents `mixkey`
+(`data.retrieval_wording`: key -> value facts whose wording is composed per document from
+independent parts, ~10^7 wordings, never the RULER-style suite's), ",width=128" d_model 128
+with 4 heads (default 64). Costs: the same tokens per step and steps, so the same model compute; the
 text documents take ~1.3 ms each to build against ~0.45 ms (2-core box), well under 1% of a
 step. The RULER-style suite (`run_eval.py --task=ruler`) is what it is measured on: other
 phrasings, other text (CPython's IDLE docs). BENCHMARKS.md ("Long-context retrieval") has the numbers;
@@ -54,6 +57,9 @@ VARIANTS = {
 # 3; with 6x every seed keeps >= 0.9 at 8K and 32K (BENCHMARKS.md).
 LATE_SCALE = 6
 TEXT_KINDS = ("textkey", "textchain")   # `,text=1`: added to the later stages' kinds
+# `,width=W`: d_model and the heads that fill it (head sizes unchanged; 128 has 4x the
+# parameters of 64 and costs more per step: BENCHMARKS.md, "RULER-style suite").
+WIDTHS = {64: dict(heads=2, kv_lora_rank=32), 128: dict(heads=4, kv_lora_rank=64)}
 
 STAGES = (
     # Stage 1: passkey alone (the easiest copy) in short documents (64-256 bytes: ~19 answers
@@ -78,7 +84,7 @@ def _parse(spec: str) -> dict:
   """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
   out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"],
          "weight": 0, "factor": 8, "lr": STAGES[0]["lr"], "late_lr": 0.0,
-         "late_scale": LATE_SCALE, "text": 0}
+         "late_scale": LATE_SCALE, "text": 0, "mix": 0, "width": 64}
   for i, part in enumerate(p for p in (spec or "").split(",") if p):
     key, _, value = part.partition("=")
     if not value and i == 0:
@@ -86,7 +92,7 @@ def _parse(spec: str) -> dict:
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
                        "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W, factor=F, lr=X, "
-                       "late_lr=X, late_scale=S, text=0|1)")
+                       "late_lr=X, late_scale=S, text=0|1, mix=0|1, width=64|128)")
     out[key] = (value if key == "variant" else float(value) if key in ("lr", "late_lr")
                 else int(value))
   if out["variant"] not in VARIANTS:
@@ -105,11 +111,21 @@ def _parse(spec: str) -> dict:
                      "(0: the stages' own)")
   if not 1 <= out["late_scale"] <= 64:
     raise ValueError(f"long_context_cpu late_scale={out['late_scale']} must be in [1, 64]")
-  if out["text"] not in (0, 1):
-    raise ValueError(f"long_context_cpu text={out['text']} must be 0 or 1")
+  for key in ("text", "mix"):
+    if out[key] not in (0, 1):
+      raise ValueError(f"long_context_cpu {key}={out[key]} must be 0 or 1")
+  if out["width"] not in WIDTHS:
+    raise ValueError(f"long_context_cpu width={out['width']} must be one of {tuple(WIDTHS)}")
   if out["weight"] < 0:
     raise ValueError(f"long_context_cpu weight={out['weight']} must be >= 1 (0: the stages')")
   return out
+
+
+def _with_mix(stage: dict) -> tuple[str, ...]:
+  """A stage's retrieval kinds with as many `mixkey` entries added (the source cycles
+  through the kinds, so half its documents are then `mixkey`)."""
+  kinds = tuple(stage.get("retrieval_kinds", ("passkey", "multikey", "kv")))
+  return kinds + ("mixkey",) * len(kinds)
 
 
 def get_config(spec: str = ""):
@@ -119,6 +135,10 @@ def get_config(spec: str = ""):
   config.data.tokenizer, config.model.vocab_size = "byte", 259
   m = config.model
   kinds, rope_theta = VARIANTS[opts["variant"]]
+  width = WIDTHS[opts["width"]]
+  m.d_model = opts["width"]
+  m.kda.num_heads = m.kda.num_v_heads = m.mla.num_heads = width["heads"]
+  m.mla.kv_lora_rank = width["kv_lora_rank"]
   m.num_layers = len(kinds)
   m.layer_kinds = kinds
   m.mla.rope_theta = rope_theta
@@ -137,6 +157,8 @@ def get_config(spec: str = ""):
                                                      ("passkey", "multikey", "kv")))
                       + TEXT_KINDS) for s in late)
   stages = (dict(STAGES[0], steps=opts["steps"], lr=opts["lr"]),) + late
+  if opts["mix"]:   # half of every stage's retrieval documents in composed wordings
+    stages = tuple(dict(s, retrieval_kinds=_with_mix(s)) for s in stages)
   if opts["weight"]:
     stages = tuple(dict(s, retrieval_answer_weight=float(opts["weight"])) for s in stages)
   c.stages = stages

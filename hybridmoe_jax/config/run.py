@@ -286,7 +286,7 @@ class StageConfig(Checked):
   retrieval_answer_weight: float = ranged(1.0, "[1, 100]", "1: answers weigh like other tokens")
   retrieval_kinds: tuple[str, ...] = ranged(("passkey", "multikey", "kv"),
                                             ("passkey", "multikey", "kv", "textkey",
-                                             "textchain"), nonempty=True)
+                                             "textchain", "mixkey"), nonempty=True)
   retrieval_bytes: tuple[int, int] = ranged((0, 0), ">= 0", "0: the default bound")
   lr: float | None = ranged(None, "(0, 10]", "None: train.lr")
   warmup: int = ranged(0, ">= 0")

@@ -22,6 +22,9 @@ in the prompt" and must pick the asked value among others of the same shape:
              sometimes holding 2-3 values ("List every tag of ...: a, b, c"); then 1-3 asked
   textchain: "Let m_ab be 4821." ... "Set m_cd to m_ab." chains (one asked, one distracting),
              then "Which names hold 4821? m_ab, m_cd, ..."
+  mixkey:    key -> value facts in a wording composed per document from independent parts
+             (`retrieval_wording`: nouns, adjectives, ties, verbs, openings, headers,
+             questions, answer prefixes), distractors of the same shape, 1-2 asked
 
 These phrasings are not the RULER-style suite's (`evals.ruler_tasks`), and its haystack is
 other text (CPython's IDLE docs, which training never reads): the evaluation measures
@@ -49,7 +52,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-KINDS = ("passkey", "multikey", "kv", "textkey", "textchain")
+from hybridmoe_jax.data import retrieval_wording
+
+KINDS = ("passkey", "multikey", "kv", "textkey", "textchain", "mixkey")
 DEFAULT_KINDS = ("passkey", "multikey", "kv")   # without retrieval_kinds (as before textkey)
 SPLITS = ("train", "eval")
 QUESTION = "What is the pass key? The pass key is "
@@ -291,14 +296,17 @@ def text_hay(rng: np.random.Generator, n_bytes: int) -> tuple[str, list[int]]:
 
 
 def _text_token(rng: np.random.Generator, kind: str) -> str:
+  """A name or value: "words" two pydoc words, "hyphen" the same joined by "-", "word" one,
+  "hex" 8 hex digits, "uuid" 8-4-4-4-12 hex, a number "N" N digits."""
   words = _pydoc_text()[1]
-  if kind == "words":
+  if kind in ("words", "hyphen"):
     a, b = rng.choice(len(words), 2, replace=False)
-    return f"{words[a]} {words[b]}"
+    return f"{words[a]}{' ' if kind == 'words' else '-'}{words[b]}"
   if kind == "word":
     return words[int(rng.integers(len(words)))]
-  if kind == "hex":
-    return "".join(rng.choice(list("0123456789abcdef"), 8))
+  if kind in ("hex", "uuid"):
+    h = "".join(rng.choice(list("0123456789abcdef"), 8 if kind == "hex" else 32))
+    return h if kind == "hex" else f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
   return str(int(rng.integers(10 ** (int(kind) - 1), 10 ** int(kind))))   # digits
 
 
@@ -370,8 +378,56 @@ def textchain_document(rng: np.random.Generator, target_bytes: int, split: str =
   return _from_pieces([(_insert(text, cuts, np.asarray(depths), facts), False)] + pieces)
 
 
+def _distinct_tokens(rng: np.random.Generator, kind: str, n: int, avoid=()) -> list[str]:
+  out: list[str] = []
+  while len(out) < n:
+    x = _text_token(rng, kind)
+    if x not in out and x not in avoid:
+      out.append(x)
+  return out
+
+
+def mixkey_document(rng: np.random.Generator, target_bytes: int, split: str = "train"
+                    ) -> Document:
+  """1-6 facts of a wording composed for this document (`retrieval_wording`) in
+  ~target_bytes of pydoc text (the other keys' facts distract), one key possibly holding 2-4
+  values, an optional header, then 1-2 questions with answer prefixes; the answer spans are
+  the asked values. Too short for one fact and its question: a plain passkey document."""
+  w = retrieval_wording.draw_wording(rng)
+  n = int(rng.integers(1, 7))
+  multi = int(rng.integers(2, 5)) if rng.uniform() < 0.15 else 1   # values of keys[0]
+  keys = _distinct_tokens(rng, w.key_kind, n)
+  values = _distinct_tokens(rng, w.value_kind, n - 1 + multi, avoid=keys)
+  owners = [0] * multi + list(range(1, n))
+  facts = [(k, w.fact(keys[k], v)) for k, v in zip(owners, values)]   # keys[0]'s first
+  asked = [0] + ([int(rng.integers(1, n))] if n > 1 and rng.uniform() < 0.25 else [])
+  pieces = []
+  for j in asked:
+    several = j == 0 and multi > 1
+    pieces += [(w.ask(rng, keys[j], several), False),
+               (", ".join(values[:multi]) if several else values[multi - 1 + j], True),
+               (". ", False)]
+  header = w.header(rng) if rng.uniform() < 0.5 else ""
+  # Too long: drop the header, then distractors (never an asked key's facts), then give up.
+  while (room := target_bytes - len(header) - sum(len(t) for _, t in facts)
+         - sum(len(t) for t, _ in pieces)) < 0:
+    spare = [i for i, (k, _) in enumerate(facts) if k not in asked]
+    if header:
+      header = ""
+    elif spare:
+      facts.pop(spare[-1])
+    else:
+      return passkey_document(rng, target_bytes, split)
+  text, cuts = text_hay(rng, room)
+  depths = rng.uniform(0, 1, len(facts))
+  depths[:multi] = np.sort(depths[:multi])   # keys[0]'s values in the order they are listed
+  body = _insert(text, cuts, depths, [t for _, t in facts])
+  return _from_pieces([(header + body, False)] + pieces)
+
+
 _MAKERS = {"passkey": passkey_document, "multikey": multikey_document, "kv": kv_document,
-           "textkey": textkey_document, "textchain": textchain_document}
+           "textkey": textkey_document, "textchain": textchain_document,
+           "mixkey": mixkey_document}
 
 
 class RetrievalSource:

@@ -33,6 +33,17 @@ _KIND_NAMES = {"words": "word", "digits": "number", "uuid": "id"}
 _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 _UPPER = np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
 _HEX = np.array(list("0123456789abcdef"))
+# The NIAH wording ({v} the value's kind name, {k} the key(s), {x} the value). Training never
+# sees it: `data.retrieval_wording` composes other wordings, and test_retrieval_data checks
+# that no training document holds a fragment of these.
+NIAH_TEMPLATES = {
+    "header": ("Special {v}s are hidden in the text below. Remember them: you will be asked "
+               "about them after the text.\n"),
+    "needle": "One special {v} for {k} is {x}. ",
+    "question": "\nWhat is the special {v} for {k} in the text above? The special {v} for {k} is ",
+    "question_all": ("\nWhat are all the special {v}s for {k} in the text above? The special "
+                     "{v}s for {k} are "),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,15 +183,11 @@ def _niah(task, s: Spec, rng, length, tok, pieces, split) -> Example:
              for j in range(s.values_per_key)]
   asked = keys[:s.queries]              # the others are distractors of the same shape
   answers = tuple(v for k, v in needles if k in asked)
-  header = (f"Special {vname}s are hidden in the text below. Remember them: you will be "
-            "asked about them after the text.\n")
-  if s.queries == 1 and s.values_per_key == 1:
-    question = (f"\nWhat is the special {vname} for {asked[0]} in the text above? "
-                f"The special {vname} for {asked[0]} is ")
-  else:
-    question = (f"\nWhat are all the special {vname}s for {_join(asked)} in the text above? "
-                f"The special {vname}s for {_join(asked)} are ")
-  items = [pieces(f"One special {vname} for {k} is {v}. ") for k, v in needles]
+  header = NIAH_TEMPLATES["header"].format(v=vname)
+  one = s.queries == 1 and s.values_per_key == 1
+  question = NIAH_TEMPLATES["question" if one else "question_all"].format(
+      v=vname, k=asked[0] if one else _join(asked))
+  items = [pieces(NIAH_TEMPLATES["needle"].format(v=vname, k=k, x=v)) for k, v in needles]
   order = rng.permutation(len(items))
   return _in_haystack(task, rng, length, tok, pieces, split, header, question,
                       [items[j] for j in order], None, [v for _, v in needles], answers)

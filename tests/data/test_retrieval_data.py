@@ -224,3 +224,65 @@ def test_textchain_answers_follow_the_assignments():
         break
       chain += nxt
     assert doc.answers() == [", ".join(chain)] and len(chain) >= 2
+
+
+def _mixkey_facts(body: str):
+  """(key, value) of every "<adj> <noun> <tie> <key> <verb> <value>. " in `body`, parsed with
+  the wording lists (the reference for the generator's answers)."""
+  from hybridmoe_jax.data import retrieval_wording as w  # pylint: disable=g-import-not-at-top
+  alt = lambda xs: "|".join(re.escape(x) for x in sorted(set(xs) - {""}, key=len, reverse=True))
+  verbs = "|".join([r" (?:%s)" % alt(v for v in w.VERBS if v not in (":", "=")), ":", "="])
+  fact = re.compile(rf"(?:{alt(w.NOUNS)}) (?:{alt(w.TIES)}) (?P<key>[\w -]+?)(?:{verbs}) "
+                    r"(?P<value>[\w-]+)\. ")
+  asked = re.compile(rf"(?:{alt(w.NOUNS)})s? (?:{alt(w.TIES)}) ")   # then the asked key
+  found = list(fact.finditer(body))
+  return [(m["key"], m["value"]) for m in found], (found[-1].end() if found else 0), asked
+
+
+def test_mixkey_answers_follow_from_the_facts():
+  """Slow reference: every answer is recomputed from the facts parsed back out of the text
+  (the values whose key the question names); most documents have distractor facts."""
+  src = retrieval.RetrievalSource(2500, min_bytes=300, seed=6, kinds=("mixkey",))
+  with_distractors = wordings = 0
+  seen = set()
+  for i in range(60):
+    doc = src[i]
+    if doc.startswith(retrieval.QUESTION) or retrieval.QUESTION in doc:   # short: a passkey
+      continue
+    facts, prev, ask = _mixkey_facts(doc[:doc.answer_spans[0][0]])   # questions after facts
+    keys = {k for k, _ in facts}
+    with_distractors += len(keys) >= 2
+    for (a, b), ans in zip(doc.answer_spans, doc.answers()):
+      asked = doc[prev:a]
+      at = [m.end() for m in ask.finditer(asked)][-1]     # the question's "<noun> <tie> "
+      named = [k for k in keys if re.match(rf"{re.escape(k)}(?![\w-])", asked[at:])]
+      assert len(named) == 1, (asked, keys)
+      assert ans == ", ".join(v for k, v in facts if k == named[0]), (asked, facts)
+      prev = b
+    seen.add(re.sub(r"[\w-]+(?=\. )", "", doc[doc.answer_spans[0][0] - 60:
+                                                doc.answer_spans[0][0]]))
+    wordings += 1
+  assert wordings >= 40 and with_distractors >= wordings // 2
+  assert len(seen) >= 0.9 * wordings                       # a new wording nearly every time
+
+
+def test_no_training_document_holds_the_evaluation_wording():
+  """The RULER-style suite's NIAH strings (and RULER's own) are excluded by construction:
+  no fragment of 12+ characters of its templates is in any training document of any kind."""
+  from hybridmoe_jax.data import retrieval_wording as w  # pylint: disable=g-import-not-at-top
+  from hybridmoe_jax.evals import ruler_tasks  # pylint: disable=g-import-not-at-top
+  banned = {"special magic", "magic number", "in the text above", "quiz you about"}
+  for template in ruler_tasks.NIAH_TEMPLATES.values():
+    for v in ruler_tasks._KIND_NAMES.values():   # pylint: disable=protected-access
+      for part in re.split(r"\{[kx]\}", template.replace("{v}", v)):
+        if len(part.strip()) >= 12:
+          banned.add(part)
+  assert any("special number for" in b for b in banned) and len(banned) >= 12
+  words = " ".join(w.ADJECTIVES + w.NOUNS + w.OPENINGS + w.PLACES + w.QUESTIONS).lower()
+  assert "special" not in words and "magic" not in words
+  for length, least in ((256, 64), (2046, 64), (8190, 2000)):
+    src = retrieval.RetrievalSource(length, min_bytes=least, seed=7, kinds=retrieval.KINDS)
+    for i in range(48 if length < 8000 else 12):
+      doc = src[i]
+      hits = [b for b in banned if b.lower() in doc.lower()]
+      assert not hits, (src.kinds[i % len(src.kinds)], hits)

@@ -69,3 +69,21 @@ def test_text_flag_adds_real_text_retrieval_to_the_later_stages_only():
   assert all(not set(recipe.TEXT_KINDS) & set(s.get("retrieval_kinds", ())) for s in plain)
   with pytest.raises(ValueError, match="text=2 must be 0 or 1"):
     recipe.get_config("hybrid,text=2")
+
+
+def test_mix_and_width_flags():
+  """`mix=1`: half of every stage's retrieval documents in composed wordings; `width=128`:
+  d_model 128 with 4 heads; both pass the config checks."""
+  recipe = _recipe()
+  cfg = recipe.get_config("hybrid,mix=1,width=128")
+  for stage in cfg.curriculum.stages:
+    kinds = stage["retrieval_kinds"]
+    assert kinds.count("mixkey") * 2 == len(kinds)
+  assert cfg.model.d_model == 128 and cfg.model.kda.num_heads == cfg.model.mla.num_heads == 4
+  run_config_from_dict(cfg.to_dict())
+  plain = recipe.get_config("hybrid")
+  assert plain.model.d_model == 64 and all(
+      "mixkey" not in s.get("retrieval_kinds", ()) for s in plain.curriculum.stages)
+  for bad, field in (("mix=2", "mix=2 must be 0 or 1"), ("width=96", "width=96 must be one of")):
+    with pytest.raises(ValueError, match=field):
+      recipe.get_config(f"hybrid,{bad}")
