@@ -76,7 +76,7 @@ class TrainConfig(Checked):
   schedule: str = ranged("cosine", SCHEDULES)
   min_lr_ratio: float = ranged(0.1, "[0, 1]")    # final learning rate / lr (cosine and wsd)
   decay_fraction: float = ranged(0.2, "[0, 1]")  # share of the steps in the final decay of wsd
-  # "adamw" or "muon" (optax.contrib; AdamW for non-matrices)
+  # "adamw" or "muon" (train/muon.py; AdamW for embeddings, the head and vectors)
   optimizer: str = ranged("adamw", OPTIMIZERS)
   b1: float = ranged(0.9, "[0, 1)")          # Adam moments
   b2: float = ranged(0.95, "[0, 1)")

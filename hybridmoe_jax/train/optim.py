@@ -14,11 +14,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, muon
+from optax.contrib import MuonDimensionNumbers
 
 from hybridmoe_jax.config.run import TrainConfig
 from hybridmoe_jax.config.sharding import path_string
 from hybridmoe_jax.model.stack import stacked_position
+from hybridmoe_jax.train.muon import muon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +122,8 @@ def make_optimizer(t: TrainConfig, schedule: optax.Schedule) -> optax.GradientTr
     opt = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay,
                       mask=decay_mask)
   else:
-    opt = muon(schedule, weight_decay=t.weight_decay, weight_decay_mask=decay_mask,
-               adam_b1=t.b1, adam_b2=t.b2, adam_weight_decay=t.weight_decay,
-               muon_weight_dimension_numbers=_muon_dims, consistent_rms=0.2)
+    opt = muon(schedule, _muon_dims, decay_mask, b1=t.b1, b2=t.b2,
+               weight_decay=t.weight_decay)
   if t.clip > 0:
     return optax.chain(optax.clip_by_global_norm(t.clip), opt)
   return opt
