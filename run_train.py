@@ -14,9 +14,10 @@
 The run resumes from the newest good checkpoint in --workdir; rerunning a finished run
 trains and logs nothing (it says so; with --export_params_to it writes the export). A config
 whose `rl.envs` is set is an RL run (`hybridmoe_jax.rl.trainer`), else pre-training
-(`hybridmoe_jax.train`); this file only parses flags. Progress: clean lines (a bar on a
-terminal) ending in one `done:` summary line, then a sample, where the outputs are and the
-next commands (--absl_logs: absl's lines).
+(`hybridmoe_jax.train`); this file only parses flags (the program after them is
+`hybridmoe_jax.tools.train.main`). Progress: clean lines (a bar on a terminal) ending in one
+`done:` summary line, then a sample, where the outputs are and the next commands
+(--absl_logs: absl's lines).
 
 Exit status: 0 finished; 1 an error, told in one line (bad config or data, a workdir in use
 by another run, training diverged, a checkpoint that cannot be written: disk full); 128 + N
@@ -24,18 +25,16 @@ stopped by signal N (130 SIGINT, 143 SIGTERM) after a clean checkpoint: rerun to
 """
 
 import os
-import signal
 import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from hybridmoe_jax.config import flags as cli_flags
 from hybridmoe_jax.tools import footprint  # the dry run's program and its --aot_* flags
+from hybridmoe_jax.tools import train
 
-_SAMPLE_DEFAULT = 200
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
@@ -49,7 +48,7 @@ _PRINT_CONFIG = flags.DEFINE_bool("print_config", False,
                                   "Print the resolved config (after overrides) and exit.")
 _SAMPLE_TOKENS = flags.DEFINE_integer(
     "sample_tokens", None, "Pre-training: tokens of a sample generated after training "
-    f"(temperature 0.8); 0 for none. Default {_SAMPLE_DEFAULT} when stdout is a terminal, "
+    f"(temperature 0.8); 0 for none. Default {train.SAMPLE_DEFAULT} when stdout is a terminal, "
     "else none (scripts and CI skip its ~20 s of compilation).", lower_bound=0)
 _SAMPLE_PROMPT = flags.DEFINE_string("sample_prompt", "The ", "The sample's prompt.")
 _ABSL_LOGS = flags.DEFINE_bool(
@@ -80,91 +79,16 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.cli import terminal
-  terminal.skip_absent_tpu()  # before any backend starts: no libtpu probe on a CPU machine
-  if not _ABSL_LOGS.value:
-    terminal.install()
-  from hybridmoe_jax.config import ConfigError
-  from hybridmoe_jax.parallel import distributed
-  try:  # before anything touches a jax backend
-    distributed.initialize(enable=_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
-                           num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  except ValueError as e:
-    sys.exit(f"error: {e}")
-  from hybridmoe_jax.config.run import run_config_from_dict
-  from hybridmoe_jax.cli import errors, io_noise
-  from hybridmoe_jax.train import checkpoint, loop
-  try:
-    config = _CONFIG.value
-    config.keys()  # a lazy proxy: raises here if the file failed to load
-  except OSError as e:  # the --config file could not be loaded
-    sys.exit(f"error: {' '.join(str(e).split())}")
-  if _PRINT_CONFIG.value:
-    print(cli_flags.config_yaml(
-        config, config_flags.get_config_filename(flags.FLAGS["config"]),
-        [a for a in sys.argv[1:] if a.startswith("--config.")]), end="")
-    return
-  try:
-    if _INIT_FROM.value:
-      config.rl.init_from = _INIT_FROM.value
-    run = run_config_from_dict(config)  # the typed config everything below takes
-    if _INIT_FROM.value and not run.rl.enabled:
-      raise ConfigError("--init_from is for RL runs (a config with rl.envs), e.g. "
-                        "--config=configs/rl_tiny.py")
-    if _DRY_RUN.value:
-      footprint.report(run)
-      return
-    logging.info("config %s, workdir %s",
-                 config_flags.get_config_filename(flags.FLAGS["config"]), _WORKDIR.value)
-    if run.rl.enabled:
-      from hybridmoe_jax.rl import trainer as rl_trainer
-      summary = rl_trainer.train_rl(run, _WORKDIR.value)
-    else:
-      on_stage_end = None
-      if run.curriculum.enabled and run.curriculum.niah_lengths:
-        from hybridmoe_jax.evals.stage_niah import StageNiah
-        on_stage_end = StageNiah.from_run(run, _WORKDIR.value)
-      summary = loop.train_and_evaluate(run, _WORKDIR.value, export_params_to=_EXPORT.value,
-                                        on_stage_end=on_stage_end)
-  except (ConfigError, errors.InputError, errors.TrainingDiverged,
-          checkpoint.NonFiniteState, checkpoint.CheckpointWriteError,
-          errors.OutOfMemory) as e:
-    sys.exit(f"error: {e}")
-  except OSError as e:  # a full disk hit a log write (metrics, TensorBoard) before a save did
-    if e.errno not in io_noise.FULL_ERRNOS:
-      raise
-    what, fix = io_noise.describe_write_error(e)
-    sys.exit(f"error: cannot write {e.filename or _WORKDIR.value}: {what}; the "
-             f"checkpoints in {_WORKDIR.value} are intact. {fix[0].upper() + fix[1:]}, then "
-             "rerun to resume")
-  if summary["stopped_by"]:  # a clean stop, checkpoint saved: the shell's 128 + signal code
-    sys.exit(128 + signal.Signals[summary["stopped_by"]].value)
-  if not run.rl.enabled and not summary.get("already_finished"):
-    _print_end(summary, _WORKDIR.value)
-
-
-def _print_end(summary, workdir: str) -> None:
-  """After pre-training: a sample of the model, where the outputs are, what to run next."""
-  # pylint: disable=g-import-not-at-top
-  import jax
-  from hybridmoe_jax.cli.terminal import end_lines
-  if jax.process_index() != 0:
-    return
-  n = _SAMPLE_TOKENS.value
-  n = (_SAMPLE_DEFAULT if sys.stdout.isatty() else 0) if n is None else n
-  if n and jax.process_count() == 1:   # api.load reads the run into one process's devices
-    from hybridmoe_jax import api
-    try:
-      room = len(_SAMPLE_PROMPT.value.encode()) + n + 8   # BOS, slack
-      lm = api.load(workdir, max_len=room)
-      text = lm.generate(_SAMPLE_PROMPT.value, max_new_tokens=n, temperature=0.8, seed=0)
-      print(f"\nsample ({n} tokens, temperature 0.8):\n"
-            f"{_SAMPLE_PROMPT.value}{text}\n{'-' * 40}")
-    except (ValueError, OSError) as e:  # e.g. a prompt the tokenizer cannot encode
-      print(f"(no sample: {e})")
-    sys.stdout.flush()
-  print("\n".join(end_lines(summary, workdir)))
+  train.main(_CONFIG, config_file=config_flags.get_config_filename(flags.FLAGS["config"]),
+             overrides=[a for a in sys.argv[1:] if a.startswith("--config.")],
+             workdir=_WORKDIR.value, print_config=_PRINT_CONFIG.value,
+             init_from=_INIT_FROM.value, dry_run=_DRY_RUN.value,
+             export_params_to=_EXPORT.value, sample_tokens=_SAMPLE_TOKENS.value,
+             sample_prompt=_SAMPLE_PROMPT.value, absl_logs=_ABSL_LOGS.value,
+             distributed={"enable": _DISTRIBUTED.value,
+                          "coordinator_address": _COORDINATOR.value,
+                          "num_processes": _NUM_PROCESSES.value,
+                          "process_id": _PROCESS_ID.value})
 
 
 if __name__ == "__main__":
