@@ -12,6 +12,7 @@ refused), or the storage cannot be reached.
 
 from __future__ import annotations
 
+import fnmatch
 import glob as glob_lib
 import hashlib
 import json
@@ -193,7 +194,7 @@ def mirror(url: str, dst: str | os.PathLike | None = None, *, skip: Sequence[str
   The copy is exact: files that are no longer in the bucket are removed from dst. Objects
   whose generation has not changed since the last mirror (recorded in dst/.mirror.json) are
   not fetched again. Each file is written beside its name and renamed into place. Names whose
-  first path part is in `skip` (or starts with one + "-"/".") are left out on both sides.
+  first path part matches a pattern of `skip` (fnmatch) are left out on both sides.
 
   Raises:
     FileNotFoundError: nothing is stored under `url` (one line naming it and `what`);
@@ -204,8 +205,7 @@ def mirror(url: str, dst: str | os.PathLike | None = None, *, skip: Sequence[str
   url = str(url).rstrip("/")
   local = pathlib.Path(dst) if dst is not None else (
       cache_dir() / ("mirror-" + hashlib.sha256(url.encode()).hexdigest()[:16]))
-  skipped = lambda rel: any(rel.split("/")[0] == s or rel.startswith((s + ".", s + "-"))
-                            for s in skip)  # noqa: E731
+  skipped = lambda rel: any(fnmatch.fnmatchcase(rel.split("/")[0], s) for s in skip)  # noqa: E731
   try:
     fs, base = fsspec_for(url)
     fs.invalidate_cache()  # another machine may have written since this process listed

@@ -35,8 +35,10 @@ from hybridmoe_jax.cli import workdir_lock
 from hybridmoe_jax.cli.errors import InputError
 from hybridmoe_jax.data import storage
 
-# Not mirrored into staging: orbax's own directories, and the lock (with its stale records).
-NOT_STAGED = ("checkpoints", "checkpoints_corrupt", workdir_lock.LOCK_FILE)
+# Not mirrored into staging (fnmatch patterns of the first path part): orbax's directories,
+# and the lock with its stale records.
+NOT_STAGED = ("checkpoints", "checkpoints_corrupt", workdir_lock.LOCK_FILE,
+              f"{workdir_lock.LOCK_FILE}.stale-*")
 _MANIFEST = ".mirror.json"
 
 

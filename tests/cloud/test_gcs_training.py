@@ -10,6 +10,7 @@ pytest.importorskip("gcsfs", reason="the cloud extra (gcsfs) is not installed")
 pytest.importorskip("gcp_storage_emulator",
                     reason="the cloud-test extra (gcp-storage-emulator) is not installed")
 
+import os  # noqa: E402
 import shutil  # noqa: E402
 
 from flax import nnx  # noqa: E402
@@ -39,7 +40,7 @@ def _run(workdir, **train):
   with one_device():
     train_and_evaluate(run_config_from_dict(config), str(workdir),
                        export_params_to=export or None)
-  return train_losses(storage.mirror(str(workdir)))
+  return train_losses(loading.local_dir(str(workdir)))   # a gs:// one: its local mirror
 
 
 @pytest.fixture
@@ -81,8 +82,11 @@ def test_gs_workdir_resumes_from_the_bucket_alone(gcs, tmp_path):
   events = [p.name for p in storage.as_path(f"{url}/tensorboard").iterdir()]
   assert len(events) == 2 and all(n.startswith("events.out.tfevents") for n in events)
   assert sorted(p.name for p in storage.as_path(f"{url}/checkpoints").iterdir()) == ["2", "4"]
-  model, tok, info = loading.load(url)    # what api.load and run_eval.py read
+  model, _, info = loading.load(url)      # what api.load and run_eval.py read
   assert info["layout"] == "workdir" and info["step"] == 4
+  mirror = loading.local_dir(url)         # the run's small files; checkpoints stay in the bucket
+  assert (open(f"{mirror}/checkpoints.url").read().strip() == f"{url}/checkpoints"
+          and not os.path.exists(f"{mirror}/checkpoints"))
   exported = loading.load_exported_params(f"{B}/export-4")
   params = nnx.to_pure_dict(split_model(model)[1])   # the bucket's step 4 = its export
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported["params"]), strict=True):

@@ -97,13 +97,16 @@ def test_staging_rebuilt_from_bucket_and_pushed(gcs, tmp_path):
   assert storage.as_path(f"{url}/metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
   assert storage.as_path(f"{url}/tokenizer/t.json").read_text() == "{}"
   storage.as_path(f"{url}/checkpoints/1/x").write_text("orbax")   # never staged
+  storage.as_path(f"{url}/run.lock.stale-1-2").write_text("{}")
+  storage.as_path(f"{url}/checkpoints.url").write_text(f"{url}/checkpoints\n")
   with open(os.path.join(staged.local, "metrics.jsonl"), "a") as f:
     f.write('{"step": 3}\n')   # never pushed (a killed run): the bucket is the truth
   with open(os.path.join(staged.local, "stray"), "w") as f:
     f.write("x")
   again = remote_workdir.Staged(url)
   again.pull()
-  assert sorted(os.listdir(again.local)) == [".mirror.json", "metrics.jsonl", "tokenizer"]
+  assert sorted(os.listdir(again.local)) == [".mirror.json", "checkpoints.url",
+                                              "metrics.jsonl", "tokenizer"]
   with open(os.path.join(again.local, "metrics.jsonl")) as f:
     assert f.read() == '{"step": 1}\n{"step": 2}\n'
 
