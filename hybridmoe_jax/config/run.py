@@ -182,7 +182,8 @@ class DataConfig(Checked):
   num_packing_bins: int = ranged(16, ">= 1")  # rows the first-fit packer fills at once
   # Input shards the global batch is cut into (each its own documents and packer); each
   # process reads input_shards / process_count of them, so a fixed value gives the same
-  # global batches on 1, 2, ... processes (a divisor of it). 0: one shard per process.
+  # global batches on 1, 2, ... processes (a divisor of it); curriculum stages too (each
+  # stage's batch split the same way). 0: one shard per process.
   input_shards: int = ranged(0, ">= 0")
   # A bad record (JSONL line that is not a JSON object with a non-empty, UTF-8-encodable
   # string text; a text file that is not UTF-8 or empty): "skip" leaves it out with one

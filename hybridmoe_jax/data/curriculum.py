@@ -144,11 +144,20 @@ def _split_sources(names, curriculum: CurriculumConfig, data: DataConfig, shard_
     tr, ho = sources_lib.split_source(src, data.heldout_fraction, data.heldout_seed)
     if len(tr) < shard_count:
       raise ValueError(f"curriculum source {name!r} has {len(tr)} training documents, fewer "
-                       f"than the {shard_count} hosts reading it")
+                       f"than the {shard_count} input shards reading it")
     logging.info("curriculum source %s (%s): %d documents, %d train, %d held out", name,
                  spec.kind, len(src), len(tr), len(ho))
     train_sources[name], heldout = tr, heldout + [ho]
   return train_sources, heldout
+
+
+def _host_stage(stage: stages_lib.StageData, *, shards: range, shard_count: int, **kw):
+  """This process's batches of one stage (stage.batch_size rows): its input shards' pipelines
+  (shard j of `shard_count`, stage.batch_size / len(shards) rows each) side by side."""
+  rows = dataclasses.replace(stage, batch_size=stage.batch_size // len(shards))
+  its = [stages_lib.make_stage_dataset(rows, shard_index=j, shard_count=shard_count, **kw)
+         for j in shards]
+  return its[0] if len(its) == 1 else pipeline_lib.ShardsIterator([iter(d) for d in its])
 
 
 def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
@@ -166,7 +175,9 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
     vision: the model's tower; when enabled every stage mixes image-text documents
       (`data.vision`) in at the token share data.vision.share and the held-out batches add
       image-text rows at the evaluation length.
-    shard_index, shard_count: this host's shard (default: the jax process).
+    shard_index, shard_count: this process and the number of processes (default: jax's);
+      it reads input shards `pipeline.host_input_shards(data.input_shards, ...)` of every
+      stage, side by side (as the `data` pipeline does).
     tokenizer: default `make_tokenizer(data.tokenizer, vision=...)`.
 
   Raises:
@@ -176,19 +187,23 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
   shard_index = jax.process_index() if shard_index is None else shard_index
   shard_count = jax.process_count() if shard_count is None else shard_count
   with_images = vision is not None and vision.enabled
-  if with_images and shard_count > 1:
-    raise NotImplementedError("a curriculum with images on several hosts: the image-text "
-                              "pipeline has no host shard")
+  inputs = data.input_shards or shard_count    # input shards in all
+  if with_images and inputs > 1:
+    raise NotImplementedError("a curriculum with images on several hosts (or data.input_shards "
+                              "> 1): the image-text pipeline has no host shard")
   tokenizer = tokenizer or make_tokenizer(data.tokenizer, vision=with_images)
   proc = (vlm_pipeline.processor_from_config(data, vision, vocab_size, tokenizer)
           if with_images else None)
   check_vocab(tokenizer, vocab_size)
   used = sorted({n for s in stages for n in s.weights})
-  train_sources, heldout = _split_sources(used, curriculum, data, shard_count)
+  train_sources, heldout = _split_sources(used, curriculum, data, inputs)
   for name, src in train_sources.items():
     record_sources.check_tokenizer(src, tokenizer, fingerprint,
                                    f"curriculum source {name!r}")
   datas = stage_data(stages, train_sources, seed=seed, shard_count=shard_count)
+  for d in datas:   # each stage's host batch must split over this process's input shards
+    mine, _ = pipeline_lib.host_input_shards(data.input_shards, d.batch_size, shard_index,
+                                             shard_count)
   eval_len = curriculum.eval_seq_len or stages[-1].seq_len
   eval_rows = max(1, curriculum.tokens_per_step // eval_len)
   evals = pipeline_lib.eval_batches(_ConcatSource(heldout), tokenizer, eval_len, eval_rows,
@@ -205,9 +220,8 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
                  data.vision.source, data.vision.share)
   else:
     build = functools.partial(
-        stages_lib.make_stage_dataset, tokenizer=tokenizer, shard_index=shard_index,
-        shard_count=shard_count, num_packing_bins=curriculum.num_packing_bins,
-        num_workers=curriculum.num_workers)
+        _host_stage, shards=mine, shard_count=inputs, tokenizer=tokenizer,
+        num_packing_bins=curriculum.num_packing_bins, num_workers=curriculum.num_workers)
   it = stages_lib.StagedIterator(datas, build)
   at_len = {s.seq_len: pipeline_lib.eval_batches(
       _ConcatSource(heldout), tokenizer, s.seq_len,

@@ -163,6 +163,11 @@ class ShardsIterator:
     for it, s in zip(self.iterators, states):
       it.set_state(s)
 
+  def close(self) -> None:
+    for it in self.iterators:
+      if hasattr(it, "close"):
+        it.close()
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainEvalData:

@@ -145,3 +145,43 @@ def test_host_input_shards_in_process(tmp_path):
     host_input_shards(3, 4, 0, 2)
   with pytest.raises(ConfigError, match="rows must split evenly over its 4 shards"):
     host_input_shards(4, 6, 0, 1)
+
+
+def test_curriculum_stages_honour_input_shards(tmp_path):
+  """Curriculum stages split by data.input_shards like the data pipeline: two processes'
+  batches are disjoint and side by side equal one process's, in both stages, and a state
+  saved inside a stage or at the boundary resumes on the same batches."""
+  from hybridmoe_jax.config.run import run_config_from_dict
+  from hybridmoe_jax.data.curriculum import build_curriculum_data
+  from hybridmoe_jax.train import stage_plan
+  from tests.conftest import load_config
+  (tmp_path / "docs.jsonl").write_text("".join(   # ~200-byte documents: few reads per batch
+      json.dumps({"text": f"<doc {i}> " + "abc " * (40 + i % 10)}) + "\n" for i in range(60)))
+  config = load_config("tiny")
+  config.model.vocab_size = 272
+  c = config.curriculum
+  c.tokens_per_step, c.num_workers = 512, 0
+  c.sources = {"docs": {"kind": "jsonl", "paths": (str(tmp_path / "docs.jsonl"),),
+                        "field": "text"}}
+  c.stages = (dict(name="a", seq_len=64, steps=2, weights={"docs": 1.0}),
+              dict(name="b", seq_len=128, steps=2, weights={"docs": 1.0}))
+  config.data.input_shards, config.train.steps, config.train.eval_batches = 2, 4, 1
+  run = run_config_from_dict(config)
+
+  def train(index, count):
+    return build_curriculum_data(stage_plan.build_plan(run).stages, run.curriculum, run.data,
+                                 vocab_size=272, seed=3, eval_batches=1, shard_index=index,
+                                 shard_count=count).train
+  it, one, states = train(0, 1), [], []
+  for _ in range(4):
+    states.append(json.loads(json.dumps(it.get_state())))
+    one.append(next(it)["tokens"])
+  halves = [[next(it)["tokens"] for _ in range(4)] for it in (train(0, 2), train(1, 2))]
+  assert [x.shape for x in one] == [(8, 64), (8, 64), (4, 128), (4, 128)]
+  for step in range(4):
+    np.testing.assert_array_equal(np.concatenate([h[step] for h in halves]), one[step])
+    assert not _doc_ids(halves[0][step]) & _doc_ids(halves[1][step])
+  again = train(0, 1)
+  for step in (1, 2):   # inside stage a, and at the boundary to stage b
+    again.set_state(states[step])
+    np.testing.assert_array_equal(next(again)["tokens"], one[step])
