@@ -1,4 +1,5 @@
-"""Shared test support: error measures and closeness checks; the tiny models and runs (the
+"""Shared test support: error measures and closeness checks; small safetensors files written
+and read whole; the tiny models and runs (the
 one place they are defined: `tiny_model_config` / `tiny_model` for the configs/tiny.py
 hybrid, `mini_model_config` / `set_tiny_model` / `tiny_run_config` for the 2-layer MLA-only
 model the training tests run).
@@ -13,6 +14,7 @@ import numpy as np
 
 from hybridmoe_jax.config import (ComputeConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig,
                                   model_config_from_dict)
+from hybridmoe_jax.io import safetensors
 
 
 def rel_err(got, want) -> float:
@@ -33,6 +35,24 @@ def assert_close(got, want, rtol, what="", *, atol=1e-6):
   err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))))
   rel = rel_rms(got, want)
   assert err <= atol or rel < rtol, f"{what}: max abs {err}, rel rms {rel} (tol {rtol})"
+
+
+def save_safetensors(path, tensors: dict, *, metadata: dict[str, str] | None = None) -> None:
+  """Write a dict of in-memory arrays as one safetensors file (the package streams its writes:
+  io.safetensors.SafetensorsWriter)."""
+  arrays = {k: np.asarray(v) for k, v in tensors.items()}
+  w = safetensors.SafetensorsWriter(
+      path, [safetensors.Spec(k, safetensors.dtype_code(a.dtype), a.shape)
+             for k, a in arrays.items()], metadata=metadata)
+  for k, a in arrays.items():
+    w.write(k, [a])
+  w.close()
+
+
+def load_safetensors(path) -> dict:
+  """Every tensor of one safetensors file, in memory: {name: np.ndarray}."""
+  with safetensors.SafetensorsFile(path) as f:
+    return {name: f.read(name) for name in f.tensors}
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

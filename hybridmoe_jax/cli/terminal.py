@@ -200,15 +200,6 @@ def install(stream: TextIO | None = None, *, bar: bool = True) -> CleanLogHandle
   return handler
 
 
-def uninstall(handler: CleanLogHandler) -> None:
-  """Undo `install` (tests)."""
-  global _BAR
-  if _BAR is not None:
-    _BAR.close()
-  _BAR = None
-  logging.getLogger().removeHandler(handler)
-
-
 def end_lines(summary: dict, workdir: str) -> list[str]:
   """run_train.py's closing lines after pre-training: where the outputs are and what to run
   next. The numbers (losses, held-out bits/byte, tokens/s, time) are the loop's own `done:`

@@ -2,8 +2,6 @@
 
 from hybridmoe_jax.infer.context_engine import ContextParallelEngine
 from hybridmoe_jax.infer.engine import Engine
-from hybridmoe_jax.infer.functional import decode_step
-from hybridmoe_jax.infer.functional import prefill
 from hybridmoe_jax.infer.steps import trace_counts
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.model.cache import KDACache

@@ -21,14 +21,17 @@ from hybridmoe_jax.infer.sampling import draw_from, sample, sampling_logits
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.model.decoder import HybridLM
 
-_TRACES: collections.Counter = collections.Counter()
+# Every jitted inference call counts its traces here by name: these steps, the server's
+# batch calls (serve/batch_engine.py) and the RL rollout's row moves (rl/rollout.py).
+TRACES: collections.Counter = collections.Counter()
 
 
 def trace_counts() -> dict[str, int]:
-  """Traces (= compilations) so far of each jitted entry point: "prefill_chunk",
+  """Traces (= compilations) so far of each jitted inference call: here "prefill_chunk",
   "score_chunk", "decode_step", "generate", "embed_inputs", "feed_and_draw", "clear_row",
-  "logits" (for tests and benchmarks)."""
-  return dict(_TRACES)
+  "logits"; the server's "prefill", "decode", "snapshot", "restore"; the rollout's
+  "put_row", "get_row" (for tests and benchmarks: none after warm-up)."""
+  return dict(TRACES)
 
 
 def _forward(model: HybridLM, tokens, embeds, cache: DecodeCache, n_valid: jax.Array,
@@ -46,7 +49,7 @@ def _forward(model: HybridLM, tokens, embeds, cache: DecodeCache, n_valid: jax.A
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
 def _prefill_chunk(graphdef, state, tokens, embeds, cache, n_valid, kv_block):
   """tokens [B, P] or embeds [B, P, d] -> (logits [B, V] at each row's last real token, cache)."""
-  _TRACES["prefill_chunk"] += 1
+  TRACES["prefill_chunk"] += 1
   model = nnx.merge(graphdef, state)
   last = jnp.maximum(n_valid - 1, 0)[:, None]
   logits, cache = _forward(model, tokens, embeds, cache, n_valid, kv_block, logits_at=last)
@@ -57,14 +60,14 @@ def _prefill_chunk(graphdef, state, tokens, embeds, cache, n_valid, kv_block):
 def _logits(graphdef, state, tokens, cache, n_valid, kv_block):
   """tokens [B, T], n_valid [B] real tokens per row (a prefix) -> (logits [B, T, V] fp32,
   cache): the training forward when cache is None, else the cached one over all T."""
-  _TRACES["logits"] += 1
+  TRACES["logits"] += 1
   return _forward(nnx.merge(graphdef, state), tokens, None, cache, n_valid, kv_block)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _embed_inputs(graphdef, state, tokens, images, image_grid, image_index):
   """tokens [B, T] + image keys -> input embeddings [B, T, d] (the tower runs once)."""
-  _TRACES["embed_inputs"] += 1
+  TRACES["embed_inputs"] += 1
   model = nnx.merge(graphdef, state)
   return model.embed_inputs(tokens, images, image_grid, image_index, serving=True)
 
@@ -72,7 +75,7 @@ def _embed_inputs(graphdef, state, tokens, images, image_grid, image_index):
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
 def _score_chunk(graphdef, state, tokens, targets, cache, n_valid, kv_block):
   """-> (nll [B, P] float32 of `targets`, argmax prediction [B, P] int32, cache)."""
-  _TRACES["score_chunk"] += 1
+  TRACES["score_chunk"] += 1
   model = nnx.merge(graphdef, state)
   logits, cache = _forward(model, tokens, None, cache, n_valid, kv_block)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -92,7 +95,7 @@ def _one_token(model: HybridLM, token: jax.Array, cache: DecodeCache, kv_block: 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnames=("cache",))
 def _decode_step(graphdef, state, token, cache, kv_block):
   """token [B] int32 -> (logits [B, V] float32, cache)."""
-  _TRACES["decode_step"] += 1
+  TRACES["decode_step"] += 1
   return _one_token(nnx.merge(graphdef, state), token, cache, kv_block)
 
 
@@ -108,7 +111,7 @@ def _generate_loop(graphdef, state, logits, cache, key, stop, n_new, sampling, p
   the key (threefry bits are counted per element), so the real rows' tokens are those of an
   unpadded batch.
   """
-  _TRACES["generate"] += 1
+  TRACES["generate"] += 1
   model = nnx.merge(graphdef, state)
   temperature, top_k, top_p, vocab_limit = sampling
   key, sub = jax.random.split(key)
@@ -175,7 +178,7 @@ def _feed_and_draw(graphdef, state, tokens, n_valid, cache, keys, draw, temperat
     log-prob under the raw logits and under the sampling distribution
     (infer.sampling.sampling_logits: the behaviour policy), keys, the new cache.
   """
-  _TRACES["feed_and_draw"] += 1
+  TRACES["feed_and_draw"] += 1
   model = nnx.merge(graphdef, state)
   last = jnp.maximum(n_valid - 1, 0)[:, None]
   logits, cache = _forward(model, tokens, None, cache, n_valid, kv_block, logits_at=last)
@@ -211,5 +214,5 @@ def feed_and_draw_fn(graphdef, kv_block: int, split_keys: bool = True):
 def clear_row(cache: DecodeCache, b) -> DecodeCache:
   """Row b emptied (length 0, zero KDA states / conv tails / MLA latents): a slot of a
   shared cache handed to a new sequence."""
-  _TRACES["clear_row"] += 1
+  TRACES["clear_row"] += 1
   return jax.tree.map(lambda x: x.at[b].set(jnp.zeros_like(x[0])), cache)

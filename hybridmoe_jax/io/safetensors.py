@@ -362,20 +362,3 @@ class ShardedWriter:
   def abort(self) -> None:
     if self._current is not None:
       self._current[1].abort()
-
-
-def save_file(path: str, tensors: dict[str, np.ndarray], *,
-              metadata: dict[str, str] | None = None) -> None:
-  """Write a dict of in-memory arrays as one file (small checkpoints, tests)."""
-  arrays = {k: np.asarray(v) for k, v in tensors.items()}
-  w = SafetensorsWriter(path, [Spec(k, dtype_code(a.dtype), a.shape) for k, a in arrays.items()],
-                        metadata=metadata)
-  for k, a in arrays.items():
-    w.write(k, [a])
-  w.close()
-
-
-def load_file(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of one file, in memory (small checkpoints, tests)."""
-  with SafetensorsFile(path) as f:
-    return {name: f.read(name) for name in f.tensors}

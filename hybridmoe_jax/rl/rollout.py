@@ -43,21 +43,12 @@ import numpy as np
 
 from hybridmoe_jax.config import Checked, ranged, require
 from hybridmoe_jax.infer.engine import Engine
-from hybridmoe_jax.infer.steps import clear_row, feed_and_draw_fn
+from hybridmoe_jax.infer.steps import TRACES, clear_row, feed_and_draw_fn
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.model.cache import DecodeCache
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.episode import (TOKEN_FIELDS, EpisodeSpec, PendingEpisode, Trajectory)
-
-_TRACES: collections.Counter = collections.Counter()
-
-
-def trace_counts() -> dict[str, int]:
-  """Compilations so far of the row moves ("put_row", "get_row"); the rollout step is
-  infer.steps' "feed_and_draw" (infer.trace_counts)."""
-  return dict(_TRACES)
-
 
 # ---- the jitted pieces -------------------------------------------------------------------
 
@@ -70,14 +61,14 @@ def _row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _put_row(cache: DecodeCache, row: DecodeCache, b) -> DecodeCache:
   """Row b := the batch-1 cache `row` (a resumed episode)."""
-  _TRACES["put_row"] += 1
+  TRACES["put_row"] += 1
   return jax.tree.map(lambda x, r: x.at[b].set(r[0]), cache, row)
 
 
 @jax.jit
 def _get_row(cache: DecodeCache, b) -> DecodeCache:
   """The batch-1 cache of row b (a pausing episode)."""
-  _TRACES["get_row"] += 1
+  TRACES["get_row"] += 1
   return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, b, keepdims=True), cache)
 
 

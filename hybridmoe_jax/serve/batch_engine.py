@@ -10,7 +10,7 @@ updates it in place). Bucket padding points at the scratch row S with no work (n
 nothing left to draw), so it never changes a request's row, and the scratch row's own
 content is never read. The shapes of a call depend only on its bucket, so warm-up compiles
 each bucket once (`BatchEngine.warm_up`) and no request compiles anything afterwards:
-`trace_counts()` counts the traces of every function here, for the test that says so.
+`infer.trace_counts()` counts the traces of every function here, for the test that says so.
 
 Sampling is `infer.steps._feed_and_draw` (split_keys=True), the one sampler of
 `Engine.generate_stream` and the RL rollouts: each row draws from its last real token's
@@ -34,19 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax.infer.engine import Engine
-from hybridmoe_jax.infer.steps import _feed_and_draw
+from hybridmoe_jax.infer.steps import TRACES, _feed_and_draw, clear_row
 from hybridmoe_jax.model.cache import DecodeCache
 
 MAX_STOP_IDS = 8     # stop ids per request (EOS + a chat format's end-of-turn need 2)
-
-_TRACES: collections.Counter = collections.Counter()
-
-
-def trace_counts() -> dict[str, int]:
-  """Traces so far of each function here: "decode", "prefill", "snapshot", "restore",
-  "clear" (a trace is a compilation; tests assert none happen after warm-up)."""
-  return dict(_TRACES)
-
 
 def buckets(limit: int) -> tuple[int, ...]:
   """Row counts compiled for a call of at most `limit` rows: 1, 2, 4, ... < limit, limit."""
@@ -82,7 +73,7 @@ def _prefill(graphdef, kv_block, state, cache, rows, tokens, n_valid, keys, draw
   """rows int32 [q], tokens int32 [q, P], n_valid int32 [q], keys uint32 [q, 2], draw bool
   [q] (rows whose prompt ends in this chunk draw their first token), sampling [q] ->
   (token int32 [q], keys [q, 2], cache)."""
-  _TRACES["prefill"] += 1
+  TRACES["prefill"] += 1
   out = _feed_and_draw(graphdef, state, tokens, n_valid, _gather(cache, rows), keys, draw,
                        temperature, top_k, top_p, vocab_limit, kv_block=kv_block,
                        split_keys=True)
@@ -95,7 +86,7 @@ def _decode(graphdef, kv_block, max_steps, state, cache, rows, last, keys, remai
   remaining int32 [b] (tokens a row may still draw; 0: no work), stop int32 [b, M] (-1
   padded), sampling [b], n_steps int32 <= K, exit_on_done bool ->
   (tokens int32 [b, K], count int32 [b], keys, cache)."""
-  _TRACES["decode"] += 1
+  TRACES["decode"] += 1
   b = rows.shape[0]
   part = _gather(cache, rows)
   out = jnp.full((b, max_steps), -1, jnp.int32)
@@ -133,22 +124,15 @@ def _model_calls(graphdef, kv_block: int, max_steps: int):
 @jax.jit
 def _snapshot(cache, row):
   """One row of the cache (every leaf's [row]): a prefix-cache entry."""
-  _TRACES["snapshot"] += 1
+  TRACES["snapshot"] += 1
   return jax.tree.map(lambda x: x[row], cache)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _restore(cache, row, snap):
   """The cache with row `row` set to a snapshot."""
-  _TRACES["restore"] += 1
+  TRACES["restore"] += 1
   return jax.tree.map(lambda x, y: x.at[row].set(y), cache, snap)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _clear(cache, row):
-  """The cache with row `row` emptied (length 0, zero states and latents)."""
-  _TRACES["clear"] += 1
-  return jax.tree.map(lambda x: x.at[row].set(jnp.zeros_like(x[0])), cache)
 
 
 class BatchEngine:
@@ -213,7 +197,7 @@ class BatchEngine:
     self.cache = _restore(self.cache, np.int32(row), snap)
 
   def clear(self, row: int) -> None:
-    self.cache = _clear(self.cache, np.int32(row))
+    self.cache = clear_row(self.cache, np.int32(row))
 
   def row_bytes(self) -> int:
     """Bytes of one snapshot (every leaf's one row)."""

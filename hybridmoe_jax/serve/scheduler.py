@@ -153,9 +153,6 @@ class Scheduler:
       self._thread.start()
     return self
 
-  def wait_ready(self, timeout: float | None = None) -> bool:
-    return self.ready.wait(timeout)
-
   def stop(self, timeout: float = 30.0, drain: float = 0.0) -> None:
     """Refuse new jobs; let the running and queued ones finish for up to `drain` seconds;
     then end the thread after its current iteration (jobs still there get ("done",

@@ -31,13 +31,25 @@ def info_level():
   logger.setLevel(old)
 
 
+@pytest.fixture(autouse=True)
+def installed(monkeypatch):
+  """`terminal.install`'s effects undone after each test: its bar closed and unset, its
+  handler removed."""
+  monkeypatch.setattr(terminal, "_BAR", None)   # restored (None) at teardown
+  before = set(logging.getLogger().handlers)
+  yield
+  if terminal.active_bar() is not None:
+    terminal.active_bar().close()
+  for h in set(logging.getLogger().handlers) - before:
+    logging.getLogger().removeHandler(h)
+
+
 @pytest.fixture
 def tty():
   stream = _Tty()
-  handler = terminal.install(stream)
+  terminal.install(stream)
   terminal.active_bar().min_interval = 0.0
-  yield stream
-  terminal.uninstall(handler)
+  return stream
 
 
 def test_clean_lines_and_a_bar_on_a_terminal(tty, tmp_path):
@@ -62,11 +74,8 @@ def test_clean_lines_and_a_bar_on_a_terminal(tty, tmp_path):
 
 def test_no_bar_when_not_a_terminal(tmp_path):
   stream = io.StringIO()
-  handler = terminal.install(stream)
-  try:
-    run_monitor(tmp_path, 5, log_every=5)
-  finally:
-    terminal.uninstall(handler)
+  terminal.install(stream)
+  run_monitor(tmp_path, 5, log_every=5)
   out = stream.getvalue()
   assert "\r" not in out and "%" not in out
   assert [l.split(" | ")[0] for l in out.splitlines()] == ["step 1/5", "step 5/5"]

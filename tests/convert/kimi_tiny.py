@@ -14,7 +14,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from hybridmoe_jax.io.safetensors import save_file
+from tests._support import save_safetensors
 
 
 def tiny_hf_config(**overrides) -> dict:
@@ -107,12 +107,12 @@ def write_hf_dir(path, cfg: dict | None = None, weights: dict | None = None, *,
   names = list(weights)
   parts = [names[i::shards] for i in range(shards)]
   if shards == 1:
-    save_file(os.path.join(path, "model.safetensors"), weights, metadata={"format": "pt"})
+    save_safetensors(os.path.join(path, "model.safetensors"), weights, metadata={"format": "pt"})
     return path
   weight_map = {}
   for i, part in enumerate(parts):
     file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-    save_file(os.path.join(path, file), {n: weights[n] for n in part}, metadata={"format": "pt"})
+    save_safetensors(os.path.join(path, file), {n: weights[n] for n in part}, metadata={"format": "pt"})
     weight_map.update({n: file for n in part})
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {}, "weight_map": weight_map}, f)

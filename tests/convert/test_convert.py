@@ -18,7 +18,7 @@ from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConf
                                   ModelConfig, model_config_from_dict)
 from hybridmoe_jax.convert import convert, hf_config, hf_weights
 from hybridmoe_jax.loading import load_from_params, load_hf_model
-from hybridmoe_jax.infer.functional import generate
+from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.io.safetensors import CheckpointReader
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.config.sharding import path_string
@@ -178,7 +178,8 @@ def test_logits_and_greedy_match_mlx_lm(hf_dir, ours_dir, tmp_path):
   # Routing is exercised: every MoE layer sends tokens to most of its 6 experts.
   for stats in aux["moe"]["layers"].values():
     assert np.count_nonzero(np.asarray(stats["ffn"]["bias"]["load"])) >= 4
-  greedy = generate(model, tokens[None], max_new_tokens=N_NEW).tokens[0]
+  engine = Engine(model, max_len=len(tokens) + N_NEW)
+  greedy = engine.generate(tokens[None], max_new_tokens=N_NEW).tokens[0]
   np.testing.assert_array_equal(greedy, ref["greedy"])
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybridmoe_jax.infer import Engine, KDACache, MLACache, decode_step, prefill, trace_counts
+from hybridmoe_jax.infer import Engine, KDACache, MLACache, trace_counts
 from hybridmoe_jax.model import HybridLM
 from tests._support import rel_err, rel_rms
 from tests._support import tiny_model_config
@@ -99,13 +99,6 @@ def test_bad_inputs(setup):
     engine.prefill(tokens[:, :20], cache)
   with pytest.raises(ValueError, match="batch"):
     engine.prefill(tokens[:1, :2], cache)
-
-
-def test_functional_api(setup):
-  model, engine, tokens, ref = setup
-  last, cache = prefill(model, tokens[:, :PROMPT], max_len=T + 4, chunk_size=16, kv_block=8)
-  logits, cache = decode_step(model, tokens[:, PROMPT], cache, kv_block=8)
-  assert rel_err(last, ref[:, PROMPT - 1]) < 1e-4 and rel_err(logits, ref[:, PROMPT]) < 1e-4
 
 
 def test_variant_without_attnres_rope_slot_with_qlora():

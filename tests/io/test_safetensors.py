@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.io import safetensors as st
+from tests._support import load_safetensors, save_safetensors
 
 
 def _arrays():
@@ -23,7 +24,7 @@ def _arrays():
 def test_round_trip_and_byte_layout(tmp_path):
   path = tmp_path / "x.safetensors"
   arrays = _arrays()
-  st.save_file(path, arrays, metadata={"format": "pt"})
+  save_safetensors(path, arrays, metadata={"format": "pt"})
   raw = path.read_bytes()
   (n,) = struct.unpack("<Q", raw[:8])
   assert (8 + n) % 8 == 0                              # data region 8-byte aligned
@@ -33,7 +34,7 @@ def test_round_trip_and_byte_layout(tmp_path):
   begin, end = header["a.f32"]["data_offsets"]
   np.testing.assert_array_equal(
       np.frombuffer(raw[8 + n + begin:8 + n + end], "<f4").reshape(3, 5), arrays["a.f32"])
-  back = st.load_file(path)
+  back = load_safetensors(path)
   for k, a in arrays.items():
     assert back[k].dtype == a.dtype and back[k].shape == a.shape
     assert back[k].tobytes() == a.tobytes()

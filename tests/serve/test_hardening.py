@@ -84,7 +84,7 @@ def served(lm):
   with serve_in_thread(app, limits=LIMITS) as url:
     served = Served(app, url)
     # The scheduler compiles every shape before it serves: nothing is timed before that.
-    served.scheduler.wait_ready(600)
+    served.scheduler.ready.wait(600)
     # One decode step per host round trip: a long request ("hi", 954 tokens) then runs for
     # seconds, long after a client is gone; at 16 steps per call it could end first.
     served.scheduler.decode_steps = 1

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax import api
-from hybridmoe_jax.infer import SamplingConfig
-from hybridmoe_jax.serve import batch_engine
+from hybridmoe_jax.infer import SamplingConfig, trace_counts
 from hybridmoe_jax.serve.metrics import Histogram, Metrics
 from hybridmoe_jax.serve.prefix_cache import PrefixCache, shared_boundary
 from hybridmoe_jax.serve.scheduler import Job, Scheduler
@@ -76,7 +75,7 @@ def test_mixed_workload_traces_nothing_after_warm_up_and_equals_generate(lm, war
   jobs = [Job(enc(t), m, events[i].append, stop_tokens=eos, **sampled.get(i, {}))
           for i, (t, m) in enumerate(zip(texts, limits))]
   doomed = Job(enc("cancel me"), 20, lambda e: None)
-  before = batch_engine.trace_counts()
+  before = trace_counts()
   compiles = []        # every XLA compilation in the process (the PRNG key's included)
 
   def listen(event, seconds, **_):
@@ -91,7 +90,7 @@ def test_mixed_workload_traces_nothing_after_warm_up_and_equals_generate(lm, war
       run(warm, jobs[:5], late=jobs[5:])
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
-  assert batch_engine.trace_counts() == before and not compiles   # no request compiled
+  assert trace_counts() == before and not compiles   # no request compiled
   used = {k for k in warm.batch.calls}
   assert {("decode", b) for b in (1, 2, 4)} <= used and ("prefill", 2) in used, used
   for i, job in enumerate(jobs):
