@@ -83,8 +83,8 @@ def _flat(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 # ------------------------------------------------------------------------------- sections
 def _rl_summary(run: RunData) -> str:
   cfg = (run.run_config or {}).get("rl") or {}
-  sft = report_data.event_records(run.records, "sft")
-  it = report_data.event_records(run.records, "rl")
+  sft = history.split_records(run.records, "sft", field="event")
+  it = history.split_records(run.records, "rl", field="event")
   logged = [r["step"] for r in run.records
             if r.get("event") in ("sft", "rl", "eval") and isinstance(r.get("step"), int)]
   rows = [("workdir", run.workdir),
@@ -160,7 +160,7 @@ def _hardware(run: RunData, train: list[dict]) -> str:
 
 def _rl_evals(run: RunData) -> str:
   """The RL run's own held-out evaluations (greedy success per env / level) by iteration."""
-  evals = report_data.event_records(run.records, "eval")
+  evals = history.split_records(run.records, "eval", field="event")
   if not evals:
     return ""
   cells = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("success/")})
@@ -330,10 +330,9 @@ def render(run: RunData) -> str:
   name = os.path.basename(run.workdir.rstrip("/")) or run.workdir
   notes = "".join(f'<p class="note">{_e(n)}</p>' for n in run.notes)
   # Pictures first: what a reader looks for is how the run is going.
-  curves = (_img(plots.rl_training_figure(report_data.event_records(run.records, "sft"),
-                                          report_data.event_records(run.records, "rl")),
-                 "SFT loss and RL curves over iterations") if run.is_rl
-            else _img(plots.loss_figure(run.records), "loss curves"))
+  sft, rl = (history.split_records(run.records, e, field="event") for e in ("sft", "rl"))
+  curves = (_img(plots.rl_training_figure(sft, rl), "SFT loss and RL curves over iterations")
+            if run.is_rl else _img(plots.loss_figure(run.records), "loss curves"))
   sections = [("Run", _summary(run, train)),
               ("Curves", curves),
               ("Expert load", _expert_load(run, train)), ("Alerts", _alerts(run, train)),

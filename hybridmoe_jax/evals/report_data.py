@@ -9,7 +9,8 @@ through the read-only `Checkpointer`), the step directories of `checkpoints/` an
 (`eval/agent.json` included).
 
 An RL run (rl/trainer.py) logs {"event": "sft" | "rl" | "eval", "step", ...} records instead
-of pre-training's {"split": ...}; `event_records` reads them and `RunData.is_rl` tells.
+of pre-training's {"split": ...}; `plots.history.split_records(field="event")` reads them
+and `RunData.is_rl` tells.
 """
 
 from __future__ import annotations
@@ -53,16 +54,6 @@ class RunData:
     """An RL run: it logged SFT steps or RL iterations, or its config names RL envs."""
     return (any(r.get("event") in RL_EVENTS for r in self.records)
             or bool(((self.run_config or {}).get("rl") or {}).get("envs")))
-
-
-def event_records(records: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-  """The records of one RL event ("sft", "rl", "eval") in step order, the last per step (a
-  resumed run redoes the steps after its checkpoint)."""
-  by_step = {}
-  for r in records:
-    if r.get("event") == event and isinstance(r.get("step"), int):
-      by_step[r["step"]] = r
-  return [by_step[s] for s in sorted(by_step)]
 
 
 def read_metrics(path: str, notes: list[str]) -> list[dict[str, Any]]:

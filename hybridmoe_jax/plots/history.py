@@ -16,11 +16,14 @@ import numpy as np
 Record = dict[str, Any]
 
 
-def split_records(records: Iterable[Record], split: str) -> list[Record]:
-  """Records of one split ("train" / "eval") in step order, the last one per step."""
+def split_records(records: Iterable[Record], split: str, *, field: str = "split"
+                  ) -> list[Record]:
+  """Records of one split ("train" / "eval"; with field="event", of one RL event: "sft",
+  "rl", "eval") in step order, the last one per step (a resumed run redoes the steps after
+  its checkpoint)."""
   by_step = {}
   for r in records:
-    if r.get("split") == split and isinstance(r.get("step"), int):
+    if r.get(field) == split and isinstance(r.get("step"), int):
       by_step[r["step"]] = r
   return [by_step[s] for s in sorted(by_step)]
 
