@@ -262,6 +262,17 @@ def tree_mismatch(want, got) -> list[str]:
   return out
 
 
+def restore_on_one_device(directory: str):
+  """An orbax tree (StandardSave) restored onto this process's default device, whatever mesh
+  or processes wrote it (orbax refuses the saving topology's shardings on another device
+  set) -> nested dicts of arrays."""
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with ocp.StandardCheckpointer() as ckptr:
+    stored = ckptr.metadata(directory).item_metadata
+    return ckptr.restore(directory, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), stored))
+
+
 def load_exported_params(path: str, expected: dict[str, Any] | None = None):
   """-> {"params": ..., "routing_biases": ...} plain dicts of numpy arrays, from
   params.safetensors (or an older export's orbax `params/`).
@@ -274,8 +285,7 @@ def load_exported_params(path: str, expected: dict[str, Any] | None = None):
   if os.path.isfile(file):
     tree = _read_safetensors_export(file, expected)
   else:  # an export written before params.safetensors (or by a multi-process run)
-    with ocp.StandardCheckpointer() as ckptr:
-      tree = ckptr.restore(os.path.join(path, "params"))
+    tree = restore_on_one_device(os.path.join(path, "params"))
   for name, want in (expected or {}).items():
     bad = tree_mismatch(want, tree.get(name, {}))
     if bad:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from absl import logging
 from flax import nnx
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -35,32 +36,59 @@ class ExportWriteError(CheckpointWriteError):
 
 
 def _export_remote(path: str, params, biases, model_dict, also) -> str:
-  """export_params to a bucket: a local export, then uploaded (params file last)."""
-  if jax.process_count() > 1:
-    raise ExportWriteError(f"--export_params_to={path}: a multi-process run exports to a "
-                           "local or mounted directory only; copy it to the bucket after")
-  dst = storage.as_path(path)
-  try:
-    if dst.exists():
-      raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")
-  except FileExistsError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
-    raise ExportWriteError(str(storage.storage_error(path, e, "write"))) from None
+  """export_params to a bucket. One process: a local export, then uploaded (params file
+  last). Several: process 0 uploads the config and tokenizer, then every process writes its
+  shards of the arrays straight into `path/params/` (one collective orbax save; orbax's
+  primary process finalises it, its commit marker last)."""
+  multi = jax.process_count() > 1
+  code, err = 0, None   # process 0 decides for all: 1 exists, 2 cannot be checked
+  if jax.process_index() == 0:
+    try:
+      code = int(storage.as_path(path).exists())
+    except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
+      code, err = 2, e
+  if multi:   # before process 0 writes there: no process may see its config as "exists"
+    code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+  if code == 1:
+    raise FileExistsError(f"--export_params_to={path} exists; refusing to overwrite it")
+  if code == 2:
+    raise ExportWriteError(str(storage.storage_error(path, err, "write")) if err else
+                           f"--export_params_to={path}: process 0 cannot write there")
   with tempfile.TemporaryDirectory(prefix="export_") as tmp:
-    local = export_params(os.path.join(tmp, "export"), params, biases, model_dict, also)
+    local = os.path.join(tmp, "export")
+    if multi:
+      os.makedirs(local)
+      _write_config(local, model_dict, also)
+    else:
+      export_params(local, params, biases, model_dict, also)
     names = sorted((os.path.relpath(os.path.join(d, n), local)
                     for d, _, files in os.walk(local) for n in files),
                    key=lambda n: (n == PARAMS_FILE, n))
     try:
-      fs, root = storage.fsspec_for(path)
-      for name in names:
-        fs.put_file(os.path.join(local, name), f"{root}/{name}")
-      fs.invalidate_cache()
+      if jax.process_index() == 0:
+        fs, root = storage.fsspec_for(path)
+        for name in names:
+          fs.put_file(os.path.join(local, name), f"{root}/{name}")
+        fs.invalidate_cache()
+      if multi:
+        with ocp.StandardCheckpointer() as ckptr:
+          ckptr.save(f"{path.rstrip('/')}/params", _tree(params, biases))
     except Exception as e:  # pylint: disable=broad-except
       raise ExportWriteError(f"{storage.storage_error(path, e, 'write')}; the export is "
-                             "incomplete there (no params file): rerun to a new path") from None
+                             "incomplete there (no params): rerun to a new path") from None
   return path
+
+
+def _tree(params, biases) -> dict[str, Any]:
+  return {"params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)}
+
+
+def _write_config(directory: str, model_dict, also) -> None:
+  """model_config.json, and what `also(directory)` adds (the tokenizer)."""
+  with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+    json.dump(model_dict, f, indent=1, sort_keys=True, default=list)
+  if also is not None:
+    also(directory)
 
 
 def export_params(path: str, params, biases, model_dict: dict[str, Any],
@@ -76,7 +104,8 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any],
   adds files (the tokenizer) before the rename. A write that fails (disk full, quota, file
   size limit) removes the partial directory and raises ExportWriteError (one line).
   A gs:// `path` is written locally first, then uploaded file by file with the params file
-  last (each object appears whole), so `loading.is_export` sees it only once it is complete.
+  last (each object appears whole), so `loading.is_export` sees it only once it is complete;
+  a multi-process run writes `path/params/` in the bucket collectively (`_export_remote`).
   """
   if storage.is_remote(path):
     return _export_remote(path, params, biases, model_dict, also)
@@ -87,7 +116,7 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any],
   if os.path.exists(tmp):
     logging.warning("removing %s, left by an export that did not finish", tmp)
     shutil.rmtree(tmp)
-  tree = {"params": nnx.to_pure_dict(params), "routing_biases": nnx.to_pure_dict(biases)}
+  tree = _tree(params, biases)
   try:
     if jax.process_count() > 1:
       with ocp.StandardCheckpointer() as ckptr:
@@ -95,10 +124,7 @@ def export_params(path: str, params, biases, model_dict: dict[str, Any],
     else:
       os.makedirs(tmp)
       _write_params_file(os.path.join(tmp, PARAMS_FILE), tree)
-    with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-      json.dump(model_dict, f, indent=1, sort_keys=True, default=list)
-    if also is not None:
-      also(tmp)
+    _write_config(tmp, model_dict, also)
     os.replace(tmp, path)
   except BaseException as e:
     shutil.rmtree(tmp, ignore_errors=True)
