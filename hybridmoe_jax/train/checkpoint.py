@@ -164,7 +164,7 @@ class Checkpointer:
     self.skipped: list[tuple[int, str]] = []   # (step, why) of the last restore_latest
     self._pending: int | None = None   # the step of the last save started
     self._failed = False               # a write failed (reported as CheckpointWriteError)
-    self.after_save: list[Callable[[int], None]] = []   # called with the step once it started
+    self.before_save: list[Callable[[int], None]] = []   # called with the step to be saved
     io_noise.install()  # also after a failed write, until the process exits
     if read_only:
       if not _isdir(self.directory):
@@ -225,11 +225,11 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(gather_host_states(data_state or {})),
                               meta=ocp.args.JsonSave(jsonify(meta)))
+    for f in self.before_save:   # a gs:// workdir pushes its logs (train/remote_workdir.py)
+      f(step)
     with self._write_errors():  # the previous (async) save's error surfaces here
       self.manager.save(step, args=args, force=True)
     self._pending = step
-    for f in self.after_save:   # a gs:// workdir pushes its files (train/remote_workdir.py)
-      f(step)
     return True
 
   @contextlib.contextmanager

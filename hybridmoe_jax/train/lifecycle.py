@@ -136,10 +136,11 @@ def open_run(config: RunConfig, workdir: str, tokenizer, *, schedule, batch_size
                                  async_save=t.async_checkpoints,
                                  directory=t.checkpoint_dir or (
                                      staged and f"{staged.url}/checkpoints") or None)
-    if staged is not None:
-      ckpt.after_save.append(staged.push_at_checkpoint)
     run = Run(config, workdir, model_dict, rt, inputs, schedule, tx, ckpt, None, None, "",
               None)
+    if staged is not None:   # a committed step's logs are in the bucket: pushed before it
+      ckpt.before_save.append(lambda step: (run.monitor is not None and run.monitor.flush(),
+                                            staged.push_at_checkpoint(step)))
     closing.callback(lambda: run.monitor is not None and run.monitor.close())
     closing.callback(ckpt.close)   # waits for the last save
     _restore_or_init(run, check)

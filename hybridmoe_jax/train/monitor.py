@@ -310,6 +310,11 @@ class Monitor:
     self.writer.add_image("moe/expert_load", plots.rgb_array(fig), step, dataformats="HWC")
     return path
 
+  def flush(self) -> None:
+    """Everything logged so far into its files (a gs:// workdir pushes them then)."""
+    self.jsonl.flush()
+    self.writer.flush()
+
   def close(self) -> None:
     bar = terminal.active_bar()
     if bar is not None:  # the finished bar stays on its own line

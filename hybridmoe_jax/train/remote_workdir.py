@@ -7,7 +7,8 @@ local staging directory (under the cache, keyed by the URL and the process), bec
 are appended to and an object cannot be: the staging directory is rebuilt from the bucket
 when a run starts (`storage.mirror`: a fresh machine resumes from gs:// alone, and lines a
 killed run never pushed go with it), and the files that changed are pushed back as whole
-objects after each checkpoint save starts and when the run ends.
+objects before each checkpoint save starts (a committed step's logs are in the bucket) and
+when the run ends.
 
 The run lock is an object, `<url>/run.lock`, with the local lock's rules and record
 (`cli/workdir_lock.py`): it is created only if absent (GCS precondition ifGenerationMatch=0),
