@@ -68,9 +68,10 @@ def test_two_process_train_and_resume_on_another_mesh(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_params_export_to_a_bucket(tmp_path, monkeypatch):
-  """--export_params_to=gs://... from two processes (the GCS emulator on 127.0.0.1): both
-  write their shards of params/ into the bucket, process 0 the config and tokenizer; read
-  back from the bucket it holds the run's last checkpoint's parameters (read with orbax:
+  """A two-process run on --workdir=gs://... with --export_params_to=gs://... (the GCS
+  emulator on 127.0.0.1): the checkpoints and the export's params/ are written by both
+  processes into the bucket, process 0 pushes the run's logs, process 1 its process_1/ logs;
+  the export read back from the bucket holds the checkpoint's parameters (read with orbax:
   the checkpoint reader's fingerprint check rejects this 8-device two-process state on one
   device, float32 sums in another order; see the issue 49 note)."""
   pytest.importorskip("gcsfs", reason="the cloud extra (gcsfs) is not installed")
@@ -87,13 +88,16 @@ def test_two_process_params_export_to_a_bucket(tmp_path, monkeypatch):
   except RuntimeError as e:
     pytest.skip(f"the GCS emulator cannot start here: {e}")
   try:
-    url = f"gs://{emulator.BUCKET}/mp-export"
-    _two_processes(tmp_path, "x", 1, data=2, expert=4, extra=[f"--export_params_to={url}"])
+    url, workdir = f"gs://{emulator.BUCKET}/mp-export", f"gs://{emulator.BUCKET}/mp-run"
+    _two_processes(tmp_path, "x", 1, data=2, expert=4,   # the last --workdir wins
+                   extra=[f"--workdir={workdir}", f"--export_params_to={url}"])
     names = {p.name for p in storage.as_path(url).iterdir()}
     assert {"model_config.json", "tokenizer", "params"} <= names
+    names = {p.name for p in storage.as_path(workdir).iterdir()}
+    assert {"checkpoints", "metrics.jsonl", "model_config.json", "process_1"} <= names
+    assert not (tmp_path / "run").exists()
     exported = loading.load_exported_params(url)
-    want = loading.restore_on_one_device(str(tmp_path / "run" / "checkpoints" / "1" /
-                                              "state"))["params"]
+    want = loading.restore_on_one_device(f"{workdir}/checkpoints/1/state")["params"]
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(exported["params"]), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   finally:
