@@ -243,6 +243,22 @@ def mirror(url: str, dst: str | os.PathLike | None = None, *, skip: Sequence[str
   return str(local)
 
 
+def upload(local: str, url: str, names: Sequence[str] | None = None) -> None:
+  """Files under directory `local` (`names`, relative, in that order; default all, sorted)
+  written as whole objects under `url`. A failure: one line (`storage_error`)."""
+  if names is None:
+    names = sorted(os.path.relpath(os.path.join(d, n), local)
+                   for d, _, files in os.walk(local) for n in files)
+  url = str(url).rstrip("/")
+  fs, root = fsspec_for(url)
+  for name in names:
+    try:
+      fs.put_file(os.path.join(local, name), f"{root}/{name}")
+    except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
+      raise storage_error(f"{url}/{name}", e, "write") from None
+  fs.invalidate_cache()
+
+
 def local_copy(path: str) -> str:
   """`path` itself when local; a remote file copied once into the cache (`cache_dir()`).
 

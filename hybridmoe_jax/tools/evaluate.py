@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from hybridmoe_jax.config.flags import load_model_config
+from hybridmoe_jax.data import storage
 from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.evals import niah, report, ruler
 from hybridmoe_jax.loading import load_model, local_dir
@@ -24,7 +25,10 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   task "agent" rolls out tool-use episodes (`tools.agent_eval`, its options from the
   agent_* values of `option_values`).
   """
-  # A gs:// run or export is read from its local mirror (results go under it: eval/).
+  # A gs:// run or export is read from its local mirror; a run's results (written under its
+  # mirror without --output_dir) are uploaded to it too.
+  named = workdir or params
+  bucket = workdir if workdir and storage.is_remote(workdir) and not output_dir else None
   workdir, params = (workdir and local_dir(workdir)), (params and local_dir(params))
   if task == "agent":
     return agent_eval.run_agent_eval(workdir=workdir, params=params, output_dir=output_dir,
@@ -34,6 +38,9 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
     if not workdir:
       raise ValueError("--task=report needs --workdir (a training run), not --params")
     path = report.write_report(workdir, output_dir)
+    if bucket:
+      storage.upload(workdir, bucket, [os.path.relpath(path, workdir)])
+      path = f"{bucket}/{os.path.relpath(path, workdir)}"
     echo(f"report: {path}")
     return {"report": path}
   tasks = resolve_tasks(task)
@@ -55,7 +62,7 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
       os.path.join(workdir or params, TOKENIZER_DIR),
       vision=model.cfg.vision.enabled)
   output_dir = output_dir or default_output_dir(workdir, params)
-  where = f"step {info['step']} of {workdir}" if "step" in info else params
+  where = f"step {info['step']} of {named}" if "step" in info else named
   kinds = "".join(k[0] for k in model.cfg.layer_kinds)
   echo(f"model: {where} ({model.cfg.num_layers} layers, kinds {kinds}); tokenizer "
        f"{getattr(tok, 'name', 'byte')} ({tok.vocab_size} ids)")
@@ -67,5 +74,8 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
     echo(f"niah: what to expect: {niah.EXPECTATION}")
   if "ruler" in results:
     echo(f"ruler: what to expect: {ruler.EXPECTATION}")
+  if bucket:
+    storage.upload(output_dir, f"{bucket}/eval")
+    output_dir = f"{bucket}/eval"
   echo(f"results in {output_dir}")
   return results

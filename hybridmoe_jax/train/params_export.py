@@ -66,16 +66,14 @@ def _export_remote(path: str, params, biases, model_dict, also) -> str:
                    key=lambda n: (n == PARAMS_FILE, n))
     try:
       if jax.process_index() == 0:
-        fs, root = storage.fsspec_for(path)
-        for name in names:
-          fs.put_file(os.path.join(local, name), f"{root}/{name}")
-        fs.invalidate_cache()
+        storage.upload(local, path, names)
       if multi:
         with ocp.StandardCheckpointer() as ckptr:
           ckptr.save(f"{path.rstrip('/')}/params", _tree(params, biases))
     except Exception as e:  # pylint: disable=broad-except
-      raise ExportWriteError(f"{storage.storage_error(path, e, 'write')}; the export is "
-                             "incomplete there (no params): rerun to a new path") from None
+      err = e if isinstance(e, OSError) else storage.storage_error(path, e, "write")
+      raise ExportWriteError(f"{err}; the export is incomplete there (no params): rerun to "
+                             "a new path") from None
   return path
 
 

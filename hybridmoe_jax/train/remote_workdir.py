@@ -135,7 +135,6 @@ class Staged:
     self.url = url.rstrip("/")
     self.local = str(staging_dir(self.url))
     self._pushed: dict[str, tuple[int, int]] = {}
-    self._fs, self._base = storage.fsspec_for(self.url)
 
   def _mine(self, rel: str) -> bool:
     """Files this process pushes: process 0 the run's, process i its process_<i>/ logs."""
@@ -165,10 +164,7 @@ class Staged:
     """Upload every file of ours that changed since the last pull or push (whole objects)."""
     for rel, st in sorted(self._stats().items()):
       if self._pushed.get(rel) != st:
-        try:
-          self._fs.put_file(os.path.join(self.local, rel), f"{self._base}/{rel}")
-        except Exception as e:  # pylint: disable=broad-except
-          raise storage.storage_error(f"{self.url}/{rel}", e, "write") from None
+        storage.upload(self.local, self.url, [rel])
         self._pushed[rel] = st
 
   def push_at_checkpoint(self, step: int) -> None:

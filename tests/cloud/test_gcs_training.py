@@ -26,6 +26,7 @@ from hybridmoe_jax.data import storage  # noqa: E402
 from hybridmoe_jax.train import remote_workdir  # noqa: E402
 from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402
 from hybridmoe_jax.train.state import split_model  # noqa: E402
+from hybridmoe_jax.tools import evaluate  # noqa: E402
 from tests.conftest import ROOT, SUBPROCESS_XLA_FLAGS, one_device  # noqa: E402
 from tests._support import tiny_run_config  # noqa: E402
 from tests.train.train_fakes import train_losses  # noqa: E402
@@ -111,6 +112,10 @@ def test_gs_workdir_resumes_from_the_bucket_alone(gcs, tmp_path):
   events = [p.name for p in storage.as_path(f"{url}/tensorboard").iterdir()]
   assert len(events) == 2 and all(n.startswith("events.out.tfevents") for n in events)
   assert sorted(p.name for p in storage.as_path(f"{url}/checkpoints").iterdir()) == ["2", "4"]
+  lines = []                              # run_eval.py --task=report: into the bucket
+  evaluate.main(task="report", workdir=url, params=None, output_dir=None, config=None,
+                option_values={}, echo=lines.append)
+  assert lines == [f"report: {url}/report.html"] and storage.as_path(lines[0][8:]).exists()
   model, _, info = loading.load(url)      # what api.load and run_eval.py read
   assert info["layout"] == "workdir" and info["step"] == 4
   mirror = loading.local_dir(url)         # the run's small files; checkpoints stay in the bucket

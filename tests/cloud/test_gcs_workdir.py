@@ -3,6 +3,7 @@
 and the staging directory (rebuilt from the bucket, changed files pushed as whole objects).
 The training runs on a gs:// workdir are in test_gcs_training.py."""
 
+import contextlib
 import json
 import os
 import socket
@@ -145,3 +146,10 @@ def test_params_export_read_back_from_the_bucket(gcs, tmp_path):
   assert again.cfg == model.cfg and info["source"] == "params"
   with pytest.raises(FileNotFoundError, match=rf"^{B}/no-export: no run or params export "):
     loading.load_model(params=f"{B}/no-export")
+
+
+def test_gs_workdir_in_a_missing_bucket_is_one_line(gcs):
+  closing = contextlib.ExitStack()
+  with closing, pytest.raises(InputError) as e:
+    remote_workdir.open_staged("gs://no-such-bucket/run", closing, stale_after_s=600)
+  assert str(e.value) == "gs://no-such-bucket/run: does not exist (cannot lock it)"
