@@ -32,20 +32,6 @@ B = f"gs://{emulator.BUCKET}"
 DOCS = [f"cloud doc {i} " + "x" * (i % 13 + 1) for i in range(25)]
 
 
-@pytest.fixture(scope="module")
-def gcs():
-  try:
-    with emulator.running() as url:
-      yield url
-  except RuntimeError as e:
-    pytest.skip(f"the GCS emulator cannot start here: {e}")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-  monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
-
-
 def test_prepare_to_bucket_and_read_shards(gcs, tmp_path):
   jsonl = tmp_path / "c.jsonl"
   jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))

@@ -38,22 +38,12 @@ def _run(workdir, **train):
   config = tiny_run_config(**{**dict(steps=4, checkpoint_every=2, eval_every=0,
                                      heatmap_every=0, async_checkpoints=False), **train})
   config.model.vocab_size = 272   # the byte tokenizer (with room for its chat roles)
-  export = (train.get("checkpoint_dir") or "://" in str(workdir)) and \
-      f"{B}/export-{train['steps']}"
+  export = ((f"{workdir}-" if "://" in str(workdir) else f"{B}/") + f"export-{train['steps']}"
+            if train.get("checkpoint_dir") or "://" in str(workdir) else None)
   with one_device():
     train_and_evaluate(run_config_from_dict(config), str(workdir),
                        export_params_to=export or None)
   return train_losses(loading.local_dir(str(workdir)))   # a gs:// one: its local mirror
-
-
-@pytest.fixture
-def gcs(tmp_path, monkeypatch):
-  monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
-  try:
-    with emulator.running() as url:
-      yield url
-  except RuntimeError as e:
-    pytest.skip(f"the GCS emulator cannot start here: {e}")
 
 
 @pytest.mark.slow
@@ -121,7 +111,7 @@ def test_gs_workdir_resumes_from_the_bucket_alone(gcs, tmp_path):
   mirror = loading.local_dir(url)         # the run's small files; checkpoints stay in the bucket
   assert (open(f"{mirror}/checkpoints.url").read().strip() == f"{url}/checkpoints"
           and not os.path.exists(f"{mirror}/checkpoints"))
-  exported = loading.load_exported_params(f"{B}/export-4")
+  exported = loading.load_exported_params(f"{url}-export-4")
   params = nnx.to_pure_dict(split_model(model)[1])   # the bucket's step 4 = its export
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported["params"]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)

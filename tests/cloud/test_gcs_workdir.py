@@ -24,20 +24,6 @@ from hybridmoe_jax.train import remote_workdir  # noqa: E402
 B = f"gs://{emulator.BUCKET}"
 
 
-@pytest.fixture(scope="module")
-def gcs():
-  try:
-    with emulator.running() as url:
-      yield url
-  except RuntimeError as e:
-    pytest.skip(f"the GCS emulator cannot start here: {e}")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-  monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
-
-
 def _put(url, record):
   storage.as_path(url).write_text(json.dumps(record))
 

@@ -176,3 +176,13 @@ def test_exported_params_are_checked_leaf_by_leaf(tmp_path):
     loading.load_exported_params(path, expected=want)
   with pytest.raises(FileExistsError):
     params_export.export_params(path, nnx.State(params), nnx.State({}), _MODEL)
+
+
+def test_fingerprint_tolerance_scales_with_the_leaf_magnitude():
+  """A leaf whose values cancel (sum 0.326, |x| sum 40): restored on another device count its
+  sum moves by 3e-5 of itself, as seen after 2 processes x 4 devices -> 1 device."""
+  assert ckpt_lib._same_fingerprint([0.32598209], [0.32597256], [40.0])
+  assert not ckpt_lib._same_fingerprint([0.32598209], [0.32597256])   # no scale: older meta
+  assert not ckpt_lib._same_fingerprint([0.32598209], [0.33598209], [40.0])  # 0.01 off
+  sums, scale = ckpt_lib.fingerprints({"w": jnp.array([1.0, -2.0]), "n": jnp.array(3)})
+  assert sums == [3.0, -1.0] and scale == [3.0, 3.0]
