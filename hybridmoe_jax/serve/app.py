@@ -42,8 +42,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import socket
-import threading
 import time
 from typing import Any, AsyncIterator, Coroutine
 
@@ -57,7 +55,7 @@ from hybridmoe_jax.infer.streaming import TextStream
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.chat_format import Message
 from hybridmoe_jax.rl.envs.base import ToolCall
-from hybridmoe_jax.serve.guard import ApiKeyGuard, HttpLimits, uvicorn_config
+from hybridmoe_jax.serve.guard import ApiKeyGuard
 from hybridmoe_jax.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from hybridmoe_jax.serve.protocol import (MAX_BODY_BYTES, ApiError, Sampling,
                                           parse_chat, parse_completion, tool_arguments)
@@ -438,32 +436,3 @@ def create_app(model, *, slots: int = 8, model_name: str | None = None,
     return PlainTextResponse(server.scheduler.render_metrics(), media_type=METRICS_TYPE)
 
   return app
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 60.0,
-                    limits: HttpLimits = HttpLimits()):
-  """Run `app` with uvicorn on a free port of `host` in a daemon thread (tests, benchmarks,
-  notebooks), with the same settings as `python -m hybridmoe_jax.serve` under `limits` ->
-  yields the base URL ("http://host:port/v1"); shut down on exit."""
-  import uvicorn
-  sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  sock.bind((host, 0))
-  port = sock.getsockname()[1]
-  server = uvicorn.Server(uvicorn_config(app, limits, lifespan="on"))
-  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + timeout
-  while not server.started:
-    if not thread.is_alive() or time.monotonic() > deadline:
-      server.should_exit = True
-      sock.close()
-      raise RuntimeError(f"the server on {host}:{port} did not start within {timeout} s")
-    time.sleep(0.02)
-  try:
-    yield f"http://{host}:{port}/v1"
-  finally:
-    server.should_exit = True
-    thread.join(timeout)
-    sock.close()

@@ -1,7 +1,7 @@
 """What one HTTP client may hold of the server (connections, time), and who may call it.
 
 `uvicorn_config(app, limits, ...)` is the one place the server's uvicorn settings are made
-(`python -m hybridmoe_jax.serve` and `app.serve_in_thread` both use it). With `HttpLimits`:
+(`python -m hybridmoe_jax.serve` and the HTTP tests' server both use it). With `HttpLimits`:
   - at most `limit_concurrency` connections are open. A connection past the limit first
     closes (503) the longest-waiting one that is not being answered (idle keep-alive,
     headers or body still arriving); if every other one is being answered, it is itself

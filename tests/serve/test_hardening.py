@@ -2,8 +2,8 @@
 field (NaN, Infinity, deep nesting, huge integers, wrong types), oversized ones 413; a client
 that goes away frees its slot at once; slow clients cannot hold connections or starve
 /health; an API key, when set, is required everywhere but /health. Driven with the real
-`openai` client and raw sockets on 127.0.0.1, against `serve_in_thread` with the same uvicorn
-settings as `python -m hybridmoe_jax.serve`."""
+`openai` client and raw sockets on 127.0.0.1, against `fixtures.serve_in_thread` with the
+same uvicorn settings as `python -m hybridmoe_jax.serve`."""
 
 import asyncio
 import http.client
@@ -20,10 +20,11 @@ pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not instal
 openai = pytest.importorskip("openai", reason="the `openai` client (test extra) is not installed")
 
 from hybridmoe_jax import api  # noqa: E402
-from hybridmoe_jax.serve.app import create_app, serve_in_thread  # noqa: E402
+from hybridmoe_jax.serve.app import create_app  # noqa: E402
 from hybridmoe_jax.serve.guard import HttpLimits, uvicorn_config  # noqa: E402
 from hybridmoe_jax.serve.scheduler import Job, Scheduler  # noqa: E402
 from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
+from tests.serve.fixtures import serve_in_thread  # noqa: E402
 
 NAME = "tiny"
 SLOTS = 2

@@ -22,9 +22,10 @@ from hybridmoe_jax.infer import SamplingConfig  # noqa: E402
 from hybridmoe_jax.rl import chat_format  # noqa: E402
 from hybridmoe_jax.rl.chat_format import Message  # noqa: E402
 from hybridmoe_jax.rl.envs.base import Answer, ToolCall  # noqa: E402
-from hybridmoe_jax.serve.app import create_app, serve_in_thread  # noqa: E402
+from hybridmoe_jax.serve.app import create_app  # noqa: E402
 from hybridmoe_jax.serve.scheduler import Job, Scheduler  # noqa: E402
 from tests.serve.fixtures import model_path  # noqa: E402,F401 (a fixture)
+from tests.serve.fixtures import serve_in_thread  # noqa: E402
 
 NAME = "tiny"
 LONGEST = 24    # every reference generates this many tokens (one compilation) and is cut
