@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import ConfigError
-from hybridmoe_jax.infer import engine
+from hybridmoe_jax.infer import steps
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.model.cache import init_cache
 from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown
@@ -325,7 +325,7 @@ def _mesh(run: RunConfig, devices):
 
 def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
                    kv_block: int = 512) -> list[Compiled]:
-  """A prefill chunk and a decode step (`infer.engine`'s jitted functions) for one row per
+  """A prefill chunk and a decode step (`infer.steps`'s jitted functions) for one row per
   token shard (data x fsdp x expert), parameters sharded for serving, the cache's rows
   over the batch axes. Whole sequences per device (no context runner)."""
   mesh = _mesh(run, devices)
@@ -339,11 +339,11 @@ def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,
   cache_sh = jax.tree.map(lambda a: rows_sh if a.ndim else NamedSharding(mesh, P()), cache)
   state_s, cache_s = _structs(state, state_sh), _structs(cache, cache_sh)
   tok = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sh)
-  prefill = _compile(f"prefill P={prefill_chunk:,} N={max_len:,}", engine._prefill_chunk,
+  prefill = _compile(f"prefill P={prefill_chunk:,} N={max_len:,}", steps._prefill_chunk,
                      (graphdef, state_s, tok((rows, prefill_chunk)), None, cache_s,
                       tok((rows,))), {"kv_block": kv_block}, mesh, rows * prefill_chunk,
                      where)
-  decode = _compile(f"decode B={rows} N={max_len:,}", engine._decode_step,
+  decode = _compile(f"decode B={rows} N={max_len:,}", steps._decode_step,
                     (graphdef, state_s, tok((rows,)), cache_s), {"kv_block": kv_block}, mesh,
                     rows, where)
   return [prefill, decode]
