@@ -33,7 +33,9 @@ the longest NIAH prompt after a stage (F x its length, default 8, at most 64K),
 one of several phrasings with same-shape distractors, multi-value and multi-query questions,
 assignment chains), ",mix=1" half of every stage's retrieval documents `mixkey`
 (`data.retrieval_wording`: key -> value facts whose wording is composed per document from
-independent parts, ~10^7 wordings, never the RULER-style suite's), ",width=128" d_model 128
+independent parts, ~10^7 wordings, never the RULER-style suite's), ",mix=2" the same first
+stage and every later-stage retrieval document `mixkey` (plus the text kinds with text=1),
+",width=128" d_model 128
 with 4 heads (default 64). Costs: the same tokens per step and steps, so the same model compute; the
 text documents take ~1.3 ms each to build against ~0.45 ms (2-core box), well under 1% of a
 step. The RULER-style suite (`run_eval.py --task=ruler`) is what it is measured on: other
@@ -92,7 +94,7 @@ def _parse(spec: str) -> dict:
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
                        "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W, factor=F, lr=X, "
-                       "late_lr=X, late_scale=S, text=0|1, mix=0|1, width=64|128)")
+                       "late_lr=X, late_scale=S, text=0|1, mix=0|1|2, width=64|128)")
     out[key] = (value if key == "variant" else float(value) if key in ("lr", "late_lr")
                 else int(value))
   if out["variant"] not in VARIANTS:
@@ -111,9 +113,10 @@ def _parse(spec: str) -> dict:
                      "(0: the stages' own)")
   if not 1 <= out["late_scale"] <= 64:
     raise ValueError(f"long_context_cpu late_scale={out['late_scale']} must be in [1, 64]")
-  for key in ("text", "mix"):
-    if out[key] not in (0, 1):
-      raise ValueError(f"long_context_cpu {key}={out[key]} must be 0 or 1")
+  if out["text"] not in (0, 1):
+    raise ValueError(f"long_context_cpu text={out['text']} must be 0 or 1")
+  if out["mix"] not in (0, 1, 2):
+    raise ValueError(f"long_context_cpu mix={out['mix']} must be 0, 1 or 2")
   if out["width"] not in WIDTHS:
     raise ValueError(f"long_context_cpu width={out['width']} must be one of {tuple(WIDTHS)}")
   if out["weight"] < 0:
@@ -159,6 +162,10 @@ def get_config(spec: str = ""):
   stages = (dict(STAGES[0], steps=opts["steps"], lr=opts["lr"]),) + late
   if opts["mix"]:   # half of every stage's retrieval documents in composed wordings
     stages = tuple(dict(s, retrieval_kinds=_with_mix(s)) for s in stages)
+  if opts["mix"] == 2:   # later stages: composed wordings only (their copy is what misses)
+    extra = TEXT_KINDS if opts["text"] else ()
+    stages = stages[:1] + tuple(dict(s, retrieval_kinds=("mixkey",) + extra)
+                                for s in stages[1:])
   if opts["weight"]:
     stages = tuple(dict(s, retrieval_answer_weight=float(opts["weight"])) for s in stages)
   c.stages = stages

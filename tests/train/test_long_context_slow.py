@@ -84,6 +84,9 @@ def test_mix_and_width_flags():
   plain = recipe.get_config("hybrid")
   assert plain.model.d_model == 64 and all(
       "mixkey" not in s.get("retrieval_kinds", ()) for s in plain.curriculum.stages)
-  for bad, field in (("mix=2", "mix=2 must be 0 or 1"), ("width=96", "width=96 must be one of")):
+  mix2 = recipe.get_config("hybrid,mix=2").curriculum.stages
+  assert mix2[0]["retrieval_kinds"] == cfg.curriculum.stages[0]["retrieval_kinds"]
+  assert all(s["retrieval_kinds"] == ("mixkey",) for s in mix2[1:])
+  for bad, field in (("mix=3", "mix=3 must be 0, 1 or 2"), ("width=96", "width=96 must be one of")):
     with pytest.raises(ValueError, match=field):
       recipe.get_config(f"hybrid,{bad}")
