@@ -2,13 +2,15 @@
 and read whole; the tiny models and runs (the
 one place they are defined: `tiny_model_config` / `tiny_model` for the configs/tiny.py
 hybrid, `mini_model_config` / `set_tiny_model` / `tiny_run_config` for the 2-layer MLA-only
-model the training tests run).
+model the training tests run); the RL trajectory log read back and printed as a transcript
+(`read_trajectories`, `format_record`).
 
 Every measure takes (got, want): the value under test first, the reference second. The
 reference is the denominator, so the order matters.
 """
 
 import functools
+import json
 
 import numpy as np
 
@@ -143,3 +145,36 @@ def group_specs(env: str, seeds, level: int, group_size: int, *, sample_seed: in
                       (sample_seed + (first_group + g) * group_size + j) % 2**32, forced,
                       env_kwargs)
           for g, seed in enumerate(seeds) for j in range(group_size)]
+
+
+def read_trajectories(path: str) -> list[dict]:
+  """The records of a JSONL file written by `rl.trajectory_log.write_trajectories` (a cut
+  last line, from a run killed mid-write, is skipped)."""
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return out
+
+
+def format_record(record: dict, *, max_chars: int = 300) -> str:
+  """A record as a transcript: one header line, then one line per turn (texts cut to
+  max_chars, newlines shown as \\n)."""
+  r = record
+  lines = [f"{r['env']} level {r['level']} seed {r['seed']}: reward {r['reward']:g} "
+           f"({r['finish_reason']}), {r['num_turns']} turns, {r['generated_tokens']} "
+           f"generated / {r['total_tokens']} tokens"]
+  for t in r["turns"]:
+    text = t["text"].replace("\n", "\\n")
+    if len(text) > max_chars:
+      text = text[:max_chars] + "..."
+    extra = ""
+    if t["role"] == "assistant":
+      lp = "-" if t["mean_logp"] is None else f"{t['mean_logp']:.2f}"
+      forced = f", {t['forced_tokens']} forced" if t["forced_tokens"] else ""
+      extra = f"   [{t['action']}, {t['tokens']} tokens{forced}, mean logp {lp}]"
+    lines.append(f"  {t['role']:>11}: {text}{extra}")
+  return "\n".join(lines)

@@ -17,8 +17,7 @@ dicts), so `json.loads(json.dumps(r)) == r`:
     info: the last environment step's info, JSON-able values only (others as repr strings).
 
 `write_trajectories(path, records)` appends one JSON line per record (append mode: a
-resumed run keeps the earlier lines); `read_trajectories` reads them back; `format_record`
-prints a record as a short transcript.
+resumed run keeps the earlier lines).
 """
 
 from __future__ import annotations
@@ -120,35 +119,3 @@ def write_trajectories(path: str, records: Iterable[dict]) -> int:
     f.write("".join(line + "\n" for line in lines))
   return len(lines)
 
-
-def read_trajectories(path: str) -> list[dict]:
-  """The records of a JSONL file written by write_trajectories (a cut last line, from a
-  run killed mid-write, is skipped)."""
-  out = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return out
-
-
-def format_record(record: dict, *, max_chars: int = 300) -> str:
-  """A record as a transcript: one header line, then one line per turn (texts cut to
-  max_chars, newlines shown as \\n)."""
-  r = record
-  lines = [f"{r['env']} level {r['level']} seed {r['seed']}: reward {r['reward']:g} "
-           f"({r['finish_reason']}), {r['num_turns']} turns, {r['generated_tokens']} "
-           f"generated / {r['total_tokens']} tokens"]
-  for t in r["turns"]:
-    text = t["text"].replace("\n", "\\n")
-    if len(text) > max_chars:
-      text = text[:max_chars] + "..."
-    extra = ""
-    if t["role"] == "assistant":
-      lp = "-" if t["mean_logp"] is None else f"{t['mean_logp']:.2f}"
-      forced = f", {t['forced_tokens']} forced" if t["forced_tokens"] else ""
-      extra = f"   [{t['action']}, {t['tokens']} tokens{forced}, mean logp {lp}]"
-    lines.append(f"  {t['role']:>11}: {text}{extra}")
-  return "\n".join(lines)

@@ -23,13 +23,12 @@ from hybridmoe_jax.rl.envs import Answer
 from hybridmoe_jax.rl.episode import EpisodeSpec, Trajectory
 from hybridmoe_jax.rl.evaluate import (EVAL_SEED_HI, EVAL_SEED_LO, evaluate_agent,
                                        eval_seeds)
-from hybridmoe_jax.rl.trajectory_log import (decode_with_specials, format_record,
-                                             read_trajectories, trajectory_record,
+from hybridmoe_jax.rl.trajectory_log import (decode_with_specials, trajectory_record,
                                              write_trajectories)
 from hybridmoe_jax.train.loop import train_and_evaluate
 from hybridmoe_jax.config.run import run_config_from_dict
 from tests.conftest import load_config, one_device
-from tests._support import set_tiny_model
+from tests._support import format_record, read_trajectories, set_tiny_model
 from tests.train.train_fakes import FakeIterator
 
 TOK = ByteTokenizer(chat=True)
