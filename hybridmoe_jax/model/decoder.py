@@ -169,7 +169,7 @@ class HybridLM(nnx.Module):
     """tokens [B, T] -> input embeddings [B, T, d]; placeholders (image_index >= 0) take the
     projected image token they index (see the module docstring). `serving`: the weights
     are laid out for serving (`parallel.rules.tree_shardings(serving=True)`)."""
-    x = embed_lookup(self.embed.embedding.value, tokens, self.embed.dtype, serving=serving)
+    x = embed_lookup(self.embed.embedding[...], tokens, self.embed.dtype, serving=serving)
     if images is None:
       return x
     if not self.cfg.vision.enabled:

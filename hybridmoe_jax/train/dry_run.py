@@ -16,6 +16,7 @@ parameter and optimizer bytes lay each leaf out by the sharding rules themselves
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -344,6 +345,31 @@ def state_advice(state: float, usable: float, devices: int) -> str:
           "mesh.expert; activations come on top)")
 
 
+def expert_gather_choice(run: RunConfig, e: dict, plan: plan_lib.Plan) -> str:
+  """How often one step gathers the routed experts' weights, and why: ZeRO-3 gathers them
+  (over fsdp x context) in every microbatch, so one gather per step means one microbatch
+  (train.grad_accum = 1), which these figures say fits or not. '' without routed experts."""
+  cfg, mesh, ga = run.model, e["mesh"], run.train.grad_accum
+  n_moe = max(cfg.num_layers - cfg.moe.first_dense_layers, 0)
+  if not n_moe:
+    return ""
+  if mesh["fsdp"] * mesh.get("context", 1) == 1:
+    return ("expert weights: never gathered (mesh.fsdp x mesh.context = 1: each device "
+            "holds its experts' shards whole)")
+  if ga == 1:
+    return "expert weights: gathered once per step (train.grad_accum = 1: one microbatch)"
+  one = dataclasses.replace(run, train=dataclasses.replace(run.train, grad_accum=1))
+  totals = [step_bytes(stage_memory(one, e, s.seq_len, s.batch_size)[run.compute.remat])
+            for s in plan.stages]
+  usable, worst = run.hardware.usable_bytes, max(totals)
+  verdict = (f"fits ({_fmt_bytes(worst)} of {_fmt_bytes(usable)})" if worst <= usable else
+             f"does not fit ({_fmt_bytes(worst)} > {_fmt_bytes(usable)}: the whole batch's "
+             "activations at once)")
+  return (f"expert weights: gathered in each of the {ga} microbatches (train.grad_accum = "
+          f"{ga}); one gather per step needs train.grad_accum = 1, which by this model "
+          + verdict)
+
+
 def _core_label(impl: str, core: str) -> str:
   """The MLA core a stage's memory is counted with: a kernel is counted as blockwise."""
   return core if impl in ("auto", core) else f"{impl}, counted as {core}"
@@ -382,6 +408,9 @@ def memory_report(run: RunConfig, plan: plan_lib.Plan, e: dict) -> str:
     lines.append(f"  stage {s.index} T={s.seq_len:,}: {rows:g} rows/batch shard, context "
                  f"{context}, MLA attention ({_core_label(run.compute.mla_impl, core)}) | "
                  + _verdict(run, c, rows, context, math.prod(mesh.values())))
+  gather = expert_gather_choice(run, e, plan)
+  if gather:
+    lines.append("  " + gather)
   return "\n".join(lines)
 
 

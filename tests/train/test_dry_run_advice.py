@@ -29,3 +29,25 @@ def test_one_device_flagship_is_told_to_shard_not_to_accumulate(capsys):
   for line in verdicts:
     assert "shard it over at least" in line and "a slice of" in line
     assert "raise train.grad_accum" not in line
+
+
+def test_the_expert_gather_choice_is_printed(capsys):
+  """Issue 44: the dry run says how often a step gathers the routed experts' weights (ZeRO-3
+  gathers them in every microbatch) and whether one gather per step (grad_accum 1) fits."""
+  def line(**mesh_and_accum):
+    config = load_config("tiny")
+    ga = mesh_and_accum.pop("grad_accum")
+    config.mesh.update(data=1, tensor=1, context=1, **mesh_and_accum)
+    config.train.update(batch_size=8, grad_accum=ga)
+    dry_run.dry_run(run_config_from_dict(config))
+    return [l for l in capsys.readouterr().out.splitlines() if "expert weights:" in l]
+  assert "never gathered" in line(fsdp=1, expert=1, grad_accum=2)[0]
+  assert "gathered once per step" in line(fsdp=4, expert=2, grad_accum=1)[0]
+  (per_mb,) = line(fsdp=4, expert=2, grad_accum=4)
+  assert "each of the 4 microbatches" in per_mb and "train.grad_accum = 1" in per_mb
+  assert "fits (" in per_mb     # tiny: one microbatch of 8 rows fits any device
+  config = load_config("tiny")
+  config.model.moe.first_dense_layers = config.model.num_layers   # no routed experts
+  config.mesh.update(data=1, fsdp=4, expert=1, tensor=1, context=1)
+  dry_run.dry_run(run_config_from_dict(config))
+  assert "expert weights:" not in capsys.readouterr().out
