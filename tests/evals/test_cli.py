@@ -134,7 +134,9 @@ def test_help_examples_are_copyable(script, tmp_path):
         assert arg[2:].split("=")[0].removeprefix("no") in flags_known, (arg, line)
   maker = next((l for l in lines if l.startswith("python -c")), None)
   if script == "run_eval.py":   # the scene the last example reads: made by the line before it
-    subprocess.run(shlex.split(maker), cwd=tmp_path, check=True, timeout=120)
+    # This interpreter for the example's `python` (the one a user's activated venv gives).
+    subprocess.run([sys.executable] + shlex.split(maker)[1:], cwd=tmp_path, check=True,
+                   timeout=120)
     from hybridmoe_jax.data.images import read_image  # pylint: disable=import-outside-toplevel
     assert read_image(str(tmp_path / "scene.ppm")).shape == (32, 32, 3)
     assert "$'Q: colour at top left?\\n<image>\\nA:'" in r.stdout
