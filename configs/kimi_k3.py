@@ -58,7 +58,7 @@ def get_config():
   config.compute.scan_layers = True
   # DESIGN s7: the flagship trains with Muon. Its optimizer state is one momentum per matrix
   # (AdamW: two moments), which is what lets the step fit v5p-2048: by the TPU compiler
-  # (COMPILER ESTIMATE, BENCHMARKS.md "Kimi K3 on v5p-2048") 76.54 GiB per chip with Muon vs
+  # (COMPILER ESTIMATE, BENCHMARKS.md "Kimi K3 fits v5p-2048 with Muon") 76.54 GiB per chip with Muon vs
   # 86.85 GiB with AdamW (85.5 usable) in the layout --config.mesh.fsdp=1
   # --config.mesh.context=16 --config.mesh.expert=64 --config.train.batch_size=1024
   # --config.train.grad_accum=16 --config.train.seq_len=4096 --config.compute.remat=full

@@ -130,6 +130,11 @@ def blockwise_workspace_bytes(cfg, block: int, rows: float) -> float:
 REMATS = ("none", "dots", "full")
 
 
+def zero3_gathers(mesh: dict[str, int]) -> bool:
+  """Whether the step gathers weights at all: ZeRO-3 splits them over fsdp x context."""
+  return mesh["fsdp"] * mesh.get("context", 1) > 1
+
+
 def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
   """ZeRO-3's working set: the largest weight gathered whole over fsdp x context in the
   compute dtype, with its fp32 gradient before the reduce-scatter. The larger of the LM
@@ -137,7 +142,7 @@ def gathered_weight_bytes(cfg, mesh: dict[str, int], act_bytes: int) -> float:
   [E / expert, width, d_ff] / tensor, one fp32 gradient at a time). 0 when nothing is
   gathered (fsdp x context = 1). libtpu's buffers for Kimi K3: bf16 [56, 3072, 3584] x 3 and
   f32 [7168, 163840] at the peak (BENCHMARKS.md)."""
-  if mesh["fsdp"] * mesh.get("context", 1) == 1:
+  if not zero3_gathers(mesh):
     return 0.0
   tensor = mesh["tensor"]
   head = cfg.vocab_size * cfg.d_model * (act_bytes + 4) / tensor
@@ -349,11 +354,10 @@ def expert_gather_choice(run: RunConfig, e: dict, plan: plan_lib.Plan) -> str:
   """How often one step gathers the routed experts' weights, and why: ZeRO-3 gathers them
   (over fsdp x context) in every microbatch, so one gather per step means one microbatch
   (train.grad_accum = 1), which these figures say fits or not. '' without routed experts."""
-  cfg, mesh, ga = run.model, e["mesh"], run.train.grad_accum
-  n_moe = max(cfg.num_layers - cfg.moe.first_dense_layers, 0)
-  if not n_moe:
+  mesh, ga = e["mesh"], run.train.grad_accum
+  if not run.model.moe_layers:
     return ""
-  if mesh["fsdp"] * mesh.get("context", 1) == 1:
+  if not zero3_gathers(mesh):
     return ("expert weights: never gathered (mesh.fsdp x mesh.context = 1: each device "
             "holds its experts' shards whole)")
   if ga == 1:

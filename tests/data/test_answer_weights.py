@@ -30,8 +30,8 @@ def test_documents_name_their_answers(kind):
     for a, b in doc.answer_spans:
       if kind == "kv":
         assert doc[a - 7:a].startswith(" k") and doc[a - 1] == "=" and doc[b] == ";"
-      elif kind.startswith("text") or kind == "mixkey":   # (a short one falls back to a
-        # passkey: holds too) values of any kind, each stated earlier (the needles)
+      elif kind.startswith("text") or kind == "mixkey":   # values of any kind, each stated
+        # earlier (the needles); a short one falls back to a passkey, which holds too
         assert doc[b] == "." and all(x in doc[:a] for x in doc[a:b].split(", "))
       else:   # the key right after its question, and it occurs earlier (the needle)
         assert doc[:a].endswith(" is ") and doc[a:b].isdigit() and doc[a:b] in doc[:a]
