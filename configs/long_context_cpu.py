@@ -38,7 +38,9 @@ stage and every later-stage retrieval document `mixkey` (plus the text kinds wit
 `:hybrid,mix=2,width=128,factor=1,late_scale=24` is the best on the suite so far: niah_single
 0.77 at 8K on validation, 0.73 on test, one seed, but the old passkey wording 0.43, so not the
 default), ",width=128" d_model 128
-with 4 heads (default 64). Costs: the same tokens per step and steps, so the same model compute; the
+with 4 heads (default 64), ",logn=B" MLA scores times max(1, log n / log B) for a query n
+tokens into its document (`model.mla.logn_base`; 0, the default: off). Costs: the same
+tokens per step and steps, so the same model compute; the
 text documents take ~1.3 ms each to build against ~0.45 ms (2-core box), well under 1% of a
 step. The RULER-style suite (`run_eval.py --task=ruler`) is what it is measured on: other
 phrasings, other text (CPython's IDLE docs). BENCHMARKS.md ("Long-context retrieval") has the numbers;
@@ -88,7 +90,7 @@ def _parse(spec: str) -> dict:
   """"hybrid,stages=1,seed=2" -> {"variant": "hybrid", "stages": 1, "seed": 2}."""
   out = {"variant": "hybrid", "stages": len(STAGES), "seed": 0, "steps": STAGES[0]["steps"],
          "weight": 0, "factor": 8, "lr": STAGES[0]["lr"], "late_lr": 0.0,
-         "late_scale": LATE_SCALE, "text": 0, "mix": 0, "width": 64}
+         "late_scale": LATE_SCALE, "text": 0, "mix": 0, "width": 64, "logn": 0}
   for i, part in enumerate(p for p in (spec or "").split(",") if p):
     key, _, value = part.partition("=")
     if not value and i == 0:
@@ -96,7 +98,7 @@ def _parse(spec: str) -> dict:
     if key not in out:
       raise ValueError(f"long_context_cpu config string: unknown field {key!r} in {spec!r} "
                        "(allowed: <variant>, stages=N, seed=S, steps=N, weight=W, factor=F, lr=X, "
-                       "late_lr=X, late_scale=S, text=0|1, mix=0|1|2, width=64|128)")
+                       "late_lr=X, late_scale=S, text=0|1, mix=0|1|2, width=64|128, logn=B)")
     out[key] = (value if key == "variant" else float(value) if key in ("lr", "late_lr")
                 else int(value))
   if out["variant"] not in VARIANTS:
@@ -147,6 +149,7 @@ def get_config(spec: str = ""):
   m.num_layers = len(kinds)
   m.layer_kinds = kinds
   m.mla.rope_theta = rope_theta
+  m.mla.logn_base = opts["logn"]   # checked by MLAConfig: 0 or >= 2
   m.moe.first_dense_layers = len(kinds)   # dense FFN everywhere
   m.moe.dense_intermediate = 2 * m.d_model
   c = config.curriculum

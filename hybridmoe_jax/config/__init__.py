@@ -262,8 +262,13 @@ class MLAConfig(Checked):
   output_gate: bool = True      # sigmoid(W_gate x) elementwise on each head's output
   # > 0: rotate the rope slot (RoPE, this base); 0: NoPE (ablation)
   rope_theta: float = ranged(0.0, ">= 0", "0: NoPE")
+  # > 1: a query n keys into its document has its scores times max(1, log n / log logn_base)
+  # (log-length scaling: the softmax keeps its sharpness as n grows); 0: off
+  logn_base: int = ranged(0, ">= 0", "0: off; else >= 2, in tokens")
 
   def check(self, p: str) -> None:
+    require(self.logn_base == 0 or self.logn_base >= 2, f"{p}.logn_base", self.logn_base,
+            "0 (off) or an integer >= 2")
     if self.rope_theta:
       require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
               f"{p}.qk_rope_head_dim", self.qk_rope_head_dim,

@@ -192,6 +192,8 @@ def hf_config_from_model(cfg: ModelConfig, extra: Mapping[str, Any] | None = Non
        "Kimi-Linear's MLA has no output gate"),
       ("model.mla.rope_theta", mla.rope_theta, not mla.rope_theta, "0 (NoPE)",
        "Kimi-Linear's MLA has no positions (mla_use_nope)"),
+      ("model.mla.logn_base", mla.logn_base, not mla.logn_base, "0",
+       "Kimi-Linear's MLA has a plain softmax"),
       ("model.moe.glu", moe.glu, moe.glu == "swiglu", "'swiglu'",
        "SiTU-GLU has no HF equivalent"),
       ("model.moe.latent_dim", moe.latent_dim, moe.latent_dim == 0, "0",

@@ -12,6 +12,11 @@ dispatch tables pick the core (XLA / kernels, the absorbed form, a context-paral
 by RoPE at each token's position: its place in its own packed document when training, its
 cache position when decoding (the cache then holds rotated k_r). Not under context
 parallelism (the layer does not see the shards' positions).
+
+`cfg.logn_base > 1` scales a query's scores by max(1, log n / log logn_base), n its position
+(in its document, or in the cache) + 1: the keys it sees. Past logn_base tokens the softmax
+then sharpens with the log of the length instead of flattening (Qwen's logn attention;
+Scalable-Softmax, Nakanishi 2025). Same positions as RoPE; not under context parallelism.
 """
 
 from typing import NamedTuple
@@ -49,6 +54,13 @@ def segment_positions(segment_ids: jax.Array | None, batch: int, t: int) -> jax.
   new = jnp.concatenate([jnp.ones((batch, 1), bool),
                          segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
   return idx - jax.lax.cummax(jnp.where(new, idx, 0), axis=1)
+
+
+def logn_scaled(q: jax.Array, pos: jax.Array, base: int) -> jax.Array:
+  """q [B, T, H, D] times max(1, log(pos + 1) / log(base)) per token (pos [B, T] int32),
+  computed in fp32, returned in q's dtype."""
+  s = jnp.maximum(1.0, jnp.log1p(pos.astype(_F32)) / jnp.log(_F32(base)))
+  return (q.astype(_F32) * s[:, :, None, None]).astype(q.dtype)
 
 
 class MLACache(NamedTuple):
@@ -131,18 +143,22 @@ class MLALayer(nnx.Module):
     x = x.astype(self.dtype)
     q = self.queries(x)
     c, k_r = self.latents(x)
-    if cfg.rope_theta and current_plan().context is not None:
-      raise NotImplementedError("model.mla.rope_theta > 0 (RoPE) under context parallelism: "
-                                "the context runner does not pass the shards' positions; use "
-                                "rope_theta=0 (NoPE, the design) or no context axis")
-    if cfg.rope_theta and k_r is not None:
+    positional = (cfg.rope_theta and k_r is not None) or cfg.logn_base
+    if positional and current_plan().context is not None:
+      raise NotImplementedError("model.mla.rope_theta > 0 (RoPE) or logn_base > 0 under "
+                                "context parallelism: the context runner does not pass the "
+                                "shards' positions; set both 0 (the design) or no context axis")
+    pos = None
+    if positional:  # (a cache without length fails below)
       pos = (segment_positions(segment_ids, b, t) if cache is None
              else length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
              if length is not None else None)
-      if pos is not None:  # (a cache without length fails below)
-        dn = cfg.qk_nope_head_dim
-        q = jnp.concatenate([q[..., :dn], rope(q[..., dn:], pos, cfg.rope_theta)], axis=-1)
-        k_r = rope(k_r, pos, cfg.rope_theta)
+    if pos is not None and cfg.rope_theta and k_r is not None:
+      dn = cfg.qk_nope_head_dim
+      q = jnp.concatenate([q[..., :dn], rope(q[..., dn:], pos, cfg.rope_theta)], axis=-1)
+      k_r = rope(k_r, pos, cfg.rope_theta)
+    if pos is not None and cfg.logn_base:
+      q = logn_scaled(q, pos, cfg.logn_base)
     scale = cfg.qk_head_dim ** -0.5
     w_uk, w_uv = self._up_kernels()
     if k_r is None:

@@ -244,6 +244,7 @@ def test_48b_preset_config_maps_both_ways():
     ("model.mla.output_gate", dict(mla=MLAConfig(output_gate=True))),
     ("model.mla.q_lora_rank", dict(mla=MLAConfig(output_gate=False, q_lora_rank=8))),
     ("model.mla.rope_theta", dict(mla=MLAConfig(output_gate=False, rope_theta=1e4))),
+    ("model.mla.logn_base", dict(mla=MLAConfig(output_gate=False, logn_base=4096))),
     ("model.kda.output_gate_rank", dict(kda=KDAConfig(gate="unbounded"))),
 ])
 def test_inexpressible_exports_fail_naming_the_field(field, change):

@@ -66,7 +66,8 @@ MIXERS = [("kda", {}), ("kda", {"gate": "unbounded"}), ("kda", {"output_gate_ran
           ("kda", {"num_heads": 1, "conv_size": 3}),
           ("mla", {}), ("mla", {"q_lora_rank": 8}),
           ("mla", {"qk_rope_head_dim": 0, "output_gate": False}),
-          ("mla", {"rope_theta": 100.0})]   # RoPE on the rope slot (the NoPE ablation)
+          ("mla", {"rope_theta": 100.0}),   # RoPE on the rope slot (the NoPE ablation)
+          ("mla", {"logn_base": 4})]        # log-length scaled scores past 4 tokens
 
 
 @pytest.mark.parametrize("kind, kw", MIXERS)

@@ -1,7 +1,11 @@
-"""RoPE on the MLA rope slot (`model.mla.rope_theta`, the ablation of NoPE): the rotation keeps
-norms and makes scores depend on the offset only; per-document positions in packed rows;
-rope_theta = 0 leaves the layer as it was; refused under context parallelism. (Packed ==
-separate and cached == training for a RoPE layer: tests/layers/test_mixers.py MIXERS.)"""
+"""Positions in MLA. RoPE on the rope slot (`model.mla.rope_theta`, the ablation of NoPE): the
+rotation keeps norms and makes scores depend on the offset only; per-document positions in
+packed rows; rope_theta = 0 leaves the layer as it was. Log-length scaling
+(`model.mla.logn_base`): the layer equals softmax attention written out with its scores times
+max(1, log n / log base). Both refused under context parallelism. (Packed == separate and
+cached == training for both: tests/layers/test_mixers.py MIXERS.)"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -54,5 +58,50 @@ def test_rope_config_checks_and_context_refusal():
     MLAConfig(qk_rope_head_dim=3, rope_theta=1e4)
   layer = MLALayer(32, MLAConfig(rope_theta=1e4), norm_eps=1e-5, rngs=nnx.Rngs(0))
   with pytest.raises(NotImplementedError, match="context parallelism"):
+    with execution_plan(ExecutionPlan(context=object())):
+      layer(jnp.zeros((1, 4, 32)))
+
+
+def _written_out(layer: MLALayer, x: jax.Array, base: int) -> jax.Array:
+  """The layer's output from its own projections: causal softmax over expanded keys, each
+  query's scores times max(1, log(t + 1) / log(base)) at its position t (fp32)."""
+  cfg, (b, t, _) = layer.cfg, x.shape
+  q = layer.queries(x).astype(jnp.float32)
+  c, k_r = layer.latents(x)
+  w_uk, w_uv = layer._up_kernels()
+  k = jnp.concatenate([jnp.einsum("btc,chd->bthd", c, w_uk),
+                       jnp.broadcast_to(k_r[:, :, None], (b, t, cfg.num_heads,
+                                                          cfg.qk_rope_head_dim))], -1)
+  v = jnp.einsum("btc,chd->bthd", c, w_uv)
+  mult = np.maximum(1.0, np.log(np.arange(t) + 1.0) / np.log(base)) if base else np.ones(t)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * cfg.qk_head_dim ** -0.5 * mult[:, None]
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+  o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, -1)
+  o = o * jax.nn.sigmoid(layer.gate(x))
+  return layer.o_proj(o)
+
+
+@pytest.mark.parametrize("base", [0, 3, 40])
+def test_logn_scaling_equals_written_out_attention(base):
+  cfg = MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                  v_head_dim=8, logn_base=base)
+  layer = MLALayer(32, cfg, norm_eps=1e-5, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 30, 32))
+  np.testing.assert_allclose(layer(x)[0], _written_out(layer, x, base), rtol=2e-4, atol=2e-5)
+  if base == 3:   # positions 0-2 unscaled (n <= base), then sharper: not the plain layer
+    plain = MLALayer(32, dataclasses.replace(cfg, logn_base=0), norm_eps=1e-5,
+                     rngs=nnx.Rngs(0))(x)[0]
+    y = layer(x)[0]
+    np.testing.assert_allclose(y[:, :3], plain[:, :3], rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(y[:, 3:] - plain[:, 3:]))) > 1e-4
+
+
+def test_logn_config_checks_and_context_refusal():
+  with pytest.raises(ConfigError, match="logn_base"):
+    MLAConfig(logn_base=1)
+  with pytest.raises(ConfigError, match="logn_base"):
+    MLAConfig(logn_base=-2)
+  layer = MLALayer(32, MLAConfig(logn_base=64), norm_eps=1e-5, rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="logn_base"):
     with execution_plan(ExecutionPlan(context=object())):
       layer(jnp.zeros((1, 4, 32)))

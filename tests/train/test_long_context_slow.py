@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train.loop import train_and_evaluate
 from tests.conftest import ROOT
@@ -90,3 +91,8 @@ def test_mix_and_width_flags():
   for bad, field in (("mix=3", "mix=3 must be 0, 1 or 2"), ("width=96", "width=96 must be one of")):
     with pytest.raises(ValueError, match=field):
       recipe.get_config(f"hybrid,{bad}")
+  assert plain.model.mla.logn_base == 0
+  logn = recipe.get_config("hybrid,logn=512")
+  assert run_config_from_dict(logn.to_dict()).model.mla.logn_base == 512
+  with pytest.raises(ConfigError, match="model.mla.logn_base"):
+    run_config_from_dict(recipe.get_config("hybrid,logn=1").to_dict())
