@@ -25,6 +25,8 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
+from hybridmoe_jax.config.legacy import MOVED, migrate_legacy, plain  # noqa: F401 (re-exported)
+
 LAYER_KINDS = ("kda", "mla")
 GLU_KINDS = ("situ", "swiglu")
 GATE_KINDS = ("bounded", "unbounded")
@@ -262,13 +264,11 @@ class MLAConfig(Checked):
   output_gate: bool = True      # sigmoid(W_gate x) elementwise on each head's output
   # > 0: rotate the rope slot (RoPE, this base); 0: NoPE (ablation)
   rope_theta: float = ranged(0.0, ">= 0", "0: NoPE")
-  # > 1: a query n keys into its document has its scores times max(1, log n / log logn_base)
-  # (log-length scaling: the softmax keeps its sharpness as n grows); 0: off
-  logn_base: int = ranged(0, ">= 0", "0: off; else >= 2, in tokens")
+  # scores times max(1, log n / log logn_base), n the keys a query sees (layers/mla.py)
+  logn_base: int = ranged(0, Allowed(lambda v: is_int(v) and v >= 0 and v != 1,
+                                     "0 (off) or an integer >= 2"))
 
   def check(self, p: str) -> None:
-    require(self.logn_base == 0 or self.logn_base >= 2, f"{p}.logn_base", self.logn_base,
-            "0 (off) or an integer >= 2")
     if self.rope_theta:
       require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
               f"{p}.qk_rope_head_dim", self.qk_rope_head_dim,
@@ -405,43 +405,6 @@ def default_layer_kinds(num_layers: int) -> tuple[str, ...]:
                for i in range(num_layers))
 
 
-# Fields that moved out of the model / train sections: old name -> new name.
-MOVED = {
-    "model.dtype": "compute.dtype",
-    "model.kda.impl": "compute.kda_impl",
-    "model.kda.chunk_size": "compute.kda_chunk_size",
-    "model.moe.capacity_factor": "compute.moe_capacity_factor",
-    "train.remat": "compute.remat",
-}
-
-
-def _plain(values):
-  """ConfigDict (or FrozenConfigDict) -> dict; anything else unchanged."""
-  return values.to_dict() if hasattr(values, "to_dict") else values
-
-
-def migrate_legacy(d: Mapping[str, Any]) -> dict[str, Any]:
-  """A root config dict as saved by older runs -> today's layout (a new dict).
-
-  Each `MOVED` field found is taken out of its old section and put at its new place, unless
-  the new place is already set; fields absent from `d` are left to the defaults of
-  `run_config_from_dict`. Used on configs read back from a workdir (checkpoint meta
-  "config"); for the model section alone (`model_config.json`) pass {"model": saved}.
-  """
-  out = copy.deepcopy(dict(_plain(d)))
-  for old, new in MOVED.items():
-    *path, name = old.split(".")
-    section = out
-    for key in path:
-      section = section.get(key) if isinstance(section, dict) else None
-    if not isinstance(section, dict) or name not in section:
-      continue
-    value = section.pop(name)
-    new_section, new_name = new.split(".")
-    out.setdefault(new_section, {}).setdefault(new_name, value)
-  return out
-
-
 def _coerce(tp, value, field: str):
   """`value` checked against the annotation `tp` (and converted: list -> tuple, ...)."""
   origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -457,7 +420,7 @@ def _coerce(tp, value, field: str):
     elem = args[0]
     return tuple(_coerce(elem, v, f"{field}[{i}]") for i, v in enumerate(value))
   if origin is dict:
-    value = _plain(value)
+    value = plain(value)
     require(isinstance(value, Mapping) and all(isinstance(k, str) for k in value), field,
             value, "a dict with string keys")
     return {k: _coerce(args[1], v, _join(field, k)) for k, v in value.items()}
@@ -484,7 +447,7 @@ def from_dict(cls, values: Mapping[str, Any] | None, prefix: str = ""):
   dataclasses, tuples and dicts are built recursively; building a `Checked` class runs
   `check_tree` (the ranges).
   """
-  values = _plain({} if values is None else values)
+  values = plain({} if values is None else values)
   require(isinstance(values, Mapping), prefix or "config", values,
           f"a dict of {cls.__name__} fields")
   hints = _hints(cls)
