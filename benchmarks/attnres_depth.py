@@ -193,10 +193,10 @@ def deltas(rows: list[dict], preds: dict, held_out, args) -> list[dict]:
     for kk in [str(int(h)) for h in args.hops] + ["mean"]:
       per_seed, boots = [], []
       for seed in args.seeds:
-        a = next((r for r in rows if (r["layers"], r["attnres"], r["seed"]) == (layers, True, seed)),
-                 None)
-        b = next((r for r in rows if (r["layers"], r["attnres"], r["seed"]) == (layers, False, seed)),
-                 None)
+        pick = lambda on: next((r for r in rows
+                                if (r["layers"], r["attnres"], r["seed"]) == (layers, on, seed)),
+                               None)
+        a, b = pick(True), pick(False)
         if a is None or b is None:
           continue
         key = "mean_accuracy" if kk == "mean" else None

@@ -37,8 +37,8 @@ independent parts, ~10^7 wordings, never the RULER-style suite's), ",mix=2" the 
 stage and every later-stage retrieval document `mixkey` (plus the text kinds with text=1;
 `:hybrid,mix=2,width=128,factor=1,late_scale=48` is the best on the suite so far: niah_single
 0.93 at 8K and 0.59 at 32K on validation for seed 0, 0.79 at 8K for seed 1 (seeds vary:
-0.84 vs 0.45 at 8K on test), ~80 min on the loaded box; late_scale=24
-gave 0.77 and 0.41 (seed 0); the old passkey wording falls, so not the default), ",width=128" d_model 128
+0.84 vs 0.45 at 8K on test), ~80 min on the loaded box; late_scale=24 gave 0.77 and 0.41
+(seed 0); the old passkey wording falls, so not the default), ",width=128" d_model 128
 with 4 heads (default 64), ",logn=B" MLA scores times max(1, log n / log B) for a query n
 tokens into its document (`model.mla.logn_base`; 0, the default: off). Costs: the same
 tokens per step and steps, so the same model compute; the
