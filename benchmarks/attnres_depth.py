@@ -36,12 +36,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
-from benchmarks.mqar_arch import _tiny_model_dict, make_predict, make_train_step  # noqa: E402
+from benchmarks.mqar_arch import (_tiny_model_dict, make_optimizer, make_predict,  # noqa: E402
+                                  make_train_step)
 from hybridmoe_jax.config import (ComputeConfig, default_layer_kinds,  # noqa: E402
                                   model_config_from_dict)
 from hybridmoe_jax.model.decoder import HybridLM  # noqa: E402
@@ -145,10 +145,7 @@ def run_variant(layers: int, attnres: bool, seed: int, args, held_out) -> tuple[
                        d_model=args.d_model, block=args.block)
   model = HybridLM(cfg, rngs=nnx.Rngs(seed), compute=ComputeConfig(kda_impl="chunked"))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20),
-                                             args.steps, args.lr * 0.05)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.1))
+  tx = make_optimizer(args.lr, args.steps)
   opt_state = tx.init(params)
   step = make_train_step(graphdef, tx)
   rng = np.random.default_rng(seed)          # the same training stream for every variant

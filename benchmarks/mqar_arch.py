@@ -68,6 +68,13 @@ def arch_config(arch: str, *, vocab: int, d_model: int = 64) -> ModelConfig:
   return model_config_from_dict(m)
 
 
+def make_optimizer(lr: float, steps: int):
+  """AdamW (0.9, 0.98, wd 0.1), clipped at norm 1, warmup over 5% then cosine to 5% of lr."""
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr * 0.05)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.1))
+
+
 def make_train_step(graphdef, tx):
   def loss_fn(params, rest, inputs, targets):
     model = nnx.merge(graphdef, params, rest)
@@ -108,10 +115,7 @@ def run_arch(arch: str, args) -> tuple[list[dict], float, list[float]]:
   cfg = arch_config(arch, vocab=args.vocab, d_model=args.d_model)
   model = HybridLM(cfg, rngs=nnx.Rngs(args.seed), compute=ComputeConfig(kda_impl=args.kda_impl))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20),
-                                             args.steps, args.lr * 0.05)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.1))
+  tx = make_optimizer(args.lr, args.steps)
   opt_state = tx.init(params)
   step = make_train_step(graphdef, tx)
   grid = cells(args.lengths, args.pairs)

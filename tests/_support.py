@@ -3,14 +3,17 @@ and read whole; the tiny models and runs (the
 one place they are defined: `tiny_model_config` / `tiny_model` for the configs/tiny.py
 hybrid, `mini_model_config` / `set_tiny_model` / `tiny_run_config` for the 2-layer MLA-only
 model the training tests run); the RL trajectory log read back and printed as a transcript
-(`read_trajectories`, `format_record`).
+(`read_trajectories`, `format_record`); a repository file outside the package (a benchmark, a
+config) imported by path (`load_file_module`).
 
 Every measure takes (got, want): the value under test first, the reference second. The
 reference is the denominator, so the order matters.
 """
 
 import functools
+import importlib.util
 import json
+import pathlib
 
 import numpy as np
 
@@ -178,3 +181,13 @@ def format_record(record: dict, *, max_chars: int = 300) -> str:
       extra = f"   [{t['action']}, {t['tokens']} tokens{forced}, mean logp {lp}]"
     lines.append(f"  {t['role']:>11}: {text}{extra}")
   return "\n".join(lines)
+
+
+def load_file_module(relpath: str, name: str | None = None):
+  """The module at `relpath` (from the repository root, e.g. "benchmarks/mqar_arch.py")
+  imported by path: benchmarks/ and configs/ are not packages."""
+  path = pathlib.Path(__file__).resolve().parents[1] / relpath
+  spec = importlib.util.spec_from_file_location(name or "_" + path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

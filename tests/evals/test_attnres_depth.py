@@ -1,22 +1,16 @@
 """benchmarks/attnres_depth.py: the k-hop generator against its definition, the variants, the
 interval arithmetic, and a smoke run."""
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests._support import load_file_module
 
 
 def _load():
-  spec = importlib.util.spec_from_file_location("attnres_depth",
-                                                _ROOT / "benchmarks" / "attnres_depth.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file_module("benchmarks/attnres_depth.py")
 
 
 def test_khop_matches_definition():

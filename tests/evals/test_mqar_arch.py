@@ -1,19 +1,14 @@
 """Smoke test of benchmarks/mqar_arch.py: a few steps, one tiny cell, rows and JSONL out."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests._support import load_file_module
 
 
 def _load():
-  spec = importlib.util.spec_from_file_location("mqar_arch", _ROOT / "benchmarks" / "mqar_arch.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file_module("benchmarks/mqar_arch.py")
 
 
 def test_arch_configs():

@@ -6,21 +6,17 @@ run as `benchmarks/rl_learning.py --seeds=2 --algos=grpo --iterations=150 --eval
 L1 0.73 -> 0.96, L2 0.65 -> 0.94, 3 promotions)."""
 
 import argparse
-import importlib.util
 
 import pytest
 
+from tests._support import load_file_module
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 def _benchmark():
-  spec = importlib.util.spec_from_file_location("rl_learning",
-                                                ROOT / "benchmarks" / "rl_learning.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file_module("benchmarks/rl_learning.py", "rl_learning")
 
 
 def test_grpo_raises_horizon_2_and_3_success_and_promotes(tmp_path):

@@ -3,7 +3,6 @@ trained as run_train.py trains it (retrieval documents mixed into the text by th
 retrieval source), then its NIAH grid on held-out keys and hay. Passkey retrieval at the
 trained length must be far above chance (1e-5 exact match, 0.1 per digit)."""
 
-import importlib.util
 import json
 
 import numpy as np
@@ -12,15 +11,11 @@ import pytest
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.train.loop import train_and_evaluate
-from tests.conftest import ROOT
+from tests._support import load_file_module
 
 
 def _recipe():
-  spec_ = importlib.util.spec_from_file_location("_long_context_cpu",
-                                                 ROOT / "configs" / "long_context_cpu.py")
-  module = importlib.util.module_from_spec(spec_)
-  spec_.loader.exec_module(module)
-  return module
+  return load_file_module("configs/long_context_cpu.py")
 
 
 @pytest.mark.slow  # 20 min on the shared 2-core box (2026-12-05: exact 1.00 at 512)
