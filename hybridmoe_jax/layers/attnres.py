@@ -63,5 +63,11 @@ class DepthMix(nnx.Module):
     self.eps = eps
     self.query = nnx.Param(jnp.zeros((d_model,), jnp.float32))
 
-  def __call__(self, stream: BlockStream) -> jax.Array:
-    return depth_mix(self.query[...], stream.buf, stream.valid, self.eps)
+  def __call__(self, stream: BlockStream, slots: int | None = None) -> jax.Array:
+    """The mix over the first `slots` sources (a static count; None: all of them). Sources
+    past the reading layer's own block are still empty, so an unrolled stack passes
+    block + 1 and skips them: the result is the same, at block + 1 of num_slots the cost."""
+    buf, valid = stream.buf, stream.valid
+    if slots is not None:
+      buf, valid = buf[:slots], valid[:slots]
+    return depth_mix(self.query[...], buf, valid, self.eps)

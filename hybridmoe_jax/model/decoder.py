@@ -103,7 +103,9 @@ class DecoderLayer(nnx.Module):
       for a dense FFN, the layer's new cache or None).
     """
     block = self.block if block is None else block
-    h = self.mixer_mix(stream) if self.attnres else stream
+    # A static slot (unrolled stack): the sources after it are still empty, read none of them.
+    slots = block + 1 if isinstance(block, int) else None
+    h = self.mixer_mix(stream, slots) if self.attnres else stream
     h = self.mixer_norm(h)
     if cache is not None and self.kind == "mla":
       out, cache = self.mixer(h, segment_ids=segment_ids, cache=cache, length=length,
@@ -111,7 +113,7 @@ class DecoderLayer(nnx.Module):
     else:
       out, cache = self.mixer(h, segment_ids=segment_ids, cache=cache)
     stream = stream.add(block, out) if self.attnres else stream + out
-    h = self.ffn_mix(stream) if self.attnres else stream
+    h = self.ffn_mix(stream, slots) if self.attnres else stream
     if self.is_moe:
       out, stats, experts = self.ffn(self.ffn_norm(h), mask=valid, replay=replay)
     else:
