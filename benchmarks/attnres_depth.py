@@ -40,7 +40,7 @@ from flax import nnx
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
-from benchmarks.mqar_arch import (_tiny_model_dict, make_optimizer, make_predict,  # noqa: E402
+from benchmarks.mqar_arch import (dense_model_dict, make_optimizer, make_predict,  # noqa: E402
                                   make_train_step)
 from hybridmoe_jax.config import (ComputeConfig, default_layer_kinds,  # noqa: E402
                                   model_config_from_dict)
@@ -100,10 +100,7 @@ def khop_reference(x: list[int], k: int) -> list[int]:
 
 def variant_config(layers: int, attnres: bool, *, alphabet: int, num_hops: int, d_model: int,
                    block: int):
-  m = _tiny_model_dict()
-  m.update(vocab_size=alphabet + num_hops, d_model=d_model, num_layers=layers,
-           layer_kinds=list(default_layer_kinds(layers)))
-  m["moe"].update(first_dense_layers=layers, dense_intermediate=2 * d_model, latent_dim=0)
+  m = dense_model_dict(default_layer_kinds(layers), vocab=alphabet + num_hops, d_model=d_model)
   m["attnres"].update(enabled=attnres, block_size=block)
   return model_config_from_dict(m)
 
@@ -182,28 +179,20 @@ def run_variant(layers: int, attnres: bool, seed: int, args, held_out) -> tuple[
 
 
 def deltas(rows: list[dict], preds: dict, held_out, args) -> list[dict]:
-  """Per depth: AttnRes - plain accuracy per k, over seeds (t) and per seed (bootstrap)."""
-  x, y, k = held_out
+  """Per depth: AttnRes - plain accuracy per k, over seeds (t) and per seed (bootstrap).
+
+  rows / preds hold every (layers, attnres, seed) of args, keyed like preds."""
+  _, y, k = held_out
   rng = np.random.default_rng(12345)
+  by = {(r["layers"], r["attnres"], r["seed"]): r for r in rows}
   out = []
   for layers in args.layers:
     for kk in [str(int(h)) for h in args.hops] + ["mean"]:
-      per_seed, boots = [], []
-      for seed in args.seeds:
-        pick = lambda on: next((r for r in rows
-                                if (r["layers"], r["attnres"], r["seed"]) == (layers, on, seed)),
-                               None)
-        a, b = pick(True), pick(False)
-        if a is None or b is None:
-          continue
-        key = "mean_accuracy" if kk == "mean" else None
-        per_seed.append(a[key] - b[key] if key else a["accuracy"][kk] - b["accuracy"][kk])
-        if kk != "mean":
-          scored = (k == int(kk))[:, None] & (y >= 0)
-          boots.append(paired_bootstrap(preds[(layers, True, seed)] == y,
-                                        preds[(layers, False, seed)] == y, scored, rng))
-      if not per_seed:
-        continue
+      acc = lambda r: r["mean_accuracy"] if kk == "mean" else r["accuracy"][kk]
+      per_seed = [acc(by[layers, True, s]) - acc(by[layers, False, s]) for s in args.seeds]
+      boots = [] if kk == "mean" else [
+          paired_bootstrap(preds[layers, True, s] == y, preds[layers, False, s] == y,
+                           (k == int(kk))[:, None] & (y >= 0), rng) for s in args.seeds]
       mean, lo, hi = t_interval(per_seed)
       out.append({"layers": layers, "k": kk, "delta_mean": mean, "delta_t95": [lo, hi],
                   "delta_per_seed": per_seed, "per_seed_bootstrap95": boots,

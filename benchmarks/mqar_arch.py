@@ -50,21 +50,20 @@ ARCHS = {
 }
 
 
-def _tiny_model_dict() -> dict:
-  return load_config_file(_ROOT / "configs" / "tiny.py").model.to_dict()
+def dense_model_dict(kinds, *, vocab: int, d_model: int) -> dict:
+  """configs/tiny.py's model section with these layer kinds and widths and a dense FFN in
+  every layer (no MoE routing noise; so no latent MoE projection either)."""
+  m = load_config_file(_ROOT / "configs" / "tiny.py").model.to_dict()
+  m.update(vocab_size=vocab, d_model=d_model, num_layers=len(kinds), layer_kinds=list(kinds))
+  m["moe"].update(first_dense_layers=len(kinds), dense_intermediate=2 * d_model, latent_dim=0)
+  return m
 
 
 def arch_config(arch: str, *, vocab: int, d_model: int = 64) -> ModelConfig:
   kinds, gate, rope_theta = ARCHS[arch]
-  m = _tiny_model_dict()
-  m["vocab_size"] = vocab
-  m["d_model"] = d_model
-  m["num_layers"] = len(kinds)
-  m["layer_kinds"] = list(kinds)
+  m = dense_model_dict(kinds, vocab=vocab, d_model=d_model)
   m["kda"]["gate"] = gate
   m["mla"]["rope_theta"] = rope_theta
-  m["moe"]["first_dense_layers"] = len(kinds)   # dense FFN everywhere: no MoE
-  m["moe"]["dense_intermediate"] = 2 * d_model
   return model_config_from_dict(m)
 
 

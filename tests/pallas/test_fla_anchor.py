@@ -5,7 +5,6 @@ only where the venv exists) a real compile of fla's forward for sm_90."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import types
 import pytest
 
 from hybridmoe_jax.tools import gpu_kernel_report as gkr
+from tests._support import load_file_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ANCHOR = os.path.join(ROOT, "benchmarks", "fla_anchor_gpu_aot.py")
@@ -23,10 +23,7 @@ BENCH = os.path.join(ROOT, "benchmarks", "kda_gpu_aot.py")
 
 def _anchor_module():
   """The anchor script as a module (it imports neither torch nor jax at import)."""
-  spec = importlib.util.spec_from_file_location("fla_anchor_gpu_aot", ANCHOR)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_file_module("benchmarks/fla_anchor_gpu_aot.py", "fla_anchor_gpu_aot")
 
 
 def test_anchor_row_has_the_kernel_report_columns():
