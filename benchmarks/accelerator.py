@@ -27,7 +27,7 @@ from benchmarks.memory_model import one_device_run  # noqa: E402  pylint: disabl
 from hybridmoe_jax.train import optim  # noqa: E402
 from hybridmoe_jax.train.state import create_train_state  # noqa: E402
 from hybridmoe_jax.train.step import make_train_step  # noqa: E402
-from hybridmoe_jax.tools.timing import time_fns  # noqa: E402
+from benchmarks._timing import time_fns  # noqa: E402
 
 
 def time_train_step(preset: str, batch: int, seq: int, steps: int, dtype: str) -> dict:

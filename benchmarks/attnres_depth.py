@@ -45,7 +45,7 @@ from benchmarks.mqar_arch import (dense_model_dict, make_optimizer, make_predict
 from hybridmoe_jax.config import (ComputeConfig, default_layer_kinds,  # noqa: E402
                                   model_config_from_dict)
 from hybridmoe_jax.model.decoder import HybridLM  # noqa: E402
-from hybridmoe_jax.tools.timing import Stopwatch  # noqa: E402
+from benchmarks._timing import Stopwatch  # noqa: E402
 
 # Two-sided 95% Student t quantiles by degrees of freedom (seeds - 1).
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,

@@ -1,6 +1,6 @@
 """Peak host memory of a Hugging Face -> ours (and back) conversion, at full scale, without
 the weights: the checkpoint is written from abstract shapes as sparse files (real headers,
-data left as holes; `hybridmoe_jax.convert.abstract`), the outputs' zero chunks become holes
+data left as holes; `write_sparse_hf_checkpoint`), the outputs' zero chunks become holes
 too, so only memory and the reading of zeros are measured.
 
   python benchmarks/convert_memory.py                  # the Kimi-Linear-48B layout (~98 GB)
@@ -21,17 +21,59 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any, Iterator
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from hybridmoe_jax.convert import hf_config  # noqa: E402  pylint: disable=wrong-import-position
-from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402  pylint: disable=wrong-import-position
-from hybridmoe_jax.convert.abstract import (hf_specs,  # noqa: E402  pylint: disable=wrong-import-position
-                                            write_sparse_hf_checkpoint)
+from hybridmoe_jax.convert import hf_config, hf_weights  # noqa: E402  pylint: disable=wrong-import-position
+from hybridmoe_jax.convert.convert import (CONFIG_JSON, KEEP_F32,  # noqa: E402  pylint: disable=wrong-import-position
+                                           SHARD_BYTES)
+from hybridmoe_jax.io.safetensors import DTYPES, ShardedWriter, Spec  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks._timing import stopwatch  # noqa: E402  pylint: disable=wrong-import-position
 
 BASELINE = ("from hybridmoe_jax.convert import __main__ as m, convert; "
             "print(m.peak_rss_bytes())")
+
+_ZERO_CHUNK = 64 * 2**20
+
+
+def _zeros(spec: Spec) -> Iterator[np.ndarray]:
+  left, dt = spec.nbytes, DTYPES[spec.dtype]
+  while left:
+    n = min(left, _ZERO_CHUNK)
+    yield np.zeros(n // dt.itemsize, dt)
+    left -= n
+
+
+def hf_specs(hf: dict[str, Any], dtype: str = "BF16") -> list[Spec]:
+  """Every tensor of the Kimi-Linear checkpoint `hf` (a config.json dict), in file order:
+  weights in `dtype`, A_log / dt_bias / the correction biases float32 (as released)."""
+  rules = hf_weights.weight_rules(hf_config.model_config_from_hf(hf))
+  return [Spec(n, "F32" if n.endswith(KEEP_F32) else dtype, r.shapes[n])
+          for r, n in hf_weights.outputs(rules, to="hf")]
+
+
+def write_sparse_hf_checkpoint(path: str, hf: dict[str, Any], *, dtype: str = "BF16",
+                               shard_bytes: int = SHARD_BYTES) -> dict[str, int]:
+  """A checkpoint of `hf`'s layout without real weights, at `path` (new dir): config.json
+  and every tensor's header entry with its true shape and dtype, the data region left as
+  holes of a sparse file (all zeros, no disk blocks).
+
+  Returns {"tensors", "bytes" (the logical size), "largest_tensor_bytes"}.
+  """
+  os.makedirs(path)
+  specs = hf_specs(hf, dtype)
+  writer = ShardedWriter(path, specs, prefix="model", max_shard_bytes=shard_bytes, sparse=True)
+  for s in specs:
+    writer.write(s.name, _zeros(s))
+  writer.close()
+  with open(os.path.join(path, CONFIG_JSON), "x", encoding="utf-8") as f:
+    json.dump(hf, f, indent=1)
+  return {"tensors": len(specs), "bytes": sum(s.nbytes for s in specs),
+          "largest_tensor_bytes": max(s.nbytes for s in specs)}
 
 
 def kimi_48b_hf() -> dict:

@@ -22,7 +22,7 @@ import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-from hybridmoe_jax.tools.timing import stopwatch, time_fns  # pylint: disable=g-import-not-at-top
+from benchmarks._timing import stopwatch, time_fns  # pylint: disable=g-import-not-at-top
 _CONFIG = flags.DEFINE_string("config", os.path.join(_ROOT, "configs", "curriculum_cpu.py"),
                               "Curriculum preset.")
 _BATCHES = flags.DEFINE_integer("batches", 30, "Timed batches per stage and setting.")

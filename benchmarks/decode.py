@@ -35,8 +35,8 @@ from hybridmoe_jax.config import model_config_from_dict  # pylint: disable=g-imp
 from hybridmoe_jax.infer import Engine, cache_bytes, init_cache, mla_bytes_per_token
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.config.flags import load_config_file
-from hybridmoe_jax.tools import timing
-from hybridmoe_jax.tools.timing import stopwatch, time_fns
+from benchmarks import _timing as timing
+from benchmarks._timing import stopwatch, time_fns
 
 
 def model_configs():

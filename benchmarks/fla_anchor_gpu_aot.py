@@ -24,7 +24,7 @@ gates fp32 in [-5, 0) with fla's `safe_gate=True, lower_bound=-5` (its bounded-g
 chunk 64. Packed: `cu_seqlens` of documents of 1,024 tokens (fla's varlen form).
 
 Output: one line per kernel launch, prefixed "JSON ", with kda_gpu_aot.py's kernel columns
-(tools/gpu_kernel_report.py's occupancy rule) and `saved_bytes`: the bytes of the tensors
+(gpu_kernel_report.py's occupancy rule) and `saved_bytes`: the bytes of the tensors
 fla's autograd saves for the backward (counted from their shapes, not a compiler figure).
 COMPILER REPORTS: nothing ran on a GPU. No fla code is copied here; it is imported.
 """
@@ -41,11 +41,10 @@ import sys
 import types
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# The report's parser and occupancy rule, loaded by path: this venv has no jax, and the
-# module imports none (importing the package would).
+# The report's parser and occupancy rule, loaded by path: this venv has no jax (the module
+# imports none) and does not have this checkout on its path.
 _spec = importlib.util.spec_from_file_location(
-    "gpu_kernel_report",
-    os.path.join(os.path.dirname(_HERE), "hybridmoe_jax", "tools", "gpu_kernel_report.py"))
+    "gpu_kernel_report", os.path.join(_HERE, "gpu_kernel_report.py"))
 gkr = sys.modules["gpu_kernel_report"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gkr)
 

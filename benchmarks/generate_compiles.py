@@ -32,7 +32,7 @@ from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, trace_counts
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.tools.timing import Stopwatch
+from benchmarks._timing import Stopwatch
 
 
 def _model(workdir: str | None):

@@ -10,7 +10,7 @@ as Parquet (row groups of 256) and, per tokenizer, as shards by `hybridmoe_jax.d
   index_s                the source indexed and split (train / held out)
   read_tokens_per_s      documents of the train split read in shuffled order and tokenized
                          (prepared records pass through): the stage the format changes;
-                         the formats interleaved (tools/timing), median of 5 calls of
+                         the formats interleaved (benchmarks/_timing), median of 5 calls of
                          --docs_per_call documents; read_ratio_vs_jsonl against JSONL's
   pipeline_tokens_per_s  the whole train iterator (grain's reader threads, packing,
                          batching), cold: from building it to --batches [batch, seq_len]
@@ -20,6 +20,7 @@ Parquet row groups over HTTP each time one is needed; shards copied once to the 
 (`copy_s`), then read locally.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -31,7 +32,7 @@ import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-from hybridmoe_jax.tools.timing import stopwatch, time_fns  # pylint: disable=g-import-not-at-top
+from benchmarks._timing import stopwatch, time_fns  # pylint: disable=g-import-not-at-top
 
 _DOCS = flags.DEFINE_integer("docs", 3000, "Documents in the corpus.")
 _BATCHES = flags.DEFINE_integer("batches", 200, "Batches of the cold pipeline timing.")
@@ -86,7 +87,7 @@ def build(source: str, paths, tokenizer: str, docs_per_call: int):
 
 
 def rates(cases: dict) -> dict:
-  """{name: tokens/s}: the cases' reads interleaved (tools/timing), median of 5 after one."""
+  """{name: tokens/s}: the cases' reads interleaved (benchmarks/_timing), median of 5 after one."""
   counts = {name: fn() for name, fn in cases.items()}   # tokens per call (first call)
   times = time_fns(cases, repeats=5, warmup=1)
   return {name: counts[name] / med for name, (_, med) in times.items()}
@@ -184,10 +185,14 @@ def main(_):
 
 
 def _emulator():
-  """(running context, tests.cloud.emulator) or None without the cloud-test extra."""
+  """(running context, tests/_support_gcs.py) or None without the cloud-test extra. The
+  module is loaded by path: a benchmark never imports the tests package (its conftest)."""
   try:
     import gcp_storage_emulator  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
-    from hybridmoe_jax.data import gcs_emulator as emulator  # pylint: disable=g-import-not-at-top
+    spec = importlib.util.spec_from_file_location(
+        "_support_gcs", os.path.join(_ROOT, "tests", "_support_gcs.py"))
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
     ctx = emulator.running()
     ctx.__enter__()
     return ctx, emulator

@@ -11,7 +11,7 @@ chunk 64 (benchmarks/kda_tpu_aot.py's). Packed: segment_ids [B, T] int32 are an 
 Per (T, packing, mode), one JSON line per KDA kernel launched (prefixed "JSON "): registers,
 spill store / load bytes and stack frame (ptxas -v), shared memory, grid, threads, programs,
 programs per SM (programs / 132) and programs resident per SM by occupancy
-(hybridmoe_jax/tools/gpu_kernel_report.py), then one line for the program: the compiler's
+(benchmarks/gpu_kernel_report.py), then one line for the program: the compiler's
 temporaries (memory_analysis), XLA's own kernels launched besides the KDA kernels (the glue),
 and, for fwdbwd, the TPU kernel's temporaries from libtpu at the same shapes with the ratio
 gpu / tpu. The fla anchor (`--fla PYTHON`, default $FLA_PYTHON or ../venv-fla/bin/python
@@ -36,7 +36,7 @@ import tempfile
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-from hybridmoe_jax.tools import gpu_kernel_report as gkr  # noqa: E402  (jax-free)
+from benchmarks import gpu_kernel_report as gkr  # noqa: E402  (jax-free)
 
 _DUMP = tempfile.mkdtemp(prefix="kda_gpu_aot_")
 # Before jax starts: a CPU host describing GPUs, ptxas's report logged, thunks dumped.
@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from benchmarks.kda_tpu_aot import B, C, H, K, LB, V, arg_specs, emit  # noqa: E402,F401
 from hybridmoe_jax.parallel.topology import gpu_topology_devices  # noqa: E402
-from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
+from benchmarks._timing import stopwatch  # noqa: E402
 from pallas_kernels.kda import kda_pallas  # noqa: E402
 from pallas_kernels.kda.config import default_gpu_config  # noqa: E402
 

@@ -25,15 +25,18 @@ import argparse
 import dataclasses
 import functools
 import json
+import pathlib
 import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.kda.chunked import forward_flops
-from hybridmoe_jax.tools.timing import time_fn
+from benchmarks._timing import time_fn
 from pallas_kernels.kda import kda_pallas
 from pallas_kernels.kda.config import default_gpu_config, default_tpu_config
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from hybridmoe_jax.ops.kda import kda
-from hybridmoe_jax.tools.timing import time_fns
+from benchmarks._timing import time_fns
 
 
 def make_inputs(B, T, H, K, V, lower_bound, seed=0):

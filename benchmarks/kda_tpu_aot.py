@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 import jax
@@ -34,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from hybridmoe_jax.ops.kda.chunked import _group_step, kda_chunked, scan_steps, step_tokens
 from hybridmoe_jax.parallel.topology import topology_devices
-from hybridmoe_jax.tools.timing import stopwatch
+from benchmarks._timing import stopwatch
 from pallas_kernels.kda import kda_pallas
 
 LB, C, H, K, V, B = -5.0, 64, 16, 128, 128, 1

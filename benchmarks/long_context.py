@@ -34,7 +34,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 from hybridmoe_jax.config import ComputeConfig, model_config_from_dict  # pylint: disable=g-import-not-at-top
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.tools.timing import time_fn
+from benchmarks._timing import time_fn
 from hybridmoe_jax.config.flags import load_config_file
 
 

@@ -10,7 +10,7 @@ NIAH after every stage, key-value recall by number of pairs; results recorded, f
 Each run is `run_train.py --config=configs/long_context_cpu.py:<variant>,stages=<n>,seed=<s>`
 (nice 19) into <root>/<variant>_n<n>_s<s>; its NIAH grids are the run's own
 eval/niah_stage<k>.json (held-out keys and hay, `evals.niah`). After training, key-value recall
-in the training format (`evals.mqar.evaluate_kv_recall`, held-out keys) at the last stage's
+in the training format (`evaluate_kv_recall` below, held-out keys) at the last stage's
 length (at most 2K) for 2..32 pairs. Everything goes to --results (JSON; a run already recorded
 there is replaced, others are kept) and one JSON line per run on stdout; the figures in
 docs/images/ are drawn from that file only:
@@ -29,6 +29,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Sequence
 
 import numpy as np
 
@@ -36,7 +37,9 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
 from hybridmoe_jax import plots  # pylint: disable=wrong-import-position
-from hybridmoe_jax.tools.timing import stopwatch  # pylint: disable=wrong-import-position
+from hybridmoe_jax.data import retrieval  # pylint: disable=wrong-import-position
+from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer  # pylint: disable=wrong-import-position
+from benchmarks._timing import stopwatch  # pylint: disable=wrong-import-position
 
 RESULTS = _ROOT / "benchmarks" / "results" / "long_context_retrieval.json"
 IMAGES = _ROOT / "docs" / "images"
@@ -75,6 +78,62 @@ def train(variant: str, stages: int, seed: int, workdir: str, steps: int = 0, we
   return sw.seconds
 
 
+def kv_recall_example(rng: np.random.Generator, length: int, pairs: int,
+                      tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  """One held-out key-value recall document in the training format
+  (`data.retrieval.kv_pieces`: " k3f9a=71;" pairs in filler, then " Recall: k0b2c=05; ...";
+  evaluation keys and seed stream) of ~`length` tokens: (tokens int32 [n] starting with BOS,
+  answer mask bool [n]: the value tokens of the recall part). Each piece is tokenized alone,
+  so answers stay whole tokens: multi-query associative recall (`evals.mqar`) in the text
+  format a language model is trained on."""
+  pieces = retrieval.kv_pieces(rng, length - 1, "eval", pairs)
+  toks, mask = [np.asarray([tokenizer.bos_id], np.int32)], [np.zeros(1, bool)]
+  for text, is_answer in pieces:
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    toks.append(ids)
+    mask.append(np.full(len(ids), is_answer))
+  return np.concatenate(toks), np.concatenate(mask)
+
+
+def evaluate_kv_recall(engine, lengths: Sequence[int], pairs: Sequence[int], *,
+                       samples: int = 8, seed: int = 0, tokenizer=None) -> dict:
+  """Text MQAR on an `infer.Engine`: recall of every value (all its tokens right,
+  teacher-forced greedy) per (length, pairs) cell on held-out documents; chance = 1/100
+  (2-digit values).
+
+  Raises:
+    ValueError: a document longer than the engine's max_len, or no pairs that fit a length
+      (each pair costs ~20 bytes).
+  """
+  tok = tokenizer or ByteTokenizer()
+  rng = retrieval.rng_for("eval", seed, 1)
+  cells = []
+  for t in lengths:
+    for n in pairs:
+      if 22 * n + 16 > t:
+        continue
+      rows = [kv_recall_example(rng, t, n, tok) for _ in range(samples)]
+      right = []
+      for toks, mask in rows:
+        if len(toks) > engine.max_len:
+          raise ValueError(f"kv recall document of {len(toks)} tokens exceeds max_len="
+                           f"{engine.max_len}")
+        _, pred = engine.score(toks[None])
+        hit = pred[0] == toks[1:]                 # pred[i] predicts token i + 1
+        ans = mask[1:]
+        # Group consecutive answer tokens into values: a value is right if all its are.
+        starts = np.flatnonzero(ans & ~np.concatenate([[False], ans[:-1]]))
+        ends = np.flatnonzero(ans & ~np.concatenate([ans[1:], [False]])) + 1
+        right += [bool(hit[s:e].all()) for s, e in zip(starts, ends)]
+      cells.append({"length": t, "pairs": n, "accuracy": float(np.mean(right)),
+                    "queries": len(right)})
+  if not cells:
+    raise ValueError(f"kv recall: no (length, pairs) cell fits: lengths {list(lengths)}, "
+                     f"pairs {list(pairs)} (need length >= 22 * pairs + 16)")
+  return {"cells": cells, "chance": 0.01, "samples": samples,
+          "mean_accuracy": float(np.mean([c["accuracy"] for c in cells]))}
+
+
 def kv_recall(workdir: str, max_len: int) -> dict:
   """Key-value recall of the run's final model (eval/kv_recall.json, computed once)."""
   path = os.path.join(workdir, "eval", "kv_recall.json")
@@ -82,13 +141,12 @@ def kv_recall(workdir: str, max_len: int) -> dict:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir  # pylint: disable=g-import-not-at-top
-  from hybridmoe_jax.evals import mqar  # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.loading import load_model  # pylint: disable=g-import-not-at-top
   from hybridmoe_jax.infer import Engine  # pylint: disable=g-import-not-at-top
   model, _ = load_model(workdir=workdir)
   tok = tokenizer_from_dir(os.path.join(workdir, TOKENIZER_DIR))
   engine = Engine(model, max_len=max_len + 8, prefill_chunk=1024, kv_block=1024)
-  result = mqar.evaluate_kv_recall(engine, [max_len], KV_PAIRS, samples=4, tokenizer=tok)
+  result = evaluate_kv_recall(engine, [max_len], KV_PAIRS, samples=4, tokenizer=tok)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
   return result

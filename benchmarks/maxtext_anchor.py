@@ -70,7 +70,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridmoe_jax.config.hardware import CHIPS, HardwareConfig  # noqa: E402
 from hybridmoe_jax.tools import aot  # noqa: E402
-from hybridmoe_jax.tools.timing import now  # noqa: E402
+from benchmarks._timing import now  # noqa: E402
 from benchmarks.deepseek_params import CONFIG_KEYS, _tree_params, count_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.config.flags import load_config_file
 from hybridmoe_jax.train.state import abstract_train_state
 from hybridmoe_jax.train.step import make_train_step
-from hybridmoe_jax.tools.timing import Stopwatch
+from benchmarks._timing import Stopwatch
 
 _CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

@@ -47,7 +47,7 @@ from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 from hybridmoe_jax.parallel.mesh import build_mesh
-from hybridmoe_jax.tools.timing import time_fn
+from benchmarks._timing import time_fn
 
 
 def build(num_experts: int, impl: str, dispatch=None):

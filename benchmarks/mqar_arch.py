@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +33,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT))
 from hybridmoe_jax.config import ComputeConfig, ModelConfig, model_config_from_dict
 from hybridmoe_jax.evals.mqar import accuracy, make_mqar, token_ranges
 from hybridmoe_jax.model.decoder import HybridLM
 from hybridmoe_jax.config.flags import load_config_file
-from hybridmoe_jax.tools.timing import Stopwatch
-
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks._timing import Stopwatch
 
 # arch: (layer kinds, KDA gate, MLA rope_theta; 0: no positions, NoPE)
 ARCHS = {

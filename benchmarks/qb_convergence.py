@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from hybridmoe_jax.ops.quantile_balance import quantile_balance, sign_rule_update
 from hybridmoe_jax.ops.routing import expert_load, max_violation, sigmoid_topk_route
-from hybridmoe_jax.tools.timing import stopwatch
+from benchmarks._timing import stopwatch
 
 # name: (E experts, k per token, m tokens, skew of the per-expert logit offsets)
 SPECS = {

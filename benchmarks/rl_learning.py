@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from hybridmoe_jax.config.run import run_config_from_dict
 from hybridmoe_jax.rl import trainer  # noqa: E402
 from hybridmoe_jax.config.flags import load_config_file  # noqa: E402
-from hybridmoe_jax.tools.timing import stopwatch  # noqa: E402
+from benchmarks._timing import stopwatch  # noqa: E402
 
 ALGOS = {
     "grpo": dict(advantage="grpo", loss="clip", loss_agg_mode="token-mean"),

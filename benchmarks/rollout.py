@@ -41,7 +41,7 @@ from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.flags import load_config_file
-from hybridmoe_jax.tools.timing import time_fns
+from benchmarks._timing import time_fns
 
 
 def episodes(batch: int, forced: bool) -> list[EpisodeSpec]:

@@ -29,7 +29,7 @@ from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.evals import ruler
 from hybridmoe_jax.loading import load_model
 from hybridmoe_jax.infer import Engine
-from hybridmoe_jax.tools.timing import stopwatch
+from benchmarks._timing import stopwatch
 
 RESULTS = _ROOT / "benchmarks" / "results" / "ruler.json"
 

@@ -3,7 +3,7 @@
 Each call is what the code environment does per answer: `run_calls` of a two-function
 solution on 10 tests (wall clock from the call to its result, parent side; CPU time of the
 parent and its children, in the kernel's 10 ms ticks). The two modes alternate call by
-call (tools/timing.time_fns: load drifts hit both alike) after one warm-up call each and
+call (benchmarks/_timing.time_fns: load drifts hit both alike) after one warm-up call each and
 the namespaced probe; the median of --calls per mode is kept, ratio = namespaces /
 audit-hook.
 
@@ -24,7 +24,7 @@ import warnings
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 from hybridmoe_jax.rl import sandbox  # pylint: disable=g-import-not-at-top
-from hybridmoe_jax.tools.timing import time_fns  # pylint: disable=g-import-not-at-top
+from benchmarks._timing import time_fns  # pylint: disable=g-import-not-at-top
 
 SOLUTION = "def f0(xs):\n  return sum(x for x in xs if x > 0)\n\n" \
            "def f1(xs):\n  return [2 * x for x in xs]\n"

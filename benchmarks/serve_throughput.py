@@ -59,7 +59,7 @@ from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.data.tokenizers.load import save_tokenizer
 from hybridmoe_jax.layers.moe import RoutingBias
 from hybridmoe_jax.model import HybridLM
-from hybridmoe_jax.tools.timing import Stopwatch, stopwatch
+from benchmarks._timing import Stopwatch, stopwatch
 from hybridmoe_jax.train.params_export import export_params
 
 MACHINE = f"{os.cpu_count()}-core CPU box (measured)"

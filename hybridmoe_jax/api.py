@@ -56,8 +56,7 @@ def chat_messages(messages) -> list[Message]:
     ValueError: not a non-empty list, or a message that is not {"role", "content": str} with
       an allowed role (one line naming messages[i]).
   """
-  if isinstance(messages, (str, dict)) or not isinstance(messages, (list, tuple)) or \
-      not messages:
+  if not isinstance(messages, (list, tuple)) or not messages:
     raise ValueError("chat: messages must be a non-empty list of {\"role\", \"content\"} "
                      f"dicts, got {type(messages).__name__}")
   out = []

@@ -11,7 +11,7 @@ Ranks (a module may import modules of its own group or of a lower rank only):
   2 layers   3 model   4 parallel   5 train, infer (never each other)   6 evals, convert
     (Hugging Face interop), rl (agentic RL: environments, sandbox, chat format), loading
     (loading.py, the one model loader: a run, an export or an HF dir -> model + tokenizer)
-  7 tools (tools/: describe, aot, agent_eval, timing), api.py (`load`) and launch/ (the
+  7 tools (tools/: describe, aot, agent_eval), api.py (`load`) and launch/ (the
     cluster recipes); they may import everything, and no package module may import them.
   8 serve: apps built on the `load` API (the OpenAI server, the chat REPL, the lm-eval
     adapter); they may import tools, nothing imports them.

@@ -44,12 +44,8 @@ def group_stdlib_files(root: pathlib.Path, min_bytes: int = 1) -> dict[str, list
     if rel.parts[0].startswith("_") and len(rel.parts) == 1 and rel.stem.startswith("__"):
       continue  # __future__, __hello__, __phello__: near-empty stubs
     groups[rel.parts[0] if len(rel.parts) > 1 else rel.stem].append(p)
-  out = {}
-  for name in sorted(groups):
-    files = groups[name]
-    if sum(f.stat().st_size for f in files) >= min_bytes:
-      out[name] = files
-  return out
+  return {name: files for name, files in sorted(groups.items())
+          if sum(f.stat().st_size for f in files) >= min_bytes}
 
 
 class StdlibLongDocSource:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from absl import logging
 import grain
@@ -171,13 +172,15 @@ class ShardsIterator:
 
 @dataclasses.dataclass(frozen=True)
 class TrainEvalData:
-  """What the train loop needs; keep the sources to rebuild pipelines for later stages."""
+  """What the train loop needs, of text (build_train_and_eval) or image-text data
+  (vlm_pipeline.build_vlm_train_and_eval); keep the sources to rebuild pipelines for later
+  stages."""
 
-  train: grain.DatasetIterator  # batches int32 [B, T], forever
+  train: Any  # batches int32 [B, T], forever: a grain.DatasetIterator / VLMPackedIterator
   eval_batches: list[Batch]  # held-out batches int32 [B_eval, T]
   tokenizer: Tokenizer
-  train_source: sources_lib.SubsetSource
-  heldout_source: sources_lib.SubsetSource
+  train_source: Any  # text: sources.SubsetSource; image-text: any image-text source
+  heldout_source: Any
 
 
 def build_train_and_eval(data_cfg: DataConfig, *, vocab_size: int, seq_len: int,

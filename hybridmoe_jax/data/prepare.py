@@ -161,16 +161,13 @@ def _write_shard(source, tok, out, k: int, lo: int, hi: int, die: bool) -> dict:
         os._exit(137)  # pylint: disable=protected-access
     writer.close()
     size = os.path.getsize(local)
-    dst = out / shard_name(k)
-    try:
-      if storage.is_remote(str(out)):
-        with open(local, "rb") as fin, dst.open("wb") as fout:
-          for block in iter(lambda: fin.read(8 << 20), b""):
-            fout.write(block)
-      else:
-        os.replace(local, str(dst))
-    except Exception as e:  # pylint: disable=broad-except
-      raise storage.storage_error(str(dst), e, "write") from None
+    if storage.is_remote(str(out)):
+      storage.upload(tmp, str(out), [shard_name(k)])   # one whole object; one-line errors
+    else:
+      try:
+        os.replace(local, str(out / shard_name(k)))
+      except OSError as e:
+        raise storage.storage_error(str(out / shard_name(k)), e, "write") from None
   meta = {"documents": hi - lo, "tokens": tokens, "bytes": size}
   _write_json(out / f"{shard_name(k)[:-len('.array_record')]}.json", meta)
   return meta

@@ -27,11 +27,12 @@ in the prompt" and must pick the asked value among others of the same shape:
              questions, answer prefixes), distractors of the same shape, 1-2 asked
 
 These phrasings are not the RULER-style suite's (`evals.ruler_tasks`), and its haystack is
-other text (CPython's IDLE docs, which training never reads): the evaluation measures
-retrieval that generalises, not a memorised template. The evaluation (`evals.niah`, `evals.mqar.kv_recall`) builds
-its prompts from the same pieces, with held-out content: keys come from a disjoint key space
-(`key_split`: a fixed hash puts every key in "train" or "eval"), and hay, depths and keys from a
-disjoint seed stream (`rng_for`). Nothing the evaluation asks was trained on.
+other text (CPython's IDLE docs, which training never reads): the evaluation measures retrieval
+that generalises, not a memorised template. The evaluation (`evals.niah`,
+`benchmarks/long_context_retrieval.py`'s kv recall) builds its prompts from the same pieces,
+with held-out content: keys come from a disjoint key space (`key_split`: a fixed hash puts
+every key in "train" or "eval"), and hay, depths and keys from a disjoint seed stream
+(`rng_for`). Nothing the evaluation asks was trained on.
 
 Document i is a pure function of (split, seed, i): the source has a fixed (virtual) length
 and needs no storage, so it is indexed, sharded and checkpointed like any other source.
@@ -144,13 +145,14 @@ def draw_key(rng: np.random.Generator, split: str, num_digits: int = 5) -> str:
       return key
 
 
-def _draw_keys(rng: np.random.Generator, split: str, n: int, num_digits: int) -> list[str]:
-  keys: list[str] = []
-  while len(keys) < n:
-    k = draw_key(rng, split, num_digits)
-    if k not in keys:
-      keys.append(k)
-  return keys
+def _distinct(draw, n: int, avoid=()) -> list[str]:
+  """The first n distinct results of draw() that are not in `avoid`, in the order drawn."""
+  out: list[str] = []
+  while len(out) < n:
+    x = draw()
+    if x not in out and x not in avoid:
+      out.append(x)
+  return out
 
 
 # --------------------------------------------------------------------------- hay
@@ -209,7 +211,7 @@ def multikey_document(rng: np.random.Generator, target_bytes: int, split: str = 
     return passkey_document(rng, target_bytes, split, num_digits)
   n = int(rng.integers(2, most + 1))
   names = [NAMES[j] for j in rng.choice(len(NAMES), n, replace=False)]
-  keys = _draw_keys(rng, split, n, num_digits)
+  keys = _distinct(lambda: draw_key(rng, split, num_digits), n)
   fit = min(n, (target_bytes - n * needle_bytes) // question_bytes)
   asked = rng.permutation(n)[:int(rng.integers(1, fit + 1))]
   questions = [p for j in asked for p in ((named_question(names[j]), False), (keys[j], True),
@@ -319,16 +321,9 @@ def textkey_document(rng: np.random.Generator, target_bytes: int, split: str = "
   name_kind = ("words", "hex", "4")[int(rng.integers(3))]
   value_kind = ("3", "5", "7", "8", "word", "hex")[int(rng.integers(6))]
   n = int(rng.integers(2, 7))
-  names, values = [], []
-  while len(names) < n:
-    x = _text_token(rng, name_kind)
-    if x not in names:
-      names.append(x)
+  names = _distinct(lambda: _text_token(rng, name_kind), n)
   multi = int(rng.integers(2, 4)) if rng.uniform() < 0.25 else 1   # values of names[0]
-  while len(values) < n - 1 + multi:
-    v = _text_token(rng, value_kind)
-    if v not in values:
-      values.append(v)
+  values = _distinct(lambda: _text_token(rng, value_kind), n - 1 + multi)
   owners = [names[0]] * multi + names[1:]
   facts = [fact.format(label=label, name=o, value=v) for o, v in zip(owners, values)]
   asked = [0] + list(rng.permutation(np.arange(1, n))[:int(rng.integers(0, 3))])
@@ -355,14 +350,8 @@ def textchain_document(rng: np.random.Generator, target_bytes: int, split: str =
   """Two assignment chains of 2-4 links ("Let m_ab be 4821." then "Set m_cd to m_ab.") in
   ~target_bytes of pydoc text, in order; the first chain's names asked for."""
   hops = int(rng.integers(2, 5))
-  names: list[str] = []
-  while len(names) < 2 * hops:
-    x = "m_" + "".join(rng.choice(_CHAIN_NAMES, 2))
-    if x not in names:
-      names.append(x)
-  values = [_text_token(rng, "4"), _text_token(rng, "4")]
-  while values[1] == values[0]:
-    values[1] = _text_token(rng, "4")
+  names = _distinct(lambda: "m_" + "".join(rng.choice(_CHAIN_NAMES, 2)), 2 * hops)
+  values = _distinct(lambda: _text_token(rng, "4"), 2)
   facts, depths = [], []
   for c in range(2):
     chain = names[c * hops:(c + 1) * hops]
@@ -378,15 +367,6 @@ def textchain_document(rng: np.random.Generator, target_bytes: int, split: str =
   return _from_pieces([(_insert(text, cuts, np.asarray(depths), facts), False)] + pieces)
 
 
-def _distinct_tokens(rng: np.random.Generator, kind: str, n: int, avoid=()) -> list[str]:
-  out: list[str] = []
-  while len(out) < n:
-    x = _text_token(rng, kind)
-    if x not in out and x not in avoid:
-      out.append(x)
-  return out
-
-
 def mixkey_document(rng: np.random.Generator, target_bytes: int, split: str = "train"
                     ) -> Document:
   """1-6 facts of a wording composed for this document (`retrieval_wording`) in
@@ -396,8 +376,8 @@ def mixkey_document(rng: np.random.Generator, target_bytes: int, split: str = "t
   w = retrieval_wording.draw_wording(rng)
   n = int(rng.integers(1, 7))
   multi = int(rng.integers(2, 5)) if rng.uniform() < 0.15 else 1   # values of keys[0]
-  keys = _distinct_tokens(rng, w.key_kind, n)
-  values = _distinct_tokens(rng, w.value_kind, n - 1 + multi, avoid=keys)
+  keys = _distinct(lambda: _text_token(rng, w.key_kind), n)
+  values = _distinct(lambda: _text_token(rng, w.value_kind), n - 1 + multi, avoid=keys)
   owners = [0] * multi + list(range(1, n))
   facts = [(k, w.fact(keys[k], v)) for k, v in zip(owners, values)]   # keys[0]'s first
   asked = [0] + ([int(rng.integers(1, n))] if n > 1 and rng.uniform() < 0.25 else [])

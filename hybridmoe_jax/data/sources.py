@@ -28,7 +28,6 @@ import collections
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
-from typing import Union
 
 from absl import logging
 import numpy as np
@@ -36,11 +35,10 @@ import numpy as np
 from hybridmoe_jax.data import long_docs
 # The bad-record rules live in bad_records.py; re-exported here for callers of sources.
 from hybridmoe_jax.data.bad_records import (  # noqa: F401
-    BadRecordError, BadRecords, Problem, check_index, decode_utf8, parse_jsonl_line,
-    text_problem)
+    BadRecordError, BadRecords, check_index, decode_utf8, parse_jsonl_line, text_problem)
 from hybridmoe_jax.config.run import DataConfig
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 TEXT_SUFFIXES = (".txt", ".md")
 
 
@@ -104,7 +102,7 @@ class BundledTextSource:
   """The help texts that ship with CPython (`pydoc_data.topics`), one document per topic.
 
   Needs no download, so the default run works offline. In CPython 3.11: 79 documents,
-  466,117 UTF-8 bytes (see `num_documents` / `num_bytes` for this interpreter).
+  466,117 UTF-8 bytes (see `len()` / `num_bytes` for this interpreter).
   """
 
   def __init__(self):
@@ -120,10 +118,6 @@ class BundledTextSource:
     self._docs = tuple(topics.topics[k] for k in names)
     self.num_bytes = sum(len(d.encode("utf-8")) for d in self._docs)
     logging.info("BundledTextSource: %d documents, %d bytes", len(self), self.num_bytes)
-
-  @property
-  def num_documents(self) -> int:
-    return len(self._docs)
 
   def __len__(self) -> int:
     return len(self._docs)
@@ -193,6 +187,9 @@ class JsonlSource:
     field: the key holding the document text.
     bad_records: "skip" (count and warn per file) or "error" (raise at the first bad line).
 
+  Attributes:
+    lengths: int64 [n] bytes of each record's line (for the long-document upsampler).
+
   Raises:
     FileNotFoundError: a path does not exist.
     BadRecordError: with bad_records="error", the first bad line (file and line number).
@@ -216,7 +213,7 @@ class JsonlSource:
     self.skipped = dict(totals)
     cols = np.asarray(index, np.int64).T
     self._file_ids = cols[0].astype(np.int32)
-    self._offsets, self._lengths, self._line_numbers = cols[1], cols[2], cols[3]
+    self._offsets, self.lengths, self._line_numbers = cols[1], cols[2], cols[3]
 
   def _index_file(self, k: int, path: str, bad: BadRecords, index: list) -> int:
     """Appends the good lines of file `k` to `index`; returns the number of non-blank lines."""
@@ -244,7 +241,7 @@ class JsonlSource:
     path = self.files[self._file_ids[i]]
     with _open(path) as f:
       f.seek(int(self._offsets[i]))
-      text, problem = parse_jsonl_line(f.read(int(self._lengths[i])), self.field)
+      text, problem = parse_jsonl_line(f.read(int(self.lengths[i])), self.field)
     if problem:  # the file changed after indexing
       raise BadRecordError(f"{path} line {self._line_numbers[i]}: {problem[1]} (the file "
                            "changed after it was indexed)")

@@ -36,35 +36,16 @@ Batch = dict[str, np.ndarray]
 
 
 # --------------------------------------------------------------------------- sources
-# Kept under this name for callers of stages.SafeSource; bad records are handled in sources.py.
-SafeSource = sources_lib.SafeSource
-
-
-class _IndexedSource:
-  """source[indices[i]]: a sharded, upsampled view without copying documents."""
-
-  def __init__(self, source, indices: np.ndarray):
-    self.source, self.indices = source, np.asarray(indices, np.int64)
-
-  def __len__(self) -> int:
-    return len(self.indices)
-
-  def __getitem__(self, i):
-    return self.source[int(self.indices[int(i)])]
-
-
 def doc_lengths(source) -> np.ndarray:
   """int64 [n]: bytes per document (approximate for files: their size), cheap where possible."""
   if hasattr(source, "lengths"):
     return np.asarray(source.lengths, np.int64)
   if isinstance(source, sources_lib.SubsetSource):
     return doc_lengths(source.parent)[source.indices]
-  if isinstance(source, SafeSource):
+  if isinstance(source, sources_lib.SafeSource):
     return doc_lengths(source.source)
   if isinstance(source, sources_lib.TextFileSource):
     return np.asarray([os.path.getsize(f) for f in source.files], np.int64)
-  if isinstance(source, sources_lib.JsonlSource):
-    return np.asarray(source._lengths, np.int64)  # pylint: disable=protected-access
   return np.asarray([len(source[i].encode("utf-8")) for i in range(len(source))], np.int64)
 
 
@@ -118,17 +99,13 @@ def component_docs(comp: Component, *, seed: int, shard_index: int = 0, shard_co
   if long_upsample > 1:
     doc_ids = upsampled_indices(doc_ids, doc_lengths(comp.source), min_bytes=long_min_bytes,
                                 factor=long_upsample)
-  safe = comp.source if isinstance(comp.source, SafeSource) else SafeSource(comp.source,
-                                                                            comp.name)
-  ds = grain.MapDataset.source(_IndexedSource(safe, doc_ids))
+  safe = (comp.source if isinstance(comp.source, sources_lib.SafeSource)
+          else sources_lib.SafeSource(comp.source, comp.name))
+  # A sharded, upsampled view: nothing is copied.
+  ds = grain.MapDataset.source(sources_lib.SubsetSource(safe, doc_ids))
   if shuffle:
     ds = ds.shuffle(seed)
   return ds.repeat(num_epochs)
-
-
-def _component_dataset(comp: Component, *, tokenizer, loss_weights: bool = False,
-                       **kwargs) -> grain.IterDataset:
-  return documents.tokenize_documents(component_docs(comp, **kwargs), tokenizer, loss_weights)
 
 
 def make_stage_dataset(stage: StageData, *, tokenizer: Tokenizer,
@@ -145,11 +122,10 @@ def make_stage_dataset(stage: StageData, *, tokenizer: Tokenizer,
     raise ValueError(f"stage {stage.index} has no data source with a positive weight")
   if num_epochs is not None and len(stage.components) > 1:
     raise ValueError("a weighted mixture repeats its sources forever; pass num_epochs=None")
-  comps = [
-      _component_dataset(c, tokenizer=tokenizer, seed=stage.seed + k, shard_index=shard_index,
-                         shard_count=shard_count, long_upsample=stage.long_upsample,
-                         long_min_bytes=stage.long_min_bytes, num_epochs=num_epochs,
-                         shuffle=shuffle, loss_weights=stage.loss_weights)
+  comps = [documents.tokenize_documents(
+      component_docs(c, seed=stage.seed + k, shard_index=shard_index, shard_count=shard_count,
+                     long_upsample=stage.long_upsample, long_min_bytes=stage.long_min_bytes,
+                     num_epochs=num_epochs, shuffle=shuffle), tokenizer, stage.loss_weights)
       for k, c in enumerate(stage.components)]
   if len(comps) == 1:
     ds = comps[0]

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 from collections.abc import Iterable, Sequence
 
 _GLOB_CHARS = "*?["
@@ -178,7 +179,7 @@ def open_read(path):
 def file_size(path) -> int:
   """Bytes in a local or remote file (epath's stat names it `length`)."""
   st = as_path(path).stat()
-  return int(getattr(st, "st_size", None) if hasattr(st, "st_size") else st.length)
+  return int(st.st_size if hasattr(st, "st_size") else st.length)
 
 
 def cache_dir() -> pathlib.Path:
@@ -281,8 +282,7 @@ def local_copy(path: str) -> str:
   tmp = dst.with_name(dst.name + f".part{os.getpid()}")
   try:
     with src.open("rb") as fin, open(tmp, "wb") as fout:
-      for block in iter(lambda: fin.read(8 << 20), b""):
-        fout.write(block)
+      shutil.copyfileobj(fin, fout, 8 << 20)
   except OSError as e:
     tmp.unlink(missing_ok=True)
     if isinstance(e, (FileNotFoundError, PermissionError, ConnectionError)):

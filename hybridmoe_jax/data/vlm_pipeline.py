@@ -6,9 +6,8 @@ Documents, the processor and the packer live in `hybridmoe_jax.data.multimodal`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from typing import Any, Sequence
+from typing import Sequence
 
 from absl import logging
 import grain
@@ -16,6 +15,7 @@ import numpy as np
 
 from hybridmoe_jax.config import VisionConfig
 from hybridmoe_jax.data import images as images_lib
+from hybridmoe_jax.data import pipeline as pipeline_lib
 from hybridmoe_jax.data import sources as sources_lib
 from hybridmoe_jax.data import stages as stages_lib
 from hybridmoe_jax.data.tokenizers.base import Tokenizer
@@ -23,17 +23,6 @@ from hybridmoe_jax.data.tokenizers.load import check_vocab, make_tokenizer
 from hybridmoe_jax.data.image_text_source import ImageJsonlSource
 from hybridmoe_jax.data.multimodal import Processor, VLMPackedIterator
 from hybridmoe_jax.config.run import DataConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class VLMData:
-  """What the train loop needs (same fields the text TrainEvalData offers the loop)."""
-
-  train: VLMPackedIterator
-  eval_batches: list
-  tokenizer: Tokenizer
-  train_source: Any
-  heldout_source: Any
 
 
 def _text_doc(text: str | None):
@@ -125,7 +114,7 @@ def build_vlm_train_and_eval(data_cfg: DataConfig, vision: VisionConfig, *,
                              vocab_size: int, seq_len: int, batch_size: int, seed: int,
                              eval_batch_size: int | None = None,
                              max_eval_batches: int = 8,
-                             tokenizer: Tokenizer | None = None) -> VLMData:
+                             tokenizer: Tokenizer | None = None) -> pipeline_lib.TrainEvalData:
   """Image-text documents mixed with text at `data.vision.share`, packed into VLM batches.
 
   tokenizer: one with image roles (default from `data.tokenizer`). Raises ConfigError /
@@ -159,4 +148,4 @@ def build_vlm_train_and_eval(data_cfg: DataConfig, vision: VisionConfig, *,
   evals = list(itertools.islice(held_it, max_eval_batches))
   if not evals:
     raise ValueError("no held-out image-text batch could be built")
-  return VLMData(it, evals, proc.tokenizer, train_img, held_img)
+  return pipeline_lib.TrainEvalData(it, evals, proc.tokenizer, train_img, held_img)

@@ -9,10 +9,8 @@ per query). Other positions hold noise. The token ranges are disjoint thirds of 
 (keys | values | noise), unlike Zoology's random noise over the whole vocabulary, so every
 key and value occurs exactly once in the context and a query is never ambiguous.
 Accuracy = mean over queries of argmax == value; a constant guess scores 1 / num_values.
-
-`evaluate_kv_recall` is the same task in the text format a language model is trained on
-(`data.retrieval.kv_document`: " k3f9a=71;" pairs in filler, then " Recall: k0b2c=05; ..."),
-on held-out keys and filler.
+The same task in the text format a language model is trained on is the key-value recall of
+`benchmarks/long_context_retrieval.py`.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridmoe_jax.data import retrieval
-from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine
 
 
@@ -96,55 +92,3 @@ def evaluate_mqar(engine: Engine, lengths: Sequence[int], pairs: Sequence[int], 
   return {"cells": cells, "chance": chance, "samples": samples,
           "mean_accuracy": float(np.mean([c["accuracy"] for c in cells]))}
 
-
-def kv_recall_example(rng: np.random.Generator, length: int, pairs: int,
-                      tokenizer) -> tuple[np.ndarray, np.ndarray]:
-  """One held-out key-value recall document in the training format
-  (`data.retrieval.kv_pieces`, evaluation keys and seed stream) of ~`length` tokens:
-  (tokens int32 [n] starting with BOS, answer mask bool [n]: the value tokens of the recall
-  part). Each piece is tokenized alone, so answers stay whole tokens."""
-  pieces = retrieval.kv_pieces(rng, length - 1, "eval", pairs)
-  toks, mask = [np.asarray([tokenizer.bos_id], np.int32)], [np.zeros(1, bool)]
-  for text, is_answer in pieces:
-    ids = np.asarray(tokenizer.encode(text), np.int32)
-    toks.append(ids)
-    mask.append(np.full(len(ids), is_answer))
-  return np.concatenate(toks), np.concatenate(mask)
-
-
-def evaluate_kv_recall(engine: Engine, lengths: Sequence[int], pairs: Sequence[int], *,
-                       samples: int = 8, seed: int = 0, tokenizer=None) -> dict:
-  """Text MQAR: recall of every value (all its tokens right, teacher-forced greedy) per
-  (length, pairs) cell on held-out documents; chance = 1/100 (2-digit values).
-
-  Raises:
-    ValueError: a document longer than the engine's max_len, or no pairs that fit a length
-      (each pair costs ~20 bytes).
-  """
-  tok = tokenizer or ByteTokenizer()
-  rng = retrieval.rng_for("eval", seed, 1)
-  cells = []
-  for t in lengths:
-    for n in pairs:
-      if 22 * n + 16 > t:
-        continue
-      rows = [kv_recall_example(rng, t, n, tok) for _ in range(samples)]
-      right = []
-      for toks, mask in rows:
-        if len(toks) > engine.max_len:
-          raise ValueError(f"kv recall document of {len(toks)} tokens exceeds max_len="
-                           f"{engine.max_len}")
-        _, pred = engine.score(toks[None])
-        hit = pred[0] == toks[1:]                 # pred[i] predicts token i + 1
-        ans = mask[1:]
-        # Group consecutive answer tokens into values: a value is right if all its are.
-        starts = np.flatnonzero(ans & ~np.concatenate([[False], ans[:-1]]))
-        ends = np.flatnonzero(ans & ~np.concatenate([ans[1:], [False]])) + 1
-        right += [bool(hit[s:e].all()) for s, e in zip(starts, ends)]
-      cells.append({"length": t, "pairs": n, "accuracy": float(np.mean(right)),
-                    "queries": len(right)})
-  if not cells:
-    raise ValueError(f"kv recall: no (length, pairs) cell fits: lengths {list(lengths)}, "
-                     f"pairs {list(pairs)} (need length >= 22 * pairs + 16)")
-  return {"cells": cells, "chance": 0.01, "samples": samples,
-          "mean_accuracy": float(np.mean([c["accuracy"] for c in cells]))}

@@ -26,6 +26,7 @@ from hybridmoe_jax import plots
 from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data.tokenizers.base import Tokenizer
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
+from hybridmoe_jax.evals import ruler_tasks
 from hybridmoe_jax.infer import Engine
 
 QUESTION = retrieval.QUESTION
@@ -66,18 +67,9 @@ def make_example(rng: np.random.Generator, context_len: int, depth: float,
   if budget < 0:
     raise ValueError(f"niah context length {context_len} is too short for the needle and "
                      f"question (needs >= {min_length(num_digits, tok)})")
-  pieces, cuts, n = [], [0], 0
-  memo: dict[str, np.ndarray] = {}
-  sentences = retrieval.hay_sentences(rng)
-  while n < budget:  # whole sentences, the last one cut to fill the budget exactly
-    text = next(sentences)
-    s = memo.setdefault(text, np.asarray(tok.encode(text), np.int32))[:budget - n]
-    pieces.append(s)
-    n += len(s)
-    cuts.append(n)
-  hay = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
-  cuts = np.array(sorted(set(cuts + [budget])))
-  cut = int(cuts[np.argmin(np.abs(cuts - depth * budget))])
+  hay, cuts, _ = ruler_tasks.fill_haystack(retrieval.hay_sentences(rng),
+                                           ruler_tasks.new_pieces(tok), budget)
+  cut = ruler_tasks.nearest_cut(cuts, depth, budget)
   prompt = np.concatenate([[tok.bos_id], hay[:cut], needle, hay[cut:], question]
                           ).astype(np.int32)
   assert len(prompt) == context_len

@@ -18,8 +18,11 @@ found (case-insensitive substring) in the model's continuation.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Callable
+import functools
+import itertools
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -93,17 +96,13 @@ def string_match_all(prediction: str, answers) -> float:
   return float(np.mean([a.lower() in p for a in answers])) if answers else float("nan")
 
 
-class _Pieces:
-  """Token ids of text pieces, memoised per tokenizer (a haystack repeats its sentences)."""
+Pieces = Callable[[str], np.ndarray]   # a text piece -> its token ids int32 (`new_pieces`)
 
-  def __init__(self, tok: Tokenizer):
-    self.tok, self.memo = tok, {}
 
-  def __call__(self, text: str) -> np.ndarray:
-    ids = self.memo.get(text)
-    if ids is None:
-      ids = self.memo[text] = np.asarray(self.tok.encode(text), np.int32)
-    return ids
+def new_pieces(tok: Tokenizer) -> Pieces:
+  """Token ids of text pieces, memoised for `tok` (a haystack repeats its sentences: share
+  one across the prompts of a run)."""
+  return functools.cache(lambda text: np.asarray(tok.encode(text), np.int32))
 
 
 def draw_key(rng: np.random.Generator, kind: str, vocab) -> str:
@@ -129,28 +128,43 @@ def _distinct(draw: Callable[[], str], n: int) -> list[str]:
   return out
 
 
-def _haystack(rng, pieces: _Pieces, split: str, budget: int):
-  """(ids [budget] of consecutive held-out sentences from a random start, the last cut;
-  sentence boundaries incl. 0 and budget; the text)."""
-  sents = ruler_text.sentences(split)
-  i = int(rng.integers(len(sents)))
-  parts, cuts, texts, n = [], [0], [], 0
+def fill_haystack(texts: Iterator[str], pieces: Pieces, budget: int):
+  """The haystack of these prompts and of the passkey NIAH (`evals.niah`): the ids of
+  sentences taken from `texts` in order until `budget` tokens, the last one cut -> (ids
+  [budget], sentence boundaries incl. 0 and budget, the sentences' text)."""
+  parts, cuts, used, n = [], [0], [], 0
   while n < budget:
-    ids = pieces(sents[i % len(sents)])[:budget - n]
+    text = next(texts)
+    ids = pieces(text)[:budget - n]
     parts.append(ids)
-    texts.append(sents[i % len(sents)])
+    used.append(text)
     n += len(ids)
     cuts.append(n)
-    i += 1
   hay = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-  return hay, sorted(set(cuts)), "".join(texts)
+  return hay, sorted(set(cuts)), "".join(used)
+
+
+def _haystack(task: str, rng, length: int, pieces: Pieces, split: str, parts):
+  """`fill_haystack` of consecutive held-out sentences from a random start, filling what BOS
+  and `parts` (id arrays) leave of `length` (a ValueError when they do not fit)."""
+  budget = length - 1 - sum(map(len, parts))
+  if budget < 0:
+    raise _too_short(task, length, length - budget)
+  sents = ruler_text.sentences(split)
+  start = int(rng.integers(len(sents)))
+  return fill_haystack((sents[i % len(sents)] for i in itertools.count(start)), pieces, budget)
+
+
+def nearest_cut(cuts, depth: float, length: int) -> int:
+  """The sentence boundary (of `cuts`, sorted) nearest depth * length; the first of a tie."""
+  cuts = np.asarray(cuts)
+  return int(cuts[np.argmin(np.abs(cuts - depth * length))])
 
 
 def _insert(hay: np.ndarray, cuts, depths, items: list[np.ndarray]) -> np.ndarray:
   """`items` inserted at the sentence boundaries nearest depth * len(hay), in depth order
   (ties keep the items' order)."""
-  cuts = np.asarray(cuts)
-  at = [int(cuts[np.argmin(np.abs(cuts - d * len(hay)))]) for d in depths]
+  at = [nearest_cut(cuts, d, len(hay)) for d in depths]
   out, prev = [], 0
   for j in np.argsort(at, kind="stable"):
     out += [hay[prev:at[j]], items[j]]
@@ -198,10 +212,7 @@ def _in_haystack(task, rng, length, tok, pieces, split, header, question, items,
   """BOS, header, the held-out haystack with `items` at `depths` (None: uniform random),
   question: exactly `length`. None (draw again) when a value occurs in the haystack."""
   fixed = [pieces(header), pieces(question)]
-  budget = length - 1 - sum(map(len, fixed)) - sum(map(len, items))
-  if budget < 0:
-    raise _too_short(task, length, length - budget)
-  hay, cuts, text = _haystack(rng, pieces, split, budget)
+  hay, cuts, text = _haystack(task, rng, length, pieces, split, fixed + items)
   if any(v in text for v in values):
     return None
   depths = rng.uniform(0, 1, len(items)) if depths is None else depths
@@ -247,10 +258,7 @@ def _vt(task, s: Spec, rng, length, tok, pieces, split) -> Example:
 def _fill(task, rng, length, tok, pieces, split, header, question, items):
   """BOS, held-out prose filling the gap, header, the items, question: exactly `length`."""
   fixed = [pieces(header), pieces(question)]
-  gap = length - 1 - sum(map(len, fixed)) - sum(map(len, items))
-  if gap < 0:
-    raise _too_short(task, length, length - gap)
-  prose, _, _ = _haystack(rng, pieces, split, gap)
+  prose, _, _ = _haystack(task, rng, length, pieces, split, fixed + items)
   return _assemble(tok, length, task, [prose, fixed[0]] + items + [fixed[1]])
 
 
@@ -312,10 +320,7 @@ def _fwe(task, s: Spec, rng, length, tok, pieces, split) -> Example:
       break
     items.append((w, ids))
     n += len(ids)
-  counts = {}
-  for w, _ in items:
-    counts[w] = counts.get(w, 0) + 1
-  top = sorted(counts.items(), key=lambda kv: -kv[1])
+  top = collections.Counter(w for w, _ in items).most_common()   # ties: first seen first
   if len(top) <= s.common or top[s.common - 1][1] == top[s.common][1]:
     return None
   prompt = _fill(task, rng, length, tok, pieces, split, header, question,
@@ -327,7 +332,7 @@ _BUILD = {"niah": _niah, "vt": _vt, "cwe": _cwe, "fwe": _fwe, "passkey": _passke
 
 
 def make_example(task: str, rng: np.random.Generator, length: int, tok: Tokenizer,
-                 split: str = "test", pieces: _Pieces | None = None) -> Example:
+                 split: str = "test", pieces: Pieces | None = None) -> Example:
   """One prompt of `task` with exactly `length` tokens of `tok`, from `split`'s haystack.
 
   Raises:
@@ -335,15 +340,10 @@ def make_example(task: str, rng: np.random.Generator, length: int, tok: Tokenize
   """
   if task not in TASKS:
     raise ValueError(f"unknown ruler task {task!r}: allowed {tuple(TASKS)}")
-  pieces = pieces or _Pieces(tok)
+  pieces = pieces or new_pieces(tok)
   spec = TASKS[task]
   for _ in range(100):   # a value found in the haystack, or a tie: draw again
     ex = _BUILD[spec.family](task, spec, rng, length, tok, pieces, split)
     if ex is not None:
       return ex
   raise ValueError(f"ruler task {task}: no valid prompt in 100 draws at length {length}")
-
-
-def new_pieces(tok: Tokenizer) -> _Pieces:
-  """A memo of piece ids for `tok` (share one across the prompts of a run)."""
-  return _Pieces(tok)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hybridmoe_jax.config import is_int
 from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.infer.steps import (_decode_step, _embed_inputs, _generate_loop, _logits,
                                        _prefill_chunk, _score_chunk, feed_and_draw_fn)
@@ -39,8 +40,7 @@ from hybridmoe_jax.model.decoder import HybridLM
 def require_count(value, name: str, where: str = "") -> int:
   """int(value) for an integer >= 1 (bool refused), else a one-line ValueError naming
   `where` + `name`, the value and the allowed range."""
-  if not (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-          and value >= 1):
+  if not (is_int(value) and value >= 1):
     raise ValueError(f"{where}{name}={value!r} is invalid: allowed an integer >= 1")
   return int(value)
 

@@ -63,10 +63,6 @@ class TensorInfo(NamedTuple):
   end: int
 
   @property
-  def nbytes(self) -> int:
-    return self.end - self.begin
-
-  @property
   def np_dtype(self) -> np.dtype:
     return DTYPES[self.dtype]
 
@@ -354,8 +350,7 @@ class ShardedWriter:
       self._current[1].close()
     if len(self.names) > 1:
       index = {"metadata": {"total_size": self.total_bytes},
-               "weight_map": {s.name: self.names[i] for i, shard in enumerate(self._shards)
-                              for s in shard}}
+               "weight_map": {name: self.names[i] for name, i in self._where.items()}}
       with open(os.path.join(self.directory, INDEX_FILE), "x", encoding="utf-8") as f:
         json.dump(index, f, indent=2, sort_keys=True)
 

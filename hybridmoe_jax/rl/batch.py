@@ -20,46 +20,30 @@ trajectory's array shifted left by one:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
 
+from hybridmoe_jax.config.rl import RLConfig
 from hybridmoe_jax.rl import losses
 from hybridmoe_jax.rl.episode import Trajectory
 
 
-@dataclasses.dataclass(frozen=True)
-class Shaping:
-  """How rewards become advantages (the `rl` config's fields of the same names)."""
-  advantage: str = "grpo"
-  dynamic_sampling: bool = True
-  overlong_buffer: int = 0
-  overlong_penalty: float = 1.0
-  max_tokens: int = 512
-  std_ddof: int = 1             # grpo's group std (rl.adv_std_ddof)
-
-
-def shaped_rewards(trajs: Sequence[Trajectory], shaping: Shaping) -> np.ndarray:
-  """float32 [N]: each episode's reward plus the DAPO soft overlong penalty on its
-  generated (sampled) tokens (0 when overlong_buffer is 0)."""
+def episode_signals(trajs: Sequence[Trajectory], rl: RLConfig) -> dict[str, np.ndarray]:
+  """Per episode: reward (shaped: plus the DAPO soft overlong penalty on its generated
+  tokens when rl.overlong_buffer > 0), advantage (rl.advantage; grpo's std with
+  rl.adv_std_ddof), centered reward, keep (False on a dropped zero-signal group when
+  rl.dynamic_sampling is on)."""
   rewards = np.asarray([t.reward for t in trajs], np.float32)
-  if shaping.overlong_buffer > 0:
+  if rl.overlong_buffer > 0:
     lengths = np.asarray([t.generated for t in trajs], np.int64)
-    rewards = rewards + losses.overlong_penalty(
-        lengths, max_len=shaping.max_tokens, buffer=shaping.overlong_buffer,
-        factor=shaping.overlong_penalty)
-  return rewards.astype(np.float32)
-
-
-def episode_signals(trajs: Sequence[Trajectory], shaping: Shaping) -> dict[str, np.ndarray]:
-  """Per episode: reward (shaped), advantage, centered reward, keep (False on a dropped
-  zero-signal group when dynamic sampling is on)."""
-  rewards = shaped_rewards(trajs, shaping)
+    rewards = (rewards + losses.overlong_penalty(
+        lengths, max_len=rl.max_tokens, buffer=rl.overlong_buffer,
+        factor=rl.overlong_penalty)).astype(np.float32)
   groups = np.asarray([t.group for t in trajs], np.int64)
-  adv = losses.advantages(rewards, groups, shaping.advantage, ddof=shaping.std_ddof)
+  adv = losses.advantages(rewards, groups, rl.advantage, ddof=rl.adv_std_ddof)
   centered = losses.advantages(rewards, groups, "drgrpo")
-  keep = (losses.signal_mask(rewards, groups) if shaping.dynamic_sampling
+  keep = (losses.signal_mask(rewards, groups) if rl.dynamic_sampling
           else np.ones(len(trajs), bool))
   return {"reward": rewards, "advantage": np.where(keep, adv, 0.0).astype(np.float32),
           "centered": np.where(keep, centered, 0.0).astype(np.float32), "keep": keep}

@@ -174,22 +174,15 @@ def render(tokenizer, messages: Sequence[Message], *, bos: bool = True,
   Raises:
     TokenizerError: the tokenizer lacks chat roles.
   """
-  ids, mask, turn = [], [], []
+  parts = []   # (ids, assistant mask, turn index) per piece
   if bos:
-    ids.append(np.array([tokenizer.bos_id], np.int32))
-    mask.append(np.zeros(1, np.int32))
-    turn.append(np.full(1, -1, np.int32))
-  for i, message in enumerate(messages):
-    m_ids, m_mask = render_message(tokenizer, message)
-    ids.append(m_ids)
-    mask.append(m_mask)
-    turn.append(np.full(len(m_ids), i, np.int32))
+    parts.append(([tokenizer.bos_id], [0], -1))
+  parts += [(*render_message(tokenizer, m), i) for i, m in enumerate(messages)]
   if add_generation_prompt:
-    ids.append(generation_prompt(tokenizer))
-    mask.append(np.zeros(1, np.int32))
-    turn.append(np.full(1, len(messages), np.int32))
+    parts.append((generation_prompt(tokenizer), [0], len(messages)))
   cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)
-  return Rendered(cat(ids), cat(mask), cat(turn))
+  return Rendered(cat([p[0] for p in parts]), cat([p[1] for p in parts]),
+                  cat([np.full(len(p[0]), p[2]) for p in parts]))
 
 
 def _decode(tokenizer, ids) -> str:

@@ -103,12 +103,11 @@ class EpisodeSpec:
     return make_env(self.env, **dict(self.env_kwargs))
 
 
-def oracle_script(spec: EpisodeSpec, turns: int | None = None) -> tuple:
-  """The first `turns` (all if None) oracle actions of the spec's episode (for `forced`)."""
+def oracle_script(spec: EpisodeSpec) -> tuple:
+  """The oracle actions of the spec's episode (for `forced`)."""
   env = spec.make_env()
   env.reset(spec.seed, spec.level)
-  actions = env.oracle()
-  return tuple(actions if turns is None else actions[:turns])
+  return tuple(env.oracle())
 
 
 @dataclasses.dataclass
@@ -155,6 +154,18 @@ class Trajectory:
   @property
   def generated(self) -> int:
     return int(self.loss_mask.sum())
+
+  def to_tree(self) -> dict:
+    """Arrays and plain python, for a checkpoint (the spec and messages as tuples)."""
+    tree = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {**tree, "spec": _spec_tree(self.spec),
+            "messages": tuple(_message_tree(m) for m in self.messages)}
+
+  @classmethod
+  def from_tree(cls, tree: dict) -> "Trajectory":
+    """Inverse of to_tree."""
+    return cls(**{**tree, "spec": _spec_from_tree(tree["spec"]),
+                  "messages": tuple(_message_from_tree(m) for m in tree["messages"])})
 
 
 @dataclasses.dataclass

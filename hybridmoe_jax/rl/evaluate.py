@@ -228,10 +228,8 @@ def format_agent_table(results: Mapping[str, dict]) -> str:
   """policy -> evaluate_agent result as a table: one line per (env, level, policy)."""
   lines = [f"{'env':<12} {'level':>5} {'policy':<7} {'success':>8} {'reward':>7} "
            f"{'turns':>6} {'gen tok':>8}  finish reasons"]
-  rows = []
-  for policy, r in results.items():
-    for c in r["cells"]:
-      rows.append((c["env"], c["level"], list(results).index(policy), policy, c))
+  rows = [(c["env"], c["level"], k, policy, c) for k, (policy, r) in enumerate(results.items())
+          for c in r["cells"]]
   for env, level, _, policy, c in sorted(rows, key=lambda x: x[:3]):
     reasons = ", ".join(f"{k} {v}" for k, v in c["finish_reasons"].items())
     lines.append(f"{env:<12} {level:>5} {policy:<7} {c['success_rate']:>8.2f} "

@@ -87,12 +87,7 @@ def sampling_logps(logits: jax.Array, tokens: jax.Array, sampling: SamplingConfi
 def _forward(graphdef, params, biases, rest, tokens, segment_ids, routes=None,
              record_routes=False):
   model = nnx.merge(graphdef, params, jax.lax.stop_gradient(biases), rest)
-  kw = {}
-  if routes is not None:
-    kw["routes"] = routes
-  if record_routes:
-    kw["record_routes"] = True
-  return model(tokens, segment_ids=segment_ids, **kw)
+  return model(tokens, segment_ids=segment_ids, routes=routes, record_routes=record_routes)
 
 
 def token_logps(graphdef, sampling: SamplingConfig, *, record_routes: bool = False,

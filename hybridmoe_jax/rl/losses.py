@@ -29,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe_jax.config import is_int, is_number
+from hybridmoe_jax.config.rl import ADVANTAGES as ADV_MODES, AGG_MODES
 
-ADV_MODES = ("grpo", "drgrpo", "rloo")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k3")
 
 
@@ -201,8 +200,7 @@ def aggregate(values, mask, mode: str, *, norm_len: Optional[int] = None) -> jax
   if mode not in AGG_MODES:
     raise ValueError(f"mode = {mode!r}: allowed one of {AGG_MODES}")
   batch, length = _check_bt(values=values, mask=mask)
-  if norm_len is not None and (isinstance(norm_len, bool)
-                               or not isinstance(norm_len, (int, np.integer)) or norm_len <= 0):
+  if norm_len is not None and not (is_int(norm_len) and norm_len > 0):
     raise ValueError(f"norm_len = {norm_len!r}: allowed None or an int > 0")
   m = _f32(mask)
   vm = jnp.where(m > 0, _f32(values) * m, 0.0)

@@ -203,9 +203,7 @@ class Rollout:
     return min(env_turns, self.config.max_turns) if self.config.max_turns else env_turns
 
   def _resume(self, index: int, p: PendingEpisode) -> _Row:
-    env = p.env
-    if env is None:
-      env = _replay(p)
+    env = p.env if p.env is not None else _replay(p)
     n = len(p.tokens["ids"])
     if not 0 < p.n_cached <= n or p.cache.batch != 1 or \
         int(np.asarray(p.cache.length)[0]) != p.n_cached:
@@ -378,8 +376,6 @@ class Rollout:
       draws = {}
       for width in sorted(set(widths) - {0}, reverse=True):
         members = [s for s, w in enumerate(widths) if w == width]
-        if not members:
-          continue
         cache, got = self._call(slots, members, width, cache)
         draws.update(got)
         stats["model_calls"] += 1

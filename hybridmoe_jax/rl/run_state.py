@@ -28,14 +28,6 @@ STATE_DIR = "rl_state"
 REFERENCE_DIR = "reference"
 
 
-def _seed32(*parts: int) -> int:
-  return int(np.random.default_rng([*parts]).integers(0, 2**32))
-
-
-def _env_kwargs(rl, env: str) -> tuple:
-  return tuple(sorted(rl.envs[env].kwargs.items()))
-
-
 def make_curriculum(rl, state: dict | None = None) -> curriculum_lib.Curriculum:
   """The run's curriculum: fresh, or restored from a checkpoint's `state_dict()`."""
   settings = rl.curriculum
@@ -51,10 +43,10 @@ def iteration_specs(rl, iteration: int, first_group: int, cells) -> list[Episode
   for g, (env, level) in enumerate(cells):
     group = first_group + g
     task = int(np.random.default_rng([rl.seed, iteration, group, 1]).integers(TASK_SEED_RANGE))
+    env_kwargs = tuple(sorted(rl.envs[env].kwargs.items()))
     for j in range(rl.group_size):
-      out.append(EpisodeSpec(env, task, int(level), group,
-                             _seed32(rl.seed, iteration, group, j, 2), (),
-                             _env_kwargs(rl, env)))
+      sample_seed = int(np.random.default_rng([rl.seed, iteration, group, j, 2]).integers(2**32))
+      out.append(EpisodeSpec(env, task, int(level), group, sample_seed, (), env_kwargs))
   return out
 
 
@@ -103,7 +95,7 @@ class HostState:
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
       pickle.dump({"pending": [p.to_tree() for p in self.pending],
-                   "waiting": [dataclasses.asdict(t) for t in self.waiting]}, f)
+                   "waiting": [t.to_tree() for t in self.waiting]}, f)
     os.replace(tmp, path)
 
   @classmethod
@@ -121,7 +113,7 @@ class HostState:
         eps = pickle.load(f)
       return cls(r["phase"], r["iteration"], r["next_group"], r["curriculum"],
                  r["eval_history"], [PendingEpisode.from_tree(p) for p in eps["pending"]],
-                 [Trajectory(**t) for t in eps["waiting"]])
+                 [Trajectory.from_tree(t) for t in eps["waiting"]])
     except Exception as e:  # pylint: disable=broad-except  # truncated, garbage, other layout
       raise CorruptStep(f"{path} is unreadable ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:160]})") from None

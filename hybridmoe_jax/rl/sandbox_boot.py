@@ -59,8 +59,8 @@ def _install_hook(root: str, max_files: int) -> None:
   write, exit_, getcwd, lstat, readlink = (os.write, os._exit, os.getcwd,  # pylint: disable=protected-access
                                            os.lstat, os.readlink)
   is_link, is_reg = stat.S_ISLNK, stat.S_ISREG
-  str_, bytes_, int_, isinstance_, repr_, len_, any_, type_, os_error = (
-      str, bytes, int, isinstance, repr, len, any, type, OSError)
+  str_, bytes_, int_, isinstance_, repr_, len_, any_, os_error = (
+      str, bytes, int, isinstance, repr, len, any, OSError)
   violation_exit = VIOLATION_EXIT
   str_copy, startswith, split, join = str.__str__, str.startswith, str.split, str.join
   bytes_copy, decode = bytes.__bytes__, bytes.decode

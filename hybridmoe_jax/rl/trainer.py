@@ -51,7 +51,6 @@ from hybridmoe_jax.rl import learner, run_state, sft, trajectory_log
 from hybridmoe_jax.rl.chat_format import chat_ids
 from hybridmoe_jax.rl.episode import Trajectory
 from hybridmoe_jax.rl import progress
-from hybridmoe_jax.rl.progress import progress_line
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train import checkpoint as ckpt_lib
@@ -158,10 +157,9 @@ def _check_init_config(src: str, model_dict) -> None:
                               remedy="Use the model config it was trained with.")
 
 
-def _load_init(rl, graphdef, state, model_dict):
-  """Params + biases of `rl.init_from` (a params export or a training workdir; that it is a
-  directory is `check_rl_config`'s check)."""
-  src = rl.init_from
+def _load_init(src: str, state, model_dict):
+  """`state` with the params + biases of `src`: `rl.init_from` (a params export or a training
+  workdir; that it is a directory is `check_rl_config`'s check) or the reference export."""
   _check_init_config(src, model_dict)
   if loading.is_export(src):
     params, biases = state.params, state.biases
@@ -200,14 +198,10 @@ class _Run:
     else:
       self.host = run_state.HostState(phase="sft" if sft_steps else "rl")
       if self.rl.init_from:
-        self.state = self._placed(_load_init(self.rl, self.graphdef, self.state,
-                                             self.model_dict))
+        self.state = self._placed(_load_init(self.rl.init_from, self.state, self.model_dict))
     self.curriculum = run_state.make_curriculum(self.rl, self.host.curriculum)
     self.monitor = run.begin()
     self.meta = run.meta
-    rl = self.rl
-    self.shaping = batch_lib.Shaping(rl.advantage, rl.dynamic_sampling, rl.overlong_buffer,
-                                     rl.overlong_penalty, rl.max_tokens, rl.adv_std_ddof)
 
   # ---- checkpoints ---------------------------------------------------------------------
   def ckpt_step(self) -> int:
@@ -274,9 +268,7 @@ class _Run:
     path = os.path.join(self.workdir, run_state.REFERENCE_DIR)
     if not os.path.isdir(path):
       params_export.export_params(path, self.state.params, self.state.biases, self.model_dict)
-    ref = _load_init(dataclasses.replace(self.rl, init_from=path), self.graphdef,
-                     jax.tree.map(jnp.copy, self.state), self.model_dict)
-    ref = self._placed(ref)
+    ref = self._placed(_load_init(path, jax.tree.map(jnp.copy, self.state), self.model_dict))
     return ref.params, ref.biases
 
   def _placed(self, state):
@@ -293,11 +285,19 @@ class _Run:
     model = nnx.merge(self.graphdef, self.state.params, self.state.biases, self.state.rest)
     _, self.engine.state = nnx.split(model)
 
-  def evaluate(self) -> dict[str, float]:
+  def evaluate(self, i: int) -> None:
+    """Greedy held-out success per (env, level) after iteration i, into the eval history
+    and the metrics (logged and plotted after an RL iteration, i > 0)."""
     self._sync_engine()
     with self._on_mesh():
       res = self.greedy.run(run_state.eval_specs(self.rl))
-    return run_state.success_table(res.finished)
+    table = run_state.success_table(res.finished)
+    self.host.eval_history.append({"iteration": i, "success": table})
+    line = "eval " + " ".join(f"{c} {v:.2f}" for c, v in table.items())
+    self.monitor.record(Event.EVAL, self.ckpt_step(), {"iteration": i, **{
+        f"success/{c}": v for c, v in table.items()}}, line=line if i else None)
+    if i:
+      progress.success_figure(self.workdir, self.host.eval_history)
 
   def iteration(self) -> dict[str, Any]:
     rl, host = self.rl, self.host
@@ -351,7 +351,7 @@ class _Run:
     rl = self.rl
     if not ready:
       return {"groups_trained": 0, "groups_dropped": 0}
-    signals = batch_lib.episode_signals(ready, self.shaping)
+    signals = batch_lib.episode_signals(ready, rl)
     n_groups = len({t.group for t in ready})
     kept_groups = len({t.group for t, k in zip(ready, signals["keep"]) if k})
     out = {"groups_trained": kept_groups, "groups_dropped": n_groups - kept_groups,
@@ -402,21 +402,14 @@ def _train(run: _Run) -> dict[str, Any]:
     if run.host.phase == "rl" and stop.signum is None:
       run.build_rollouts()
       if not run.host.eval_history and rl.eval_every:
-        run.host.eval_history.append({"iteration": 0, "success": run.evaluate()})
-        run.monitor.record(Event.EVAL, run.ckpt_step(), {"iteration": 0, **{
-            f"success/{c}": v for c, v in run.host.eval_history[-1]["success"].items()}})
+        run.evaluate(0)
       while run.host.iteration < rl.iterations and stop.signum is None:
         last = run.iteration()
         i = run.host.iteration
-        line = progress_line(last, rl.iterations, sft_steps=run.sft_steps)
+        line = progress.progress_line(last, rl.iterations, sft_steps=run.sft_steps)
         run.monitor.record(Event.RL, run.ckpt_step(), last, line=line)
         if (rl.eval_every and i % rl.eval_every == 0) or i == rl.iterations:
-          table = run.evaluate()
-          run.host.eval_history.append({"iteration": i, "success": table})
-          run.monitor.record(Event.EVAL, run.ckpt_step(), {"iteration": i, **{
-              f"success/{c}": v for c, v in table.items()}},
-              line="eval " + " ".join(f"{c} {v:.2f}" for c, v in table.items()))
-          progress.success_figure(run.workdir, run.host.eval_history)
+          run.evaluate(i)
         if i % rl.save_every == 0 or i == rl.iterations:
           run.save()
     stopped = signal.Signals(stop.signum).name if stop.signum else None

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe_jax.infer.engine import Engine
+from hybridmoe_jax.infer.engine import Engine, row_sampling
+from hybridmoe_jax.infer.sampling import SamplingConfig
 from hybridmoe_jax.infer.steps import TRACES, _feed_and_draw, clear_row
 from hybridmoe_jax.model.cache import DecodeCache
 
@@ -41,11 +42,7 @@ MAX_STOP_IDS = 8     # stop ids per request (EOS + a chat format's end-of-turn n
 
 def buckets(limit: int) -> tuple[int, ...]:
   """Row counts compiled for a call of at most `limit` rows: 1, 2, 4, ... < limit, limit."""
-  out, b = [], 1
-  while b < limit:
-    out.append(b)
-    b *= 2
-  return tuple(out) + (limit,)
+  return tuple(1 << i for i in range((limit - 1).bit_length())) + (limit,)
 
 
 def bucket_for(n: int, sizes: tuple[int, ...]) -> int:
@@ -216,12 +213,13 @@ class BatchEngine:
       steps.append((f"prefill rows={q}", functools.partial(
           self.prefill, np.full(q, self.scratch, np.int32), np.zeros((q, p), np.int32),
           np.zeros(q, np.int32), np.zeros((q, 2), np.uint32), np.zeros(q, bool),
-          _idle_sampling(q), vocab_limit)))
+          row_sampling(SamplingConfig(), q), vocab_limit)))
     for b in self.decode_buckets:
       steps.append((f"decode rows={b}", functools.partial(
           self.decode, np.full(b, self.scratch, np.int32), np.zeros(b, np.int32),
           np.zeros((b, 2), np.uint32), np.zeros(b, np.int32),
-          np.full((b, MAX_STOP_IDS), -1, np.int32), _idle_sampling(b), vocab_limit, 1, False)))
+          np.full((b, MAX_STOP_IDS), -1, np.int32), row_sampling(SamplingConfig(), b),
+          vocab_limit, 1, False)))
     for i, (name, fn) in enumerate(steps):
       jax.block_until_ready(fn())
       if progress is not None:
@@ -229,10 +227,6 @@ class BatchEngine:
     jax.block_until_ready(self.cache)
     self.calls.clear()
     return len(steps)
-
-
-def _idle_sampling(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  return np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
 
 
 def _pad(x: np.ndarray, size: int, value=0) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import threading
 import time
 
@@ -36,12 +37,10 @@ class Histogram:
     self.count += times
 
   def lines(self, name: str) -> list[str]:
-    out, total = [], 0
-    for bound, n in zip(self.bounds + (float("inf"),), self.counts):
-      total += n
-      le = "+Inf" if bound == float("inf") else repr(bound)
-      out.append(f'{name}_bucket{{le="{le}"}} {total}')
-    return out + [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+    les = [repr(b) for b in self.bounds] + ["+Inf"]
+    totals = itertools.accumulate(self.counts)     # cumulative, as Prometheus buckets are
+    return [f'{name}_bucket{{le="{le}"}} {n}' for le, n in zip(les, totals)] + [
+        f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
 
 
 class Metrics:

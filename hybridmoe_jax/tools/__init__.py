@@ -1,2 +1,1 @@
-"""Tools over the model: describe a config, AOT-compile for a topology, agent evaluation,
-benchmark timing."""
+"""Tools over the model: describe a config, AOT-compile for a topology, agent evaluation."""

@@ -24,7 +24,6 @@ import dataclasses
 import math
 import re
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +56,6 @@ from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train.state import abstract_train_state
 from hybridmoe_jax.train.step import make_train_step
 
-GiB = 2 ** 30
 MOSAIC_CALL = "tpu_custom_call"   # the custom call a Pallas TPU (Mosaic) kernel compiles to
 TRITON_CALL = "__gpu$xla.gpu.triton"  # ... and a Pallas GPU (Triton) kernel, in XLA:GPU's HLO
 
@@ -297,18 +295,14 @@ def _loop_corrected(cost: dict[str, float], loops) -> dict[str, float]:
 
 def _train_runtime(run: RunConfig, s: plan_lib.StagePlan, devices) -> runtime_lib.Runtime:
   """The train step's runtime for stage `s` on `devices` (its mesh and execution plan)."""
-  return runtime_lib.setup(_mesh_sizes(run), run.model, run.compute, batch_size=s.batch_size,
-                           grad_accum=run.train.grad_accum, seq_len=s.seq_len,
-                           devices=devices)
+  return runtime_lib.setup(dataclasses.asdict(run.mesh), run.model, run.compute,
+                           batch_size=s.batch_size, grad_accum=run.train.grad_accum,
+                           seq_len=s.seq_len, devices=devices)
 
 
 def _fixed_mesh(run: RunConfig, n: int):
   """The run's mesh section with its -1 resolved against `n` devices."""
   return dataclasses.replace(run.mesh, **mesh_shape(run.mesh.axis_sizes(), n))
-
-
-def _mesh_sizes(run: RunConfig) -> dict[str, Any]:
-  return dataclasses.asdict(run.mesh)
 
 
 def _serve_plan(run: RunConfig, mesh) -> ExecutionPlan:
@@ -319,8 +313,8 @@ def _serve_plan(run: RunConfig, mesh) -> ExecutionPlan:
 
 
 def _mesh(run: RunConfig, devices):
-  return build_mesh({a: v for a, v in _mesh_sizes(run).items() if a != "context_zigzag"},
-                    devices)
+  sizes = dataclasses.asdict(run.mesh)
+  return build_mesh({a: v for a, v in sizes.items() if a != "context_zigzag"}, devices)
 
 
 def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from hybridmoe_jax.config.hardware import CHIPS, GPU_TARGETS
 from hybridmoe_jax.config.run import RunConfig
-from hybridmoe_jax.tools.aot import GiB, TRITON_CALL, compile_run, step_seconds
+from hybridmoe_jax.tools.aot import TRITON_CALL, compile_run, step_seconds
 from hybridmoe_jax.train import dry_run as dry_lib
+from hybridmoe_jax.train.dry_run import GiB
 
 
 def _ms(secs: float) -> str:

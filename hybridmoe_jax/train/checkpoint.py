@@ -185,7 +185,7 @@ class Checkpointer:
     self.before_save: list[Callable[[int], None]] = []   # called with the step to be saved
     io_noise.install()  # also after a failed write, until the process exits
     if read_only:
-      if not _isdir(self.directory):
+      if not storage.as_path(self.directory).is_dir():
         raise ValueError(f"{workdir} has no checkpoints/ directory" if not self.remote else
                          f"{self.directory} (the checkpoints of {workdir}) does not exist")
       options = ocp.CheckpointManagerOptions(read_only=True)
@@ -384,7 +384,7 @@ class Checkpointer:
 
   def _pruned(self, step: int) -> bool:
     """Step `step` is gone from disk now (rotated out by a writer beside this reader)."""
-    if _isdir(os.path.join(self.directory, str(step))):
+    if storage.as_path(os.path.join(self.directory, str(step))).is_dir():
       return False
     logging.warning("checkpoint step %d was removed while this run read it (a run beside it "
                     "rotates checkpoints out: keep_checkpoints); reading the newest step that "
@@ -430,10 +430,6 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------------------------ locations
-def _isdir(path: str) -> bool:
-  return storage.as_path(path).is_dir() if storage.is_remote(path) else os.path.isdir(path)
-
-
 def _listdir(path: str) -> list[str]:
   if storage.is_remote(path):  # a bucket has no empty directories: nothing there yet
     try:

@@ -49,10 +49,6 @@ class TokenizerChanged(ConfigError):
   """The resumed run's tokenizer is not the one its checkpoints were trained with."""
 
 
-# One definition, in the data layer (prepared token shards record it too).
-tokenizer_fingerprint = fingerprint
-
-
 def _data_files(paths) -> list[str]:
   out = []
   for p in paths:
@@ -97,14 +93,6 @@ def _read(workdir: str) -> dict[str, Any]:
     return {}
 
 
-def _write(workdir: str, record: dict[str, Any]) -> None:
-  path = os.path.join(workdir, FILE)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
-
-
 def check_and_record(workdir: str, run: RunConfig, tokenizer, *, resumed_at: int | None,
                      saved_config: str | None, schedule=None) -> None:
   """On a resume (`resumed_at`: the restored step), compare with the workdir's record:
@@ -114,7 +102,7 @@ def check_and_record(workdir: str, run: RunConfig, tokenizer, *, resumed_at: int
   saved_config: the restored checkpoint's config (JSON of the RunConfig), for train.steps.
   schedule: this run's LR schedule (step -> lr), for the warning's figures.
   """
-  now = {"tokenizer": tokenizer_fingerprint(tokenizer), "data": data_fingerprint(run)}
+  now = {"tokenizer": fingerprint(tokenizer), "data": data_fingerprint(run)}
   saved = _read(workdir) if resumed_at is not None else {}
   if saved.get("tokenizer") not in (None, now["tokenizer"]):
     before, after = saved["tokenizer"], now["tokenizer"]
@@ -137,7 +125,7 @@ def check_and_record(workdir: str, run: RunConfig, tokenizer, *, resumed_at: int
                     b.get("bytes", 0), a["files"], a["bytes"], resumed_at)
   if resumed_at is not None:
     _warn_steps_change(saved_config, run, resumed_at, schedule)
-  _write(workdir, now)
+  workdir_config.write_json(os.path.join(workdir, FILE), now)
 
 
 def _describe(t: dict[str, Any]) -> str:
@@ -181,7 +169,7 @@ def warn_changed_settings(saved_json: str | None, run: RunConfig, step: int) -> 
     saved = json.loads(saved_json)
   except ValueError:
     return
-  now = json.loads(json.dumps(dataclasses.asdict(run), default=list))
+  now = workdir_config.jsonify(dataclasses.asdict(run))
   pick = lambda d, keys: d if keys is None else {k: d.get(k) for k in keys}
   diffs = []
   for section, keys in SETTINGS_THAT_CHANGE_NUMBERS.items():

@@ -119,11 +119,15 @@ def check_workdir_config(workdir: str, model_dict: dict[str, Any], *, source: st
                      f"({source})", remedy="Use a fresh --workdir or the original config.")
 
 
-def write_workdir_config(workdir: str, model_dict: dict[str, Any]) -> None:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if os.path.exists(path):
-    return
+def write_json(path: str, record: dict[str, Any]) -> None:
+  """`record` as JSON (indent 1, sorted keys) at `path`, through a temp file and a rename."""
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(jsonify(model_dict), f, indent=1, sort_keys=True)
+    json.dump(record, f, indent=1, sort_keys=True)
   os.replace(tmp, path)
+
+
+def write_workdir_config(workdir: str, model_dict: dict[str, Any]) -> None:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    write_json(path, jsonify(model_dict))

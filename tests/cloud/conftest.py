@@ -3,7 +3,7 @@ cache directory of each test's own for remote shards, mirrors and staging direct
 
 import pytest
 
-from hybridmoe_jax.data import gcs_emulator as emulator
+from tests import _support_gcs as emulator
 from hybridmoe_jax.data import storage
 
 

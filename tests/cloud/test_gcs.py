@@ -25,7 +25,7 @@ from hybridmoe_jax.data import prepare as prepare_lib  # noqa: E402
 from hybridmoe_jax.data import sources as sources_lib  # noqa: E402
 from hybridmoe_jax.data import storage  # noqa: E402
 from hybridmoe_jax.train import checkpoint as ckpt_lib  # noqa: E402
-from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
+from tests import _support_gcs as emulator  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 B = f"gs://{emulator.BUCKET}"

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 from hybridmoe_jax import loading  # noqa: E402
 from hybridmoe_jax.config.run import run_config_from_dict  # noqa: E402
-from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
+from tests import _support_gcs as emulator  # noqa: E402
 from hybridmoe_jax.data import storage  # noqa: E402
 from hybridmoe_jax.train import remote_workdir  # noqa: E402
 from hybridmoe_jax.train.loop import train_and_evaluate  # noqa: E402

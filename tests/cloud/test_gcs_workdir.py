@@ -17,7 +17,7 @@ pytest.importorskip("gcp_storage_emulator",
 
 from hybridmoe_jax.cli import workdir_lock  # noqa: E402
 from hybridmoe_jax.cli.errors import InputError, checked_workdir_path  # noqa: E402
-from hybridmoe_jax.data import gcs_emulator as emulator  # noqa: E402
+from tests import _support_gcs as emulator  # noqa: E402
 from hybridmoe_jax.data import storage  # noqa: E402
 from hybridmoe_jax.train import remote_workdir  # noqa: E402
 

@@ -11,7 +11,8 @@ import pytest
 from hybridmoe_jax.data import retrieval
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.data.tokenizers.load import make_tokenizer
-from hybridmoe_jax.evals import mqar, niah
+from benchmarks.long_context_retrieval import kv_recall_example
+from hybridmoe_jax.evals import niah
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -108,7 +109,7 @@ def test_tokenizer_round_trip(tokenizer):
   assert len(ex.prompt) == 400 and ex.answer in tok.decode(ex.prompt[1:])
   digits = tok.encode(ex.answer)
   assert tok.decode(digits) == ex.answer
-  toks, mask = mqar.kv_recall_example(np.random.default_rng(3), 600, 8, tok)
+  toks, mask = kv_recall_example(np.random.default_rng(3), 600, 8, tok)
   values = [tok.decode(toks[s:e]) for s, e in _runs(mask)]
   assert len(values) == 8 and all(re.fullmatch(r"\d\d", v) for v in values)
   assert tok.decode(toks[1:]).count(" Recall:") == 1

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from hybridmoe_jax.tools import gpu_kernel_report as gkr
+from benchmarks import gpu_kernel_report as gkr
 from tests._support import load_file_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,9 +1,9 @@
-"""The compiler-report parsers of hybridmoe_jax/tools/gpu_kernel_report.py (what
+"""The compiler-report parsers of benchmarks/gpu_kernel_report.py (what
 benchmarks/kda_gpu_aot.py prints per kernel), on text in the form XLA:GPU and ptxas write it."""
 
 import pytest
 
-from hybridmoe_jax.tools import gpu_kernel_report as gkr
+from benchmarks import gpu_kernel_report as gkr
 
 # XLA's log of a ptxas -v run (ptx_compiler_helpers.cc) for two kernels, one spilling, with
 # unrelated log lines around and between them.

@@ -81,7 +81,7 @@ def test_two_process_params_export_to_a_bucket(tmp_path, monkeypatch):
   from flax import nnx
   from hybridmoe_jax import loading
   from hybridmoe_jax.train.state import split_model
-  from hybridmoe_jax.data import gcs_emulator as emulator
+  from tests import _support_gcs as emulator
   from hybridmoe_jax.data import storage
   monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
   try:

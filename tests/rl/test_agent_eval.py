@@ -9,6 +9,7 @@ run_eval.py calls; the trained and the "random" model share one graph, so the ro
 compiles its shapes once.
 """
 
+import dataclasses
 import json
 import types
 
@@ -21,6 +22,7 @@ from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.rl import chat_format
 from hybridmoe_jax.rl.envs import Answer
 from hybridmoe_jax.rl.episode import EpisodeSpec, Trajectory
+from hybridmoe_jax.rl.run_state import HostState
 from hybridmoe_jax.rl.evaluate import (EVAL_SEED_HI, EVAL_SEED_LO, evaluate_agent,
                                        eval_seeds)
 from hybridmoe_jax.rl.trajectory_log import (decode_with_specials, trajectory_record,
@@ -132,6 +134,22 @@ def _trajectory():
   return Trajectory(spec, r.ids, r.assistant_mask, forced, logp, logp, r.turn_index,
                     tuple(messages), 1.0, "answer", 2, int(np.argmax(r.assistant_mask)),
                     {"turn": 2, "target": np.int64(4), "ratio": float("nan")}), sampled
+
+
+def test_open_groups_trajectories_survive_a_checkpoint(tmp_path):
+  """A trajectory waiting for the rest of its group is saved with the step and comes back
+  whole: its spec and messages as objects (a plain-dict spec would break `.group`)."""
+  traj, _ = _trajectory()
+  traj = dataclasses.replace(traj, spec=dataclasses.replace(
+      traj.spec, forced=(None, Answer("4"), (5, 6))))
+  state = HostState(waiting=[traj])
+  state.save_episodes(str(tmp_path), 3)
+  back = HostState.restore(str(tmp_path), 3, state.record()).waiting[0]
+  assert back.group == 3 and back.spec == traj.spec and back.messages == traj.messages
+  for field in ("ids", "loss_mask", "forced", "logp", "sample_logp", "turn_index"):
+    np.testing.assert_array_equal(getattr(back, field), getattr(traj, field))
+  assert (back.reward, back.finish_reason, back.num_turns, back.prompt_len) == (
+      traj.reward, traj.finish_reason, traj.num_turns, traj.prompt_len)
 
 
 def test_trajectory_record_round_trips_and_shows_sampled_text(tmp_path):

@@ -7,8 +7,8 @@ import pytest
 from hybridmoe_jax.data.tokenizers.base import TokenizerError
 from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.rl import chat_format as cf
-from hybridmoe_jax.rl.demos import oracle_conversation, oracle_demos
 from hybridmoe_jax.rl.envs import Answer, Malformed, ToolCall, make_env
+from hybridmoe_jax.rl.sft import oracle_conversation, oracle_demos
 
 TOK = ByteTokenizer(chat=True)
 R = cf.chat_ids(TOK)

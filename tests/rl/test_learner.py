@@ -56,7 +56,7 @@ def _state(cfg, model, tx):
 def _batch(trajs, rewards):
   for t, r in zip(trajs, rewards):
     t.reward = float(r)
-  signals = batch_lib.episode_signals(trajs, batch_lib.Shaping("drgrpo", False))
+  signals = batch_lib.episode_signals(trajs, RLConfig(advantage="drgrpo", dynamic_sampling=False))
   return batch_lib.build_batch(trajs, signals, row_multiple=8, max_length=200)
 
 
@@ -154,7 +154,7 @@ def test_rollout_and_learner_logps_agree_on_rl_tiny():
                                   sampling=sampling), batch=16)
   trajs = rollout.run(group_specs("arithmetic", [1, 2], 1, 8, sample_seed=3,
                                   env_kwargs=KW)).finished
-  signals = batch_lib.episode_signals(trajs, batch_lib.Shaping("drgrpo", False))
+  signals = batch_lib.episode_signals(trajs, RLConfig(advantage="drgrpo", dynamic_sampling=False))
   b = batch_lib.build_batch(trajs, signals, row_multiple=16, max_length=rl.max_tokens)
   graphdef, params, biases, rest = split_model(model)
   lp = np.asarray(learner.token_logps(graphdef, sampling)(params, biases, rest, b["tokens"],

@@ -16,11 +16,11 @@ from hybridmoe_jax.data.tokenizers.byte import ByteTokenizer
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format
-from hybridmoe_jax.rl.demos import oracle_demos
 from hybridmoe_jax.rl.envs import Answer, Malformed, make_env
 from hybridmoe_jax.rl.envs import reasoning_gym as rg_env
 from hybridmoe_jax.rl.episode import EpisodeSpec, oracle_script
 from hybridmoe_jax.rl.rollout import Rollout, RolloutConfig
+from hybridmoe_jax.rl.sft import oracle_demos
 from tests._support import tiny_model_config
 
 

@@ -26,14 +26,8 @@ def _bytes_to_unicode() -> dict[str, int]:
   """
   keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
           *range(ord("®"), ord("ÿ") + 1)]
-  out, extra = {}, 0
-  for b in range(256):
-    if b in keep:
-      out[chr(b)] = b
-    else:
-      out[chr(256 + extra)] = b
-      extra += 1
-  return out
+  other = [b for b in range(256) if b not in keep]
+  return {chr(b): b for b in keep} | {chr(256 + k): b for k, b in enumerate(other)}
 
 
 def _has_type(node, name: str) -> bool:

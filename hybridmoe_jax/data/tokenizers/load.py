@@ -64,11 +64,8 @@ def resolve(spec: str) -> tuple[str, str, str | None]:
 
 
 def _sha256_file(path: str) -> str:
-  h = hashlib.sha256()
   with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
-  return h.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fingerprint(tokenizer: Tokenizer) -> dict:
@@ -148,7 +145,8 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> list[str]:
 
   Nothing is written for the byte tokenizer, a one-line marker for the chat byte tokenizer
   (BYTE_CHAT_MARKER). Files already there are kept when identical;
-  a different tokenizer already saved there is an error (a workdir trains with one).
+  a different tokenizer already saved there is an error (a workdir trains with one; nothing
+  is overwritten).
 
   Returns:
     The paths written or found identical.
@@ -163,18 +161,9 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> list[str]:
       with open(marker, "w") as f:
         f.write('{"tokenizer": "byte_chat"}\n')
     return [marker]
-  files = getattr(tokenizer, "files", None)
+  files = getattr(tokenizer, "files", None)   # {saved name: source path}
   if not files:
     return []
-  return copy_files(files, directory)
-
-
-def copy_files(files: dict[str, str], directory: str) -> list[str]:
-  """Copies {saved name: source} into `directory`; identical files already there are kept.
-
-  Raises:
-    TokenizerError: a different file of that name is already there (never overwritten).
-  """
   # One tokenizer file per directory (find_tokenizer_file would prefer tokenizer.json).
   other = {HF_FILE: TIKTOKEN_FILE, TIKTOKEN_FILE: HF_FILE}
   for name in files:

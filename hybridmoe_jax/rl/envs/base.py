@@ -31,6 +31,8 @@ from typing import Any, Callable, ClassVar, Sequence, Union
 
 import numpy as np
 
+from hybridmoe_jax.config import is_int
+
 FINISH_REASONS = ("answer", "max_turns", "tool_error", "env_error", "timeout")
 # Tool results longer than this are cut (with a note): one runaway tool output must not
 # blow up the context of every later turn.
@@ -199,8 +201,7 @@ class Environment(abc.ABC):
     return self.horizon(level) + 1 + self.extra_turns
 
   def check_level(self, level) -> int:
-    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or \
-        not 0 <= level <= self.max_level:
+    if not (is_int(level) and 0 <= level <= self.max_level):
       raise ValueError(f"{self.name}: level = {level!r}: allowed an int in "
                        f"[0, {self.max_level}]")
     return int(level)
@@ -211,8 +212,7 @@ class Environment(abc.ABC):
     Raises:
       ValueError: seed not an int in [0, 2**63), or level outside [0, max_level].
     """
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
-        not 0 <= seed <= _MAX_SEED:
+    if not (is_int(seed) and 0 <= seed <= _MAX_SEED):
       raise ValueError(f"{self.name}: seed = {seed!r}: allowed an int in [0, 2**63)")
     level = self.check_level(level)
     # The env name is part of the stream so two environments with one seed differ.

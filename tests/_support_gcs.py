@@ -1,6 +1,7 @@
-"""A Google Cloud Storage API on 127.0.0.1 for the gs:// tests (tests/cloud) and the input
-benchmark: `gcp-storage-emulator` (the cloud-test extra) in a subprocess, in memory, with
-one bucket. Never used by training itself.
+"""A Google Cloud Storage API on 127.0.0.1 for the gs:// tests (tests/cloud,
+tests/parallel/test_multiprocess.py) and the input benchmark (benchmarks/input_formats.py):
+`gcp-storage-emulator` (the cloud-test extra) in a subprocess, in memory, with one bucket.
+Never used by training itself.
 
 Clients find it through the environment: gcsfs (what etils epath uses for gs:// without
 TensorFlow) reads STORAGE_EMULATOR_HOST; TensorStore (orbax's array writer) reads
