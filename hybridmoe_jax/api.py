@@ -43,10 +43,6 @@ from hybridmoe_jax.config.sharding import MESH_AXES
 
 
 # ------------------------------------------------------------------------------------ chat
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-               "assistant": "assistant", "tool": "tool_result"}
-
-
 def chat_messages(messages) -> list[Message]:
   """OpenAI-style messages -> chat_format Messages, the server's mapping: system / developer
   -> system, user, assistant (its content as the answer), tool -> tool_result; a
@@ -65,15 +61,15 @@ def chat_messages(messages) -> list[Message]:
       out.append(m)
       continue
     role = m.get("role") if isinstance(m, dict) else None
-    if role not in _CHAT_ROLES:
+    if role not in chat_format.OPENAI_ROLES:
       raise ValueError(f"chat: messages[{i}].role = {role!r} is invalid: allowed "
-                       f"{sorted(_CHAT_ROLES)}")
+                       f"{sorted(chat_format.OPENAI_ROLES)}")
     content = m.get("content")
     if not isinstance(content, str):
       raise ValueError(f"chat: messages[{i}].content must be a str, got "
                        f"{type(content).__name__}")
     out.append(Message("assistant", "", Answer(content)) if role == "assistant"
-               else Message(_CHAT_ROLES[role], content))
+               else Message(chat_format.OPENAI_ROLES[role], content))
   return out
 
 

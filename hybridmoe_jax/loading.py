@@ -186,7 +186,8 @@ def load_from_workdir(workdir: str, expected: ModelConfig | None = None
   model = nnx.merge(graphdefs[-1], state.params, state.biases, state.rest)
   return model, {"source": "workdir", "path": workdir, "step": meta["step"],
                  "skipped": [{"step": step, "why": why} for step, why in ckpt.skipped],
-                 "data_config": _saved_run(meta).data}
+                 "data_config": _saved_run(meta).data,
+                 "run_config": json.loads(meta["config"])}   # as saved (not migrated)
 
 
 def load_from_params(path: str, expected: ModelConfig | None = None

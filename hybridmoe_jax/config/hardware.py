@@ -38,7 +38,6 @@ CHIPS = {
     "tpu_v4": Chip(32.0, 275e12, 1228e9), "tpu_v5e": Chip(16.0, 197e12, 819e9),
     "tpu_v5p": Chip(95.0, 459e12, 2765e9), "tpu_v6e": Chip(32.0, 918e12, 1640e9),
 }
-DEVICE_MEMORY_GIB = {name: chip.memory_gib for name, chip in CHIPS.items()}
 
 # TPU generations `hardware.topology` may name -> the chip, and whether its Cloud slice
 # names count TensorCores (2 per chip: v4-8 and v5p-8 are 4 chips) or chips (v5e-8, v6e-8).
@@ -154,7 +153,7 @@ class HardwareConfig(Checked):
   @property
   def memory_bytes(self) -> float:
     """The device memory in bytes (memory_gib, else the chip's, else 64 GiB)."""
-    return (self.memory_gib or DEVICE_MEMORY_GIB.get(self.chip, 64.0)) * 2 ** 30
+    return (self.memory_gib or (CHIPS[self.chip].memory_gib if self.chip else 64.0)) * 2 ** 30
 
   @property
   def usable_bytes(self) -> float:

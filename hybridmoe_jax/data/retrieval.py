@@ -145,12 +145,14 @@ def draw_key(rng: np.random.Generator, split: str, num_digits: int = 5) -> str:
       return key
 
 
-def _distinct(draw, n: int, avoid=()) -> list[str]:
-  """The first n distinct results of draw() that are not in `avoid`, in the order drawn."""
-  out: list[str] = []
+def distinct(draw, n: int, avoid=()) -> list:
+  """The first n distinct results of draw() that are not in `avoid`, in the order drawn
+  (they must be hashable)."""
+  out, seen = [], set(avoid)
   while len(out) < n:
     x = draw()
-    if x not in out and x not in avoid:
+    if x not in seen:
+      seen.add(x)
       out.append(x)
   return out
 
@@ -211,7 +213,7 @@ def multikey_document(rng: np.random.Generator, target_bytes: int, split: str = 
     return passkey_document(rng, target_bytes, split, num_digits)
   n = int(rng.integers(2, most + 1))
   names = [NAMES[j] for j in rng.choice(len(NAMES), n, replace=False)]
-  keys = _distinct(lambda: draw_key(rng, split, num_digits), n)
+  keys = distinct(lambda: draw_key(rng, split, num_digits), n)
   fit = min(n, (target_bytes - n * needle_bytes) // question_bytes)
   asked = rng.permutation(n)[:int(rng.integers(1, fit + 1))]
   questions = [p for j in asked for p in ((named_question(names[j]), False), (keys[j], True),
@@ -321,9 +323,9 @@ def textkey_document(rng: np.random.Generator, target_bytes: int, split: str = "
   name_kind = ("words", "hex", "4")[int(rng.integers(3))]
   value_kind = ("3", "5", "7", "8", "word", "hex")[int(rng.integers(6))]
   n = int(rng.integers(2, 7))
-  names = _distinct(lambda: _text_token(rng, name_kind), n)
+  names = distinct(lambda: _text_token(rng, name_kind), n)
   multi = int(rng.integers(2, 4)) if rng.uniform() < 0.25 else 1   # values of names[0]
-  values = _distinct(lambda: _text_token(rng, value_kind), n - 1 + multi)
+  values = distinct(lambda: _text_token(rng, value_kind), n - 1 + multi)
   owners = [names[0]] * multi + names[1:]
   facts = [fact.format(label=label, name=o, value=v) for o, v in zip(owners, values)]
   asked = [0] + list(rng.permutation(np.arange(1, n))[:int(rng.integers(0, 3))])
@@ -350,8 +352,8 @@ def textchain_document(rng: np.random.Generator, target_bytes: int, split: str =
   """Two assignment chains of 2-4 links ("Let m_ab be 4821." then "Set m_cd to m_ab.") in
   ~target_bytes of pydoc text, in order; the first chain's names asked for."""
   hops = int(rng.integers(2, 5))
-  names = _distinct(lambda: "m_" + "".join(rng.choice(_CHAIN_NAMES, 2)), 2 * hops)
-  values = _distinct(lambda: _text_token(rng, "4"), 2)
+  names = distinct(lambda: "m_" + "".join(rng.choice(_CHAIN_NAMES, 2)), 2 * hops)
+  values = distinct(lambda: _text_token(rng, "4"), 2)
   facts, depths = [], []
   for c in range(2):
     chain = names[c * hops:(c + 1) * hops]
@@ -376,8 +378,8 @@ def mixkey_document(rng: np.random.Generator, target_bytes: int, split: str = "t
   w = retrieval_wording.draw_wording(rng)
   n = int(rng.integers(1, 7))
   multi = int(rng.integers(2, 5)) if rng.uniform() < 0.15 else 1   # values of keys[0]
-  keys = _distinct(lambda: _text_token(rng, w.key_kind), n)
-  values = _distinct(lambda: _text_token(rng, w.value_kind), n - 1 + multi, avoid=keys)
+  keys = distinct(lambda: _text_token(rng, w.key_kind), n)
+  values = distinct(lambda: _text_token(rng, w.value_kind), n - 1 + multi, avoid=keys)
   owners = [0] * multi + list(range(1, n))
   facts = [(k, w.fact(keys[k], v)) for k, v in zip(owners, values)]   # keys[0]'s first
   asked = [0] + ([int(rng.integers(1, n))] if n > 1 and rng.uniform() < 0.25 else [])

@@ -119,15 +119,6 @@ def draw_key(rng: np.random.Generator, kind: str, vocab) -> str:
   raise ValueError(f"ruler key kind must be one of {KEY_KINDS}, got {kind!r}")
 
 
-def _distinct(draw: Callable[[], str], n: int) -> list[str]:
-  out: list[str] = []
-  while len(out) < n:
-    k = draw()
-    if k not in out:
-      out.append(k)
-  return out
-
-
 def fill_haystack(texts: Iterator[str], pieces: Pieces, budget: int):
   """The haystack of these prompts and of the passkey NIAH (`evals.niah`): the ids of
   sentences taken from `texts` in order until `budget` tokens, the last one cut -> (ids
@@ -191,8 +182,8 @@ def _join(words) -> str:
 def _niah(task, s: Spec, rng, length, tok, pieces, split) -> Example:
   vocab = ruler_text.vocabulary(split)
   vname = _KIND_NAMES[s.values]
-  keys = _distinct(lambda: draw_key(rng, s.keys, vocab), s.needles)
-  values = _distinct(lambda: draw_key(rng, s.values, vocab), s.needles * s.values_per_key)
+  keys = retrieval.distinct(lambda: draw_key(rng, s.keys, vocab), s.needles)
+  values = retrieval.distinct(lambda: draw_key(rng, s.values, vocab), s.needles * s.values_per_key)
   needles = [(k, values[i * s.values_per_key + j]) for i, k in enumerate(keys)
              for j in range(s.values_per_key)]
   asked = keys[:s.queries]              # the others are distractors of the same shape
@@ -230,7 +221,7 @@ def _passkey(task, s: Spec, rng, length, tok, pieces, split) -> Example:
   else:
     names = [retrieval.NAMES[j] for j in rng.choice(len(retrieval.NAMES), s.needles,
                                                     replace=False)]
-    keys = _distinct(lambda: retrieval.draw_key(rng, "eval"), s.needles)
+    keys = retrieval.distinct(lambda: retrieval.draw_key(rng, "eval"), s.needles)
     items = [retrieval.named_needle(nm, k) for nm, k in zip(names, keys)]
     question = retrieval.named_question(names[0])
   return _in_haystack(task, rng, length, tok, pieces, split, "", question,
@@ -238,8 +229,8 @@ def _passkey(task, s: Spec, rng, length, tok, pieces, split) -> Example:
 
 
 def _vt(task, s: Spec, rng, length, tok, pieces, split) -> Example:
-  names = _distinct(lambda: "".join(rng.choice(_UPPER, 5)), s.chains * (s.hops + 1))
-  values = _distinct(lambda: draw_key(rng, "digits", ()), s.chains)
+  names = retrieval.distinct(lambda: "".join(rng.choice(_UPPER, 5)), s.chains * (s.hops + 1))
+  values = retrieval.distinct(lambda: draw_key(rng, "digits", ()), s.chains)
   items, depths = [], []
   for c in range(s.chains):
     chain = names[c * (s.hops + 1):(c + 1) * (s.hops + 1)]
@@ -309,7 +300,7 @@ def _fwe(task, s: Spec, rng, length, tok, pieces, split) -> Example:
   question = (f"\nWhat are the {s.common} most frequent coded words in the text above? "
               f"The {s.common} most frequent coded words are ")
   room = length - 1 - len(pieces(header)) - len(pieces(question))
-  vocab = _distinct(lambda: "".join(rng.choice(_LETTERS, 5)), s.fwe_vocab)
+  vocab = retrieval.distinct(lambda: "".join(rng.choice(_LETTERS, 5)), s.fwe_vocab)
   ranks = np.arange(1, s.fwe_vocab + 1)
   p = ranks ** -s.alpha / np.sum(ranks ** -s.alpha)
   items, n = [], 0

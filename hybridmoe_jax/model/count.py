@@ -51,12 +51,6 @@ def _component(cfg: ModelConfig, path: tuple, shape: tuple) -> str:
   return "router_latent"
 
 
-def _abstract_params(make) -> list[tuple[tuple, tuple[int, ...]]]:
-  state = nnx.state(nnx.eval_shape(make), nnx.Param)
-  return [(tuple(str(p) for p in path), tuple(leaf.shape))
-          for path, leaf in nnx.to_flat_state(state)]
-
-
 def param_pieces(cfg: ModelConfig, vision: bool = False
                  ) -> list[tuple[int | None, nnx.State, int]]:
   """Abstract parameter states that tile the model, as (layer index, state, multiplicity):
@@ -104,15 +98,16 @@ def vision_breakdown(cfg: ModelConfig) -> dict[str, int]:
   if not v.enabled:
     return counts
   one = dataclasses.replace(v, num_layers=min(v.num_layers, 1))
-  for path, shape in _abstract_params(
-      lambda: VisionTower(one, cfg.d_model, eps=cfg.norm_eps, dtype=ComputeConfig().dtype,
-                          rngs=nnx.Rngs(0))):
-    n = math.prod(shape)
-    if path[0] == "blocks":
+  tower = nnx.eval_shape(lambda: VisionTower(one, cfg.d_model, eps=cfg.norm_eps,
+                                             dtype=ComputeConfig().dtype, rngs=nnx.Rngs(0)))
+  for path, leaf in nnx.to_flat_state(nnx.state(tower, nnx.Param)):
+    n = math.prod(leaf.shape)
+    part = str(path[0])
+    if part == "blocks":
       counts["encoder_blocks"] += n * v.num_layers
-    elif path[0] == "patch_embed":
+    elif part == "patch_embed":
       counts["patch_embed"] += n
-    elif path[0] == "pos_table":
+    elif part == "pos_table":
       counts["position_table"] += n
     else:  # merge norm, projector MLP and its final norm
       counts["projector"] += n

@@ -53,7 +53,7 @@ def _location(table: np.ndarray, piece: int) -> tuple[int, int]:
   return int(shard), int(slot)
 
 
-def _route(parts: jax.Array, sources, axis_name: str) -> jax.Array:
+def _route(parts: jax.Array, sources) -> jax.Array:
   """Move pieces between shards: parts [B, m_in, ...] local -> [B, m_out, ...] where slot j
   of shard d is parts[:, i] of shard s for sources[d][j] = (s, i), zeros for None.
 
@@ -62,7 +62,7 @@ def _route(parts: jax.Array, sources, axis_name: str) -> jax.Array:
   A received zero is added where nothing arrives, so the sum is exact.
   """
   n, m_out = len(sources), len(sources[0])
-  r = jax.lax.axis_index(axis_name)
+  r = jax.lax.axis_index(CONTEXT_AXIS)
   out = []
   for j in range(m_out):
     acc = jnp.zeros_like(parts[:, 0])
@@ -70,7 +70,7 @@ def _route(parts: jax.Array, sources, axis_name: str) -> jax.Array:
       pairs = [(sources[d][j][0], d) for d in range(n)
                if sources[d][j] is not None and sources[d][j][1] == i and sources[d][j][0] != d]
       if pairs:
-        acc = acc + jax.lax.ppermute(parts[:, i], axis_name, pairs)
+        acc = acc + jax.lax.ppermute(parts[:, i], CONTEXT_AXIS, pairs)
       local = [d for d in range(n) if sources[d][j] == (d, i)]
       if local:
         acc = acc + jnp.where(jnp.isin(r, jnp.asarray(local)), parts[:, i], 0)
@@ -95,34 +95,32 @@ def _check_pieces(t: int, m: int, what: str, at_least: int = 1) -> None:
                      f"2 x mesh.context)")
 
 
-def previous_tokens(x: jax.Array, width: int, axis_name: str = CONTEXT_AXIS, *,
-                    zigzag: bool = False) -> jax.Array:
+def previous_tokens(x: jax.Array, width: int, *, zigzag: bool = False) -> jax.Array:
   """x: [B, T, ...] local tokens -> [B, m, width, ...]: for each local piece, the last
   `width` tokens of the piece before it in sequence order (zeros for the first piece)."""
-  n = jax.lax.axis_size(axis_name)
+  n = jax.lax.axis_size(CONTEXT_AXIS)
   table = piece_table(n, zigzag)
   m = table.shape[1]
   _check_pieces(x.shape[1], m, "previous_tokens", width)
   tails = _split(x, m)[:, :, -width:]
   sources = [[None if table[d, j] == 0 else _location(table, table[d, j] - 1)
               for j in range(m)] for d in range(n)]
-  return _route(tails, sources, axis_name)
+  return _route(tails, sources)
 
 
 def short_conv_shard(x: jax.Array, w: jax.Array, *, segment_ids: jax.Array | None = None,
-                     axis_name: str = CONTEXT_AXIS, zigzag: bool = False) -> jax.Array:
+                     zigzag: bool = False) -> jax.Array:
   """One shard of the short convolution (inside shard_map): x [B, T, C] local tokens,
   w [W, C] fp32, segment_ids [B, T] int32 or None -> [B, T, C] in x's dtype, equal to
   `ops.conv.short_conv` over the whole sequence (taps never cross a change of id)."""
-  b, t = x.shape[:2]
-  m = piece_table(jax.lax.axis_size(axis_name), zigzag).shape[1]
+  m = piece_table(jax.lax.axis_size(CONTEXT_AXIS), zigzag).shape[1]
   lag = w.shape[0] - 1
   if lag == 0:
     return short_conv(x, w, segment_ids=segment_ids)
-  halo = previous_tokens(x, lag, axis_name, zigzag=zigzag)                  # [B, m, W-1, C]
+  halo = previous_tokens(x, lag, zigzag=zigzag)                             # [B, m, W-1, C]
   opts = {}
   if segment_ids is not None:
-    halo_ids = previous_tokens(segment_ids, lag, axis_name, zigzag=zigzag)  # first: 0s
+    halo_ids = previous_tokens(segment_ids, lag, zigzag=zigzag)             # first: 0s
     opts = dict(segment_ids=_flat(_split(segment_ids, m)), history_ids=_flat(halo_ids))
   y = short_conv(_flat(_split(x, m)), w, history=_flat(halo), **opts)
   return y.reshape(x.shape)
@@ -142,11 +140,36 @@ def affine_maps(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
   return maps
 
 
+def fold_maps(maps: jax.Array, state: jax.Array, wanted: jax.Array,
+              restart: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """The pieces' state maps [P, B, HV, K, K + V] (`affine_maps`, in sequence order) applied
+  one after the other from `state` [B, HV, K, V] float32, at HIGHEST precision.
+
+  wanted: [m] int pieces; restart: [P, B] bool or None, True where the state after piece p
+  is zero (piece p + 1 begins a new document). Returns (the states entering the `wanted`
+  pieces [m, B, HV, K, V], the state after the last piece), float32.
+  """
+  kd = maps.shape[-2]
+
+  def fold(carry, p):
+    state, picked = carry   # state entering piece p; picked [m, ...]: the wanted ones
+    picked = jnp.where((wanted == p)[:, None, None, None, None], state[None], picked)
+    out = jnp.einsum("bhkj,bhjv->bhkv", maps[p, ..., :kd], state, precision=_HIGHEST)
+    out = out + maps[p, ..., kd:]
+    if restart is not None:
+      out = jnp.where(restart[p][:, None, None, None], 0.0, out)
+    return (out, picked), None
+
+  picked = jnp.zeros(wanted.shape + state.shape, jnp.float32)
+  (state, picked), _ = jax.lax.scan(fold, (state, picked), jnp.arange(maps.shape[0]))
+  return picked, state
+
+
 def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
-              segment_ids: jax.Array | None = None, axis_name: str = CONTEXT_AXIS,
-              zigzag: bool = False, scale: float | None = None, chunk_size: int = 64,
+              segment_ids: jax.Array | None = None, zigzag: bool = False,
+              scale: float | None = None, chunk_size: int = 64,
               lower_bound: float | None = None, impl: str = "chunked") -> jax.Array:
-  """One shard of a context-parallel KDA (call inside shard_map over `axis_name`).
+  """One shard of a context-parallel KDA (call inside shard_map over `context`).
 
   Args:
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]: this shard's
@@ -157,7 +180,7 @@ def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     o: [B, T, HV, V] in v's dtype, equal to the single-device kda over the whole sequence.
   """
   b, t, hv, kd = g.shape
-  r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  r, n = jax.lax.axis_index(CONTEXT_AXIS), jax.lax.axis_size(CONTEXT_AXIS)
   table = piece_table(n, zigzag)
   m = table.shape[1]
   _check_pieces(t, m, "kda_shard")
@@ -171,36 +194,23 @@ def kda_shard(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   order = np.argsort(table.reshape(-1))
   in_sequence = lambda x: x.reshape(n * m, *x.shape[2:])[order]
   maps = maps.reshape(b, m, *maps.shape[1:]).swapaxes(0, 1)
-  maps_all = in_sequence(jax.lax.all_gather(maps, axis_name))      # [n m, B, HV, K, K + V]
-  total = n * m
-  if seg is None:
-    starts = jnp.zeros((total, b), bool)
-  else:  # piece p begins a new document iff its first id differs from piece p-1's last
+  maps_all = in_sequence(jax.lax.all_gather(maps, CONTEXT_AXIS))   # [n m, B, HV, K, K + V]
+  restart = None
+  if seg is not None:  # piece p + 1 begins a new document iff its first id differs from p's last
     ends = jnp.stack([seg[:, 0], seg[:, -1]]).reshape(2, b, m).transpose(2, 0, 1)
-    ends = in_sequence(jax.lax.all_gather(ends, axis_name))        # [n m, 2, B]
-    starts = jnp.concatenate([jnp.zeros((1, b), bool), ends[1:, 0] != ends[:-1, 1]])
-  mine = jnp.asarray(table)[r]                                       # [m] my pieces
-
-  def fold(carry, p):
-    state, picked = carry   # state entering piece p; picked [m, ...]: my pieces' states
-    picked = jnp.where((mine == p)[:, None, None, None, None], state[None], picked)
-    a, bm = maps_all[p, ..., :kd], maps_all[p, ..., kd:]
-    out = jnp.einsum("bhkj,bhjv->bhkv", a, state, precision=_HIGHEST) + bm
-    out = jnp.where(starts[jnp.minimum(p + 1, total - 1)][:, None, None, None], 0.0, out)
-    return (out, picked), None
-
+    ends = in_sequence(jax.lax.all_gather(ends, CONTEXT_AXIS))     # [n m, 2, B]
+    # (after the last piece: False, its state is not used)
+    restart = jnp.concatenate([ends[1:, 0] != ends[:-1, 1], jnp.zeros((1, b), bool)])
   zero = jnp.zeros((b, hv, kd, v.shape[-1]), jnp.float32)
-  (_, picked), _ = jax.lax.scan(fold, (zero, jnp.zeros((m,) + zero.shape, jnp.float32)),
-                                jnp.arange(total))
+  picked, _ = fold_maps(maps_all, zero, jnp.asarray(table)[r], restart)  # my pieces' states
   state = _flat(picked.swapaxes(0, 1))                               # [B m, HV, K, V]
   o, _ = kda(q, k, v, g, beta, initial_state=state, **common)
   return o.reshape(b, t, *o.shape[2:])
 
 
 def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
-                           segment_ids: jax.Array | None = None,
-                           axis_name: str = CONTEXT_AXIS, zigzag: bool = False, scale: float,
-                           block: int = 128) -> jax.Array:
+                           segment_ids: jax.Array | None = None, zigzag: bool = False,
+                           scale: float, block: int = 128) -> jax.Array:
   """One shard of context-parallel absorbed MLA attention (inside shard_map).
 
   Args:
@@ -212,7 +222,7 @@ def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
   Returns:
     [B, T, H, d_c] float32-accumulated sum_j softmax_j c_j in c's dtype (apply W_uv after).
   """
-  r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  r, n = jax.lax.axis_index(CONTEXT_AXIS), jax.lax.axis_size(CONTEXT_AXIS)
   table = piece_table(n, zigzag)
   m = table.shape[1]
   b, t = c.shape[:2]
@@ -221,7 +231,7 @@ def latent_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *,
   order = np.argsort(table.reshape(-1))
 
   def gathered(x):  # [B, T, ...] local -> [B, n T, ...] all pieces in sequence order
-    x_all = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    x_all = jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
     if m == 1:
       return x_all
     x_all = x_all.reshape(b, n * m, size, *x.shape[2:])[:, order]
@@ -279,7 +289,7 @@ class ContextParallel:
 
     def body(x):
       _check_pieces(x.shape[1], 2, "ContextParallel layout")
-      y = _route(_split(x, 2), sources, CONTEXT_AXIS)
+      y = _route(_split(x, 2), sources)
       return y.reshape(x.shape)
 
     return self._map(body, 1, rows=x.shape[0])(x)

@@ -40,15 +40,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import MLAConfig
-from hybridmoe_jax.ops.attention.absorbed import latent_attention_partial
+from hybridmoe_jax.ops.attention.absorbed import NEG_INF, latent_attention_partial
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
-from hybridmoe_jax.parallel.context import CONTEXT_AXIS, ContextParallel, affine_maps
+from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, affine_maps,
+                                            fold_maps)
 from hybridmoe_jax.config.sharding import DATA_AXES
 
 _F32 = jnp.float32
-_NEG = -1e30            # as layers.mla: an empty piece has max -1e30, sum 0
-_HIGHEST = jax.lax.Precision.HIGHEST
+_SEQ, _ROWS = P(DATA_AXES, CONTEXT_AXIS), P(DATA_AXES)   # [B, N or T, ...] / [B, ...] arrays
 
 
 class ShardedMLACache(NamedTuple):
@@ -69,7 +69,7 @@ class ShardedMLACache(NamedTuple):
     """An empty cache of n * slots_per_shard tokens per row, created sharded (never whole
     on one device)."""
     n, dt = mesh.shape[CONTEXT_AXIS], jnp.dtype(dtype)
-    seq, rep = NamedSharding(mesh, P(DATA_AXES, CONTEXT_AXIS)), NamedSharding(mesh, P(DATA_AXES))
+    seq, rep = NamedSharding(mesh, _SEQ), NamedSharding(mesh, _ROWS)
     make = jax.jit(lambda: cls(jnp.zeros((batch, n * slots_per_shard, cfg.kv_lora_rank), dt),
                                jnp.zeros((batch, n * slots_per_shard, cfg.qk_rope_head_dim), dt),
                                jnp.zeros((batch, n), jnp.int32)),
@@ -88,13 +88,8 @@ def _normalise(part: tuple) -> jax.Array:
   return part[2] / jnp.maximum(part[1], 1e-30)[..., None]
 
 
-def _empty_partial(b: int, t: int, h: int, d_c: int) -> tuple:
-  return (jnp.full((b, t, h), _NEG, _F32), jnp.zeros((b, t, h), _F32),
-          jnp.zeros((b, t, h, d_c), _F32))
-
-
-def kda_continue_shard(q, k, v, g, beta, *, initial_state: jax.Array,
-                       axis_name: str = CONTEXT_AXIS, **opts) -> tuple[jax.Array, jax.Array]:
+def kda_continue_shard(q, k, v, g, beta, *, initial_state: jax.Array, **opts
+                       ) -> tuple[jax.Array, jax.Array]:
   """One shard of a context-parallel KDA continuing from a state (inside shard_map).
 
   Args:
@@ -107,25 +102,17 @@ def kda_continue_shard(q, k, v, g, beta, *, initial_state: jax.Array,
     the same on every shard): equal to `kda(..., initial_state, output_final_state=True)`
     over the whole sequence.
   """
-  kd = g.shape[-1]
-  r = jax.lax.axis_index(axis_name)
   maps = affine_maps(q, k, v, g, beta, **opts)                      # [B, HV, K, K + V]
-  maps_all = jax.lax.all_gather(maps, axis_name)                     # [n, B, HV, K, K + V]
-
-  def fold(state, m):
-    state = jnp.einsum("bhkj,bhjv->bhkv", m[..., :kd], state, precision=_HIGHEST) + m[..., kd:]
-    return state, state
-
-  state0 = initial_state.astype(_F32)
-  final, after = jax.lax.scan(fold, state0, maps_all)                # after[i]: past shard i
-  before = jnp.concatenate([state0[None], after[:-1]])[r]
-  o, _ = kda(q, k, v, g, beta, initial_state=before, **opts)
+  maps_all = jax.lax.all_gather(maps, CONTEXT_AXIS)                  # [n, B, HV, K, K + V]
+  before, final = fold_maps(maps_all, initial_state.astype(_F32),
+                            jax.lax.axis_index(CONTEXT_AXIS)[None])
+  o, _ = kda(q, k, v, g, beta, initial_state=before[0], **opts)
   return o, final
 
 
 def prefill_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *, scale: float,
-                            kv_block: int, axis_name: str = CONTEXT_AXIS) -> jax.Array:
-  """Causal absorbed attention of a prompt sharded over `axis_name`, as a ring (inside
+                            kv_block: int) -> jax.Array:
+  """Causal absorbed attention of a prompt sharded over `context`, as a ring (inside
   shard_map): O(T / n) latents per device, never the whole sequence.
 
   Args:
@@ -137,7 +124,7 @@ def prefill_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *, scale
   """
   b, t, h, _ = q.shape
   d_c = c.shape[-1]
-  r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  r, n = jax.lax.axis_index(CONTEXT_AXIS), jax.lax.axis_size(CONTEXT_AXIS)
   q_pos = r * t + jnp.arange(t)
   perm = [(i, (i + 1) % n) for i in range(n)]
 
@@ -149,18 +136,19 @@ def prefill_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array, *, scale
 
   def step(s, carry):
     part, c_blk, r_blk = carry
-    c_blk, r_blk = jax.lax.ppermute((c_blk, r_blk), axis_name, perm)  # now from shard r - s
+    c_blk, r_blk = jax.lax.ppermute((c_blk, r_blk), CONTEXT_AXIS, perm)  # from shard r - s
     return attend(part, c_blk, r_blk, (r - s) % n), c_blk, r_blk
 
-  part = attend(_empty_partial(b, t, h, d_c), c, k_r, r)
+  empty = (jnp.full((b, t, h), NEG_INF, _F32), jnp.zeros((b, t, h), _F32),  # max, sum, out
+           jnp.zeros((b, t, h, d_c), _F32))
+  part = attend(empty, c, k_r, r)
   part, _, _ = jax.lax.fori_loop(1, n, step, (part, c, k_r))
   return _normalise(part)
 
 
 def decode_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array,
                            cache: ShardedMLACache, n_valid: jax.Array, *, scale: float,
-                           kv_block: int, axis_name: str = CONTEXT_AXIS
-                           ) -> tuple[jax.Array, ShardedMLACache]:
+                           kv_block: int) -> tuple[jax.Array, ShardedMLACache]:
   """One new token per row against a sharded latent cache (inside shard_map).
 
   Args:
@@ -172,7 +160,7 @@ def decode_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array,
     the least filled shard).
   """
   b = c.shape[0]
-  r, n = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+  r, n = jax.lax.axis_index(CONTEXT_AXIS), jax.lax.axis_size(CONTEXT_AXIS)
   n_loc = cache.c.shape[1]
   owner = jnp.argmin(cache.filled, axis=1)                                       # [B]
   slot = jnp.take_along_axis(cache.filled, owner[:, None], axis=1)[:, 0]
@@ -186,10 +174,10 @@ def decode_attention_shard(q: jax.Array, c: jax.Array, k_r: jax.Array,
   m, l, acc = latent_attention_partial(q, new_c, new_r, (local - 1)[:, None], local, scale,
                                        kv_block)
   # Log-sum-exp merge over the shards: [B, 1, H] and [B, 1, H, d_c] fp32, whatever T is.
-  m_all = jax.lax.pmax(m, axis_name)
+  m_all = jax.lax.pmax(m, CONTEXT_AXIS)
   w = jnp.exp(m - m_all)
-  l_all = jax.lax.psum(l * w, axis_name)
-  acc_all = jax.lax.psum(acc * w[..., None], axis_name)
+  l_all = jax.lax.psum(l * w, CONTEXT_AXIS)
+  acc_all = jax.lax.psum(acc * w[..., None], CONTEXT_AXIS)
   return _normalise((m_all, l_all, acc_all)), ShardedMLACache(new_c, new_r, filled)
 
 
@@ -215,11 +203,10 @@ class ContextDecode(ContextParallel):
                    ) -> tuple[jax.Array, jax.Array]:
     """`ops.kda.kda(..., initial_state, output_final_state=True)` over the whole sharded
     sequence (`kda_continue_shard`); the final state [B, HV, K, V] fp32 replicated."""
-    seq, rep = P(DATA_AXES, CONTEXT_AXIS), P(DATA_AXES)
     body = lambda q, k, v, g, b, s: kda_continue_shard(q, k, v, g, b, initial_state=s, **opts)
-    return jax.shard_map(body, mesh=self.mesh, in_specs=(seq,) * 5 + (rep,),
-                         out_specs=(seq, rep), check_vma=False)(q, k, v, g, beta,
-                                                                initial_state)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=(_SEQ,) * 5 + (_ROWS,),
+                         out_specs=(_SEQ, _ROWS), check_vma=False)(q, k, v, g, beta,
+                                                                   initial_state)
 
   def cached_latent_attention(self, q: jax.Array, c: jax.Array, k_r: jax.Array,
                               cache: ShardedMLACache, n_valid: jax.Array, *, scale: float,
@@ -237,14 +224,13 @@ class ContextDecode(ContextParallel):
       raise ValueError(f"ContextDecode needs ShardedMLACache layers in the cache, got "
                        f"{type(cache).__name__} (build it with ContextParallelEngine)")
     n, t = self.size, q.shape[1]
-    seq, rep = P(DATA_AXES, CONTEXT_AXIS), P(DATA_AXES)
-    cache_spec = ShardedMLACache(seq, seq, rep)
+    cache_spec = ShardedMLACache(_SEQ, _SEQ, _ROWS)
     if t == 1:
       body = lambda q, c, k_r, cache, nv: decode_attention_shard(
           q, c, k_r, cache, nv, scale=scale, kv_block=kv_block)
-      return jax.shard_map(body, mesh=self.mesh, in_specs=(rep, rep, rep, cache_spec, rep),
-                           out_specs=(rep, cache_spec), check_vma=False)(q, c, k_r, cache,
-                                                                         n_valid)
+      return jax.shard_map(body, mesh=self.mesh, in_specs=(_ROWS,) * 3 + (cache_spec, _ROWS),
+                           out_specs=(_ROWS, cache_spec), check_vma=False)(q, c, k_r, cache,
+                                                                           n_valid)
     if t % n:
       raise ValueError(f"a context-parallel prompt chunk must hold a multiple of "
                        f"mesh.context={n} tokens, got {t} (pad it)")
@@ -253,14 +239,14 @@ class ContextDecode(ContextParallel):
       raise ValueError(f"a prompt of {t} tokens needs {t_loc} slots per shard, the cache has "
                        f"{n_loc} (raise max_len)")
 
-    def body(q, c, k_r, cache_c, cache_r, nv):
+    def body(q, c, k_r, cache_c, cache_r):
       o = prefill_attention_shard(q, c, k_r, scale=scale, kv_block=kv_block)
       cache_c = jax.lax.dynamic_update_slice_in_dim(cache_c, c.astype(cache_c.dtype), 0, 1)
       cache_r = jax.lax.dynamic_update_slice_in_dim(cache_r, k_r.astype(cache_r.dtype), 0, 1)
       return o, cache_c, cache_r
 
-    o, new_c, new_r = jax.shard_map(body, mesh=self.mesh, in_specs=(seq,) * 5 + (rep,),
-                                    out_specs=(seq, seq, seq), check_vma=False)(
-                                        q, c, k_r, cache.c, cache.k_r, n_valid)
+    o, new_c, new_r = jax.shard_map(body, mesh=self.mesh, in_specs=(_SEQ,) * 5,
+                                    out_specs=(_SEQ,) * 3, check_vma=False)(
+                                        q, c, k_r, cache.c, cache.k_r)
     filled = jnp.clip(n_valid[:, None] - jnp.arange(n)[None, :] * t_loc, 0, t_loc)
     return o, ShardedMLACache(new_c, new_r, filled.astype(jnp.int32))

@@ -37,16 +37,16 @@ from hybridmoe_jax.ops.grouped_ffn import grouped_ffn
 from hybridmoe_jax.ops.routing import Routes
 from hybridmoe_jax.parallel.context import CONTEXT_AXIS
 from hybridmoe_jax.parallel.exchange import ExchangeImpl, ragged_all_to_all, resolve_impl
-from hybridmoe_jax.config.sharding import DATA_AXES, TOKEN_AXES, batch_axes
+from hybridmoe_jax.config.sharding import DATA_AXES, batch_axes
 
 _F32 = jnp.float32
 EXPERT_AXIS = "expert"
 
 
-def token_axes(mesh, num_tokens: int | None = None, rows: int | None = None
-               ) -> tuple[str, ...]:
-  """The axes the m tokens are split over: the layout they arrive in, then `expert` as the
-  minor axis when it is not among them (a local slice of each device's tokens).
+def token_axes(mesh, num_tokens: int, rows: int | None = None) -> tuple[str, ...]:
+  """The axes the m = `num_tokens` tokens are split over: the layout they arrive in, then
+  `expert` as the minor axis when it is not among them (a local slice of each device's
+  tokens).
 
   With `rows` (the m tokens are a flattened [rows, T] batch): its batch axes (`batch_axes`:
   data, fsdp, and expert where rows divide), then `context` when m splits over it (a context
@@ -55,8 +55,6 @@ def token_axes(mesh, num_tokens: int | None = None, rows: int | None = None
   over it, else (data, fsdp, expert) (a decode step's few rows, replicated over context)."""
   names, shape = mesh.axis_names, dict(mesh.shape)
   size = lambda axes: math.prod(shape[a] for a in axes)
-  if num_tokens is None:
-    return tuple(a for a in TOKEN_AXES if a in names)
   lay = (batch_axes(shape, rows) if rows is not None
          else tuple(a for a in DATA_AXES if a in names))
   for extra in (CONTEXT_AXIS, EXPERT_AXIS):
@@ -113,9 +111,8 @@ def exchange_plan(counts: jax.Array, me, capacity_rows: int) -> dict[str, jax.Ar
 
 def expert_parallel_shard(x, experts, weights, valid, w_gate, w_up, w_down, *,
                           glu: Callable, dtype, num_experts: int, num_shards: int,
-                          capacity_factor: float, impl: ExchangeImpl = "auto",
-                          axis_name: str = EXPERT_AXIS):
-  """The per-shard body (call inside shard_map; `axis_name` of size `num_shards`).
+                          capacity_factor: float, impl: ExchangeImpl = "auto"):
+  """The per-shard body (call inside shard_map; `expert` of size `num_shards`).
 
   Args:
     x: [m, n] local tokens (compute dtype); experts [m, k] int32 global expert ids;
@@ -130,16 +127,16 @@ def expert_parallel_shard(x, experts, weights, valid, w_gate, w_up, w_down, *,
   a = m * k
   e_local = num_experts // num_shards
   rows_cap = buffer_rows(a, num_shards, capacity_factor)
-  me = jax.lax.axis_index(axis_name)
+  me = jax.lax.axis_index(EXPERT_AXIS)
   flat = experts.reshape(-1).astype(jnp.int32)
   order = jnp.argsort(flat, stable=True)                      # sorted row -> assignment
   xs = jnp.take(x, order // k, axis=0).astype(dtype)          # [a, n] grouped by expert
   counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-  plan = exchange_plan(jax.lax.all_gather(counts, axis_name), me, rows_cap)
+  plan = exchange_plan(jax.lax.all_gather(counts, EXPERT_AXIS), me, rows_cap)
   n = x.shape[-1]
   recv = ragged_all_to_all(xs, jnp.zeros((rows_cap, n), dtype), plan["send_offsets"],
                            plan["send_sizes"], plan["dest_offsets"], plan["recv_sizes"],
-                           axis_name=axis_name, num_shards=num_shards, impl=impl)
+                           axis_name=EXPERT_AXIS, num_shards=num_shards, impl=impl)
   # Received rows come sender by sender, each sender's rows by local expert: find each row's
   # (sender, expert) run; rows past the filled part get the skip group e_local.
   pos = jnp.arange(rows_cap, dtype=jnp.int32)
@@ -149,7 +146,7 @@ def expert_parallel_shard(x, experts, weights, valid, w_gate, w_up, w_down, *,
   back = grouped_ffn(recv, local_e, w_gate, w_up, w_down, glu=glu, dtype=dtype).astype(dtype)
   ret = ragged_all_to_all(back, jnp.zeros((a, n), dtype), plan["recv_offsets"],
                           plan["recv_sizes"], plan["back_dest"], plan["back_recv"],
-                          axis_name=axis_name, num_shards=num_shards, impl=impl)
+                          axis_name=EXPERT_AXIS, num_shards=num_shards, impl=impl)
   y = jnp.zeros((a, n), _F32).at[order].set(ret.astype(_F32), unique_indices=True)
   y = jnp.einsum("mk,mkn->mn", weights.astype(_F32), y.reshape(m, k, n))
   # Sorted row r (going to shard d) survived iff it lies in the first send_sizes[d] rows.

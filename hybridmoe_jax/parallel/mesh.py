@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import MeshConfig
-from hybridmoe_jax.config.sharding import DATA_AXES, MESH_AXES, TOKEN_AXES, batch_axes
+from hybridmoe_jax.config.sharding import DATA_AXES, MESH_AXES, batch_axes
 
 
 def _bad(field: str, value: Any, allowed: str) -> ConfigError:

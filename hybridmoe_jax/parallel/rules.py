@@ -23,7 +23,7 @@ from absl import logging
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from hybridmoe_jax.config.sharding import LOGICAL_RULES, mesh_axes, path_string, spec_for
+from hybridmoe_jax.config.sharding import path_string, spec_for
 from hybridmoe_jax.model.stack import stacked_position
 
 _M = r"(^|/)"

@@ -19,7 +19,6 @@ from jax.sharding import Mesh
 from hybridmoe_jax.config import ComputeConfig, ConfigError, ModelConfig
 from hybridmoe_jax.ops.plan import LOCAL, ExecutionPlan
 from hybridmoe_jax.parallel import mesh as mesh_lib
-from hybridmoe_jax.parallel import shard_state
 from hybridmoe_jax.parallel.rules import tree_shardings
 from hybridmoe_jax.parallel.context import ContextParallel
 from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
@@ -29,7 +28,10 @@ from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
 class Runtime:
   """mesh (None: one device, unsharded); plan: where the model's ops run on it (`ops.plan`:
   the expert-parallel dispatch, the context runner when mesh.context > 1); state_shardings,
-  set once the state exists."""
+  set once the state exists: every leaf's NamedSharding (parameters, optimizer state,
+  routing biases, step, rng) from `parallel.rules.tree_shardings`, scalars and unmatched
+  leaves replicated. The state is any pytree (the train loop's TrainState): only its builder
+  and shapes are seen here."""
 
   mesh: Mesh | None
   plan: ExecutionPlan = LOCAL
@@ -42,19 +44,26 @@ class Runtime:
     if self.mesh is None:
       return abstract_state
     self.state_shardings = tree_shardings(abstract_state, self.mesh)
-    return shard_state.with_shardings(abstract_state, self.state_shardings)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_state, self.state_shardings)
 
   def init_state(self, build: Callable[[], Any], abstract_state):
-    """A fresh state: `build()` (zero-arg, returns the state) unsharded, or traced once and
-    initialised straight into the shards of `abstract_state`'s layout.
+    """A fresh state: `build()` (zero-arg, allocating, e.g. a model init) unsharded, or
+    traced once and initialised straight into the shards of `abstract_state`'s layout
+    (its shapes and dtypes, `jax.eval_shape(build)`).
 
+    Sharded, the init runs under jit with `out_shardings`, so no device ever holds the
+    whole model; values equal an unsharded `build()` (same seeds, partitionable RNG).
     Unsharded, the state is committed to the first device, as a restored one is (orbax
     commits what it reads): jit keys its programs on that, so a resumed run finds the
     programs of a fresh one in the persistent compilation cache instead of compiling all
     of them again."""
     if self.mesh is None:
       return jax.device_put(build(), jax.devices()[0])
-    state, self.state_shardings = shard_state.init_sharded(build, abstract_state, self.mesh)
+    shardings = tree_shardings(abstract_state, self.mesh)
+    with jax.set_mesh(self.mesh):
+      state = jax.jit(build, out_shardings=shardings)()
+    self.state_shardings = shardings
     return state
 
   def step_kwargs(self, train: bool = True) -> dict[str, Any]:

@@ -37,18 +37,6 @@ class TopologyUnavailable(ConfigError):
   one line)."""
 
 
-def install_hint() -> str:
-  """The one command that brings the TPU compiler matching the installed jax."""
-  return (f"pip install -e \".[tpu]\" (or pip install \"jax[tpu]=={jax.__version__}\"; "
-          "the same version as the installed jax)")
-
-
-def gpu_install_hint() -> str:
-  """The one command that brings the CUDA plugin (XLA:GPU, Triton, ptxas) for the installed jax."""
-  return (f"pip install -e \".[gpu]\" (or pip install \"jax[cuda12]=={jax.__version__}\"; "
-          "the same version as the installed jax)")
-
-
 def has_cuda_plugin() -> bool:
   """Whether jax's CUDA plugin (the XLA:GPU compiler) is installed."""
   return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -79,7 +67,9 @@ def topology_devices(name: str) -> list:
   chip, libtpu_name, chips = parse_topology(name)
   if importlib.util.find_spec("libtpu") is None:
     raise TopologyUnavailable(f"hardware.topology={name!r} needs the TPU compiler (libtpu), "
-                              f"not installed: {install_hint()}")
+                              f"not installed: pip install -e \".[tpu]\" (or pip install "
+                              f"\"jax[tpu]=={jax.__version__}\"; the same version as the "
+                              "installed jax)")
   _quiet_libtpu(libtpu_name.split(":")[0])
   return _described(name, "libtpu", libtpu_name, chips, chip, platform="tpu",
                     topology_name=libtpu_name)
@@ -133,7 +123,9 @@ def gpu_topology_devices(name: str) -> list:
   chip, jax_topology, chips = parse_topology(name)
   if not has_cuda_plugin():
     raise TopologyUnavailable(f"hardware.topology={name!r} needs the GPU compiler (jax's CUDA "
-                              f"plugin), not installed: {gpu_install_hint()}")
+                              f"plugin), not installed: pip install -e \".[gpu]\" (or pip "
+                              f"install \"jax[cuda12]=={jax.__version__}\"; the same version "
+                              "as the installed jax)")
   platforms = _platforms()
   if platforms != "cpu":
     raise TopologyUnavailable(f"hardware.topology={name!r}: compiling for GPUs without one needs "

@@ -32,6 +32,9 @@ from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES, TokenizerError
 from hybridmoe_jax.rl.envs.base import Action, Answer, Malformed, Observation, ToolCall
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool_result")
+# An OpenAI-style message's role -> its MESSAGE_ROLES role (the server's and `api.chat`'s).
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user",
+                "assistant": "assistant", "tool": "tool_result"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CALL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:[ \n](.*))?", re.DOTALL)
 

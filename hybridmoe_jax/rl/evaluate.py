@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from hybridmoe_jax.config import is_int, is_number
+from hybridmoe_jax.data.retrieval import distinct
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.rl import chat_format, trajectory_log
@@ -45,12 +46,7 @@ def eval_seeds(seed: int, env: str, level: int, n: int) -> list[int]:
   """n distinct task seeds in [EVAL_SEED_LO, EVAL_SEED_HI), a function of (seed, env,
   level) only (the env name is part of the stream: two envs get different tasks)."""
   rng = np.random.default_rng([int(seed), int(level), *env.encode()])
-  out: list[int] = []
-  while len(out) < n:
-    s = int(rng.integers(EVAL_SEED_LO, EVAL_SEED_HI))
-    if s not in out:
-      out.append(s)
-  return out
+  return distinct(lambda: int(rng.integers(EVAL_SEED_LO, EVAL_SEED_HI)), n)
 
 
 def _sample_seeds(seed: int, env: str, level: int, n: int) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridmoe_jax.rl.chat_format import Message, action_text
+from hybridmoe_jax.rl.chat_format import OPENAI_ROLES, Message, action_text
 from hybridmoe_jax.rl.envs.base import Answer, ToolCall, ToolSpec
 
 MAX_BODY_BYTES = 16 * 2**20   # the server's default body limit (--max_body_bytes)
@@ -384,14 +384,10 @@ def parse_chat(body: Any) -> ChatRequest:
   out = []
   for i, m in enumerate(messages):
     role = m.get("role") if isinstance(m, dict) else None
-    if role in ("system", "developer"):
-      out.append(Message("system", _content(m, i, required=True)))
-    elif role == "user":
-      out.append(Message("user", _content(m, i, required=True)))
-    elif role == "assistant":
+    if role == "assistant":
       out.append(_assistant(m, i))
-    elif role == "tool":
-      out.append(Message("tool_result", _content(m, i, required=True)))
+    elif isinstance(role, str) and role in OPENAI_ROLES:   # (a JSON list is unhashable)
+      out.append(Message(OPENAI_ROLES[role], _content(m, i, required=True)))
     else:
       raise _fail(f"messages[{i}].role", f"{role!r} is invalid: allowed system, developer, "
                                          "user, assistant, tool")

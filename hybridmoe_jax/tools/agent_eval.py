@@ -18,7 +18,6 @@ from that section too; --agent_brief, when given, sets `brief` in every env's kw
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any, Callable, Mapping
@@ -28,10 +27,9 @@ from hybridmoe_jax.data.tokenizers.load import TOKENIZER_DIR, tokenizer_from_dir
 from hybridmoe_jax.data.tokenizers.base import CHAT_ROLES
 from hybridmoe_jax.config.flags import load_model_config
 from hybridmoe_jax.loading import check_model_dir, load_model
-from hybridmoe_jax.evals.runner import default_output_dir
+from hybridmoe_jax.evals.runner import default_output_dir, write_result
 from hybridmoe_jax.rl.envs import env_names
 from hybridmoe_jax.rl.evaluate import POLICIES, evaluate_agent, format_agent_table
-from hybridmoe_jax.train import checkpoint as ckpt_lib
 
 DEFAULT_ENV = "arithmetic"
 
@@ -136,19 +134,6 @@ def resolve_envs(opts: AgentOptions, saved_config: Mapping[str, Any] | None
   return out
 
 
-def saved_run_config(workdir: str, step: int) -> dict | None:
-  """The run config JSON saved with checkpoint `step` (meta["config"]), or None."""
-  ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
-  try:
-    meta = ckpt.read_meta(step)
-  finally:
-    ckpt.close()
-  try:
-    return json.loads(meta["config"])
-  except (KeyError, TypeError, ValueError):
-    return None
-
-
 def _chat_tokenizer(source: str, vision: bool):
   tok = tokenizer_from_dir(os.path.join(source, TOKENIZER_DIR),
                                          vision=vision)
@@ -184,8 +169,7 @@ def run_agent_eval(*, workdir: str | None, params: str | None, output_dir: str |
   model, info = load_model(workdir=workdir, params=params, expected=expected)
   info.pop("data_config", None)
   tok = _chat_tokenizer(source, vision=model.cfg.vision.enabled)
-  saved = saved_run_config(workdir, info["step"]) if workdir else None
-  envs = resolve_envs(options, saved)
+  envs = resolve_envs(options, info.pop("run_config", None))
   levels = {name: options.levels for name in envs}
   output_dir = output_dir or default_output_dir(workdir, params)
   where = f"step {info['step']} of {workdir}" if "step" in info else params
@@ -210,11 +194,8 @@ def run_agent_eval(*, workdir: str | None, params: str | None, output_dir: str |
   echo(format_agent_table(results))
   os.makedirs(output_dir, exist_ok=True)
   json_path = os.path.join(output_dir, "agent.json")
-  tmp = json_path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"task": "agent", "model": info, "options": dataclasses.asdict(options),
-               "envs": envs, "results": results}, f, indent=1)
-  os.replace(tmp, json_path)
+  write_result(json_path, {"task": "agent", "model": info, "options": dataclasses.asdict(options),
+                           "envs": envs, "results": results})
   fig_path = plots.save(plots.agent_eval_bars(results),
                         os.path.join(output_dir, "agent_success.png"))
   echo(f"results in {output_dir}")

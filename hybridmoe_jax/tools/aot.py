@@ -313,8 +313,7 @@ def _serve_plan(run: RunConfig, mesh) -> ExecutionPlan:
 
 
 def _mesh(run: RunConfig, devices):
-  sizes = dataclasses.asdict(run.mesh)
-  return build_mesh({a: v for a, v in sizes.items() if a != "context_zigzag"}, devices)
+  return build_mesh(run.mesh.axis_sizes(), devices)
 
 
 def serve_programs(run: RunConfig, devices, *, max_len: int, prefill_chunk: int,

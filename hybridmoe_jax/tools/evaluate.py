@@ -57,6 +57,7 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   if task == "all" and model.cfg.vision.enabled:
     tasks.append("vqa")
   data = info.pop("data_config", None)
+  info.pop("run_config", None)
   # The run's own tokenizer (copied there by the train loop); bytes when there is none.
   tok = tokenizer_from_dir(
       os.path.join(workdir or params, TOKENIZER_DIR),

@@ -19,6 +19,7 @@ import string
 
 import numpy as np
 
+from hybridmoe_jax.data.retrieval import distinct
 from hybridmoe_jax.rl.envs.base import Answer, Environment, Tool, ToolCall, register_env
 
 _LETTERS = np.array(list(string.ascii_lowercase))
@@ -62,13 +63,8 @@ class RetrievalEnv(Environment):
 
   def _make_task(self, rng, level):
     hops, n = self.horizon(level), self.num_lines(level)
-    keys: list[str] = []
-    seen = set()
-    while len(keys) < n:  # unique random keys (26**6 of them: collisions are rare)
-      key = "".join(rng.choice(_LETTERS, 6))
-      if key not in seen:
-        seen.add(key)
-        keys.append(key)
+    # unique random keys (26**6 of them: collisions are rare)
+    keys = distinct(lambda: "".join(rng.choice(_LETTERS, 6)), n)
     numbers = iter(rng.choice(900_000, size=n, replace=False) + 100_000)
     table = {}
     # The answer chain: hops keys, each pointing to the next, the last to a number.
