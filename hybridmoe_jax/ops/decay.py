@@ -32,13 +32,17 @@ def check_lower_bound(lower_bound: float) -> None:
     raise ValueError(f"lower_bound must be in [{MIN_LOWER_BOUND}, 0), got {lower_bound!r}")
 
 
-def _per_channel(param: jax.Array, hv: int, k: int, name: str) -> jax.Array:
-  """Reshapes a [HV*K] or [HV, K] parameter to [HV, K] float32."""
-  param = jnp.asarray(param, jnp.float32)
-  if param.size != hv * k or param.ndim not in (1, 2):
-    raise ValueError(f"{name} must have shape [HV*K] or [HV, K] = [{hv}, {k}], "
-                     f"got {param.shape}")
-  return param.reshape(hv, k)
+def _biased(x: jax.Array, dt_bias: jax.Array | None) -> jax.Array:
+  """x [..., HV, K] in float32, plus the per-channel dt_bias ([HV*K] or [HV, K]) if given."""
+  x = jnp.asarray(x, jnp.float32)
+  if dt_bias is None:
+    return x
+  hv, k = x.shape[-2:]
+  dt_bias = jnp.asarray(dt_bias, jnp.float32)
+  if dt_bias.size != hv * k or dt_bias.ndim not in (1, 2):
+    raise ValueError(f"dt_bias must have shape [HV*K] or [HV, K] = [{hv}, {k}], "
+                     f"got {dt_bias.shape}")
+  return x + dt_bias.reshape(hv, k)
 
 
 def _per_head(a_log: jax.Array, hv: int) -> jax.Array:
@@ -66,12 +70,9 @@ def bounded_log_decay(x: jax.Array, *, lower_bound: float = -5.0, a_log: jax.Arr
     ValueError: lower_bound outside [-5, 0), or a parameter of the wrong shape.
   """
   check_lower_bound(lower_bound)
-  x = jnp.asarray(x, jnp.float32)
-  hv, k = x.shape[-2:]
-  if dt_bias is not None:
-    x = x + _per_channel(dt_bias, hv, k, "dt_bias")
+  x = _biased(x, dt_bias)
   if a_log is not None:
-    x = x * _per_head(a_log, hv)
+    x = x * _per_head(a_log, x.shape[-2])
   return jnp.float32(lower_bound) * jax.nn.sigmoid(x)
 
 
@@ -87,8 +88,5 @@ def unbounded_log_decay(x: jax.Array, *, a_log: jax.Array, dt_bias: jax.Array | 
   Returns:
     g: [..., HV, K] float32 log decay.
   """
-  x = jnp.asarray(x, jnp.float32)
-  hv, k = x.shape[-2:]
-  if dt_bias is not None:
-    x = x + _per_channel(dt_bias, hv, k, "dt_bias")
-  return -_per_head(a_log, hv) * jax.nn.softplus(x)
+  x = _biased(x, dt_bias)
+  return -_per_head(a_log, x.shape[-2]) * jax.nn.softplus(x)

@@ -21,7 +21,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from hybridmoe_jax.ops.routing import top_k_with_cutoff
+from hybridmoe_jax.ops.routing import expert_load, top_k_with_cutoff
 
 QBMethod = Literal["exact", "histogram"]
 
@@ -79,17 +79,13 @@ def qb_histogram(scores: jax.Array, bias: jax.Array, k: int, num_bins: int,
     [E, num_bins] int32 counts; values outside the range are clipped into the end bins.
   """
   r = _residuals(scores, bias, k, cutoff)
-  m, num_experts = r.shape
+  num_experts = r.shape[1]
   lo, hi = qb_range(bias)
   width = (hi - lo) / num_bins
   idx = jnp.clip(jnp.floor((r - lo) / width), 0, num_bins - 1).astype(jnp.int32)
-  ones = jnp.ones((m, num_experts), jnp.int32)
-  if mask is not None:
-    ones = ones * mask.astype(jnp.int32)[:, None]
-  expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32), (m, num_experts))
-  flat = (expert * num_bins + idx).reshape(-1)
-  hist = jnp.zeros((num_experts * num_bins,), jnp.int32).at[flat].add(ones.reshape(-1))
-  return hist.reshape(num_experts, num_bins)
+  # Token i counts once in cell (j, idx_ij) of every expert j: a load over E x num_bins cells.
+  cells = jnp.arange(num_experts, dtype=jnp.int32) * num_bins + idx     # [m, E]
+  return expert_load(cells, num_experts * num_bins, mask).reshape(num_experts, num_bins)
 
 
 def _histogram_quantile(hist, lo, hi, target):

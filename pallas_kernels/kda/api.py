@@ -45,10 +45,6 @@ class Static:
   lower_bound: float
   interpret: bool
 
-  @property
-  def kernels(self):
-    return kernel_tpu if self.backend == "tpu" else kernel_gpu
-
 
 def _head_major(x: jax.Array, tp: int, dtype=None) -> jax.Array:
   """[B, T, H, F] -> [B, H, Tp, F], zero-padded along T (optionally cast)."""
@@ -83,7 +79,7 @@ def _forward_split(q, k, v, g, beta, h0, seg, st: Static):
     return o, _unflat_t(ht_t, B)
   tp = padded_length(T, st.backend, st.cfg)  # seg's length
   prep = _prep(*(_pad_t(x, tp) for x in (q, k, v, g, beta)), seg, st)
-  o, ht_t = st.kernels.recurrent_forward(
+  o, ht_t = kernel_tpu.recurrent_forward(
       prep.w, prep.u, prep.q_in, prep.k_out, prep.a_qk, prep.decay, _flat_t(h0),
       out_dtype=v.dtype, cfg=st.cfg, interpret=st.interpret)
   return jnp.swapaxes(o.reshape(B, HV, -1, V), 1, 2)[:, :T], _unflat_t(ht_t, B)
@@ -157,7 +153,7 @@ def _forward(q, k, v, g, beta, h0, seg, st: Static):
     return _tpu_forward(q, k, v, g, beta, h0, seg, st, save_states=False)[0]
   T, C = q.shape[1], st.cfg.chunk_size
   tp = -(-T // C) * C
-  o, ht_t = st.kernels.forward(
+  o, ht_t = kernel_gpu.forward(
       _head_major(q, tp), _head_major(k, tp), _head_major(v, tp),
       _head_major(g, tp, _f32), _head_major(beta[..., None], tp, _f32),
       jnp.swapaxes(h0.astype(_f32), -1, -2),
@@ -197,12 +193,9 @@ def _fwd(q, k, v, g, beta, h0, seg, st):
 
 
 def _bwd(st: Static, res, cts):
-  q, k, v, g, beta, h0, seg, _ = res
-  if st.backend == "tpu":
-    grads = _tpu_backward(res, cts, st)
-  else:
-    grads = _gpu_backward(res, cts, st)
+  grads = (_tpu_backward if st.backend == "tpu" else _gpu_backward)(res, cts, st)
   grads = tuple(d.astype(x.dtype) for d, x in zip(grads, res))
+  seg = res[6]
   return grads + (None if seg is None else jnp.zeros_like(seg),)
 
 

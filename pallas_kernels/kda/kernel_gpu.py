@@ -87,21 +87,10 @@ def forward(q, k, v, g, beta, h0t, seg=None, *, cfg: GpuConfig, scale: float,
   )(q, k, v, g, beta, h0t, *extra)
 
 
-def _parallel_params(cfg: GpuConfig, warps: int = 8):
-  """The chunk-parallel kernels hold whole [C, K] fp32 tiles: `warps` (at least) spread them
+def _parallel_params(cfg: GpuConfig):
+  """The chunk-parallel kernels hold whole [C, K] fp32 tiles: 8 warps (at least) spread them
   over enough threads to stay in registers."""
-  return plgpu.CompilerParams(num_warps=max(cfg.num_warps, warps), num_stages=cfg.num_stages)
-
-
-def _per_chunk_specs(C, K, BV):
-  """Block specs over the chunk layout [BH, N, C, F] for the chunk-parallel grid (BH, N, NV):
-  one chunk (and one value tile) per program."""
-  k_side = pl.BlockSpec((None, None, C, K), lambda i, n, j: (i, n, 0, 0))
-  v_side = pl.BlockSpec((None, None, C, BV), lambda i, n, j: (i, n, 0, j))
-  a_spec = pl.BlockSpec((None, None, C, C), lambda i, n, j: (i, n, 0, 0))
-  decay = pl.BlockSpec((None, None, 1, K), lambda i, n, j: (i, n, 0, 0))
-  state = pl.BlockSpec((None, None, BV, K), lambda i, n, j: (i, n, j, 0))
-  return k_side, v_side, a_spec, decay, state
+  return plgpu.CompilerParams(num_warps=max(cfg.num_warps, 8), num_stages=cfg.num_stages)
 
 
 # The value tile of the two sequential passes (states forward, state gradients backward).
@@ -113,18 +102,46 @@ def _per_chunk_specs(C, K, BV):
 STATE_BV = 8
 
 
-def _sequential_specs(N, C, K, V):
-  """Block specs of the sequential passes over the chunk layout [BH, N, C, F], grid
-  (BH, V // bv), bv = min(STATE_BV, V): K-side and value-side chunks, the decay as a
-  column [N, K, 1] (it scales the rows of S [K, bv]), and states in the transposed layout
-  [.., V, K] of the other kernels."""
+def _sequential_pass(body, ins, sides: str, s0t, *, reverse: bool, name: str,
+                     cfg: GpuConfig, interpret: bool):
+  """A sequential pass over the chunk layout [BH, N, C, F] (ins[0] is [BH, N, C, K]), grid
+  (BH, V // bv), bv = min(STATE_BV, V): the carry S [K, bv] (a state or a state gradient)
+  starts from s0t [BH, V, K] and walks the N chunks, last first if `reverse`;
+  body(n, S, *refs) -> the carry after chunk n, refs those of `ins`, whose blocks `sides`
+  names per input: "k" K-side chunks, "v" value-side chunks, "a" [C, C] chunks, "d" the
+  decay as a column [N, K, 1] (it scales the rows of S). Returns the carry entering every
+  chunk [BH, N, V, K] f32 and the last one [BH, V, K] f32, in the transposed layout of the
+  other kernels."""
+  BH, N, C, K = ins[0].shape
+  V = s0t.shape[1]
   bv = min(STATE_BV, V)
-  k_side = pl.BlockSpec((None, N, C, K), lambda i, j: (i, 0, 0, 0))
-  v_side = pl.BlockSpec((None, N, C, bv), lambda i, j: (i, 0, 0, j))
-  decay = pl.BlockSpec((None, N, K, 1), lambda i, j: (i, 0, 0, 0))
+  specs = dict(k=pl.BlockSpec((None, N, C, K), lambda i, j: (i, 0, 0, 0)),
+               v=pl.BlockSpec((None, N, C, bv), lambda i, j: (i, 0, 0, j)),
+               a=pl.BlockSpec((None, N, C, C), lambda i, j: (i, 0, 0, 0)),
+               d=pl.BlockSpec((None, N, K, 1), lambda i, j: (i, 0, 0, 0)))
   state = pl.BlockSpec((None, bv, K), lambda i, j: (i, j, 0))
-  states = pl.BlockSpec((None, N, bv, K), lambda i, j: (i, 0, j, 0))
-  return bv, k_side, v_side, decay, state, states
+
+  def kernel(*refs):
+    *in_refs, s0_ref, carries_ref, last_ref = refs
+
+    def step(i, S):
+      n = N - 1 - i if reverse else i
+      carries_ref[n] = S.T
+      return body(n, S, *in_refs)
+
+    last_ref[...] = lax.fori_loop(0, N, step, s0_ref[...].T).T
+
+  return pl.pallas_call(
+      kernel,
+      grid=(BH, V // bv),
+      in_specs=[specs[side] for side in sides] + [state],
+      out_specs=[pl.BlockSpec((None, N, bv, K), lambda i, j: (i, 0, j, 0)), state],
+      out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
+                 jax.ShapeDtypeStruct((BH, V, K), _f32)],
+      compiler_params=_params(cfg),
+      interpret=interpret,
+      name=name,
+  )(*ins, s0t)
 
 
 def _states_and_final(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
@@ -132,35 +149,15 @@ def _states_and_final(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: boo
   state [BH, V, K] f32. Per chunk two [C, K] x [K, 8] products: the light part of the
   recurrence (chunk_prep did the 16 x 16 solves, chunk-parallel, in XLA). The carry is
   S = St^T [K, 8] (see STATE_BV); states are stored transposed."""
-  BH, N, C, K = w.shape
-  V = u.shape[-1]
+  BH, N, _, K = w.shape
   prec = lax_precision(cfg.precision)
-  bv, k_side, v_side, decay_spec, state, states_spec = _sequential_specs(N, C, K, V)
 
-  def kernel(w_ref, u_ref, ko_ref, d_ref, s0_ref, st_ref, ht_ref):
-    def body(n, S):
-      st_ref[n] = S.T
-      v_new = u_ref[n] - mm(w_ref[n], S, prec)
-      return S * d_ref[n] + mm_tn(ko_ref[n], v_new, prec)
+  def body(n, S, w_ref, u_ref, ko_ref, d_ref):
+    v_new = u_ref[n] - mm(w_ref[n], S, prec)
+    return S * d_ref[n] + mm_tn(ko_ref[n], v_new, prec)
 
-    ht_ref[...] = lax.fori_loop(0, N, body, s0_ref[...].T).T
-
-  return pl.pallas_call(
-      kernel,
-      grid=(BH, V // bv),
-      in_specs=[k_side, v_side, k_side, decay_spec, state],
-      out_specs=[states_spec, state],
-      out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
-                 jax.ShapeDtypeStruct((BH, V, K), _f32)],
-      compiler_params=_params(cfg),
-      interpret=interpret,
-      name="kda_states_gpu",
-  )(w, u, k_out, decay.reshape(BH, N, K, 1), s0t)
-
-
-def states(w, u, k_out, decay, s0t, *, cfg: GpuConfig, interpret: bool):
-  """States entering each chunk: St [BH, N, V, K] f32 from chunk_prep's w, u, k_out, decay."""
-  return _states_and_final(w, u, k_out, decay, s0t, cfg=cfg, interpret=interpret)[0]
+  return _sequential_pass(body, (w, u, k_out, decay.reshape(BH, N, K, 1)), "kvkd", s0t,
+                          reverse=False, name="kda_states_gpu", cfg=cfg, interpret=interpret)
 
 
 def _outputs(w, u, q_in, a_qk, st, *, out_dtype, cfg: GpuConfig, interpret: bool):
@@ -169,7 +166,11 @@ def _outputs(w, u, q_in, a_qk, st, *, out_dtype, cfg: GpuConfig, interpret: bool
   BH, N, C, K = w.shape
   V, BV = u.shape[-1], cfg.block_v
   prec = lax_precision(cfg.precision)
-  k_side, v_side, a_spec, _, state = _per_chunk_specs(C, K, BV)
+  # Over the chunk layout [BH, N, C, F], grid (BH, N, V // BV).
+  k_side = pl.BlockSpec((None, None, C, K), lambda i, n, j: (i, n, 0, 0))
+  v_side = pl.BlockSpec((None, None, C, BV), lambda i, n, j: (i, n, 0, j))
+  a_spec = pl.BlockSpec((None, None, C, C), lambda i, n, j: (i, n, 0, 0))
+  state = pl.BlockSpec((None, None, BV, K), lambda i, n, j: (i, n, j, 0))
 
   def kernel(w_ref, u_ref, qi_ref, a_ref, st_ref, o_ref):
     St = st_ref[...]
@@ -205,33 +206,17 @@ def _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, *, cfg: GpuConfig, inte
   f32, and w.r.t. the initial state [BH, V, K]. It needs no forward state:
   dS_in = q_in^T do + decay dS - W^T dVn with dVn = A^T do + k_out dS. The carry is
   dS [K, 8] (STATE_BV); the gradients are stored transposed."""
-  BH, N, C, K = w.shape
-  V = do.shape[-1]
+  BH, N, _, K = w.shape
   prec = lax_precision(cfg.precision)
-  bv, k_side, v_side, decay_spec, state, states_spec = _sequential_specs(N, C, K, V)
-  a_spec = pl.BlockSpec((None, N, C, C), lambda i, j: (i, 0, 0, 0))
 
-  def kernel(w_ref, qi_ref, ko_ref, a_ref, do_ref, d_ref, dht_ref, dst_ref, ds0_ref):
-    def body(i, dS):
-      n = N - 1 - i
-      dst_ref[n] = dS.T
-      do = do_ref[n].astype(_f32)
-      dv_new = mm_tn(a_ref[n], do, prec) + mm(ko_ref[n], dS, prec)
-      return mm_tn(qi_ref[n], do, prec) + dS * d_ref[n] - mm_tn(w_ref[n], dv_new, prec)
+  def body(n, dS, w_ref, qi_ref, ko_ref, a_ref, do_ref, d_ref):
+    do = do_ref[n].astype(_f32)
+    dv_new = mm_tn(a_ref[n], do, prec) + mm(ko_ref[n], dS, prec)
+    return mm_tn(qi_ref[n], do, prec) + dS * d_ref[n] - mm_tn(w_ref[n], dv_new, prec)
 
-    ds0_ref[...] = lax.fori_loop(0, N, body, dht_ref[...].T).T
-
-  return pl.pallas_call(
-      kernel,
-      grid=(BH, V // bv),
-      in_specs=[k_side, k_side, k_side, a_spec, v_side, decay_spec, state],
-      out_specs=[states_spec, state],
-      out_shape=[jax.ShapeDtypeStruct((BH, N, V, K), _f32),
-                 jax.ShapeDtypeStruct((BH, V, K), _f32)],
-      compiler_params=_params(cfg),
-      interpret=interpret,
-      name="kda_dstates_gpu",
-  )(w, q_in, k_out, a_qk, do, decay.reshape(BH, N, K, 1), dht_t)
+  return _sequential_pass(body, (w, q_in, k_out, a_qk, do, decay.reshape(BH, N, K, 1)),
+                          "kkkavd", dht_t, reverse=True, name="kda_dstates_gpu", cfg=cfg,
+                          interpret=interpret)
 
 
 def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
@@ -253,12 +238,13 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   prec = lax_precision(cfg.precision)
   dst, ds0 = _state_grads(w, q_in, k_out, a_qk, do, decay, dht_t, cfg=cfg,
                           interpret=interpret)
-  k_side = pl.BlockSpec((None, None, C, K), lambda i, n: (i, n, 0, 0))
-  v_all = pl.BlockSpec((None, None, C, V), lambda i, n: (i, n, 0, 0))
-  a_spec = pl.BlockSpec((None, None, C, C), lambda i, n: (i, n, 0, 0))
-  states_spec = pl.BlockSpec((None, None, V, K), lambda i, n: (i, n, 0, 0))
+
+  def per_chunk(rows, cols):  # [rows, cols] of chunk n of head i, whatever the third axis
+    return pl.BlockSpec((None, None, rows, cols), lambda i, n, h: (i, n, 0, 0))
+
+  k_side, v_all, states_spec = per_chunk(C, K), per_chunk(C, V), per_chunk(V, K)
   ins = (w, k_out, a_qk, u, do, st, dst)
-  in_specs = [k_side, k_side, a_spec, v_all, v_all, states_spec, states_spec]
+  in_specs = [k_side, k_side, per_chunk(C, C), v_all, v_all, states_spec, states_spec]
 
   def walk(refs, step, init, first=0, count=NV):
     """fori_loop over value tiles first .. first + count - 1 (not unrolled: only the
@@ -310,13 +296,11 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
                                                      jnp.zeros((1, K), _f32)),
                                     first=pl.program_id(2) * per, count=per)
 
-  by_half = [pl.BlockSpec(spec.block_shape, lambda i, n, h, f=spec.index_map: f(i, n))
-             for spec in in_specs]
   half_out = pl.BlockSpec((None, None, None, C, KH), lambda i, n, h: (0, i, n, 0, h))
   dw, dq_in, dk_out = pl.pallas_call(
       k_side_kernel,
       grid=(BH, N, NK),
-      in_specs=by_half,
+      in_specs=in_specs,
       out_specs=[half_out] * 3,
       out_shape=[jax.ShapeDtypeStruct((1, BH, N, C, K), _f32)] * 3,
       compiler_params=_parallel_params(cfg),
@@ -326,9 +310,9 @@ def backward(w, q_in, k_out, a_qk, u, do, decay, st, dht_t, *, cfg: GpuConfig,
   da, du, ddecay = pl.pallas_call(
       score_kernel,
       grid=(BH, N, NG),
-      in_specs=by_half,
+      in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, None, C, C), lambda i, n, h: (h, i, n, 0, 0)),
-                 pl.BlockSpec(v_all.block_shape, lambda i, n, h: (i, n, 0, 0)),
+                 v_all,
                  pl.BlockSpec((None, None, None, 1, K), lambda i, n, h: (h, i, n, 0, 0))],
       out_shape=[jax.ShapeDtypeStruct((NG, BH, N, C, C), _f32),
                  jax.ShapeDtypeStruct((BH, N, C, V), _f32),
@@ -461,9 +445,9 @@ def sliced_backward(q, k, v, g, beta, seg, s0t, do, dht_t, *, prep_fn, cfg: GpuC
     s = slices - 1 - i
     dSt, grads = carry
     prep, prep_vjp = jax.vjp(lambda *a: prep_fn(*a, seg_of(s)), *inputs_of(s))
-    st = states(prep.w, prep.u, prep.k_out, prep.decay,
-                lax.dynamic_index_in_dim(entering, s, axis=0, keepdims=False), cfg=cfg,
-                interpret=interpret)
+    st, _ = _states_and_final(prep.w, prep.u, prep.k_out, prep.decay,
+                              lax.dynamic_index_in_dim(entering, s, axis=0, keepdims=False),
+                              cfg=cfg, interpret=interpret)
     dw, dq_in, dk_out, da, du, ddecay, dSt = backward(
         prep.w, prep.q_in, prep.k_out, prep.a_qk, prep.u,
         _value_chunks(take(dop, s, do.shape[2:]), C), prep.decay, st, dSt, cfg=cfg,

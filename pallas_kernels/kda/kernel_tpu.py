@@ -87,7 +87,6 @@ def forward(q, k, v, g, beta, h0t, seg=None, *, lay: Layout, cfg: TpuConfig, sca
   packed = seg is not None
 
   def kernel(*refs):
-    refs = list(refs)
     q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref = refs[:6]
     seg_ref = refs[6] if packed else None
     outs = refs[6 + packed:-1]
@@ -182,7 +181,6 @@ def backward(q, k, v, g, beta, seg, do, states, dht_t, *, lay: Layout, cfg: TpuC
                             prec=prec)
 
   def kernel(*refs):
-    refs = list(refs)
     q_ref, k_ref, v_ref, g_ref, b_ref = refs[:5]
     seg_ref = refs[5] if packed else None
     do_ref, st_ref, dht_ref = refs[5 + packed:8 + packed]
@@ -231,10 +229,7 @@ def backward(q, k, v, g, beta, seg, do, states, dht_t, *, lay: Layout, cfg: TpuC
         _, vjp = jax.vjp(lambda x_, St_, sg=sg: chunk(x_, St_, sg), x, S[j])
         do = [xdo[hh, rows(j, r), :] for r in range(nb)]
         dx, dS = vjp((do, dS))
-        for name, ref in (("v", gv), ("g", gg)):
-          for r in range(nb):
-            ref[hh, rows(j, r), :] = dx[name][r]
-        for name, ref in (("q", gq), ("k", gk)):
+        for name, ref in (("v", gv), ("g", gg), ("q", gq), ("k", gk)):
           for r in range(nb):
             ref[hh, rows(j, r), :] = dx[name][r]
         for r in range(nb):  # dbeta of head hh into lane hh of the [16, hb] block
@@ -292,6 +287,12 @@ def backward(q, k, v, g, beta, seg, do, states, dht_t, *, lay: Layout, cfg: TpuC
   )(q, k, v, g, beta, *extra, do, states, dht_t)
 
 
+def _chunk(rows: int, f: int):
+  """BlockSpec of the split path's chunk layout [BH, N, rows, f], grid (BH, N): chunk n of
+  head i."""
+  return pl.BlockSpec((None, None, rows, f), lambda i, n: (i, n, 0, 0))
+
+
 def states(w, u, k_out, decay, s0t, *, cfg: TpuConfig, interpret: bool):
   """States entering each chunk: St [BH, N, V, K] f32 from chunk_prep's w, u, k_out, decay."""
   BH, N, C, K = w.shape
@@ -307,16 +308,12 @@ def states(w, u, k_out, decay, s0t, *, cfg: TpuConfig, interpret: bool):
     st_ref[...] = St
     st_scr[...] = states_chunk(w_ref[...], u_ref[...], ko_ref[...], d_ref[...], St, prec)
 
-  def chunk(f):
-    return pl.BlockSpec((None, None, C, f), lambda i, n: (i, n, 0, 0))
-
   return pl.pallas_call(
       kernel,
       grid=(BH, N),
-      in_specs=[chunk(K), chunk(V), chunk(K),
-                pl.BlockSpec((None, None, 1, K), lambda i, n: (i, n, 0, 0)),
+      in_specs=[_chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk(1, K),
                 pl.BlockSpec((None, V, K), lambda i, n: (i, 0, 0))],
-      out_specs=pl.BlockSpec((None, None, V, K), lambda i, n: (i, n, 0, 0)),
+      out_specs=_chunk(V, K),
       out_shape=jax.ShapeDtypeStruct((BH, N, V, K), _f32),
       scratch_shapes=[pltpu.VMEM((V, K), _f32)],
       compiler_params=_params(1),
@@ -348,16 +345,13 @@ def recurrent_forward(w, u, q_in, k_out, a_qk, decay, s0t, *, out_dtype, cfg: Tp
     def _():
       ht_ref[...] = St
 
-  def chunk(rows, f):
-    return pl.BlockSpec((None, None, rows, f), lambda i, n: (i, n, 0, 0))
-
   state = pl.BlockSpec((None, V, K), lambda i, n: (i, 0, 0))
   return pl.pallas_call(
       kernel,
       grid=(BH, N),
-      in_specs=[chunk(C, K), chunk(C, V), chunk(C, K), chunk(C, K), chunk(C, C),
-                chunk(1, K), state],
-      out_specs=[chunk(C, V), state],
+      in_specs=[_chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk(C, K), _chunk(C, C),
+                _chunk(1, K), state],
+      out_specs=[_chunk(C, V), state],
       out_shape=[jax.ShapeDtypeStruct((BH, N, C, V), out_dtype),
                  jax.ShapeDtypeStruct((BH, V, K), _f32)],
       scratch_shapes=[pltpu.VMEM((V, K), _f32)],

@@ -12,10 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .reference import NEG_INF
+
 _F32 = jnp.float32
-
-
-NEG_INF = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
 
 
 def absorb(q: jax.Array, w_uk: jax.Array) -> jax.Array:

@@ -29,6 +29,9 @@ XLA_CORES = ("dense", "blockwise")
 KERNELS = ("cudnn", "triton", "splash")
 # Where each kernel runs (interpret mode aside): cuDNN is NVIDIA's, Triton any JAX GPU.
 KERNEL_BACKENDS = {"cudnn": ("gpu", "cuda"), "triton": GPU_PLATFORMS, "splash": ("tpu",)}
+# The q / k / v dtypes each kernel takes.
+KERNEL_DTYPES = {"cudnn": ("float16", "bfloat16"), "triton": ("float32", "bfloat16", "float16"),
+                 "splash": ("float32", "bfloat16")}
 # "auto" tries these in order; the first whose constraints hold wins, else blockwise.
 AUTO_ORDER = {"tpu": ("splash",), "gpu": ("cudnn", "triton"), "cuda": ("cudnn", "triton"),
               "rocm": ("triton",)}
@@ -46,30 +49,24 @@ def unsupported(kernel: str, *, head_dim: int, v_head_dim: int, dtype: str,
     has_segments: packed segment ids are given.
     compute_capability: the GPU's "major.minor" (cuDNN's head-dim limit), None if unknown.
   """
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel {kernel!r}: expected one of {KERNELS}")
   dtype = jnp.dtype(dtype).name
+  if dtype not in KERNEL_DTYPES[kernel]:
+    return f"{kernel} needs {'/'.join(KERNEL_DTYPES[kernel])}, got {dtype}"
   if kernel == "cudnn":
-    if dtype not in ("bfloat16", "float16"):
-      return f"cudnn needs float16/bfloat16, got {dtype}"
     if has_segments:
       return CUDNN_NO_SEGMENTS
     width, limit = cudnn_head_dim(head_dim, v_head_dim), cudnn_max_head_dim(compute_capability)
     if width > limit:
       return (f"cudnn head dim {width} (max(D={head_dim}, Dv={v_head_dim}) rounded up to 8) "
               f"exceeds {limit} on compute capability {compute_capability or 'unknown'}")
-    return None
   if kernel == "triton":
-    if dtype not in ("float32", "bfloat16", "float16"):
-      return f"triton needs float32/bfloat16/float16, got {dtype}"
     width = next_pow2(max(head_dim, v_head_dim))
     if width > TRITON_MAX_HEAD_DIM:
       return (f"triton head dim {width} (max(D={head_dim}, Dv={v_head_dim}) to a power of "
               f"two) exceeds {TRITON_MAX_HEAD_DIM}")
-    return None
-  if kernel == "splash":
-    if dtype not in ("float32", "bfloat16"):
-      return f"splash needs float32/bfloat16, got {dtype}"
-    return None
-  raise ValueError(f"kernel {kernel!r}: expected one of {KERNELS}")
+  return None
 
 
 def _xla_rule(seq_len: int, block: int) -> tuple[str, str]:

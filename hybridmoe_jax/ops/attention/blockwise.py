@@ -28,10 +28,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .reference import check_inputs, pad_axis
+from .reference import NEG_INF, check_inputs, pad_axis
 
 _F32 = jnp.float32
-_NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf
 
 
 class _Spec(NamedTuple):
@@ -169,7 +168,7 @@ def _forward(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset):
         m, l, acc = carry
         s = _scores(spec, qi, _slice(blk.k, j, bk))
         vis = _visible(spec, blk, i, j)
-        s = jnp.where(vis, s, _NEG)
+        s = jnp.where(vis, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
@@ -179,7 +178,7 @@ def _forward(spec: _Spec, q, k, v, q_seg, kv_seg, q_offset):
         return m_new, l * corr + p.sum(-1), acc
       return jax.lax.cond(_overlap(blk, i, j), update, lambda c: c, carry)
 
-    init = (jnp.full((b, hk, g, bq), _NEG, _F32), jnp.zeros((b, hk, g, bq), _F32),
+    init = (jnp.full((b, hk, g, bq), NEG_INF, _F32), jnp.zeros((b, hk, g, bq), _F32),
             jnp.zeros((b, hk, g, bq, dv), _F32))
     m, l, acc = jax.lax.fori_loop(0, _kv_blocks_for(spec, blk, i), kv_step, init)
     seen = l > 0

@@ -9,7 +9,6 @@ common multiple of 8 (zero columns change no logit) and slices the output.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from .reference import check_self, pad_axis, round_up
 

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 
 _F32 = jnp.float32
-_NEG = -1e30  # finite "minus infinity": exp(_NEG - m) == 0 without inf - inf
+# Finite "minus infinity" of the masked logits: exp(NEG_INF - m) == 0 without inf - inf, so
+# fully masked rows and blocks stay NaN-free.
+NEG_INF = -1e30
 
 
 def check_inputs(q, k, v, q_seg, kv_seg, q_offset) -> None:
@@ -76,7 +78,7 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
   if q_segment_ids is not None:
     visible = visible & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
   visible = visible[:, None, None]                                       # [B,1,1,Tq,Tk]
-  s = jnp.where(visible, s, _NEG)
+  s = jnp.where(visible, s, NEG_INF)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.where(visible, jnp.exp(s - m), 0.0)
   l = jnp.sum(p, axis=-1, keepdims=True)
