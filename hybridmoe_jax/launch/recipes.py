@@ -23,10 +23,11 @@ xpk is importable; written for xpk 0.6 (`workload create` with --cluster,
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import shlex
 from collections.abc import Sequence
+
+import yaml
 
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.hardware import is_gpu_topology, parse_topology
@@ -129,37 +130,6 @@ def render_xpk(launch: Launch) -> str:
   return shlex.join(argv)
 
 
-def _yaml(value, indent: int = 0) -> str:
-  """Block YAML for dicts / lists / scalars; strings JSON-quoted (always valid YAML)."""
-  pad = " " * indent
-  if isinstance(value, dict):
-    if not value:
-      return "{}"
-    lines = []
-    for k, v in value.items():
-      if isinstance(v, (dict, list)) and v:
-        lines.append(f"{pad}{k}:\n{_yaml(v, indent + 2)}")
-      else:
-        lines.append(f"{pad}{k}: {_yaml(v)}")
-    return "\n".join(lines)
-  if isinstance(value, list):
-    if not value:
-      return "[]"
-    lines = []
-    for v in value:
-      if isinstance(v, (dict, list)) and v:
-        body = _yaml(v, indent + 2)
-        lines.append(f"{pad}- {body[indent + 2:]}")
-      else:
-        lines.append(f"{pad}- {_yaml(v)}")
-    return "\n".join(lines)
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if isinstance(value, int):
-    return str(value)
-  return json.dumps(str(value))
-
-
 def jobset_manifest(launch: Launch) -> dict:
   """The JobSet (jobset.x-k8s.io/v1alpha2) as a dict: one indexed Job, a pod per host."""
   s = launch.check()
@@ -193,7 +163,8 @@ def jobset_manifest(launch: Launch) -> dict:
 
 def render_jobset(launch: Launch) -> str:
   return (f"# JobSet for {launch.topology}: {describe(launch.topology).hosts} pods; apply with "
-          "kubectl apply -f <this file>\n" + _yaml(jobset_manifest(launch)) + "\n")
+          "kubectl apply -f <this file>\n"
+          + yaml.safe_dump(jobset_manifest(launch), sort_keys=False, default_flow_style=False))
 
 
 def render_slurm(launch: Launch) -> str:
