@@ -45,18 +45,25 @@ def describe_write_error(err: OSError) -> tuple[str, str]:
   return what, fix
 
 
+def cause_chain(e: BaseException | None) -> list[BaseException]:
+  """`e` and the exceptions behind it (__cause__, else __context__), outermost first, once."""
+  chain, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  return chain
+
+
 def os_error(e: BaseException) -> OSError | None:
   """The OSError behind `e` (orbax re-raises background-thread errors wrapped; tensorstore
   raises ValueErrors that only name the OS error), if any."""
-  seen = set()
-  while e is not None and id(e) not in seen:
-    if isinstance(e, OSError) and e.errno is not None:
-      return e
+  for x in cause_chain(e):
+    if isinstance(x, OSError) and x.errno is not None:
+      return x
     for code in _WRITE_ERRNOS:  # tensorstore names the OS error only in a message
-      if os.strerror(code) in str(e):
+      if os.strerror(code) in str(x):
         return OSError(code, os.strerror(code))
-    seen.add(id(e))
-    e = e.__cause__ or e.__context__
   return None
 
 

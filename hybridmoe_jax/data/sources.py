@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from absl import logging
 import numpy as np
 
-from hybridmoe_jax.data import long_docs
+from hybridmoe_jax.data import long_docs, storage
 # The bad-record rules live in bad_records.py; re-exported here for callers of sources.
 from hybridmoe_jax.data.bad_records import (  # noqa: F401
     BadRecordError, BadRecords, check_index, decode_utf8, parse_jsonl_line, text_problem)
@@ -64,10 +64,7 @@ def _list_files(paths: Sequence[pathlib.Path],
     if path.is_file():
       files.append(path)
     elif path.is_dir():
-      found = sorted(
-          p for p in path.rglob("*")
-          if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-          and (suffixes is None or p.name.endswith(suffixes)))
+      found = sorted(map(pathlib.Path, storage.walk(path, suffixes)))
       if not found:
         wanted = "files" if suffixes is None else "/".join(f"*{s}" for s in suffixes) + " files"
         raise ValueError(f"data directory {str(path)!r} contains no {wanted}")

@@ -87,22 +87,19 @@ def _has_glob(path: str) -> bool:
   return any(c in path for c in _GLOB_CHARS)
 
 
-def _walk(root, suffixes) -> list[str]:
-  """Files under `root`, recursively, sorted, hidden entries skipped, filtered by suffix."""
+def walk(root, suffixes) -> list[str]:
+  """Files under directory `root` (a Path, local or remote), recursively, sorted as str,
+  hidden entries (".git", ".DS_Store": a part below `root` starting with ".") skipped,
+  names ending in `suffixes` only (all when None)."""
   if is_remote(root):  # one listing call (epath refuses recursive globs on GCS)
     fs, base = fsspec_for(str(root))
     scheme = str(root).split("://")[0]
     found = [f"{scheme}://{p}" for p in fs.find(base)]
-  else:
-    found = [str(p) for p in root.rglob("*") if p.is_file()]
-  out = []
-  for p in found:
-    rel = p[len(str(root)):].lstrip("/")
-    if any(part.startswith(".") for part in rel.split("/")):
-      continue
-    if suffixes is None or p.endswith(tuple(suffixes)):
-      out.append(p)
-  return sorted(out)
+    found = [(p, p[len(str(root)):].lstrip("/")) for p in found]
+  else:  # relative to root, not a prefix of its text: root "." lists "x", not "./x"
+    found = [(str(p), p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file()]
+  return sorted(p for p, rel in found if not any(part.startswith(".") for part in rel.split("/"))
+                and (suffixes is None or p.endswith(tuple(suffixes))))
 
 
 def fsspec_for(path: str):
@@ -155,7 +152,7 @@ def list_files(paths: Iterable, suffixes: Sequence[str] | None, *,
       if path.is_file():
         out.append(str(path))
       elif path.is_dir():
-        found = _walk(path, suffixes)
+        found = walk(path, suffixes)
         if not found:
           raise ValueError(f"{what} directory {raw!r} contains no {wanted}")
         out.extend(found)

@@ -114,9 +114,16 @@ def vision_breakdown(cfg: ModelConfig) -> dict[str, int]:
   return counts
 
 
+def active_breakdown(cfg: ModelConfig, counts: dict[str, int]) -> dict[str, int]:
+  """Each component's parameters active per token: none of the embedding (a lookup), the
+  routed experts' top-k share (floored), all of the rest."""
+  k, e = cfg.moe.experts_per_token, cfg.moe.num_experts
+  return {name: 0 if name == "embedding" else n * k // e if name == "routed_experts" else n
+          for name, n in counts.items()}
+
+
 def active_from_breakdown(cfg: ModelConfig, counts: dict[str, int]) -> int:
-  routed = counts["routed_experts"] * cfg.moe.experts_per_token // cfg.moe.num_experts
-  return sum(counts.values()) - counts["embedding"] - counts["routed_experts"] + routed
+  return sum(active_breakdown(cfg, counts).values())
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:

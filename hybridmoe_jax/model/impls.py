@@ -67,10 +67,10 @@ def _report(cfg: ModelConfig, compute: ComputeConfig, plan: ExecutionPlan,
     lines.append(_mla_line(cfg, compute, plan, backend, capability, mla_layers))
   moe_layers = list(cfg.moe_layers)
   if moe_layers:
-    experts, _ = moe.choose(compute.moe_impl, plan)
+    experts, why = moe.choose(compute.moe_impl, plan)
     matmul = (f"; grouped matmul {grouped_ffn.choose('auto', backend)[1]}"
               if experts in ("ragged", "dispatch") else "")
-    lines.append((f"{_layer_list(moe_layers)} (moe): {moe.choose(compute.moe_impl, plan)[1]}"
+    lines.append((f"{_layer_list(moe_layers)} (moe): {why}"
                   f"{matmul}", False))
   return lines
 

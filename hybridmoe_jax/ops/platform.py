@@ -13,12 +13,10 @@ on each device's rows when the step is traced under a mesh.
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax.sharding import PartitionSpec as P
 
-from hybridmoe_jax.config.sharding import BATCH_AXES
+from hybridmoe_jax.config.sharding import batch_axes
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # jax platform names of a GPU target
 
@@ -62,10 +60,7 @@ def on_row_shards(fn, *args):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not mesh.auto_axes:
     return fn(*args)
-  rows, axes = args[0].shape[0], []
-  for a in BATCH_AXES:
-    if a in mesh.auto_axes and rows % (mesh.shape[a] * math.prod(mesh.shape[b] for b in axes)) == 0:
-      axes.append(a)
+  axes = batch_axes({a: mesh.shape[a] for a in mesh.auto_axes}, args[0].shape[0])
   spec = P(tuple(axes)) if axes else P()
   in_specs = tuple(None if x is None else spec for x in args)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec,

@@ -7,7 +7,7 @@ from absl import app
 
 from hybridmoe_jax.config import flags as cli_flags
 from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
-from hybridmoe_jax.model.count import active_from_breakdown, param_breakdown, vision_breakdown
+from hybridmoe_jax.model.count import active_breakdown, param_breakdown, vision_breakdown
 
 _CONFIG = cli_flags.define_config_flag("configs/tiny.py", "Model config file.")
 
@@ -23,12 +23,12 @@ def breakdown_table(cfg: ModelConfig) -> str:
   """A fixed-width table: component, total params, active params per token, share."""
   counts = param_breakdown(cfg)
   total = sum(counts.values())
-  active = active_from_breakdown(cfg, counts)
-  k_over_e = cfg.moe.experts_per_token / cfg.moe.num_experts
+  per_token = active_breakdown(cfg, counts)
+  active = sum(per_token.values())
   rows = [f"{'component':<16}{'total':>12}{'active':>12}{'share':>8}"]
   for name, n in counts.items():
-    act = 0 if name == "embedding" else (n * k_over_e if name == "routed_experts" else n)
-    rows.append(f"{name:<16}{_human(n):>12}{_human(act):>12}{100 * n / total:>7.1f}%")
+    rows.append(f"{name:<16}{_human(n):>12}{_human(per_token[name]):>12}"
+                f"{100 * n / total:>7.1f}%")
   rows.append(f"{'TOTAL':<16}{_human(total):>12}{_human(active):>12}{100.0:>7.1f}%")
   rows.append(f"exact: total={total:,} active={active:,}")
   return "\n".join(rows)

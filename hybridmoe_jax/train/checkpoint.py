@@ -138,11 +138,7 @@ def describe_damage(e: BaseException, part: str) -> str:
     e: the exception restore or read_meta raised.
     part: what was being read ("state", "meta/metadata"), named when nothing better is known.
   """
-  chain, seen = [], set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    chain.append(e)
-    e = e.__cause__ or e.__context__
+  chain = io_noise.cause_chain(e)
   texts = [" ".join(str(x).split()) for x in chain]
   for x, text in zip(chain, texts):
     if isinstance(x, json.JSONDecodeError):

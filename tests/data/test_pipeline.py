@@ -2,6 +2,7 @@
 
 import json
 import logging
+import pathlib
 import subprocess
 import sys
 
@@ -130,6 +131,20 @@ def test_text_files_and_directories(tmp_path, caplog):
   assert src.skipped == {"empty text": 1, "not valid UTF-8": 1}
   assert "skipped 2 of 4" in caplog.text
   assert len(TextFileSource([tmp_path / "sub" / "c.json"])) == 1  # a named file is always taken
+
+
+def test_directory_listing_order_and_hidden_entries(tmp_path, monkeypatch):
+  """One directory walk (storage.walk) for both listers: hidden parts skipped below the
+  root, also when the root is "." (it once dropped "z.txt" and took ".hidden/x.txt");
+  sources sorts as paths ("a/b" before "a-c"), storage.list_files as strings."""
+  from hybridmoe_jax.data import sources, storage
+  for name in ("a/b.txt", "a-c.txt", ".hidden/x.txt", ".y.txt", "z.txt", "n/m/.g/k.txt"):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text("x")
+  monkeypatch.chdir(tmp_path)
+  assert storage.list_files(".", (".txt",)) == ["a-c.txt", "a/b.txt", "z.txt"]
+  paths = sources._list_files([pathlib.Path(".")], (".txt",))  # pylint: disable=protected-access
+  assert paths == [pathlib.Path(p) for p in ("a/b.txt", "a-c.txt", "z.txt")]
 
 
 def test_missing_and_empty_inputs_fail_clearly(tmp_path):
