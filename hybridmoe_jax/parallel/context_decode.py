@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hybridmoe_jax.config import MLAConfig
-from hybridmoe_jax.ops.attention.absorbed import NEG_INF, latent_attention_partial
+from hybridmoe_jax.ops.attention.absorbed import latent_attention_partial
+from hybridmoe_jax.ops.attention.reference import NEG_INF
 from hybridmoe_jax.ops.kda import kda
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
 from hybridmoe_jax.parallel.context import (CONTEXT_AXIS, ContextParallel, affine_maps,
