@@ -413,7 +413,8 @@ def run_calls(source: str, calls: Sequence[tuple[str, Sequence[Any]]],
   got: dict[int, str] = {}
   for line in run.stdout.splitlines():
     parts = line.split(" ", 2)
-    if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit():
+    # isdecimal, not isdigit: int() refuses digits such as '²' that isdigit accepts.
+    if len(parts) == 3 and parts[0] == nonce and parts[1].isdecimal():
       # First report per index wins: the harness prints each index once, in order.
       got.setdefault(int(parts[1]), parts[2])
   passed = []
@@ -423,7 +424,7 @@ def run_calls(source: str, calls: Sequence[tuple[str, Sequence[Any]]],
     if text is not None and not text.startswith("!"):
       try:
         ok = _canonical(json.loads(text)) == target
-      except ValueError:
+      except (ValueError, RecursionError):   # not JSON, or nested past the parser's depth
         ok = False
     passed.append(ok)
   return CallsResult(tuple(passed), run)

@@ -8,7 +8,7 @@ Every environment of `rl.envs` renders `rl.sft_demos` solved episodes per level 
 `rl.sft_levels` (clipped to the env's max_level) with the run's chat tokenizer
 (`oracle_demos`). Demo seeds live in [2**39, 2**39 + sft_demos), apart from the RL tasks'
 (< 2**39) and the evaluation's ([2**40, 2**41)). A batch holds `sft_batch` demos drawn by
-np.random.default_rng([seed, step]) (so a resumed run sees the same batches), one per row,
+np.random.default_rng([seed, step, 7]) (so a resumed run sees the same batches), one per row,
 padded to the longest demo rounded up to 64:
     tokens int32 [B, T], segment_ids int32 [B, T] (1 real, 0 pad),
     loss_weights float32 [B, T] = the assistant mask: only the assistant's tokens are

@@ -58,6 +58,18 @@ def test_wrong_and_faked_results_fail():
   assert run_calls(mut, [("double", [[1]])], [[1, 1]], FAST).passed == (True,)
 
 
+@pytest.mark.parametrize("index, value", [("\u00b2", "6"), ("0", "[" * 100000 + "]" * 100000)])
+def test_forged_lines_with_the_nonce_fail_without_raising(index, value):
+  """The nonce is readable inside (job.json): a line forged with it, an index int() refuses
+  ('²' is isdigit) or a value nested past json's depth, fails its call, never raises."""
+  calls, want = _double_calls()
+  src = ("import json\nnonce = json.load(open('job.json'))['nonce']\n"
+         f"print(nonce, {index!r}, {value!r})\ndef double(x):\n  return 2 * x\n")
+  res = run_calls(src, calls, want, FAST)
+  assert res.run.killed is None, res.run.stderr_tail
+  assert res.passed == ((False, True) if index == "0" else (True, True))
+
+
 CONTAINED = {
     "infinite_loop": ("while True:\n  pass\n", ("cpu", "timeout")),
     "sleep_past_wall_clock": ("import time\ntime.sleep(30)\n", ("timeout",)),  # 1 s wall

@@ -116,6 +116,9 @@ def test_bad_rl_configs_fail_before_compute(tmp_path):
     trainer.train_rl(run_config_from_dict(c), str(tmp_path / "c"))
   with pytest.raises(ConfigError, match="rl.minibatches"):
     trainer.train_rl(run_config_from_dict(tiny_rl_config(minibatches=3)), str(tmp_path / "d"))
+  with pytest.raises(ConfigError, match=r"rl.eval_levels.*rl.envs.arithmetic.max_level = 1"):
+    # no level of the held-out eval exists for this env: found before the SFT, not after
+    trainer.train_rl(run_config_from_dict(tiny_rl_config(eval_levels=(2,))), str(tmp_path / "g"))
   with pytest.raises(ConfigError, match="rl.init_from"):
     trainer.train_rl(run_config_from_dict(tiny_rl_config(init_from=str(tmp_path / "missing"))),
                      str(tmp_path / "e"))
@@ -125,7 +128,7 @@ def test_bad_rl_configs_fail_before_compute(tmp_path):
     run_config_from_dict(c)
   with pytest.raises(TypeError, match="RunConfig"):
     trainer.train_rl(tiny_rl_config(), str(tmp_path / "f"))
-  assert not any((tmp_path / d).exists() for d in "abf")
+  assert not any((tmp_path / d).exists() for d in "abfg")
 
 
 def _cli(workdir, cache, *extra):
