@@ -49,10 +49,12 @@ class ImageJsonlSource:
             rec = json.loads(line)
             text = rec[text_field]
             imgs = rec.get("images", [rec["image"]] if "image" in rec else [])
-            if not isinstance(text, str) or not isinstance(imgs, list) or not imgs:
+            if (not isinstance(text, str) or not isinstance(imgs, list) or not imgs
+                or not all(isinstance(i, str) for i in imgs)):
               raise KeyError
             spans = _spans(rec.get("answer_spans"), len(text))
-          except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+          # ValueError: besides JSONDecodeError, an integer of over 4300 digits.
+          except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
             skipped["malformed line"] += 1
             continue
           full = tuple(str(f.parent / i) if not os.path.isabs(i) else i for i in imgs)

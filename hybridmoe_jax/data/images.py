@@ -178,7 +178,7 @@ def read_image(path: str) -> np.ndarray:
   if ext == ".npy":
     try:
       return np.load(path, allow_pickle=False)
-    except ValueError as e:
+    except (ValueError, EOFError) as e:  # EOFError: an empty file
       raise ImageError(f"{path}: unreadable .npy ({e})") from None
   if ext in (".ppm", ".pgm", ".pnm"):
     return read_pnm(path)
@@ -290,6 +290,9 @@ class SyntheticVQASource:
     if num_docs < 1:
       raise ValueError(f"num_docs must be >= 1, got {num_docs}")
     self.num_docs, self.seed, self.sides, self.channels = num_docs, seed, tuple(sides), channels
+    if not self.sides or min(self.sides) < 10:  # render_scene fails on smaller cells
+      raise ValueError(f"sides must be >= 10 pixels (each of the 2x2 cells holds a glyph 5 "
+                       f"pixels tall), got {self.sides}")
     self.question_weights = dict(QA_WEIGHTS if question_weights is None else question_weights)
     if (sorted(self.question_weights) != sorted(QUESTION_TYPES)
         or not all(w > 0 for w in self.question_weights.values())):

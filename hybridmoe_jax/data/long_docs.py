@@ -41,7 +41,7 @@ def group_stdlib_files(root: pathlib.Path, min_bytes: int = 1) -> dict[str, list
     if any(part in EXCLUDED_PARTS or part.startswith(".") or part.startswith("config-")
            for part in rel.parts[:-1]):
       continue
-    if rel.parts[0].startswith("_") and len(rel.parts) == 1 and rel.stem.startswith("__"):
+    if len(rel.parts) == 1 and rel.stem.startswith("__"):
       continue  # __future__, __hello__, __phello__: near-empty stubs
     groups[rel.parts[0] if len(rel.parts) > 1 else rel.stem].append(p)
   return {name: files for name, files in sorted(groups.items())

@@ -38,7 +38,7 @@ from hybridmoe_jax.data.tokenizers.load import fingerprint, make_tokenizer
 
 SETTINGS = "prepare.json"
 _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".txt": "text", ".md": "text", ".parquet": "parquet",
-                   ".array_record": "arrayrecord"}
+                   **dict.fromkeys(record_sources.ARRAY_RECORD_SUFFIXES, "arrayrecord")}
 
 
 def shard_name(k: int) -> str:

@@ -99,11 +99,14 @@ def _prepared_info(files: list[str]) -> dict[str, Any] | None:
   for d, ix in indexes.items():
     for shard in ix.get("shards", []):
       counts[str(storage.as_path(d) / shard["file"])] = int(shard["documents"])
-  missing = [f for f in files if f not in counts]
+  # Looked up by the path's normal form: a glob keeps its "./" ("./shards/x"), the index's
+  # directory does not ("shards/x").
+  documents = {f: counts.get(str(storage.as_path(f))) for f in files}
+  missing = [f for f, n in documents.items() if n is None]
   if missing:
     raise ValueError(f"{missing[0]}: not listed in its directory's {TOKENS_INDEX} (an "
                      "unfinished prepare? rerun it to complete the set)")
-  return {"tokenizer": json.loads(tokenizers.pop()), "documents": counts}
+  return {"tokenizer": json.loads(tokenizers.pop()), "documents": documents}
 
 
 class ArrayRecordSource:

@@ -189,7 +189,7 @@ def _evals(run: RunData) -> str:
                f"{report_data.age(saved['mtime'])})</span></h3>")
     try:
       out.append(_eval_task(task, r))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
       out.append(f'<p class="note">eval/{_e(task)}.json has an unexpected layout '
                  f"({_e(type(e).__name__)}: {_e(e)})</p>")
   return "".join(out) or '<p class="muted">no evaluation yet (run_eval.py --task=all)</p>'

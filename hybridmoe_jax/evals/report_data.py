@@ -65,9 +65,9 @@ def read_metrics(path: str, notes: list[str]) -> list[dict[str, Any]]:
         continue
       try:
         r = json.loads(line)
-      except json.JSONDecodeError as e:
-        notes.append(f"{METRICS_FILE} line {i} is not valid JSON ({e.msg}; a truncated "
-                     "write?): skipped")
+      except (ValueError, RecursionError) as e:  # also an integer of over 4300 digits
+        notes.append(f"{METRICS_FILE} line {i} is not valid JSON "
+                     f"({getattr(e, 'msg', str(e)[:80])}; a truncated write?): skipped")
         continue
       if isinstance(r, dict):
         records.append(r)
@@ -125,9 +125,11 @@ def _read_evals(run: RunData) -> None:
       with open(path, encoding="utf-8") as f:
         saved = json.load(f)
       result = saved["results"] if task == "agent" else saved["result"]
-      run.evals[task] = {"result": result, "model": saved.get("model", {}),
-                         "mtime": os.path.getmtime(path)}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+      model = saved.get("model", {})
+      if not isinstance(result, dict) or not isinstance(model, dict):
+        raise TypeError("not a JSON object")
+      run.evals[task] = {"result": result, "model": model, "mtime": os.path.getmtime(path)}
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
       run.notes.append(f"eval/{task}.json unreadable ({type(e).__name__}): skipped")
 
 

@@ -129,7 +129,7 @@ def vocabulary(split: str) -> tuple[str, ...]:
   word-shaped keys and of common-words extraction)."""
   words = set()
   for _, t in documents(split):
-    words.update(w for w in _WORD.findall(t.lower()) if re.fullmatch(r"[a-z]+", w))
+    words.update(_WORD.findall(t.lower()))
   return tuple(sorted(words))
 
 

@@ -343,7 +343,8 @@ def merge_results(path: str, info: dict[str, Any], options: dict[str, Any],
     try:
       with open(path, encoding="utf-8") as f:
         old = json.load(f)
-      if not isinstance(old, dict) or not isinstance(old.get("results", {}), dict):
+      if (not isinstance(old, dict) or not isinstance(old.get("results", {}), dict)
+          or not isinstance(old.get("tasks") or {}, dict)):
         raise ValueError("not a results file")
     except (OSError, ValueError) as e:
       os.replace(path, path + ".unreadable")

@@ -285,3 +285,16 @@ def test_tiny_bpe_preset_fits_its_tokenizer():
   tok = make_tokenizer(run.data.tokenizer)
   check_vocab(tok, run.model.vocab_size)
   assert tok.vocab_size == run.model.vocab_size == 1024
+
+
+def test_superscript_special_id_is_a_tokenizer_error(tmp_path):
+  """"²".isdigit() is True but int("²") raises: the key passed the check and failed as a bare
+  ValueError naming no file."""
+  d = tiktoken_dir(str(tmp_path / "tk"))
+  cfg_path = os.path.join(d, "tokenizer_config.json")
+  cfg = json.load(open(cfg_path))
+  cfg["added_tokens_decoder"]["\u00b2"] = {"content": "[X]", "special": True}
+  json.dump(cfg, open(cfg_path, "w"))
+  with pytest.raises(TokenizerError, match="added_tokens_decoder entry '\u00b2'") as e:
+    make_tokenizer(d)
+  assert cfg_path in _one_line(e)

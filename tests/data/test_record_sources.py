@@ -196,3 +196,20 @@ def test_pipeline_passes_tokens_through(corpus):
   a = make_pipeline(src, tokenizer=TOK, seq_len=32, batch_size=2, seed=1)
   b = make_pipeline(text, tokenizer=TOK, seq_len=32, batch_size=2, seed=1)
   assert _same([next(a) for _ in range(3)], [next(b) for _ in range(3)])
+
+
+def test_prepared_shards_by_dot_slash_glob(corpus, monkeypatch):
+  """A glob written "./shards/*.array_record" names its hits "./shards/x"; the index's
+  directory is "shards": the shards were refused as "not listed in its index.json"."""
+  monkeypatch.chdir(corpus["shards"].parent)
+  src = sources_lib.make_source("arrayrecord", ["./shards/*.array_record"])
+  assert len(src) == len(DOCS) and src.tokenized
+  np.testing.assert_array_equal(src[5], TOK.encode(DOCS[5], bos=True, eos=True))
+
+
+def test_prepare_infers_every_arrayrecord_suffix():
+  """The arrayrecord source reads *.arrayrecord too; prepare asked for --kind on them."""
+  assert prepare_lib.infer_kind(["a.array_record", "b-*.arrayrecord"]) == "arrayrecord"
+  assert prepare_lib.infer_kind(["c.jsonl"]) == "jsonl"
+  with pytest.raises(ValueError, match="--kind: cannot tell"):
+    prepare_lib.infer_kind(["c.jsonl", "d.parquet"])

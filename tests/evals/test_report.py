@@ -207,3 +207,24 @@ def test_report_reads_an_rl_workdir(tmp_path):
   assert re.search(r"model\s*</td><td[^>]*>arithmetic</td><td[^>]*>3</td><td[^>]*>8</td>"
                    r"<td[^>]*>0.25<", page)
   assert "agent (step 103" in text
+
+
+def test_hostile_metrics_lines_and_eval_files_become_notes(tmp_path):
+  """Lines json cannot take (an integer of 5000 digits, nesting 100000 deep) and eval files
+  of the wrong shape are notes, never a crashed report."""
+  good = json.dumps({"step": 10, "split": "train", "loss": 2.0})
+  (tmp_path / "metrics.jsonl").write_text("\n".join(
+      [good, '{"step": ' + "1" * 5000 + "}", "[" * 100_000, good]) + "\n")
+  (tmp_path / "eval").mkdir()
+  for task, saved in [("ppl", {"model": "step 3", "result": {}}),
+                      ("mqar", {"model": {}, "result": [1]}),
+                      ("ruler", {"model": {}, "result": {"corpus": 1, "samples": 1, "split": "test",
+                                                   "seed": 0}})]:
+    (tmp_path / "eval" / f"{task}.json").write_text(json.dumps(saved))
+  run = report_data.read_run(str(tmp_path))
+  assert len(run.records) == 2 and sum("is not valid JSON" in n for n in run.notes) == 2
+  assert [n for n in run.notes if n.startswith("eval/")] == [
+      "eval/ppl.json unreadable (TypeError): skipped",
+      "eval/mqar.json unreadable (TypeError): skipped"]
+  page = report.render(run)
+  assert "eval/ruler.json has an unexpected layout (AttributeError" in page

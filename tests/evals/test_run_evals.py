@@ -94,3 +94,14 @@ def test_generate_never_draws_ids_past_the_tokenizer():
     opts = dataclasses.replace(FAST, temperature=1.0, max_new_tokens=24, seed=seed)
     g = run_generate(model, opts, tok)
     assert isinstance(g["text"], str) and 1 <= g["new_tokens"] <= 24
+
+
+def test_results_json_with_tasks_not_an_object_is_set_aside(tmp_path):
+  """"tasks" of another type crashed the merge (dict([1])) instead of setting the file
+  aside as unreadable."""
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"results": {"ppl": {"v": 1}}, "tasks": [1]}))
+  lines = []
+  merged = merge_results(str(path), {"step": 6}, {}, {"generate": {"v": 2}}, echo=lines.append)
+  assert merged["results"] == {"generate": {"v": 2}}
+  assert (tmp_path / "results.json.unreadable").exists() and "unreadable" in lines[0]

@@ -92,11 +92,8 @@ class ByteTokenizer:
     body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
     if not (bos or eos):
       return body
-    parts = [np.array([BOS_ID], np.int32)] if bos else []
-    parts.append(body)
-    if eos:
-      parts.append(np.array([EOS_ID], np.int32))
-    return np.concatenate(parts)
+    return np.concatenate([np.full(int(bos), BOS_ID, np.int32), body,
+                           np.full(int(eos), EOS_ID, np.int32)])
 
   def decode(self, ids) -> str:
     """Decodes ids back to text; special ids are dropped, bad UTF-8 becomes U+FFFD.

@@ -90,7 +90,7 @@ class TiktokenTokenizer(FileTokenizer):
     named: dict[str, int] = {}
     for key, entry in (config.get("added_tokens_decoder") or {}).items():
       name = token_name(entry)
-      if not (str(key).isdigit() and name):
+      if not (str(key).isdecimal() and name):  # isdigit would pass "²", which int() refuses
         raise TokenizerError(f"tokenizer config {config_path}: added_tokens_decoder entry "
                              f"{key!r} is not 'id: {{\"content\": name}}'")
       if not base <= int(key) < base + TIKTOKEN_SPECIAL_SLOTS:

@@ -34,9 +34,7 @@ def training_documents(data_cfg: DataConfig) -> Iterator[str]:
   source = sources_lib.source_from_config(data_cfg)
   train, _ = sources_lib.split_source(source, data_cfg.heldout_fraction, data_cfg.heldout_seed)
   for i in range(len(train)):
-    doc = train[i]
-    if doc is not None:
-      yield doc
+    yield train[i]
 
 
 def train_bpe(documents, vocab_size: int, *, min_frequency: int = 2):
