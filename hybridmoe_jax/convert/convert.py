@@ -221,8 +221,7 @@ def to_hf(src_dir: str, out_dir: str, *, dtype: str | None = None, sparse: bool 
     rules = hf_weights.weight_rules(cfg)
     specs = hf_weights.check_source(rules, src, names, to="hf", where=src_dir)
     if dtype is not None:
-      code = dtype_code(np.dtype(DTYPES[{"float32": "F32", "bfloat16": "BF16",
-                                         "float16": "F16"}[dtype]]))
+      code = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
       specs = [s if s.name.endswith(KEEP_F32) else s._replace(dtype=code) for s in specs]
     tmp = _write_partial(out_dir, lambda tmp: ShardedWriter(
         tmp, specs, prefix="model", max_shard_bytes=shard_bytes, sparse=sparse,

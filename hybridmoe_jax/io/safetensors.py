@@ -102,6 +102,12 @@ class SafetensorsFile:
       except (KeyError, TypeError, ValueError):
         raise SafetensorsError(f"{self.path}: tensor {name!r} has a malformed entry "
                                f"{entry!r}") from None
+      # Sizes and offsets are non-negative integers (JSON true is a Python int: not one).
+      if not isinstance(code, str) or not all(
+          isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape + (begin, end)):
+        raise SafetensorsError(f"{self.path}: tensor {name!r} has a malformed entry "
+                               f"{entry!r}: dtype a string, shape and data_offsets "
+                               "non-negative integers")
       if code not in DTYPES:
         raise SafetensorsError(f"{self.path}: tensor {name!r} has dtype {code!r}: allowed "
                                f"{sorted(DTYPES)}")
@@ -111,6 +117,12 @@ class SafetensorsFile:
                                f"bytes) has offsets [{begin}, {end}) outside the "
                                f"{size - base}-byte data region or of the wrong length")
       tensors[name] = TensorInfo(name, code, shape, self.path, base + begin, base + end)
+    # No two tensors share bytes (a tensor would read another's values).
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+      if begin_b < end_a:
+        raise SafetensorsError(f"{self.path}: tensors {a!r} and {b!r} overlap in the data "
+                               "region: not a safetensors file")
     return tensors, metadata
 
   def info(self, name: str) -> TensorInfo:

@@ -367,6 +367,10 @@ def compile_run(run: RunConfig, *, layers: tuple[int, int] | None = None, serve:
     raise TypeError(f"compile_run takes a RunConfig, got {type(run).__name__}")
   if not run.hardware.topology:
     raise ValueError("compile_run needs hardware.topology (e.g. 'v5p:2x2x1')")
+  n = run.model.num_layers
+  if layers is not None and not 1 <= layers[0] < layers[1] <= n:
+    raise ConfigError(f"--aot_layers={layers[0]},{layers[1]} is invalid: allowed 'A,B', two "
+                      f"layer counts 1 <= A < B <= model.num_layers={n}")
   devices = topology.topology_devices(run.hardware.topology)
   plan = plan_lib.build_plan(run)
   picked = select_stages(plan, stages)

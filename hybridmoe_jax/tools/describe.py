@@ -3,13 +3,18 @@
   python -m hybridmoe_jax.tools.describe --config=configs/kimi_k3.py
 """
 
+import os
+
 from absl import app
 
 from hybridmoe_jax.config import flags as cli_flags
 from hybridmoe_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from hybridmoe_jax.model.count import active_breakdown, param_breakdown, vision_breakdown
 
-_CONFIG = cli_flags.define_config_flag("configs/tiny.py", "Model config file.")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The default found from any working directory (a relative one only from the repo's root).
+_CONFIG = cli_flags.define_config_flag(os.path.join(_REPO, "configs", "tiny.py"),
+                                       "Model config file.")
 
 
 def _human(n: float) -> str:
@@ -53,8 +58,8 @@ def main(argv):
   del argv
   try:
     cfg = model_config_from_dict(_CONFIG.value.model)
-  except ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
+  except (ConfigError, OSError) as e:  # OSError: the --config file could not be loaded
+    raise SystemExit(f"error: {' '.join(str(e).split())}") from None
   kinds = "".join("K" if k == "kda" else "M" for k in cfg.layer_kinds)
   print(f"layers ({cfg.num_layers}): {kinds}   K=KDA M=MLA")
   print("text model:")

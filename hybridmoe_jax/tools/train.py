@@ -62,6 +62,10 @@ def main(config_flag, *, config_file: str, overrides: list[str], workdir: str,
     if init_from and not run.rl.enabled:
       raise ConfigError("--init_from is for RL runs (a config with rl.envs), e.g. "
                         "--config=configs/rl_tiny.py")
+    if export_params_to and run.rl.enabled:  # the RL trainer writes no export: say so now
+      raise ConfigError(f"--export_params_to={export_params_to} is for pre-training runs; an "
+                        "RL run (a config with rl.envs) keeps its checkpoints in --workdir, "
+                        "which run_eval.py --workdir and hybridmoe_jax.load read")
     if dry_run:
       footprint.report(run)
       return

@@ -444,8 +444,11 @@ def _checkpoint_location(workdir: str, directory: str | None, read_only: bool) -
   if os.path.isfile(record):
     with open(record, encoding="utf-8") as f:
       saved = f.read().strip() or None
+  given = directory
+  if directory and not storage.is_remote(directory):
+    directory = os.path.abspath(directory)   # as recorded: a relative path matches its record
   if directory and saved and directory.rstrip("/") != saved.rstrip("/"):
-    raise ConfigError(f"train.checkpoint_dir = {directory!r}, but the checkpoints of {workdir} "
+    raise ConfigError(f"train.checkpoint_dir = {given!r}, but the checkpoints of {workdir} "
                       f"are in {saved!r} ({record}); use that, or a fresh --workdir")
   directory = directory or saved
   if not directory:

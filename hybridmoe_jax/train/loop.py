@@ -25,6 +25,7 @@ from hybridmoe_jax.cli.terminal import fmt_duration
 from hybridmoe_jax.config import ConfigError
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
+from hybridmoe_jax.data import storage
 from hybridmoe_jax.data.tokenizers.base import Tokenizer
 from hybridmoe_jax.train import lifecycle, params_export, run_inputs
 from hybridmoe_jax.train import stage_plan as plan_lib
@@ -70,7 +71,7 @@ def train_and_evaluate(config: RunConfig, workdir: str, *,
   tokenizer = (getattr(data, "tokenizer", None) if data is not None else None
                ) or run_tokenizer(config, check_vocab=data is None)
   t = config.train
-  if export_params_to and os.path.exists(export_params_to):
+  if export_params_to and _exists(export_params_to):
     raise InputError(f"--export_params_to={export_params_to} already exists; choose a new path")
   with lifecycle.open_run(
       config, workdir, tokenizer, schedule=plan.schedule(), batch_size=t.batch_size,
@@ -90,6 +91,16 @@ def train_and_evaluate(config: RunConfig, workdir: str, *,
                  _eval_text(summary["eval"]), fmt_rate(summary["tokens_per_sec"]),
                  fmt_duration(summary["wall_s"]))
   return summary
+
+
+def _exists(path: str) -> bool:
+  """Whether `path` (local or gs://) exists; InputError (one line) if a bucket cannot be read."""
+  if not storage.is_remote(path):
+    return os.path.exists(path)
+  try:
+    return storage.as_path(path).exists()
+  except Exception as e:  # pylint: disable=broad-except  # cloud clients raise many kinds
+    raise InputError(str(storage.storage_error(path, e, "write"))) from None
 
 
 def _loss_text(summary: dict[str, Any]) -> str:

@@ -11,14 +11,15 @@ wsd decay): one warning with the old and new schedule ends and the LR at the res
 Fingerprints:
   tokenizer: its class, chat / vision flags, vocabulary size and the sha256 of each of its
     files (a built-in byte tokenizer has none).
-  data: per file under data.paths (directories walked in sorted order): relative path,
-    size, mtime (ns) and the sha256 of its first and last 64 KiB, hashed together; a file
-    edited in place changes its mtime even when its size and ends do not.
+  data: per file under data.paths (directories walked in sorted order, globs expanded):
+    relative path, size, mtime (ns) and the sha256 of its first and last 64 KiB, hashed
+    together; a file edited in place changes its mtime even when its size and ends do not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -58,6 +59,9 @@ def _data_files(paths) -> list[str]:
         out += [os.path.join(d, n) for n in sorted(names)]
     elif os.path.exists(p):
       out.append(p)
+    else:  # a glob (data.paths may hold them, `storage.list_files`), else nothing here
+      out += [f for f in sorted(glob.glob(os.path.expanduser(p), recursive=True))
+              if os.path.isfile(f)]
     if len(out) > _MAX_DATA_FILES:
       break
   return out[:_MAX_DATA_FILES]

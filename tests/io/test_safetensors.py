@@ -96,3 +96,30 @@ def test_corrupt_files_are_named(tmp_path):
   bad.write_bytes(struct.pack("<Q", len(head)) + head + b"\0")
   with pytest.raises(st.SafetensorsError, match="dtype 'Q7'"):
     st.SafetensorsFile(bad)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]},     # offsets not integers
+    {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4.0]},
+    {"dtype": "F32", "shape": [-1, -1], "data_offsets": [0, 4]},    # negative sizes
+    {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": "ab", "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]},      # JSON true is no size
+    {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]},
+])
+def test_hostile_header_entries_are_named_safetensors_errors(tmp_path, entry):
+  bad = tmp_path / "bad.safetensors"
+  head = json.dumps({"w": entry}).encode()
+  bad.write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 8)
+  with pytest.raises(st.SafetensorsError, match="bad.safetensors: tensor 'w' has a malformed"):
+    st.SafetensorsFile(bad)
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+  bad = tmp_path / "bad.safetensors"
+  head = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                     "v": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+                     "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}}).encode()
+  bad.write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 8)
+  with pytest.raises(st.SafetensorsError, match="tensors 'w' and 'v' overlap"):
+    st.SafetensorsFile(bad)

@@ -174,6 +174,21 @@ def test_aot_stages_picks_stages_by_index_or_name_in_plan_order():
     assert "\n" not in str(e.value)
 
 
+def test_aot_layers_beyond_the_model_depth_is_refused_before_any_compile(monkeypatch):
+  """--aot_layers=A,B compiles B layers of the model's pattern: B above model.num_layers
+  is a one-line error naming the flag, before the topology's devices or any compile (was: a
+  compile at A layers, then an error about model.layer_kinds)."""
+  from hybridmoe_jax.tools import aot
+
+  monkeypatch.setattr(aot.topology, "topology_devices",
+                      lambda *a: pytest.fail("reached the topology before checking the flag"))
+  run = run_config_from_dict(_tiny())
+  for layers in ((2, run.model.num_layers + 1), (3, 3), (0, 2)):
+    with pytest.raises(ConfigError, match=r"--aot_layers=.*model\.num_layers=4") as e:
+      aot.compile_run(run, layers=layers)
+    assert "\n" not in str(e.value)
+
+
 @needs_libtpu
 def test_compile_run_compiles_only_the_picked_stages_and_no_serving(monkeypatch):
   """--aot_stages=1m --noaot_serve: one train step (the 1M stage's shapes), no prefill or

@@ -186,3 +186,19 @@ def test_fingerprint_tolerance_scales_with_the_leaf_magnitude():
   assert not ckpt_lib._same_fingerprint([0.32598209], [0.33598209], [40.0])  # 0.01 off
   sums, scale = ckpt_lib.fingerprints({"w": jnp.array([1.0, -2.0]), "n": jnp.array(3)})
   assert sums == [3.0, -1.0] and scale == [3.0, 3.0]
+
+
+def test_relative_checkpoint_dir_resumes_and_another_is_refused(tmp_path, monkeypatch):
+  """train.checkpoint_dir = 'ckpt' (a local path relative to the cwd) is recorded absolute;
+  the same setting on the next start finds its checkpoints (was: refused as another
+  location, so such a run could never resume); another directory is still refused."""
+  monkeypatch.chdir(tmp_path)
+  ckpt = ckpt_lib.Checkpointer("w", async_save=False, directory="ckpt")
+  ckpt.save(1, _state(1), {}, {"model_config": _MODEL})
+  ckpt.close()
+  for given in ("ckpt", "ckpt/", str(tmp_path / "ckpt")):
+    ckpt = ckpt_lib.Checkpointer("w", async_save=False, directory=given)
+    assert ckpt.directory == str(tmp_path / "ckpt") and ckpt.latest_step() == 1
+    ckpt.close()
+  with pytest.raises(ConfigError, match="train.checkpoint_dir = 'other', but the checkpoints"):
+    ckpt_lib.Checkpointer("w", async_save=False, directory="other")

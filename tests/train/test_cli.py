@@ -102,6 +102,43 @@ def test_misspelt_override_of_a_named_config_file_is_one_line(tmp_path, cmd):
   assert "no config field 'stepz'" in _one_error(p, "--config.train.stepz=5", '"steps"')
 
 
+@pytest.mark.parametrize("preset,flag", [("rl_tiny", "export_params_to"),
+                                         ("tiny", "init_from")])
+def test_flags_of_the_other_kind_of_run_stop_before_anything_runs(tmp_path, monkeypatch,
+                                                                    preset, flag):
+  """--export_params_to with an RL config (the RL trainer writes no export: it was ignored
+  silently) and --init_from with a pre-training one: one `error:` line naming the flag,
+  nothing written in the workdir. In process: tools.train.main is run_train.py's program."""
+  import types
+  from hybridmoe_jax.rl import trainer as rl_trainer
+  from hybridmoe_jax.tools import train as train_tool
+  from hybridmoe_jax.train import loop
+
+  for module, name in ((rl_trainer, "train_rl"), (loop, "train_and_evaluate")):
+    monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the run started"))
+  kw = dict(workdir=str(tmp_path / "w"), print_config=False, dry_run=False,
+            export_params_to=None, init_from=None, sample_tokens=0, sample_prompt="",
+            absl_logs=True, distributed={"enable": False})
+  kw[flag] = str(tmp_path / "x")
+  with pytest.raises(SystemExit) as e:
+    train_tool.main(types.SimpleNamespace(value=load_config(preset)), config_file=preset,
+                    overrides=[], **kw)
+  assert str(e.value).startswith(f"error: --{flag}") and "\n" not in str(e.value)
+  assert not (tmp_path / "w").exists() and not (tmp_path / "x").exists()
+
+
+def test_describe_runs_from_any_directory_and_a_missing_config_is_one_line(tmp_path):
+  """tools.describe's default config is found outside the repo's root (was: a relative
+  configs/tiny.py, a traceback elsewhere), and a --config file that does not exist is one
+  `error:` line (was: a traceback)."""
+  cmd = [sys.executable, "-m", "hybridmoe_jax.tools.describe"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+  assert p.returncode == 0 and p.stdout.startswith("layers (4)"), p.stderr
+  _one_error(subprocess.run(cmd + ["--config=nope.py"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env=env), "nope.py")
+
+
 def test_missing_and_empty_data(tmp_path):
   _one_error(_run("--config.data.source=text", f"--config.data.paths={tmp_path}/nope.txt",
                   f"--workdir={tmp_path}/w1"), "nope.txt")

@@ -1,5 +1,6 @@
 """train_and_evaluate on a tiny real model: outputs, resume exactness, corruption, bad input."""
 
+import contextlib
 import glob
 import json
 import os
@@ -227,3 +228,27 @@ def test_empty_dataset_stops(tmp_path):
   data.train.length = 0
   with pytest.raises(InputError, match="empty"):
     train_and_evaluate(run_config_from_dict(config), str(tmp_path), data=data)
+
+
+def test_existing_export_path_in_a_bucket_is_refused_before_training(tmp_path, monkeypatch):
+  """--export_params_to=gs://... that exists: one InputError before the run starts, as for a
+  local path (was: found only by the export after training, a FileExistsError traceback)."""
+  pytest.importorskip("gcsfs", reason="the cloud extra (gcsfs) is not installed")
+  pytest.importorskip("gcp_storage_emulator", reason="the cloud-test extra is not installed")
+  from hybridmoe_jax.data import storage
+  from hybridmoe_jax.train import lifecycle
+  from tests import _support_gcs as emulator
+
+  monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+  monkeypatch.setattr(lifecycle, "open_run", lambda *a, **k: pytest.fail("the run started"))
+  config = run_config_from_dict(tiny_run_config())
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(emulator.running())
+    except RuntimeError as e:
+      pytest.skip(f"the GCS emulator cannot start here: {e}")
+    export = f"gs://{emulator.BUCKET}/export"
+    storage.as_path(f"{export}/model_config.json").write_text("{}")
+    with pytest.raises(InputError, match=f"--export_params_to={export} already exists"):
+      train_and_evaluate(config, str(tmp_path / "w"), data=_data(tiny_run_config()),
+                         export_params_to=export)

@@ -28,3 +28,17 @@ def test_changed_batch_and_seq_len_are_listed(monkeypatch):
   seen.clear()
   run_inputs.warn_changed_settings(_saved(now), now, 30)   # same settings: silent
   assert not seen
+
+
+def test_data_fingerprint_sees_the_files_of_a_glob(tmp_path):
+  """data.paths may hold globs (storage.list_files expands them): an edit of a file a glob
+  names changes the fingerprint (was: a glob named no file here, so edits went unnoticed)."""
+  (tmp_path / "a.txt").write_text("first corpus file\n")
+  (tmp_path / "b.txt").write_text("second corpus file\n")
+  config = default_config()
+  config.data.update(source="text", paths=(str(tmp_path / "*.txt"),))
+  run = run_config_from_dict(config)
+  before = run_inputs.data_fingerprint(run)
+  assert before["files"] == 2 and before["bytes"] == 37
+  (tmp_path / "b.txt").write_text("second corpus file, edited\n")
+  assert run_inputs.data_fingerprint(run)["digest"] != before["digest"]
