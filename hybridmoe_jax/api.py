@@ -61,7 +61,7 @@ def chat_messages(messages) -> list[Message]:
       out.append(m)
       continue
     role = m.get("role") if isinstance(m, dict) else None
-    if role not in chat_format.OPENAI_ROLES:
+    if not isinstance(role, str) or role not in chat_format.OPENAI_ROLES:   # (list: unhashable)
       raise ValueError(f"chat: messages[{i}].role = {role!r} is invalid: allowed "
                        f"{sorted(chat_format.OPENAI_ROLES)}")
     content = m.get("content")
@@ -164,8 +164,8 @@ def load(path: str, *, mesh=None, dtype: str | None = None, max_len: int = 2048,
   """Load a trained model for notebooks and scripts.
 
   Args:
-    path: a training workdir, a params export or a converted Hugging Face dir (see the
-      module docstring; the kind is detected from the files).
+    path: a training workdir, a params export or a converted Hugging Face dir, local or
+      gs:// (see the module docstring; the kind is detected from the files).
     mesh: None (the default device), "auto" (all devices on `fsdp`), a {axis: size} dict or
       a jax.sharding.Mesh with axes among MESH_AXES.
     dtype: compute dtype ("float32", "bfloat16"); None keeps the stored one.
@@ -187,6 +187,7 @@ def load(path: str, *, mesh=None, dtype: str | None = None, max_len: int = 2048,
   for name, v in (("max_len", max_len), ("prefill_chunk", prefill_chunk),
                   ("kv_block", kv_block)):
     require_count(v, name, "load: ")
+  path = loading.local_dir(path)   # a gs:// run or export: its local mirror
   loading.detect_layout(path)      # a bad path is reported before a bad mesh
   mesh = _resolve_mesh(mesh)
   model, tokenizer, info = loading.load(path)

@@ -70,7 +70,7 @@ def detect_layout(path: str) -> str:
   if has(CONFIG_FILE) and (os.path.isdir(os.path.join(path, "checkpoints"))
                            or has(ckpt_lib.LOCATION_FILE)):   # checkpoints in a bucket
     return "workdir"
-  if has(hf_config.CONFIG_JSON) and glob.glob(os.path.join(path, "*.safetensors")):
+  if has(hf_config.CONFIG_JSON) and glob.glob(os.path.join(glob.escape(path), "*.safetensors")):
     return "hf"
   present = sorted(os.listdir(path))[:8]
   raise ValueError(f"load: {path} holds none of the known layouts: expected {LAYOUTS}; "
@@ -221,13 +221,21 @@ def is_export(path: str) -> bool:
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
   """{"a/b/c": x} -> {"a": {"b": {"c": x}}}: leaf names (`sharding.path_string`) back into
-  the nested plain dicts `nnx.replace_by_pure_dict` takes (keys stay strings)."""
+  the nested plain dicts `nnx.replace_by_pure_dict` takes (keys stay strings).
+
+  Raises:
+    ValueError: a name that is both a leaf and a prefix of another ("a/b" and "a/b/c": a
+      damaged or hand-made file), naming it.
+  """
   tree: dict[str, Any] = {}
   for name, x in flat.items():
     *parents, leaf = name.split("/")
     node = tree
     for p in parents:
-      node = node.setdefault(p, {})
+      node = node.setdefault(p, {}) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or isinstance(node.get(leaf), dict):
+      raise ValueError(f"tensor {name!r}: its name is also a prefix of another tensor's "
+                       "name, or has one as its own prefix (a damaged or hand-made file)")
     node[leaf] = x
   return tree
 

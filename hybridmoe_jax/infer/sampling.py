@@ -35,7 +35,8 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
   """Set logits outside the top-k / nucleus (top-p) set to -1e30.
 
   Ties at the cut-off value are kept (the set may exceed k by the number of ties).
-  The nucleus is the smallest prefix of the sorted distribution whose mass reaches top_p.
+  The nucleus is the smallest non-empty prefix of the sorted distribution whose mass reaches
+  top_p.
   """
   v = logits.shape[-1]
   desc = -jnp.sort(-logits, axis=-1)                                       # [B, V]
@@ -45,6 +46,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
   probs = jax.nn.softmax(desc, axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs        # mass strictly above each entry
   keep = (before < top_p) | (top_p >= 1.0)    # top_p 1 is off exactly (cumsum rounding)
+  keep |= jnp.arange(v) == 0    # the top id: a top_p under float32's range (1e-50) is 0
   cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
   return jnp.where((logits >= cut) & (logits >= kth), logits, _NEG)
 

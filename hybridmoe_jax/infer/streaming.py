@@ -60,8 +60,9 @@ class TextStream:
       if not final:
         while end > len(self._sent) and text[end - 1] == "\ufffd":
           end -= 1      # an incomplete multi-byte character: wait for its other bytes
-        end -= max((k for s in self.stop for k in range(1, len(s))
-                    if k <= end - len(self._sent) and text[end - k:end] == s[:k]), default=0)
+        unsent = end - len(self._sent)        # a held-back prefix lies in the unsent text
+        end -= max((k for s in self.stop for k in range(1, min(len(s), unsent + 1))
+                    if text[end - k:end] == s[:k]), default=0)
     # Earlier text never changes for the tokenizers here (decode of a prefix is a prefix).
     delta = text[len(self._sent):end] if end > len(self._sent) else ""
     self._sent += delta

@@ -200,7 +200,7 @@ def _number(body: dict, name: str, default):
 
 def _top_p(body: dict) -> float:
   top_p = float(_number(body, "top_p", 1.0))
-  if np.float32(top_p) == 0:     # the sampler's float32 would keep no token at all
+  if np.float32(top_p) == 0:     # refused, as 0 would be: the sampler works in float32
     raise _fail("top_p", f"{top_p!r} is 0 in float32 (the sampler's precision): allowed "
                          f"{_allowed('top_p')}, at least 1e-45")
   return top_p
@@ -319,13 +319,15 @@ def tool_argument(arguments: Any, param: str) -> str:
     raise _fail(param, "allowed a JSON string")
   try:
     value = json.loads(arguments) if arguments.strip() else {}
-  except json.JSONDecodeError:
+  except (ValueError, RecursionError):   # also an int over 4300 digits, deep nesting
     raise _fail(param, "is not valid JSON: expected {\"argument\": \"...\"}") from None
+  if isinstance(value, dict) and set(value) <= {"argument"}:
+    value = value.get("argument", "")
   if isinstance(value, str):
+    if _SURROGATE.search(value):         # a "\\ud800" escape inside the arguments' JSON
+      raise _fail(param, "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not "
+                         "valid Unicode text")
     return value
-  if isinstance(value, dict) and set(value) <= {"argument"} and isinstance(
-      value.get("argument", ""), str):
-    return value.get("argument", "")
   raise _fail(param, "allowed {\"argument\": \"<text>\"}: this model's tools take one "
                      "free-text argument")
 
@@ -348,12 +350,17 @@ def _assistant(message: dict, i: int) -> Message:
     raise _fail(f"messages[{i}].tool_calls[0].function", "needs a name and arguments")
   argument = tool_argument(fn.get("arguments", ""), f"messages[{i}].tool_calls[0].function."
                                                     "arguments")
-  call = ToolCall(fn["name"], argument)
+  name = _tool_name(fn["name"], f"messages[{i}].tool_calls[0].function.name")
+  return Message("assistant", text, ToolCall(name, argument))
+
+
+def _tool_name(name: str, param: str) -> str:
+  """`name`, checked by the chat format's own rule for a tool's name (an identifier)."""
   try:
-    action_text(call)             # the chat format's own check (the name: an identifier)
+    action_text(ToolCall(name, ""))
   except ValueError as e:
-    raise _fail(f"messages[{i}].tool_calls[0].function.name", str(e)) from None
-  return Message("assistant", text, call)
+    raise _fail(param, str(e)) from None
+  return name
 
 
 def _tools(body: dict) -> tuple[ToolSpec, ...]:
@@ -366,7 +373,12 @@ def _tools(body: dict) -> tuple[ToolSpec, ...]:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
       raise _fail(f"tools[{i}]", "allowed {\"type\": \"function\", \"function\": {\"name\": "
                                  "..., \"description\": ...}}")
-    out.append(ToolSpec(fn["name"], str(fn.get("description", ""))))
+    name = _tool_name(fn["name"], f"tools[{i}].function.name")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+      raise _fail(f"tools[{i}].function.description", f"{json.dumps(description)[:40]} is "
+                                                      "invalid: allowed a string")
+    out.append(ToolSpec(name, description or ""))
   choice = body.get("tool_choice")
   if choice not in (None, "auto", "none"):
     raise _fail("tool_choice", f"{choice!r} is not supported: allowed \"auto\" or \"none\"")

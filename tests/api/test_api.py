@@ -8,6 +8,7 @@ the mixers, which tests/infer checks on the hybrid models.
 
 import copy
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -278,3 +279,52 @@ def test_score_of_ids_past_the_byte_vocabulary_in_a_tokenizerless_hf_dir(tmp_pat
   np.testing.assert_allclose(got.logprobs, -nll[0], rtol=1e-6)
   assert math.isclose(got.bits_per_byte, got.nll / math.log(2) / 2, rel_tol=1e-9)
   assert lm.score([ids, ids[:3]])[1].num_bytes == 1
+
+
+def test_a_gs_path_loads_from_its_local_mirror(run, monkeypatch):
+  """`load("gs://...")` detects the layout of the run's or export's local mirror
+  (loading.local_dir, as loading.load reads it), not of the URL, which is no local path."""
+  from hybridmoe_jax.data import storage
+  urls = {"gs://bucket/export": run[1]}
+  monkeypatch.setattr(storage, "mirror", lambda url, *_, **__: urls[url])
+  lm = api.load("gs://bucket/export", max_len=16, prefill_chunk=8, kv_block=8)
+  assert lm.info["layout"] == "params" and lm.info["path"] == run[1]
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    api.load(str(run[1]) + "-missing")
+
+
+def test_a_dir_named_with_glob_characters_is_detected(tmp_path):
+  """A Hugging Face dir whose path holds [ ] * ? is still recognised by its files."""
+  for name in ("run[v2]", "a*b?"):
+    hf = tmp_path / name
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    assert loading.detect_layout(str(hf)) == "hf", name
+
+
+def test_chat_messages_with_a_list_role_is_a_value_error():
+  with pytest.raises(ValueError, match=r"messages\[0\]\.role = \['user'\] is invalid"):
+    api.chat_messages([{"role": ["user"], "content": "x"}])
+
+
+def test_an_export_whose_tensor_names_clash_is_a_value_error(tmp_path):
+  """A damaged params.safetensors holding both "x" and "x/extra" is refused with a
+  ValueError naming the tensor (not an IndexError from inside the name nesting)."""
+  from hybridmoe_jax.io import safetensors
+  from hybridmoe_jax.train.params_export import PARAMS_FILE
+  from tests.serve.fixtures import write_chat_model
+  path = write_chat_model(tmp_path)
+  file = f"{path}/{PARAMS_FILE}"
+  with safetensors.SafetensorsFile(file) as f:
+    tensors = {name: f.read(name) for name in f.tensors}
+  first = next(iter(tensors))
+  tensors[first + "/extra"] = np.zeros(2, np.float32)
+  os.remove(file)
+  writer = safetensors.SafetensorsWriter(file, [
+      safetensors.Spec(n, safetensors.dtype_code(x.dtype), x.shape) for n, x in tensors.items()])
+  for name, x in tensors.items():
+    writer.write(name, [x])
+  writer.close()
+  with pytest.raises(ValueError, match=f"tensor '{first}/extra': its name .* prefix"):
+    api.load(path)

@@ -92,6 +92,19 @@ def test_filter_logits_top_k_and_top_p():
   assert freq[3:].sum() == 0
 
 
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_id():
+  """top_p=1e-50 is in (0, 1] but 0 in float32: the nucleus is the top id (ties kept), not
+  an empty set, from which every draw was id 0 whatever the logits."""
+  logits = jnp.array([[0.0, 10.0, -5.0, 1.0], [3.0, -1.0, 7.0, 7.0]])
+  kept = np.asarray(filter_logits(logits, jnp.int32(0), jnp.float32(1e-50)) > -1e29)
+  assert kept.tolist() == [[False, True, False, False], [False, False, True, True]]
+  draws = jax.vmap(lambda k: sample(logits, k, jnp.float32(1.0), jnp.int32(0),
+                                    jnp.float32(1e-50)))(
+                                        jax.random.split(jax.random.PRNGKey(0), 100))
+  assert set(np.asarray(draws[:, 0]).tolist()) == {1}
+  assert set(np.asarray(draws[:, 1]).tolist()) == {2, 3}
+
+
 def test_vocab_limit_never_draws_ids_past_the_tokenizer():
   logits = jnp.zeros((2, 10)).at[:, 8].set(5.0).at[:, 3].set(1.0)
   assert list(sample(logits, jax.random.PRNGKey(0), jnp.float32(0.0), jnp.int32(0),
