@@ -106,3 +106,29 @@ def test_migrate_legacy_moves_runtime_fields():
   model = migrate_legacy({"model": {"dtype": "float32", "d_model": 16}})["model"]
   assert model_config_from_dict(model).d_model == 16
   assert migrate_legacy(ml_collections.ConfigDict(old)) == new  # a ConfigDict as well
+
+
+def test_tpu_slice_names_below_the_smallest_torus_are_refused():
+  """'v5p-4' (2 chips) resolved to the 4-chip torus 'v5p:2x2x1' with a count of 2: a
+  topology that is not the slice's (launch recipes asked for 2 chips of a 2x2x1 node pool)."""
+  from hybridmoe_jax.config.hardware import HardwareConfig, parse_topology
+  for bad in ("v5p-4", "v5p-2", "v4-4"):
+    with pytest.raises(ConfigError, match=r"hardware\.topology") as e:
+      HardwareConfig(topology=bad)
+    assert "\n" not in str(e.value)
+  for name, want in (("v5p-8", ("tpu_v5p", "v5p:2x2x1", 4)), ("v5e-1", ("tpu_v5e", "v5e:1x1", 1)),
+                     ("v6e-2", ("tpu_v6e", "v6e:2x1", 2))):
+    assert parse_topology(name) == want
+
+
+def test_generated_image_sides_below_ten_pixels_are_refused():
+  """data.vision.sides of 8 (a multiple of 2 * patch_size = 4) passed the config and the
+  synthetic scene source then raised a bare ValueError (a 2x2 grid of 5-pixel glyphs)."""
+  from hybridmoe_jax.config.run import run_config_from_dict
+  vision = {"enabled": True, "patch_size": 2, "image_buckets": [8, 16], "width": 16,
+            "num_heads": 2}
+  with pytest.raises(ConfigError, match=r"config field `data.vision.sides\[0\]` = 8 .*>= 10"):
+    run_config_from_dict({"model": {"vision": vision}, "data": {"vision": {"sides": [8, 12]}}})
+  assert run_config_from_dict({"model": {"vision": vision},
+                               "data": {"vision": {"sides": [12, 16]}}}).data.vision.sides == (
+                                   12, 16)

@@ -109,6 +109,8 @@ def parse_topology(name: str) -> tuple[str, str, int]:
   if n % cores or chips < 1 or chips & (chips - 1):
     raise bad
   sides = _slice_shape(chips, dims)
+  if math.prod(sides) != chips:   # 'v5p-4': 2 chips, fewer than the smallest torus 2x2x1
+    raise bad
   return chip, f"{'v5e' if gen == 'v5litepod' else gen}:{'x'.join(map(str, sides))}", chips
 
 

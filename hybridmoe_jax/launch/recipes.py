@@ -40,6 +40,12 @@ OWN_FLAGS = ("--distributed", "--coordinator_address", "--num_processes", "--pro
 _GKE_TPU = {"tpu_v4": "tpu-v4-podslice", "tpu_v5p": "tpu-v5p-slice",
             "tpu_v5e": "tpu-v5-lite-podslice", "tpu_v6e": "tpu-v6e-slice"}
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?")
+# One shell / #SBATCH / YAML token: no whitespace, no control characters (a newline in an
+# #SBATCH value or in the script's comment would start a line that bash runs).
+_WORD = re.compile(r"[^\s\x00-\x1f\x7f]+")
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|UNLIMITED|INFINITE")
+_SLURM_PARTITION = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,10 @@ def describe(topology: str) -> Slice:
     return Slice(topology, True, chip, shape, hosts, per)
   single = 8 if chip in ("tpu_v5e", "tpu_v6e") else 4
   per = chips if chips <= single else 4
+  if chips % per:   # e.g. 'v5p:3x3x3': 27 chips are no whole number of 4-chip VMs
+    raise ConfigError(f"--topology={topology!r} is invalid: {chips} chips do not fill whole "
+                      f"TPU VMs of {per} chips (a slice of more than {single} chips needs a "
+                      "multiple of 4)")
   return Slice(topology, False, chip, shape.split(":")[1], chips // per, per)
 
 
@@ -99,6 +109,27 @@ class Launch:
     own = [f for f in self.run_flags if f.split("=")[0] in OWN_FLAGS]
     if own:
       raise ConfigError(f"run flag {own[0]!r} is set by the recipe: leave it out")
+    for flag, value in (("--docker_image", self.image), ("--cluster", self.cluster),
+                        ("--project", self.project), ("--zone", self.zone)):
+      if value and not _WORD.fullmatch(value):
+        raise ConfigError(f"{flag}={value!r} is invalid: allowed one word (no spaces, "
+                          "newlines or control characters)")
+    if self.target in ("xpk", "jobset") and not self.image:
+      raise ConfigError(f"--docker_image is required with --target={self.target} (the "
+                        "container image holding this repository)")
+    if self.target == "xpk":   # xpk pastes --command into a YAML block: one line only
+      multi = [f for f in self.run_flags if len(f"x{f}x".splitlines()) > 1]
+      if multi:
+        raise ConfigError(f"run flag {multi[0]!r} is invalid with --target=xpk: allowed "
+                          "flags without line breaks (xpk writes the command into one YAML "
+                          "block)")
+    if self.target == "slurm":
+      if not _SLURM_TIME.fullmatch(self.time):
+        raise ConfigError(f"--time={self.time!r} is invalid: allowed a SLURM time limit "
+                          "(minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED)")
+      if self.partition and not _SLURM_PARTITION.fullmatch(self.partition):
+        raise ConfigError(f"--partition={self.partition!r} is invalid: allowed SLURM "
+                          "partition names (letters, digits, '_', '.', '-'), comma-separated")
     if self.target == "xpk":
       if s.gpu:
         raise ConfigError(f"--topology={self.topology!r}: the xpk recipe is for TPU slices; "
@@ -114,8 +145,13 @@ class Launch:
     return s
 
 
-def _train_argv(launch: Launch, extra: Sequence[str]) -> list[str]:
-  return ["python", "run_train.py", *extra, *launch.run_flags]
+def _train_argv(launch: Launch, extra: Sequence[str], *, kubernetes: bool = False
+                ) -> list[str]:
+  """python run_train.py <extra> <the run flags>. `kubernetes`: the argv goes into a pod's
+  command, where Kubernetes expands $(VAR) and turns $$ into $: every $ of the run flags is
+  written $$, so run_train.py gets them verbatim."""
+  flags = [f.replace("$", "$$") for f in launch.run_flags] if kubernetes else launch.run_flags
+  return ["python", "run_train.py", *extra, *flags]
 
 
 def render_xpk(launch: Launch) -> str:
@@ -124,7 +160,7 @@ def render_xpk(launch: Launch) -> str:
   argv = ["xpk", "workload", "create", f"--cluster={launch.cluster}",
           f"--workload={launch.name}", f"--tpu-type={s.topology}",
           f"--num-slices={launch.num_slices}", f"--docker-image={launch.image}",
-          f"--command={shlex.join(_train_argv(launch, ['--distributed']))}"]
+          f"--command={shlex.join(_train_argv(launch, ['--distributed'], kubernetes=True))}"]
   argv += [f"--project={launch.project}"] if launch.project else []
   argv += [f"--zone={launch.zone}"] if launch.zone else []
   return shlex.join(argv)
@@ -142,7 +178,8 @@ def jobset_manifest(launch: Launch) -> dict:
   extra = ["--coordinator_address=$(JAX_COORDINATOR_ADDRESS)",
            "--num_processes=$(JAX_NUM_PROCESSES)", "--process_id=$(JAX_PROCESS_ID)"]
   resource = ("nvidia.com/gpu" if s.gpu else "google.com/tpu")
-  container = {"name": "train", "image": launch.image, "command": _train_argv(launch, extra),
+  container = {"name": "train", "image": launch.image,
+               "command": _train_argv(launch, extra, kubernetes=True),
                "env": env, "ports": [{"containerPort": COORDINATOR_PORT}],
                "resources": {"limits": {resource: s.per_host}}}
   pod = {"restartPolicy": "Never", "containers": [container]}

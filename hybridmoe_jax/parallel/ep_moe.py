@@ -24,6 +24,7 @@ runtime and passed down the model; the layers never read the ambient mesh.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Callable
 
@@ -64,11 +65,15 @@ def token_axes(mesh, num_tokens: int, rows: int | None = None) -> tuple[str, ...
 
 
 def buffer_rows(assignments: int, num_shards: int, capacity_factor: float) -> int:
-  """R: worst case G a when capacity_factor == 0 (dropless), else min(G a, ceil(c a))."""
+  """R: worst case G a when capacity_factor == 0 (dropless), else min(G a, ceil(c a)).
+
+  c a is exact in c's decimal value (c = 1.1, a = 100: 110 rows; the float product
+  110.00000000000001 would round up to 111)."""
   worst = num_shards * assignments
   if capacity_factor <= 0:
     return worst
-  return max(1, min(worst, math.ceil(capacity_factor * assignments)))
+  exact = fractions.Fraction(repr(float(capacity_factor))) * assignments
+  return max(1, min(worst, math.ceil(exact)))
 
 
 def _exclusive_cumsum(x, axis=-1):

@@ -109,6 +109,15 @@ def setup(mesh_sizes: Mapping[str, int], cfg: ModelConfig, compute: ComputeConfi
                       f"of >= model.kda.conv_size - 1 = {cfg.kda.conv_size - 1} tokens per "
                       f"context shard{' (2 zigzag pieces each)' if zigzag else ''}: the short "
                       "convolutions' halo comes from the previous piece only")
+  # layers/mla.py refuses positions under a context runner, at trace time: say it here,
+  # before the state is initialised.
+  for field in ("rope_theta", "logn_base"):
+    value = getattr(cfg.mla, field)
+    if cp > 1 and "mla" in cfg.layer_kinds and value:
+      raise ConfigError(f"config field `model.mla.{field}` = {value!r} is invalid: allowed 0 "
+                        f"with mesh.context={cp} > 1 (the context-parallel MLA does not see "
+                        "the shards' positions: RoPE and logn scaling are not implemented "
+                        "under context parallelism)")
   if mesh.size == 1 and count == 1:
     return Runtime(mesh=None)
   dispatch = (ExpertParallelDispatch(mesh, capacity_factor=compute.moe_capacity_factor)

@@ -139,8 +139,8 @@ def agent_eval_bars(results: Mapping[str, Mapping[str, Any]]) -> Figure:
     x = np.arange(len(levels[env]))
     for k, policy in enumerate(policies):
       cell = {c["level"]: c for c in results[policy]["cells"] if c["env"] == env}
-      values = [float(cell[lv]["success_rate"]) if lv in cell else np.nan
-                for lv in levels[env]]
+      rate = lambda c: np.nan if c.get("success_rate") is None else float(c["success_rate"])
+      values = [rate(cell[lv]) if lv in cell else np.nan for lv in levels[env]]
       bars = ax.bar(x + (k - (len(policies) - 1) / 2) * width, values, width, label=policy,
                     color=_colour(policy, policies))
       ax.bar_label(bars, fmt="%.2f", fontsize=7)

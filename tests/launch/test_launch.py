@@ -117,3 +117,50 @@ def test_cli():
                         "--topology=h200:1x8"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
   assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "after `--`" in bad.stderr
+
+
+def test_tpu_chips_that_fill_no_whole_vm_are_refused():
+  """A TPU shape of more than one VM must be whole 4-chip VMs: 'v5p:3x3x3' (27 chips) was
+  described as 6 hosts x 4 = 24 devices, a manifest for the wrong slice."""
+  for topology in ("v5p:3x3x3", "v5e:3x5"):
+    with pytest.raises(ConfigError, match="do not fill whole TPU VMs") as e:
+      recipes.describe(topology)
+    assert "\n" not in str(e.value)
+  s = recipes.describe("v5p:1x1x3")   # one VM of 3 chips stays allowed
+  assert (s.hosts, s.per_host) == (1, 3)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(time="1:00:00\necho pwned"), "--time="),
+    (dict(partition="gpu\necho pwned"), "--partition="),
+    (dict(image="img\necho pwned"), "--docker_image="),
+])
+def test_slurm_values_cannot_start_a_script_line(kw, match):
+  """A newline in a value written into the sbatch script started a line bash runs."""
+  with pytest.raises(ConfigError, match=match) as e:
+    recipes.render(_launch("slurm", "h100:1x8", **kw))
+  assert "\n" not in str(e.value)
+  ok = recipes.render(_launch("slurm", "h100:1x8", time="1-12", partition="a,b"))
+  assert "#SBATCH --time=1-12" in ok and "#SBATCH --partition=a,b" in ok
+
+
+def test_kubernetes_recipes_keep_dollars_and_need_an_image():
+  """Kubernetes expands $(VAR) and turns $$ into $ in a pod's command: the run flags are
+  written with $$ so run_train.py gets them verbatim; an image is required; xpk writes its
+  --command into a YAML block, so a run flag with a line break is refused."""
+  yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse the manifest back")
+  flags = ("--workdir=/runs/$(JAX_PROCESS_ID)", "--config.data.jsonl_field=a$$b")
+  doc = yaml.safe_load(recipes.render(_launch("jobset", "v5p-8", run_flags=flags)))
+  (c,) = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+  assert c["command"][-2:] == ["--workdir=/runs/$$(JAX_PROCESS_ID)",
+                               "--config.data.jsonl_field=a$$$$b"]
+  cmd = shlex.split(recipes.render(_launch("xpk", "v5p-8", run_flags=flags)))
+  run = shlex.split(next(a for a in cmd if a.startswith("--command="))[len("--command="):])
+  assert run[-2:] == c["command"][-2:]
+  for target in ("jobset", "xpk"):
+    with pytest.raises(ConfigError, match="--docker_image is required"):
+      recipes.render(_launch(target, "v5p-8", image=""))
+  with pytest.raises(ConfigError, match="line breaks"):
+    recipes.render(_launch("xpk", "v5p-8", run_flags=("--config.x=a\nb",)))
+  with pytest.raises(ConfigError, match="--cluster="):
+    recipes.render(_launch("xpk", "v5p-8", cluster="c1\nrm"))

@@ -18,7 +18,7 @@ from flax import nnx
 from hybridmoe_jax.config import ComputeConfig, MoEConfig
 from hybridmoe_jax.layers.moe import MoE
 from hybridmoe_jax.ops.plan import ExecutionPlan, execution_plan
-from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch
+from hybridmoe_jax.parallel.ep_moe import ExpertParallelDispatch, buffer_rows
 from tests._support import rel_rms
 from tests.parallel.helpers import make_mesh
 
@@ -151,3 +151,12 @@ def test_dispatch_validates_its_arguments():
     with execution_plan(ExecutionPlan(
         moe_dispatch=ExpertParallelDispatch(make_mesh(data=1, expert=8)))):
       bad(jnp.zeros((8, 4, D)))
+
+
+def test_buffer_rows_is_the_ceiling_of_the_exact_product():
+  """R = ceil(c a) with c's decimal value: the float products 1.1 x 50 = 55.00000000000001
+  and 1.1 x 100 = 110.00000000000001 gave one buffer row more than the capacity asks for."""
+  assert buffer_rows(50, 8, 1.1) == 55 and buffer_rows(100, 8, 1.1) == 110
+  assert buffer_rows(10, 8, 0.7) == 7 and buffer_rows(7, 8, 0.5) == 4   # 3.5 -> 4
+  assert buffer_rows(10, 2, 5.0) == 20 and buffer_rows(10, 8, 0.0) == 80  # worst case G a
+  assert buffer_rows(10, 8, 1e-9) == 1

@@ -216,6 +216,23 @@ def test_bad_mesh_input_fails_before_compile(tmp_path, mesh, model, train, match
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("mla,field", [({"rope_theta": 1e4}, "model.mla.rope_theta"),
+                                       ({"logn_base": 64}, "model.mla.logn_base")])
+def test_mla_positions_under_context_parallelism_fail_at_setup(tmp_path, mla, field):
+  """RoPE / logn MLA is refused under a context runner: a ConfigError naming the field from
+  the runtime, before the state is initialised (layers/mla.py raised it only when the step
+  was traced); without a context axis the same model sets up."""
+  c = _config()
+  c.train.seq_len = 16
+  c.model.mla.update(mla)
+  c.mesh.update(data=1, fsdp=4, context=2)
+  with pytest.raises(ConfigError, match=rf"`{field}` = .* allowed 0 with mesh.context=2"):
+    _setup(c, dict(c.mesh))
+  with pytest.raises(ConfigError, match=field):
+    train_and_evaluate(run_config_from_dict(c), str(tmp_path / "run"), data=_Untouchable())
+  assert _setup(c, dict(data=1, fsdp=4, expert=2)).plan.context is None
+
+
 def test_zigzag_flag_reaches_the_context_runner():
   c = _config()
   c.train.seq_len = 16

@@ -218,3 +218,14 @@ def test_agent_eval_bars_one_colour_per_policy():
   assert "4 episodes per bar" in fig._suptitle.get_text()   # pylint: disable=protected-access
   with pytest.raises(ValueError, match="no cells"):
     plots.agent_eval_bars({"model": {"cells": []}})
+
+
+def test_agent_eval_bars_leave_a_not_evaluated_cell_empty():
+  """Success rates of None (not evaluated, as the module says of its inputs) draw no bar,
+  like NaN; float(None) raised."""
+  results = {"model": {"episodes": 4, "cells": [
+      {"env": "arithmetic", "level": 0, "success_rate": None, "episodes": 0},
+      {"env": "arithmetic", "level": 1, "success_rate": 0.5, "episodes": 4}]}}
+  ax = plots.agent_eval_bars(results).axes[0]
+  heights = [b.get_height() for b in ax.containers[0]]
+  assert np.isnan(heights[0]) and heights[1] == 0.5
