@@ -27,6 +27,7 @@ from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import storage
 from hybridmoe_jax.data.tokenizers.base import Tokenizer
+from hybridmoe_jax.parallel import mesh as mesh_lib
 from hybridmoe_jax.train import lifecycle, params_export, run_inputs
 from hybridmoe_jax.train import stage_plan as plan_lib
 from hybridmoe_jax.train import step as step_lib
@@ -76,7 +77,8 @@ def train_and_evaluate(config: RunConfig, workdir: str, *,
   with lifecycle.open_run(
       config, workdir, tokenizer, schedule=plan.schedule(), batch_size=t.batch_size,
       grad_accum=t.grad_accum, seq_len=t.seq_len,
-      prepare=lambda rt: data if data is not None else build_data(config, plan, tokenizer),
+      prepare=lambda rt: _stages_fit(rt, config, plan) or (
+          data if data is not None else build_data(config, plan, tokenizer)),
   ) as run:
     summary = _train(run, plan, export_params_to, wall0, tokenizer, on_stage_end)
   # After the checkpoints are written and the logs closed (a terminal's bar ends above).
@@ -91,6 +93,23 @@ def train_and_evaluate(config: RunConfig, workdir: str, *,
                  _eval_text(summary["eval"]), fmt_rate(summary["tokens_per_sec"]),
                  fmt_duration(summary["wall_s"]))
   return summary
+
+
+def _stages_fit(rt, config: RunConfig, plan: plan_lib.Plan) -> None:
+  """Every curriculum stage's batch and length against the resolved mesh (the runtime checked
+  train.*; RunConfig.check only the axes the config fixes, not a -1 such as fsdp's default),
+  before any data or state: a stage that cannot split would fail only when it starts."""
+  if rt.mesh is None:
+    return
+  for s in plan.stages:
+    try:
+      mesh_lib.check_mesh_fits(rt.mesh, num_experts=config.model.moe.num_experts,
+                               batch_size=s.batch_size, grad_accum=config.train.grad_accum,
+                               seq_len=s.seq_len, context_zigzag=config.mesh.context_zigzag)
+    except ConfigError as e:
+      raise ConfigError(f"curriculum stage {s.index} ({s.name}: {s.batch_size} sequences of "
+                        f"{s.seq_len} tokens a step) does not fit mesh "
+                        f"{dict(rt.mesh.shape)}: {e}") from None
 
 
 def _exists(path: str) -> bool:

@@ -262,3 +262,16 @@ def test_mesh_shape_resolves_and_names_bad_fields():
                        ({"data": 4}, "product is the 8 device")):
     with pytest.raises(ConfigError, match=match):
       mesh_shape(sizes, 8)
+
+
+def test_a_stage_the_resolved_mesh_cannot_split_fails_before_the_data(tmp_path):
+  """mesh.fsdp=-1 resolves to the 8 devices only at start-up, where RunConfig.check cannot
+  see it: curriculum_cpu's 4k stage (2 sequences a step) cannot split over 8 data shards.
+  Refused before the data is read or a state built, naming the stage (it failed only when
+  that stage started, after the earlier stages had trained)."""
+  run = run_config_from_dict(load_config("curriculum_cpu"))
+  assert run.mesh.fsdp == -1 and run.mesh.data == 1
+  with pytest.raises(ConfigError, match=r"curriculum stage 2 \(4k: 2 sequences of 4096 tokens "
+                                        r"a step\) does not fit mesh .*'fsdp': 8"):
+    train_and_evaluate(run, str(tmp_path / "run"), data=_Untouchable())
+  assert not (tmp_path / "run" / "checkpoints").exists()
