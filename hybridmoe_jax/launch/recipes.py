@@ -106,7 +106,7 @@ class Launch:
       raise ConfigError(f"--name={self.name!r} is invalid: allowed 1-40 lower-case letters, "
                         "digits and '-', starting with a letter (a Kubernetes name)")
     s = describe(self.topology)
-    own = [f for f in self.run_flags if f.split("=")[0] in OWN_FLAGS]
+    own = [f for f in self.run_flags if _flag_name(f) in OWN_FLAGS]
     if own:
       raise ConfigError(f"run flag {own[0]!r} is set by the recipe: leave it out")
     for flag, value in (("--docker_image", self.image), ("--cluster", self.cluster),
@@ -143,6 +143,13 @@ class Launch:
       raise ConfigError(f"--num_slices={self.num_slices} is invalid: allowed [1, 64], and > 1 "
                         "only with --target=xpk")
     return s
+
+
+def _flag_name(flag: str) -> str:
+  """'-process_id=3', '--nodistributed' -> '--process_id', '--distributed': the name absl
+  reads (one or two dashes; a 'no' prefix negates a boolean flag)."""
+  name = "--" + flag.split("=")[0].lstrip("-")
+  return "--" + name[4:] if name.startswith("--no") and "--" + name[4:] in OWN_FLAGS else name
 
 
 def _train_argv(launch: Launch, extra: Sequence[str], *, kubernetes: bool = False

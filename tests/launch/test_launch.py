@@ -99,6 +99,11 @@ def test_slurm_script():
     (dict(target="jobset", topology="v5p-64", name="Bad_Name"), "--name='Bad_Name'"),
     (dict(target="jobset", topology="v5p-64", run_flags=("--process_id=3",)),
      "'--process_id=3' is set by the recipe"),
+    # absl reads one dash and a 'no' prefix too: both passed the recipe's check
+    (dict(target="jobset", topology="v5p-64", run_flags=("-process_id=3",)),
+     "'-process_id=3' is set by the recipe"),
+    (dict(target="slurm", topology="h100:2x8", run_flags=("--nodistributed",)),
+     "'--nodistributed' is set by the recipe"),
     (dict(target="jobset", topology="v5p-64", num_slices=2), "--num_slices=2 is invalid"),
 ])
 def test_bad_arguments_one_line(kw, match):
