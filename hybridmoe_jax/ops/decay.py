@@ -23,6 +23,8 @@ MIN_LOWER_BOUND = -5.0
 def check_lower_bound(lower_bound: float) -> None:
   """Raises ValueError unless lower_bound is a number in [-5, 0)."""
   try:
+    if isinstance(lower_bound, (str, bytes)):  # float("-5") parses, but the ops compute with lb
+      raise TypeError(lower_bound)
     lb = float(lower_bound)
   except (TypeError, ValueError):
     raise ValueError(
@@ -39,7 +41,9 @@ def _biased(x: jax.Array, dt_bias: jax.Array | None) -> jax.Array:
     return x
   hv, k = x.shape[-2:]
   dt_bias = jnp.asarray(dt_bias, jnp.float32)
-  if dt_bias.size != hv * k or dt_bias.ndim not in (1, 2):
+  # The exact shapes, not just the size: a [K, HV] (transposed) bias has HV*K entries too,
+  # and reshaping it to [HV, K] would silently pair channels with the wrong heads.
+  if dt_bias.shape not in ((hv * k,), (hv, k)):
     raise ValueError(f"dt_bias must have shape [HV*K] or [HV, K] = [{hv}, {k}], "
                      f"got {dt_bias.shape}")
   return x + dt_bias.reshape(hv, k)

@@ -35,6 +35,12 @@ def _residuals(scores, bias, k, cutoff=None):
   return jax.lax.stop_gradient(cutoff.astype(jnp.float32))[:, None] - scores
 
 
+def _check_k(k: int, num_experts: int) -> None:
+  """Raises ValueError unless 0 < k < E (the (k+1)-th largest score is the cutoff)."""
+  if not 0 < k < num_experts:
+    raise ValueError(f"need 0 < k < E for the (k+1)-th cutoff, got k={k}, E={num_experts}")
+
+
 def _num_valid(m: int, mask) -> jax.Array:
   if mask is None:
     return jnp.asarray(m, jnp.float32)
@@ -77,7 +83,13 @@ def qb_histogram(scores: jax.Array, bias: jax.Array, k: int, num_bins: int,
 
   Returns:
     [E, num_bins] int32 counts; values outside the range are clipped into the end bins.
+
+  Raises:
+    ValueError: k outside 0 < k < E, or num_bins < 1.
   """
+  _check_k(k, scores.shape[-1])
+  if num_bins < 1:  # zero bins: an empty histogram, then a NaN bias
+    raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
   r = _residuals(scores, bias, k, cutoff)
   num_experts = r.shape[1]
   lo, hi = qb_range(bias)
@@ -165,8 +177,12 @@ def quantile_balance(scores: jax.Array, bias: jax.Array, k: int, *,
 
   Returns:
     [E] fp32 new bias, used from the next step.
+
+  Raises:
+    ValueError: k outside 0 < k < E, or (histogram) num_bins < 1.
   """
   m, num_experts = scores.shape
+  _check_k(k, num_experts)
   m_valid = _num_valid(m, mask)
   n = m_valid * k / num_experts
   if method == "exact":

@@ -111,6 +111,32 @@ def test_auto_rule_and_bad_input():
     blockwise_attention(q, k, v, segment_ids=jnp.ones((1, 7), jnp.int32))
 
 
+@pytest.mark.parametrize("core", ["blockwise", "dense", "reference"])
+def test_float_segment_ids_are_refused(core):
+  """Float ids 0.0 / 0.5 are two documents to the dense core but one to the int32 cores
+  (blockwise casts them): every core refuses them, naming the argument."""
+  q, k, v, _ = attention_inputs(0, 1, 8, 8, 2, 2, 8, 8)
+  seg = jnp.asarray([[0.0] * 3 + [0.5] * 5], jnp.float32)
+  run = {"blockwise": lambda: blockwise_attention(q, k, v, segment_ids=seg, block_q=4,
+                                                  block_kv=4),
+         "dense": lambda: causal_attention(q, k, v, segment_ids=seg),
+         "reference": lambda: attention_reference(q, k, v, q_segment_ids=seg,
+                                                  kv_segment_ids=seg)}[core]
+  with pytest.raises(ValueError, match="segment ids must be an integer array.*float32"):
+    run()
+  # Integer ids of any width are taken.
+  blockwise_attention(q, k, v, segment_ids=jnp.asarray([[0] * 3 + [1] * 5], jnp.int8))
+
+
+def test_dense_core_refuses_grouped_heads_clearly():
+  """The dense core takes H == Hk only: grouped heads are refused by name, not by an einsum
+  label error; blockwise takes them."""
+  q, k, v, _ = attention_inputs(0, 1, 8, 8, 4, 2, 8, 8)
+  with pytest.raises(ValueError, match=r"dense attention needs H == Hk"):
+    causal_attention(q, k, v)
+  assert blockwise_attention(q, k, v).shape == (1, 8, 4, 8)
+
+
 def test_mla_layer_blockwise_equals_dense():
   """The MLA training forward and its parameter gradients agree between the two cores."""
   cfg = MLAConfig(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,

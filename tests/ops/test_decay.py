@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hybridmoe_jax.ops import bounded_log_decay, unbounded_log_decay
+from hybridmoe_jax.ops.kda import kda
 
 HV, K = 3, 8
 
@@ -77,9 +78,33 @@ def test_lower_bound_outside_range_raises(lb):
     bounded_log_decay(x, lower_bound=lb)
 
 
+@pytest.mark.parametrize("lb", ["-5.0", b"-1", [-1.0]])
+def test_lower_bound_that_is_not_a_number_raises(lb):
+  """A string parses with float() but every op computes with lb itself (kda's gate check
+  compared a float with it: TypeError): refused up front, naming the argument."""
+  x, _, _ = _inputs()
+  with pytest.raises(ValueError, match=r"lower_bound must be a float in \[-5.0, 0\)"):
+    bounded_log_decay(x, lower_bound=lb)
+  g = np.full((1, 4, 1, 16), -1.0, np.float32)
+  q = np.full((1, 4, 1, 16), 0.25, np.float32)
+  with pytest.raises(ValueError, match=r"lower_bound must be a float in \[-5.0, 0\)"):
+    kda(q, q, q, g, np.full((1, 4, 1), 0.5, np.float32), lower_bound=lb, impl="chunked")
+
+
 def test_bad_parameter_shapes_raise():
   x, a_log, dt_bias = _inputs()
   with pytest.raises(ValueError, match="a_log"):
     bounded_log_decay(x, a_log=a_log[:2])
   with pytest.raises(ValueError, match="dt_bias"):
     unbounded_log_decay(x, a_log=a_log, dt_bias=dt_bias[:-1])
+
+
+@pytest.mark.parametrize("shape", [(K, HV), (1, HV * K), (HV * K, 1)])
+def test_dt_bias_of_the_right_size_but_wrong_shape_raises(shape):
+  """A transposed [K, HV] (or padded-rank) dt_bias has HV*K entries but would pair channels
+  with the wrong heads: refused, never reshaped."""
+  x, a_log, dt_bias = _inputs()
+  with pytest.raises(ValueError, match=r"dt_bias must have shape \[HV\*K\] or \[HV, K\]"):
+    bounded_log_decay(x, dt_bias=dt_bias.reshape(shape))
+  with pytest.raises(ValueError, match="dt_bias"):
+    unbounded_log_decay(x, a_log=a_log, dt_bias=dt_bias.reshape(shape))

@@ -175,5 +175,30 @@ class SignRuleTest(absltest.TestCase):
     np.testing.assert_allclose(b, [-1e-3, 0.1, 0.201, 0.3], rtol=1e-6)
 
 
+class BadArgumentsTest(parameterized.TestCase):
+  """k outside 0 < k < E or zero bins: refused naming the argument, never a NaN bias or a
+  top_k error about k + 1."""
+
+  @parameterized.parameters(0, 4, 5)
+  def test_k_outside_range_raises(self, k):
+    scores, bias = _batch(16, 4)
+    for method in ("exact", "histogram"):
+      with self.assertRaisesRegex(ValueError, f"0 < k < E.*k={k}, E=4"):
+        quantile_balance(scores, bias, k, method=method)
+    with self.assertRaisesRegex(ValueError, f"0 < k < E.*k={k}, E=4"):
+      qb_histogram(scores, bias, k, 10)
+
+  def test_k_equal_e_minus_one_is_accepted(self):
+    scores, bias = _batch(16, 4)
+    for method in ("exact", "histogram"):
+      self.assertTrue(np.isfinite(quantile_balance(scores, bias, 3, method=method)).all())
+
+  @parameterized.parameters(0, -1)
+  def test_no_bins_raises(self, bins):
+    scores, bias = _batch(16, 4)
+    with self.assertRaisesRegex(ValueError, "num_bins must be an int >= 1"):
+      quantile_balance(scores, bias, 2, method="histogram", num_bins=bins)
+
+
 if __name__ == "__main__":
   absltest.main()

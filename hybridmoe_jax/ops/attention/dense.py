@@ -22,8 +22,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     scale: logit scale, default D**-0.5.
   Returns:
     [B, T, H, Dv] in v's dtype.
+  Raises:
+    ValueError: shapes that do not fit (`reference.check_self`), or k / v with fewer heads
+      than q (grouped heads: use `blockwise_attention`).
   """
   check_self(q, k, v, segment_ids)
+  if k.shape[2] != q.shape[2]:  # check_self admits grouped heads; this core does not
+    raise ValueError(f"dense attention needs H == Hk (no grouped heads): q {q.shape}, "
+                     f"k {k.shape}")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   t = q.shape[1]
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale

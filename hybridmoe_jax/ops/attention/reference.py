@@ -32,6 +32,12 @@ def check_inputs(q, k, v, q_seg, kv_seg, q_offset) -> None:
   if q_seg is not None and (q_seg.shape != (b, tq) or kv_seg.shape != (b, k.shape[1])):
     raise ValueError(f"segment ids must be [B, Tq] and [B, Tk]: got {q_seg.shape}, "
                      f"{kv_seg.shape} for Tq={tq}, Tk={k.shape[1]}")
+  # The cores compare ids as int32 (blockwise, triton, splash cast them): float ids such as
+  # 0.0 and 0.5 would merge there but stay apart in the dense core.
+  for name, seg in (("q_segment_ids", q_seg), ("kv_segment_ids", kv_seg)):
+    if seg is not None and not jnp.issubdtype(jnp.asarray(seg).dtype, jnp.integer):
+      raise ValueError(f"segment ids must be an integer array, got {name} of dtype "
+                       f"{jnp.asarray(seg).dtype} (shape {seg.shape})")
   if isinstance(q_offset, jax.core.Tracer):  # a shard's offset inside shard_map: unchecked
     return
   if not 0 <= q_offset or q_offset + tq > k.shape[1]:
