@@ -160,36 +160,3 @@ def test_cross_field_checks_name_the_field():
     with pytest.raises(ConfigError, match=re.escape(f"config field `{field}` = ")):
       run_config_from_dict(d)
   assert isinstance(run_config_from_dict(cur), RunConfig)
-
-
-def test_curriculum_batches_are_checked_against_the_fixed_mesh():
-  """A stage's batch first met the mesh when the stage started (the runtime checks only
-  train.batch_size x train.seq_len): a stage length that the context shards do not split, or
-  a stage (or held-out) batch that data x fsdp do not split, is refused up front, naming the
-  stage; an axis of size -1 is resolved at start-up and left alone."""
-  def bad(change, field, allowed):
-    d = _plain(load_config("curriculum_cpu"))
-    change(d)
-    with pytest.raises(ConfigError, match=re.escape(f"config field `{field}` = ") + ".*"
-                       + re.escape(allowed)):
-      run_config_from_dict(d)
-
-  # 8192 tokens per step: the 8k stage has one row, which 2 data shards cannot split.
-  bad(lambda d: d["mesh"].update(data=2, fsdp=1), "curriculum.stages[3].seq_len",
-      "microbatch (batch / train.grad_accum = 1 sequences) splits over mesh.data x "
-      "mesh.fsdp = 2")
-  bad(lambda d: d["mesh"].update(fsdp=1, context=3), "curriculum.stages[0].seq_len",
-      "a multiple of mesh.context=3")
-  bad(lambda d: (d["mesh"].update(fsdp=1, context=16, context_zigzag=True),
-                 d["curriculum"].update(eval_seq_len=1000)), "curriculum.eval_seq_len",
-      "a multiple of 2 x mesh.context=16")
-  # The 32k and 64k stages at 2 rows each, but 65536 tokens per held-out batch: 1 row of 64k.
-  bad(lambda d: (d["mesh"].update(data=1, fsdp=2),
-                 d["curriculum"].update(tokens_per_step=65536),
-                 d["curriculum"]["stages"][4].update(tokens_per_step=65536),
-                 d["curriculum"]["stages"][5].update(tokens_per_step=131072)),
-      "curriculum.stages[5].seq_len", "held-out batch (max(1, curriculum.tokens_per_step // "
-      "seq_len) = 1 sequences) splits over mesh.data x mesh.fsdp = 2")
-  ok = _plain(load_config("curriculum_cpu"))
-  ok["mesh"].update(data=2, fsdp=-1, context=2, context_zigzag=True)  # data x -1: at start-up
-  assert run_config_from_dict(ok).mesh.context == 2

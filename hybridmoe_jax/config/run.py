@@ -396,39 +396,9 @@ class RunConfig(Checked):
       total += steps
     require(not c.stages or t.steps <= total, "train.steps", t.steps,
             f"at most the curriculum's {total} steps (the sum of the stage lengths)")
-    if c.stages:
-      self._check_stages_on_mesh()
     # Rollouts decode whole sequences on one device's cache: no context-parallel RL.
     require(not self.rl.enabled or self.mesh.context == 1, "mesh.context", self.mesh.context,
             "1 for an RL run (rl.envs set): context-parallel RL is not implemented")
-
-  def _check_stages_on_mesh(self) -> None:
-    """The curriculum's batches against the mesh axes the config fixes. The runtime checks
-    train.batch_size x train.seq_len against the resolved mesh at start-up
-    (`parallel.mesh.check_mesh_fits`); a stage's batch (and the held-out batches, of
-    max(1, curriculum.tokens_per_step // length) rows at each stage length and at
-    curriculum.eval_seq_len) first meets the mesh when the stage starts. Each sequence must
-    split over `context` (2 zigzag pieces per shard) and each (micro)batch over
-    data x fsdp; an axis of size -1 is resolved at start-up and not checked here."""
-    c, t, m = self.curriculum, self.train, self.mesh
-    zigzag = m.context_zigzag and m.context > 1
-    pieces = 2 * m.context if zigzag else max(m.context, 1)
-    dp = m.data * m.fsdp if m.data > 0 and m.fsdp > 0 else 1
-    split = f"{'2 x ' if zigzag else ''}mesh.context={m.context}"
-    eval_rows = lambda length: max(1, c.tokens_per_step // length)
-    lengths = [(f"curriculum.stages[{k}].seq_len", st.seq_len,
-                c.sizes(st)[0] // st.seq_len // t.grad_accum) for k, st in enumerate(c.stages)]
-    if c.eval_seq_len:
-      lengths.append(("curriculum.eval_seq_len", c.eval_seq_len, None))
-    for field, T, micro in lengths:
-      require(T % pieces == 0, field, T, f"a multiple of {split} (each context shard holds "
-              f"seq_len / {m.context} tokens of every sequence)")
-      require(micro is None or micro % dp == 0, field, T,
-              f"a length whose microbatch (batch / train.grad_accum = {micro} sequences) "
-              f"splits over mesh.data x mesh.fsdp = {dp}")
-      require(eval_rows(T) % dp == 0, field, T,
-              f"a length whose held-out batch (max(1, curriculum.tokens_per_step // "
-              f"seq_len) = {eval_rows(T)} sequences) splits over mesh.data x mesh.fsdp = {dp}")
 
 
 def default_config() -> ml_collections.ConfigDict:

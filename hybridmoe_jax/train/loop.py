@@ -23,6 +23,7 @@ import jax
 from hybridmoe_jax.cli.errors import InputError, OutOfMemory, is_out_of_memory, oom_message
 from hybridmoe_jax.cli.terminal import fmt_duration
 from hybridmoe_jax.config import ConfigError
+from hybridmoe_jax.config.sharding import DATA_AXES
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.data import curriculum as data_curriculum
 from hybridmoe_jax.data import storage
@@ -102,6 +103,8 @@ def _stages_fit(rt, config: RunConfig, plan: plan_lib.Plan) -> None:
   if rt.mesh is None:
     return
   for s in plan.stages:
+    if s.start_step >= config.train.steps:   # train.steps ends the run before this stage
+      break
     try:
       mesh_lib.check_mesh_fits(rt.mesh, num_experts=config.model.moe.num_experts,
                                batch_size=s.batch_size, grad_accum=config.train.grad_accum,
@@ -110,6 +113,22 @@ def _stages_fit(rt, config: RunConfig, plan: plan_lib.Plan) -> None:
       raise ConfigError(f"curriculum stage {s.index} ({s.name}: {s.batch_size} sequences of "
                         f"{s.seq_len} tokens a step) does not fit mesh "
                         f"{dict(rt.mesh.shape)}: {e}") from None
+  if not plan.curriculum:
+    return
+  # The held-out batches (data/curriculum.py): max(1, tokens_per_step // T) rows per host at
+  # each stage's length and at eval_seq_len, placed like a train batch (host_batch_to_global).
+  c, dp = config.curriculum, mesh_lib.axis_size(rt.mesh, DATA_AXES)
+  pieces = rt.mesh.shape["context"] * (2 if config.mesh.context_zigzag else 1)
+  lengths = {s.seq_len for s in plan.stages if s.start_step < config.train.steps}
+  for length in sorted(lengths | {c.eval_seq_len or plan.stages[-1].seq_len}):
+    rows = max(1, c.tokens_per_step // length) * jax.process_count()
+    if rows % dp or length % pieces:
+      raise ConfigError(
+          f"the held-out batches at {length:,} tokens ({rows} sequences: max(1, "
+          f"curriculum.tokens_per_step // length) per process) do not split over mesh "
+          f"{dict(rt.mesh.shape)}: allowed multiples of mesh.data x mesh.fsdp = {dp} "
+          f"sequences of a multiple of {pieces} tokens (curriculum.eval_seq_len, "
+          "curriculum.tokens_per_step)")
 
 
 def _exists(path: str) -> bool:

@@ -275,3 +275,10 @@ def test_a_stage_the_resolved_mesh_cannot_split_fails_before_the_data(tmp_path):
                                         r"a step\) does not fit mesh .*'fsdp': 8"):
     train_and_evaluate(run, str(tmp_path / "run"), data=_Untouchable())
   assert not (tmp_path / "run" / "checkpoints").exists()
+  run = run_config_from_dict(load_config("curriculum_cpu"))   # 8k stage and eval: 1 row
+  curriculum = dataclasses.replace(run.curriculum, stages=run.curriculum.stages[:2],
+                                   eval_seq_len=8192)
+  run = dataclasses.replace(run, curriculum=curriculum,
+                            train=dataclasses.replace(run.train, steps=10))
+  with pytest.raises(ConfigError, match=r"held-out batches at 8,192 tokens \(1 sequences"):
+    train_and_evaluate(run, str(tmp_path / "run2"), data=_Untouchable())
