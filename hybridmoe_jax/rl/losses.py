@@ -85,16 +85,19 @@ def advantages(rewards, groups, mode: str, *, eps: float = 1e-6, ddof: int = 1
   count = np.bincount(g).astype(np.float64)
   total = np.bincount(g, weights=r)
   mean = total / count
-  centred = r - mean[g]
+  # All-equal groups are exactly 0: the float mean of equal values can differ from them
+  # by rounding (0.1 x 3), which grpo's std would blow up (to +-0.8 or 0/0 at eps 0).
+  signal = signal_mask(r, g)
+  centred = np.where(signal, r - mean[g], 0.0)
   if mode == "drgrpo":
     out = centred
   elif mode == "grpo":
     std = np.sqrt(np.bincount(g, weights=centred**2) / np.maximum(count - ddof, 1))
-    out = centred / (std[g] + eps)
+    out = centred / np.where(signal, std[g] + eps, 1.0)
   else:
     n = count[g]
     others = (total[g] - r) / np.maximum(n - 1, 1)
-    out = np.where(n > 1, r - others, 0.0)
+    out = np.where(signal & (n > 1), r - others, 0.0)
   return out.astype(np.float32)
 
 

@@ -72,6 +72,19 @@ def test_advantages_match_the_loop_reference(mode):
   assert got[4] == got[5] == 0.0 and got[6] == 0.0  # all-equal group, group of one
 
 
+@pytest.mark.parametrize("mode", losses.ADV_MODES)
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_advantages_of_all_equal_groups_are_exactly_zero(mode, eps):
+  # 0.1 x 3 has a float mean != 0.1: grpo's std of the rounding error used to give +-0.8
+  # (eps 0) or 1e-11; a group of one gave 0 / 0 = NaN at eps 0. Documented: 0 in every mode.
+  rewards = np.array([0.1, 0.1, 0.1, 0.7, 0.0, 1.0])
+  groups = np.array([5, 5, 5, 3, 8, 8])
+  with np.errstate(all="raise"):
+    got = losses.advantages(rewards, groups, mode, eps=eps)
+  np.testing.assert_array_equal(got[:4], np.zeros(4))
+  assert np.all(np.isfinite(got)) and got[4] < 0 < got[5]
+
+
 def test_advantage_modes_relate_as_documented():
   # rloo = n / (n - 1) * drgrpo inside a group of n.
   dr = losses.advantages(REWARDS, GROUPS, "drgrpo")
