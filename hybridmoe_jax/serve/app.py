@@ -267,7 +267,7 @@ class Server:
             raise ApiError(500, f"generation failed: {value}")
         yield i, kind, value
         if prep.choices[i].finish is not None and kind == "tokens":
-          self.scheduler.cancel(jobs[i])
+          self.scheduler.cancel(jobs[i], "stop")     # counted as a stop, not a gone client
     finally:
       for job in jobs:
         self.scheduler.cancel(job)

@@ -72,14 +72,19 @@ class Metrics:
     with self.lock:
       self.totals["generation_tokens"] += n
       self._recent.append((now, n))
+      self._trim(now)      # also without scrapes: the window's entries only, never more
       if seconds_each is not None:
         self.tpot.observe(seconds_each, n)
+
+  def _trim(self, now: float) -> None:
+    """Forget the emissions older than the window (the lock held)."""
+    while self._recent and self._recent[0][0] < now - self.window_s:
+      self._recent.popleft()
 
   def tokens_per_second(self) -> float:
     now = time.monotonic()
     with self.lock:
-      while self._recent and self._recent[0][0] < now - self.window_s:
-        self._recent.popleft()
+      self._trim(now)
       return sum(n for _, n in self._recent) / self.window_s
 
   def render(self, *, running: int, waiting: int, ready: bool, compiled: int,

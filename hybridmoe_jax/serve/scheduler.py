@@ -88,6 +88,7 @@ class Job:
   generated: int = 0           # tokens drawn so far
   last: int = -1               # the last drawn token, fed at the next decode call
   cancelled: bool = False
+  cancel_reason: str = "cancelled"   # its finish once it leaves (a stop string: "stop")
   submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
   first_token_at: float | None = None
   emitted_at: float = 0.0      # when its last tokens were emitted
@@ -186,10 +187,13 @@ class Scheduler:
       self._waiting.append(job)
       self._cond.notify_all()
 
-  def cancel(self, job: Job) -> None:
+  def cancel(self, job: Job, reason: str = "cancelled") -> None:
     """Stop generating for `job`: it leaves its slot or the queue at the next iteration
-    (which this wakes), then gets ("done", "cancelled"); harmless after it has finished."""
+    (which this wakes), then gets ("done", reason) ("stop": its caller saw a stop string;
+    the first cancel's reason counts); harmless after it has finished."""
     with self._cond:
+      if not job.cancelled:
+        job.cancel_reason = reason
       job.cancelled = True
       self._cond.notify_all()
 
@@ -279,7 +283,7 @@ class Scheduler:
     self.batch.reset()
 
   def _cancelled(self, job: Job) -> None:
-    self._finish(job, "cancelled")
+    self._finish(job, job.cancel_reason)
     self.stats["cancelled"] += 1
 
   def _next_job(self) -> Job | None:

@@ -167,6 +167,20 @@ def test_metrics_render_prometheus_text():
   assert text.count("# TYPE") == text.count("# HELP") and text.endswith("\n")
 
 
+def test_metrics_keep_only_the_rate_window_without_scrapes(monkeypatch):
+  """A server nobody scrapes records a token emission per request per call for its whole
+  life: only the last window_s seconds of them may be kept (else memory grows forever)."""
+  clock = [1000.0]
+  monkeypatch.setattr("hybridmoe_jax.serve.metrics.time.monotonic", lambda: clock[0])
+  m = Metrics(window_s=10.0)
+  for _ in range(10_000):
+    m.tokens(2, 0.001)
+    clock[0] += 0.1
+  assert len(m._recent) <= 101
+  assert m.totals["generation_tokens"] == 20_000
+  assert m.tokens_per_second() == pytest.approx(2 * 100 / 10.0)
+
+
 def test_shutdown_drains_running_jobs_then_cancels(lm, warm):
   """stop(drain=...) refuses new jobs and lets running ones finish; with no drain time left,
   the rest are cancelled."""

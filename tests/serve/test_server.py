@@ -329,6 +329,31 @@ def test_stop_strings_cut_the_text_and_end_the_request(lm, server):
   assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def _metrics(client) -> dict[str, str]:
+  base = str(client.base_url).rstrip("/").rsplit("/v1", 1)[0]
+  with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+    text = r.read().decode()
+  return dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+
+
+def test_a_stop_string_counts_as_a_stop_in_metrics(lm, server):
+  """A request ended by its stop string is cancelled in the scheduler (so it stops drawing)
+  but finished "stop" for the client: /metrics counts it as "stop", not as a gone client."""
+  client, _ = server
+  prompt = next(p for p in ("Once upon", "a", "Hi!", "To be or not", "x")
+                if len(reference(lm, lm.tokenizer.encode(p, bos=True), LONGEST)) == LONGEST
+                and len(reference_text(lm, p, LONGEST)) >= 12)
+  full = reference_text(lm, prompt, LONGEST)
+  before = _metrics(client)
+  got = client.completions.create(model=NAME, prompt=prompt, max_tokens=LONGEST,
+                                  temperature=0, stop=[full[3:5]])
+  assert got.choices[0].finish_reason == "stop"
+  after = _metrics(client)
+  finished = lambda m, k: int(m[f'hybridmoe_requests_total{{finish="{k}"}}'])  # noqa: E731
+  assert finished(after, "stop") - finished(before, "stop") == 1
+  assert finished(after, "cancelled") == finished(before, "cancelled")
+
+
 def test_metrics_and_health_after_warm_up(server):
   client, app = server
   client.completions.create(model=NAME, prompt="metrics", max_tokens=3, temperature=0)
