@@ -132,3 +132,22 @@ def test_generated_image_sides_below_ten_pixels_are_refused():
   assert run_config_from_dict({"model": {"vision": vision},
                                "data": {"vision": {"sides": [12, 16]}}}).data.vision.sides == (
                                    12, 16)
+
+
+def test_vision_held_out_scenes_and_curriculum_answer_weights_are_checked():
+  """Synthetic held-out scenes drawn with the training seed are the training scenes; a vision
+  model's curriculum cannot weight retrieval answers (the image-text packer keeps a text
+  document's tokens only): both passed the config and trained silently."""
+  from hybridmoe_jax.config.run import run_config_from_dict
+  with pytest.raises(ConfigError, match=r"`data.vision.heldout_seed` = 3 .*train_seed=3"):
+    run_config_from_dict({"data": {"vision": {"train_seed": 3, "heldout_seed": 3}}})
+  stage = {"seq_len": 256, "steps": 2, "weights": {"doc": 1.0}, "retrieval_fraction": 0.2,
+           "retrieval_answer_weight": 5.0}
+  curriculum = {"tokens_per_step": 512, "sources": {"doc": {"kind": "bundled"}},
+                "stages": [stage]}
+  vision = {"enabled": True, "patch_size": 2, "image_buckets": [28, 56], "width": 16,
+            "num_heads": 2}
+  with pytest.raises(ConfigError, match=r"stages\[0\].retrieval_answer_weight` = 5.0 .*vision"):
+    run_config_from_dict({"model": {"vision": vision}, "curriculum": curriculum,
+                          "train": {"steps": 2}})
+  assert run_config_from_dict({"curriculum": curriculum, "train": {"steps": 2}})  # text: fine

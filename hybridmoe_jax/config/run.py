@@ -153,6 +153,11 @@ class VisionDataConfig(Checked):
   def check(self, p: str) -> None:
     require(self.source != "jsonl" or len(self.paths) > 0, f"{p}.paths", self.paths,
             "at least one path when source = 'jsonl'")
+    # The held-out scenes are apart from the training ones only by their seed.
+    require(self.source != "synthetic" or self.heldout_seed != self.train_seed,
+            f"{p}.heldout_seed", self.heldout_seed,
+            f"a seed other than train_seed={self.train_seed} (the held-out scenes would be "
+            "the training scenes)")
 
   def check_against(self, vision: VisionConfig) -> None:
     """The generated sides must suit the tower (multiples of 2 * patch_size, in a bucket)."""
@@ -393,6 +398,12 @@ class RunConfig(Checked):
               f"a multiple of the KDA chunk size compute.kda_chunk_size={chunk}")
       require(tps // T % t.grad_accum == 0, f"{w}.seq_len", T, f"a length whose batch "
               f"{tps // T} is a multiple of train.grad_accum={t.grad_accum}")
+      # The image-text packer (data/vlm_pipeline.py) keeps a text document's tokens, not the
+      # retrieval answers' loss weights: refused rather than trained unweighted.
+      require(not self.model.vision.enabled or not st.retrieval_fraction
+              or st.retrieval_answer_weight == 1, f"{w}.retrieval_answer_weight",
+              st.retrieval_answer_weight, "1 in a vision model's curriculum (answer weights "
+              "are not implemented in the image-text packer)")
       total += steps
     require(not c.stages or t.steps <= total, "train.steps", t.steps,
             f"at most the curriculum's {total} steps (the sum of the stage lengths)")
