@@ -95,6 +95,23 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
   for name in ("niah_lengths", "mqar_lengths", "mqar_pairs"):
     if min(getattr(opts, name)) < 1:
       raise ValueError(f"--{name} must hold positive integers, got {getattr(opts, name)}")
+  if opts.ppl_max_len < 2:   # one token is BOS alone: nothing to score
+    raise ValueError(f"--ppl_max_len must be >= 2, got {opts.ppl_max_len}")
+  if opts.seed < 0:          # numpy seeds are non-negative
+    raise ValueError(f"--seed must be >= 0, got {opts.seed}")
+  for name in ("vqa_seed", "ruler_seed"):
+    if getattr(opts, name) < -1:
+      raise ValueError(f"--{name} must be >= 0 or -1, got {getattr(opts, name)}")
+  if not opts.temperature >= 0 or opts.top_k < 0 or not 0.0 < opts.top_p <= 1.0:
+    raise ValueError(f"--temperature must be >= 0, --top_k >= 0 and --top_p in (0, 1], got "
+                     f"{opts.temperature}, {opts.top_k}, {opts.top_p}")
+  num_keys = len(mqar.token_ranges(256)[0])
+  if max(opts.mqar_pairs) > num_keys:
+    raise ValueError(f"--mqar_pairs must hold at most {num_keys} pairs (the key tokens), got "
+                     f"{opts.mqar_pairs}")
+  if 4 * min(opts.mqar_pairs) > max(opts.mqar_lengths):
+    raise ValueError(f"--mqar_lengths: no length fits --mqar_pairs={opts.mqar_pairs} (need a "
+                     f"length >= {4 * min(opts.mqar_pairs)}), got {opts.mqar_lengths}")
   if min(opts.niah_lengths) < niah.min_length(opts.niah_digits):
     raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
                      f"and question (needs >= {niah.min_length(opts.niah_digits)})")

@@ -9,7 +9,6 @@ niah_stage<k>.png, and a summary line to metrics.jsonl.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Sequence
 
@@ -19,6 +18,7 @@ from hybridmoe_jax import plots
 from hybridmoe_jax.config import require
 from hybridmoe_jax.data.tokenizers.base import Tokenizer
 from hybridmoe_jax.evals import niah
+from hybridmoe_jax.evals.runner import write_result
 from hybridmoe_jax.infer import Engine
 from hybridmoe_jax.config.run import RunConfig
 from hybridmoe_jax.train.run_inputs import run_tokenizer
@@ -78,8 +78,8 @@ class StageNiah:
       os.makedirs(self.out_dir, exist_ok=True)
       name = f"niah_stage{stage.index}"
       plots.save(plots.niah_figure(result), os.path.join(self.out_dir, name + ".png"))
-      with open(os.path.join(self.out_dir, name + ".json"), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+      # Through a temp file and a rename: a killed run never leaves a half-written grid.
+      write_result(os.path.join(self.out_dir, name + ".json"), result)
     return {"split": "niah", "stage_seq_len": stage.seq_len,
             "niah_lengths": result["lengths"], "niah_depths": result["depths"],
             "niah_accuracy": result["accuracy"], "niah_digit_accuracy": result["digit_accuracy"],

@@ -62,6 +62,11 @@ def main(*, task: str, workdir: str | None, params: str | None, output_dir: str 
   tok = tokenizer_from_dir(
       os.path.join(workdir or params, TOKENIZER_DIR),
       vision=model.cfg.vision.enabled)
+  # The flags were checked against bytes; the run's tokenizer may need longer prompts.
+  shortest = niah.min_length(opts.niah_digits, tok)
+  if "niah" in tasks and min(opts.niah_lengths) < shortest:
+    raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
+                     f"and question in the run's tokenizer (needs >= {shortest})")
   output_dir = output_dir or default_output_dir(workdir, params)
   where = f"step {info['step']} of {named}" if "step" in info else named
   kinds = "".join(k[0] for k in model.cfg.layer_kinds)
