@@ -29,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Mapping
 
 from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConfig, MoEConfig,
-                                  ModelConfig)
+                                  ModelConfig, is_int, is_number)
 
 CONFIG_JSON = "config.json"
 MODEL_TYPE = "kimi_linear"
@@ -81,13 +82,76 @@ def _get(hf: Mapping[str, Any], key: str, default: Any = None, *, required: bool
   return hf[key]
 
 
+# The JSON type of the fields read here before our config checks them (a string or a list
+# there would otherwise fail deep inside with a TypeError, or a "false" string read as true).
+_TYPES = {"int": (is_int, "an integer"), "number": (is_number, "a number"),
+          "bool": (lambda v: isinstance(v, bool), "true or false")}
+
+
+def _get_as(hf: Mapping[str, Any], key: str, kind: str, default: Any = None, *,
+            required: bool = False):
+  """`_get`, with a value of the wrong JSON type refused naming the field."""
+  value = _get(hf, key, default, required=required)
+  ok, allowed = _TYPES[kind]
+  if value is not None and not ok(value):
+    raise _unsupported(key, value, allowed)
+  return value
+
+
+def _layer_list(lin: Mapping[str, Any], key: str):
+  value = lin.get(key)
+  if value is not None and not (isinstance(value, list) and all(is_int(i) for i in value)):
+    raise _unsupported(f"linear_attn_config.{key}", value, "a list of 1-based layer numbers")
+  return value
+
+
+# Our fields -> the config.json fields they are read from (named in our config's errors).
+HF_FIELDS = {
+    "model.vocab_size": "vocab_size", "model.d_model": "hidden_size",
+    "model.num_layers": "num_hidden_layers", "model.norm_eps": "rms_norm_eps",
+    "model.layer_kinds": "linear_attn_config.kda_layers",
+    "model.kda.num_heads": "linear_attn_config.num_heads",
+    "model.kda.num_v_heads": "linear_attn_config.num_heads",
+    "model.kda.head_dim": "linear_attn_config.head_dim",
+    "model.kda.v_head_dim": "linear_attn_config.head_dim",
+    "model.kda.gate_rank": "linear_attn_config.head_dim",
+    "model.kda.conv_size": "linear_attn_config.short_conv_kernel_size",
+    "model.mla.num_heads": "num_attention_heads", "model.mla.kv_lora_rank": "kv_lora_rank",
+    "model.mla.qk_nope_head_dim": "qk_nope_head_dim (or head_dim)",
+    "model.mla.qk_rope_head_dim": "qk_rope_head_dim",
+    "model.mla.v_head_dim": "v_head_dim (or head_dim)",
+    "model.moe.num_experts": "num_experts",
+    "model.moe.experts_per_token": "num_experts_per_token",
+    "model.moe.expert_intermediate": "moe_intermediate_size",
+    "model.moe.shared_intermediate": "moe_intermediate_size",
+    "model.moe.num_shared_experts": "num_shared_experts",
+    "model.moe.routed_scale": "routed_scaling_factor",
+    "model.moe.first_dense_layers": "first_k_dense_replace",
+    "model.moe.dense_intermediate": "intermediate_size",
+}
+
+
 def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   """A Kimi-Linear config.json dict -> our validated ModelConfig.
 
   Raises:
     UnsupportedConfig: a field whose value our model cannot express (named, with the value).
-    ConfigError: a mapped value outside our own allowed range.
+    ConfigError: a mapped value outside our own allowed range (naming the HF field too).
   """
+  if not isinstance(hf, Mapping):
+    raise UnsupportedConfig(f"config.json holds a {type(hf).__name__}, not a JSON object")
+  try:
+    return _model_config_from_hf(hf)
+  except UnsupportedConfig:
+    raise
+  except ConfigError as e:
+    m = re.match(r"config field `([^`]+)`", str(e))
+    if m and m.group(1) in HF_FIELDS:
+      raise ConfigError(f"config.json field `{HF_FIELDS[m.group(1)]}`: {e}") from None
+    raise
+
+
+def _model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   if hf.get("model_type") != MODEL_TYPE:
     raise _unsupported("model_type", hf.get("model_type"), repr(MODEL_TYPE))
   checks = [
@@ -105,29 +169,32 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
        lambda v: v == "sigmoid", "'sigmoid'", "our router is sigmoid"),
       ("moe_layer_freq", _get(hf, "moe_layer_freq", 1), lambda v: v == 1, "1",
        "every layer after the dense ones is MoE"),
-      ("num_experts", _get(hf, "num_experts", required=True), lambda v: v >= 2, ">= 2",
-       "an all-dense model is not mapped"),
+      ("num_experts", _get_as(hf, "num_experts", "int", required=True), lambda v: v >= 2,
+       ">= 2", "an all-dense model is not mapped"),
   ]
   for field, value, ok, allowed, why in checks:
     if not ok(value):
       raise _unsupported(field, value, allowed, why)
-  groups, topk_group = _get(hf, "num_expert_group", 1), _get(hf, "topk_group", 1)
-  if _get(hf, "use_grouped_topk", True) and groups > 1 and topk_group < groups:
+  groups = _get_as(hf, "num_expert_group", "int", 1)
+  topk_group = _get_as(hf, "topk_group", "int", 1)
+  if _get_as(hf, "use_grouped_topk", "bool", True) and groups > 1 and topk_group < groups:
     raise _unsupported("topk_group", topk_group, f"num_expert_group={groups} (no group "
                        "limit) or num_expert_group = 1", "grouped top-k routing is not built")
   lin = _get(hf, "linear_attn_config", required=True)
+  if not isinstance(lin, Mapping):
+    raise _unsupported("linear_attn_config", lin, "a JSON object")
   unknown = sorted(set(lin) - LINEAR_ATTN_KEYS)
   if unknown:
     raise _unsupported(f"linear_attn_config.{unknown[0]}", lin[unknown[0]],
                        f"only the fields {sorted(LINEAR_ATTN_KEYS)}")
-  n_layers = _get(hf, "num_hidden_layers", required=True)
-  kda_layers = set(lin.get("kda_layers") or [])
+  n_layers = _get_as(hf, "num_hidden_layers", "int", required=True)
+  kda_layers = set(_layer_list(lin, "kda_layers") or [])
   bad = sorted(i for i in kda_layers if not (isinstance(i, int) and 1 <= i <= n_layers))
   if bad:
     raise _unsupported("linear_attn_config.kda_layers", sorted(kda_layers),
                        f"1-based layer numbers in [1, {n_layers}]")
   kinds = tuple("kda" if i + 1 in kda_layers else "mla" for i in range(n_layers))
-  full = lin.get("full_attn_layers")
+  full = _layer_list(lin, "full_attn_layers")
   if full is not None and sorted(full) != [i + 1 for i, k in enumerate(kinds) if k == "mla"]:
     raise _unsupported("linear_attn_config.full_attn_layers", full,
                        "exactly the layers not in kda_layers")
@@ -141,20 +208,21 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
                   qk_nope_head_dim=_get(hf, "qk_nope_head_dim", head_dim),
                   qk_rope_head_dim=_get(hf, "qk_rope_head_dim", 0),
                   v_head_dim=_get(hf, "v_head_dim", head_dim), output_gate=False)
-  k = _get(hf, "num_experts_per_token", 1)
+  k = _get_as(hf, "num_experts_per_token", "int", 1)
   moe_width = _get(hf, "moe_intermediate_size", required=True)
   moe = MoEConfig(num_experts=hf["num_experts"], experts_per_token=k,
                   expert_intermediate=moe_width,
                   num_shared_experts=_get(hf, "num_shared_experts", 0),
                   shared_intermediate=moe_width, latent_dim=0, glu="swiglu",
-                  routed_scale=float(_get(hf, "routed_scaling_factor", 1.0)),
-                  renormalize=bool(_get(hf, "moe_renormalize", True)) and k > 1,
+                  routed_scale=float(_get_as(hf, "routed_scaling_factor", "number", 1.0)),
+                  renormalize=bool(_get_as(hf, "moe_renormalize", "bool", True)) and k > 1,
                   first_dense_layers=_get(hf, "first_k_dense_replace", 0),
                   dense_intermediate=_get(hf, "intermediate_size", required=True),
                   balancing="sign")
   return ModelConfig(vocab_size=_get(hf, "vocab_size", required=True),
                      d_model=_get(hf, "hidden_size", required=True), num_layers=n_layers,
-                     layer_kinds=kinds, norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+                     layer_kinds=kinds,
+                     norm_eps=float(_get_as(hf, "rms_norm_eps", "number", 1e-6)),
                      kda=kda, mla=mla, moe=moe, attnres=AttnResConfig(enabled=False))
 
 

@@ -299,3 +299,58 @@ def test_cli_refuses_an_existing_output_and_reports_one_line(hf_dir, ours_dir, t
   assert p.returncode == 0, p.stderr
   summary = json.loads(p.stdout)
   assert summary["tensors"] == len(tiny_hf_weights(tiny_hf_config())) and summary["peak_rss_bytes"] > 0
+
+
+_LIN = tiny_hf_config()["linear_attn_config"]
+
+
+@pytest.mark.parametrize("field,change", [
+    ("num_experts", {"num_experts": "6"}),
+    ("num_hidden_layers", {"num_hidden_layers": "5"}),
+    ("num_hidden_layers", {"num_hidden_layers": 5.0}),
+    ("rms_norm_eps", {"rms_norm_eps": "1e-5x"}),
+    ("routed_scaling_factor", {"routed_scaling_factor": [2.0]}),
+    ("num_expert_group", {"num_expert_group": "2"}),
+    ("topk_group", {"num_expert_group": 2, "topk_group": "1"}),
+    ("num_experts_per_token", {"num_experts_per_token": "2"}),
+    ("moe_renormalize", {"moe_renormalize": "false"}),
+    ("use_grouped_topk", {"use_grouped_topk": "false"}),
+    ("linear_attn_config", {"linear_attn_config": 3}),
+    ("linear_attn_config", {"linear_attn_config": "kda"}),
+    ("linear_attn_config.kda_layers", {"linear_attn_config": {**_LIN, "kda_layers": 3}}),
+    ("linear_attn_config.kda_layers",
+     {"linear_attn_config": {**_LIN, "kda_layers": [[1], 3, 4]}}),
+    ("linear_attn_config.kda_layers",
+     {"linear_attn_config": {**_LIN, "kda_layers": [True, 3, 4]}}),
+    ("linear_attn_config.full_attn_layers",
+     {"linear_attn_config": {**_LIN, "full_attn_layers": 5}}),
+    ("linear_attn_config.full_attn_layers",
+     {"linear_attn_config": {**_LIN, "full_attn_layers": [2, "5"]}}),
+])
+def test_hostile_hf_config_types_fail_naming_the_field(field, change):
+  """Wrong JSON types in config.json: one UnsupportedConfig naming the HF field, never a
+  TypeError from inside (nor a "false" string read as true)."""
+  with pytest.raises(hf_config.UnsupportedConfig, match=f"`{field}` = .* is not supported"):
+    hf_config.model_config_from_hf(tiny_hf_config(**change))
+
+
+@pytest.mark.parametrize("hf_field,ours,change", [
+    ("hidden_size", "model.d_model", {"hidden_size": -32}),
+    ("num_experts_per_token", "model.moe.experts_per_token", {"num_experts_per_token": 7}),
+    ("linear_attn_config.num_heads", "model.kda.num_heads",
+     {"linear_attn_config": {**_LIN, "num_heads": None}}),
+    ("first_k_dense_replace", "model.moe.first_dense_layers", {"first_k_dense_replace": 9}),
+])
+def test_refused_hf_config_names_hf_and_our_field(hf_field, ours, change):
+  with pytest.raises(ConfigError, match=f"`{hf_field}`.*`{ours}`"):
+    hf_config.model_config_from_hf(tiny_hf_config(**change))
+
+
+@pytest.mark.parametrize("doc", [[1, 2], "kimi_linear", None])
+def test_config_json_not_an_object_is_one_line_error(doc, tmp_path):
+  src = write_hf_dir(tmp_path / "hf", shards=1)
+  with open(os.path.join(src, "config.json"), "w") as f:
+    json.dump(doc, f)
+  with pytest.raises(hf_config.UnsupportedConfig, match="not a JSON object"):
+    convert.from_hf(src, str(tmp_path / "out"))
+  assert not os.path.exists(tmp_path / "out")
