@@ -36,13 +36,18 @@ DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
-  """A config field holds a value outside its allowed range."""
+  """A config field holds a value outside its allowed range; `field`: its dotted name where
+  one field is at fault (`require`), else None."""
+
+  def __init__(self, message: str, field: str | None = None):
+    super().__init__(message)
+    self.field = field
 
 
 def require(ok: bool, field: str, value: Any, allowed: str) -> None:
   """Raise `ConfigError` naming `field`, its `value` and the `allowed` range unless `ok`."""
   if not ok:
-    raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}")
+    raise ConfigError(f"config field `{field}` = {value!r} is invalid: allowed {allowed}", field)
 
 
 def is_int(v) -> bool:

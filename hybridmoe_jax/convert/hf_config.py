@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import Any, Mapping
 
 from hybridmoe_jax.config import (AttnResConfig, ConfigError, KDAConfig, MLAConfig, MoEConfig,
@@ -145,9 +144,8 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   except UnsupportedConfig:
     raise
   except ConfigError as e:
-    m = re.match(r"config field `([^`]+)`", str(e))
-    if m and m.group(1) in HF_FIELDS:
-      raise ConfigError(f"config.json field `{HF_FIELDS[m.group(1)]}`: {e}") from None
+    if e.field in HF_FIELDS:
+      raise ConfigError(f"config.json field `{HF_FIELDS[e.field]}`: {e}", e.field) from None
     raise
 
 

@@ -28,6 +28,7 @@ from hybridmoe_jax.evals import mqar, niah, ppl, ruler, vqa
 from hybridmoe_jax.infer import Engine, SamplingConfig
 from hybridmoe_jax.model import HybridLM
 from hybridmoe_jax.cli import io_noise
+from hybridmoe_jax.config import ConfigError
 
 TEXT_TASKS = ("ppl", "niah", "mqar", "generate")
 TASKS = TEXT_TASKS + ("vqa", "ruler")
@@ -69,6 +70,16 @@ class EvalOptions:
   ruler_split: str = "test"     # ruler: "validation" to choose recipes, "test" to report
 
 
+def check_niah_lengths(opts: EvalOptions, tok: Tokenizer | None = None) -> None:
+  """--niah_lengths against the needle and question in `tok` (None: bytes, before a model's
+  tokenizer is known). Raises ValueError naming the flag."""
+  shortest = niah.min_length(opts.niah_digits, tok)
+  where = " in the run's tokenizer" if tok is not None else ""
+  if min(opts.niah_lengths) < shortest:
+    raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
+                     f"and question{where} (needs >= {shortest})")
+
+
 def options_from_flags(values: dict[str, Any]) -> EvalOptions:
   """Build EvalOptions from flag values (lists -> tuples of the right type); check ranges."""
   kw = {}
@@ -102,9 +113,10 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
   for name in ("vqa_seed", "ruler_seed"):
     if getattr(opts, name) < -1:
       raise ValueError(f"--{name} must be >= 0 or -1, got {getattr(opts, name)}")
-  if not opts.temperature >= 0 or opts.top_k < 0 or not 0.0 < opts.top_p <= 1.0:
-    raise ValueError(f"--temperature must be >= 0, --top_k >= 0 and --top_p in (0, 1], got "
-                     f"{opts.temperature}, {opts.top_k}, {opts.top_p}")
+  try:   # the sampler's own ranges, declared once (infer.sampling.SamplingConfig)
+    SamplingConfig(opts.temperature, opts.top_k, opts.top_p)
+  except ConfigError as e:
+    raise ValueError(f"--{e.field.rsplit('.', 1)[-1]}: {e}") from None
   num_keys = len(mqar.token_ranges(256)[0])
   if max(opts.mqar_pairs) > num_keys:
     raise ValueError(f"--mqar_pairs must hold at most {num_keys} pairs (the key tokens), got "
@@ -112,9 +124,7 @@ def options_from_flags(values: dict[str, Any]) -> EvalOptions:
   if 4 * min(opts.mqar_pairs) > max(opts.mqar_lengths):
     raise ValueError(f"--mqar_lengths: no length fits --mqar_pairs={opts.mqar_pairs} (need a "
                      f"length >= {4 * min(opts.mqar_pairs)}), got {opts.mqar_lengths}")
-  if min(opts.niah_lengths) < niah.min_length(opts.niah_digits):
-    raise ValueError(f"--niah_lengths: {min(opts.niah_lengths)} is too short for the needle "
-                     f"and question (needs >= {niah.min_length(opts.niah_digits)})")
+  check_niah_lengths(opts)
   if not all(0.0 <= d <= 1.0 for d in opts.niah_depths):
     raise ValueError(f"--niah_depths must lie in [0, 1], got {opts.niah_depths}")
   ruler.check_options(opts.ruler_tasks, opts.ruler_lengths, opts.ruler_samples,

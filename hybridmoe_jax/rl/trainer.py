@@ -89,7 +89,7 @@ def check_rl_config(config: RunConfig) -> None:
     if e.max_level > env.max_level:
       raise ConfigError(f"config field `rl.envs.{name}.max_level` = {e.max_level} is invalid: "
                         f"allowed [start_level, {env.max_level}]")
-    if rl.eval_levels and min(rl.eval_levels) > e.max_level:   # else eval_specs fails late
+    if not run_state.eval_levels(rl, name):   # else eval_specs fails late, after the SFT
       raise ConfigError(f"config field `rl.eval_levels` = {rl.eval_levels} is invalid: allowed "
                         f"at least one level <= rl.envs.{name}.max_level = {e.max_level}")
   if rl.init_from and not os.path.isdir(rl.init_from):
