@@ -187,7 +187,7 @@ def _model_config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
                        f"only the fields {sorted(LINEAR_ATTN_KEYS)}")
   n_layers = _get_as(hf, "num_hidden_layers", "int", required=True)
   kda_layers = set(_layer_list(lin, "kda_layers") or [])
-  bad = sorted(i for i in kda_layers if not (isinstance(i, int) and 1 <= i <= n_layers))
+  bad = sorted(i for i in kda_layers if not 1 <= i <= n_layers)   # ints: _layer_list
   if bad:
     raise _unsupported("linear_attn_config.kda_layers", sorted(kda_layers),
                        f"1-based layer numbers in [1, {n_layers}]")

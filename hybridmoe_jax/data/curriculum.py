@@ -160,6 +160,12 @@ def _host_stage(stage: stages_lib.StageData, *, shards: range, shard_count: int,
   return its[0] if len(its) == 1 else pipeline_lib.ShardsIterator([iter(d) for d in its])
 
 
+def heldout_rows(curriculum: CurriculumConfig, seq_len: int) -> int:
+  """Rows per process of a held-out batch of `seq_len` tokens: the curriculum's tokens per
+  step, at least one row."""
+  return max(1, curriculum.tokens_per_step // seq_len)
+
+
 def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
                           data: DataConfig, *, vocab_size: int, seed: int, eval_batches: int,
                           vision: VisionConfig | None = None, shard_index: int | None = None,
@@ -205,7 +211,7 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
     mine, _ = pipeline_lib.host_input_shards(data.input_shards, d.batch_size, shard_index,
                                              shard_count)
   eval_len = curriculum.eval_seq_len or stages[-1].seq_len
-  eval_rows = max(1, curriculum.tokens_per_step // eval_len)
+  eval_rows = heldout_rows(curriculum, eval_len)
   evals = pipeline_lib.eval_batches(_ConcatSource(heldout), tokenizer, eval_len, eval_rows,
                                     eval_batches)
   if with_images:
@@ -224,8 +230,8 @@ def build_curriculum_data(stages: Sequence[Stage], curriculum: CurriculumConfig,
         num_packing_bins=curriculum.num_packing_bins, num_workers=curriculum.num_workers)
   it = stages_lib.StagedIterator(datas, build)
   at_len = {s.seq_len: pipeline_lib.eval_batches(
-      _ConcatSource(heldout), tokenizer, s.seq_len,
-      max(1, curriculum.tokens_per_step // s.seq_len), eval_batches)
+      _ConcatSource(heldout), tokenizer, s.seq_len, heldout_rows(curriculum, s.seq_len),
+      eval_batches)
             for s in stages if s.seq_len != eval_len}
   return CurriculumData(it, evals, tokenizer, frozenset(s.end_step for s in stages[:-1]),
                         at_len)

@@ -97,14 +97,14 @@ def train_and_evaluate(config: RunConfig, workdir: str, *,
 
 
 def _stages_fit(rt, config: RunConfig, plan: plan_lib.Plan) -> None:
-  """Every curriculum stage's batch and length against the resolved mesh (the runtime checked
-  train.*; RunConfig.check only the axes the config fixes, not a -1 such as fsdp's default),
-  before any data or state: a stage that cannot split would fail only when it starts."""
+  """Every curriculum stage that runs (train.steps may end the run before the last ones) and
+  its held-out batches against the resolved mesh (the runtime checked train.*; an axis of -1,
+  such as fsdp's default, is known only here), before any data or state: a stage that cannot
+  split would fail only when it starts."""
   if rt.mesh is None:
     return
-  for s in plan.stages:
-    if s.start_step >= config.train.steps:   # train.steps ends the run before this stage
-      break
+  ran = [s for s in plan.stages if s.start_step < config.train.steps]
+  for s in ran:
     try:
       mesh_lib.check_mesh_fits(rt.mesh, num_experts=config.model.moe.num_experts,
                                batch_size=s.batch_size, grad_accum=config.train.grad_accum,
@@ -119,9 +119,8 @@ def _stages_fit(rt, config: RunConfig, plan: plan_lib.Plan) -> None:
   # each stage's length and at eval_seq_len, placed like a train batch (host_batch_to_global).
   c, dp = config.curriculum, mesh_lib.axis_size(rt.mesh, DATA_AXES)
   pieces = rt.mesh.shape["context"] * (2 if config.mesh.context_zigzag else 1)
-  lengths = {s.seq_len for s in plan.stages if s.start_step < config.train.steps}
-  for length in sorted(lengths | {c.eval_seq_len or plan.stages[-1].seq_len}):
-    rows = max(1, c.tokens_per_step // length) * jax.process_count()
+  for length in sorted({s.seq_len for s in ran} | {c.eval_seq_len or plan.stages[-1].seq_len}):
+    rows = data_curriculum.heldout_rows(c, length) * jax.process_count()
     if rows % dp or length % pieces:
       raise ConfigError(
           f"the held-out batches at {length:,} tokens ({rows} sequences: max(1, "
